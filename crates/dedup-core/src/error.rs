@@ -1,0 +1,152 @@
+//! Typed errors. Each says whether a retry can help ([`StoreError::is_retryable`]) and whether
+//! the outcome of the call is unknown ([`StoreError::is_outcome_unknown`]).
+
+use std::error::Error as StdError;
+use std::sync::Arc;
+
+use crate::key::IdempotencyKey;
+use crate::record::FencingToken;
+
+/// A backend's own error, shared cheaply (one error can be handed to many waiters).
+pub type BoxError = Arc<dyn StdError + Send + Sync + 'static>;
+
+/// The caller gave something dedup will not store. Retrying the same input cannot help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InputError {
+    /// An idempotency key with no bytes.
+    #[error("the idempotency key is empty")]
+    EmptyKey,
+    /// An idempotency key longer than [`MAX_KEY_LEN`](crate::MAX_KEY_LEN).
+    #[error(
+        "the idempotency key is {len} bytes long; the limit is {max} (digest it with IdempotencyKey::digest)"
+    )]
+    KeyTooLong {
+        /// The key's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A scope with no characters.
+    #[error("the scope is empty")]
+    EmptyScope,
+    /// A scope longer than [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN).
+    #[error("the scope is {len} bytes long; the limit is {max}")]
+    ScopeTooLong {
+        /// The scope's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A scope holding control characters.
+    #[error("the scope holds control characters")]
+    ScopeNotPrintable,
+    /// A result larger than the policy's `max_result_bytes`.
+    #[error("the result is {len} bytes long; the limit is {max} (Policy::max_result_bytes)")]
+    ResultTooLarge {
+        /// The result's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A policy that cannot work (a zero lease, zero attempts, a duration the store cannot hold).
+    #[error("invalid policy: {0}")]
+    Policy(&'static str),
+}
+
+/// An error from a [`Store`](crate::Store).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The caller's input was refused; nothing was written.
+    #[error(transparent)]
+    Input(#[from] InputError),
+
+    /// The fenced call's token no longer holds the key: its lease was taken over, or the key was
+    /// completed, failed or purged. Nothing was written. The caller must stop and not retry: another
+    /// holder owns the key now.
+    #[error("lease lost on {key}: token {token} no longer holds it")]
+    LeaseLost {
+        /// The key.
+        key: IdempotencyKey,
+        /// The stale token the call carried.
+        token: FencingToken,
+    },
+
+    /// The backend could not be reached or refused the call for a passing reason (pool exhausted,
+    /// serialization failure, server shutting down). The call was **not** applied; retrying is safe.
+    #[error("backend unavailable: {source}")]
+    Unavailable {
+        /// The backend's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// The call may or may not have been applied (the connection dropped after the statement or the
+    /// COMMIT was sent). The caller must read the record back to learn the truth, never guess.
+    #[error("outcome unknown: {source}")]
+    OutcomeUnknown {
+        /// The backend's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// A stored record could not be read as a dedup record (foreign or corrupted data).
+    #[error("corrupt record for {key}: {detail}")]
+    Corrupt {
+        /// The key.
+        key: IdempotencyKey,
+        /// What was wrong.
+        detail: String,
+    },
+
+    /// Any other backend error (a bug, a schema that was not migrated, a permission). Retrying the
+    /// same call is not expected to help.
+    #[error("backend error: {source}")]
+    Backend {
+        /// The backend's error.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl StoreError {
+    /// Wraps a passing backend error whose call was not applied.
+    pub fn unavailable(source: impl StdError + Send + Sync + 'static) -> Self {
+        Self::Unavailable {
+            source: Arc::new(source),
+        }
+    }
+
+    /// Wraps a backend error whose call may have been applied.
+    pub fn outcome_unknown(source: impl StdError + Send + Sync + 'static) -> Self {
+        Self::OutcomeUnknown {
+            source: Arc::new(source),
+        }
+    }
+
+    /// Wraps a backend error that a retry will not cure.
+    pub fn backend(source: impl StdError + Send + Sync + 'static) -> Self {
+        Self::Backend {
+            source: Arc::new(source),
+        }
+    }
+
+    /// Whether the same call may succeed if tried again later.
+    ///
+    /// True for [`Unavailable`](Self::Unavailable) and
+    /// [`OutcomeUnknown`](Self::OutcomeUnknown) (after reading the truth back).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Unavailable { .. } | Self::OutcomeUnknown { .. })
+    }
+
+    /// Whether the call may have been applied although it reported an error.
+    pub fn is_outcome_unknown(&self) -> bool {
+        matches!(self, Self::OutcomeUnknown { .. })
+    }
+
+    /// Whether the call was refused because its token is stale.
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, Self::LeaseLost { .. })
+    }
+}

@@ -1,0 +1,275 @@
+//! Idempotency keys, scopes and payload fingerprints.
+
+use std::fmt;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::InputError;
+
+/// The longest scope accepted, in bytes.
+pub const MAX_SCOPE_LEN: usize = 128;
+
+/// The longest key accepted, in bytes.
+///
+/// Longer keys are **rejected** ([`InputError::KeyTooLong`]), not hashed: a stored key stays
+/// readable by an operator (`dedup inspect`), and a silent digest would hide a producer bug that
+/// puts a whole payload in the key header. A caller whose natural key is longer can digest it
+/// explicitly with [`IdempotencyKey::digest`].
+pub const MAX_KEY_LEN: usize = 512;
+
+/// How many bytes of a key [`fmt::Display`] shows before it elides the rest.
+const DISPLAY_KEY_BYTES: usize = 48;
+
+/// A namespace for keys: a service, a consumer group or a tenant.
+///
+/// Two scopes never share a record, even for equal key bytes. A scope is 1 to
+/// [`MAX_SCOPE_LEN`] bytes of UTF-8 with no control characters.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope(Arc<str>);
+
+impl Scope {
+    /// Validates and wraps a scope name.
+    pub fn new(name: impl AsRef<str>) -> Result<Self, InputError> {
+        let name = name.as_ref();
+        if name.is_empty() {
+            return Err(InputError::EmptyScope);
+        }
+        if name.len() > MAX_SCOPE_LEN {
+            return Err(InputError::ScopeTooLong {
+                len: name.len(),
+                max: MAX_SCOPE_LEN,
+            });
+        }
+        if name.chars().any(char::is_control) {
+            return Err(InputError::ScopeNotPrintable);
+        }
+        Ok(Self(name.into()))
+    }
+
+    /// The scope's name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Scope({:?})", &*self.0)
+    }
+}
+
+/// An idempotency key: a [`Scope`] plus the key's bytes.
+///
+/// Key bytes are arbitrary (Kafka headers are bytes): non-UTF-8 keys are valid and are stored and
+/// compared as bytes, never through a lossy conversion. A key is 1 to [`MAX_KEY_LEN`] bytes.
+/// Cloning is cheap.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey {
+    scope: Scope,
+    key: Arc<[u8]>,
+}
+
+impl IdempotencyKey {
+    /// Validates and builds a key.
+    pub fn new(scope: Scope, key: impl AsRef<[u8]>) -> Result<Self, InputError> {
+        let key = key.as_ref();
+        if key.is_empty() {
+            return Err(InputError::EmptyKey);
+        }
+        if key.len() > MAX_KEY_LEN {
+            return Err(InputError::KeyTooLong {
+                len: key.len(),
+                max: MAX_KEY_LEN,
+            });
+        }
+        Ok(Self {
+            scope,
+            key: key.into(),
+        })
+    }
+
+    /// Builds a key from any number of bytes by digesting them: `sha256:` followed by the 64
+    /// lowercase hex digits of their SHA-256. Use it where the natural key may exceed
+    /// [`MAX_KEY_LEN`]; use it for every key of that kind, since the digest of a value and the value
+    /// itself are different keys. An empty input is still an error.
+    pub fn digest(scope: Scope, long_key: impl AsRef<[u8]>) -> Result<Self, InputError> {
+        let long_key = long_key.as_ref();
+        if long_key.is_empty() {
+            return Err(InputError::EmptyKey);
+        }
+        let hex = hex(&Sha256::digest(long_key));
+        Self::new(scope, format!("sha256:{hex}"))
+    }
+
+    /// The key's scope.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The key's bytes.
+    pub fn key_bytes(&self) -> &[u8] {
+        &self.key
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    /// `scope/key`, with the key shown as text where it is printable UTF-8 and as escaped bytes
+    /// otherwise, cut after a few dozen bytes with the full length noted: a log line never holds a
+    /// huge or binary value.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/", self.scope)?;
+        let shown = &self.key[..self.key.len().min(DISPLAY_KEY_BYTES)];
+        for chunk in shown.utf8_chunks() {
+            for c in chunk.valid().chars() {
+                if c.is_control() {
+                    write!(f, "{}", c.escape_default())?;
+                } else {
+                    write!(f, "{c}")?;
+                }
+            }
+            for b in chunk.invalid() {
+                write!(f, "\\x{b:02x}")?;
+            }
+        }
+        if self.key.len() > shown.len() {
+            write!(f, "…({} bytes)", self.key.len())?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey({self})")
+    }
+}
+
+/// A digest of a message's payload (or of the part the caller chooses), stored with the key.
+///
+/// A later claim of the same key with a different fingerprint answers
+/// [`ClaimOutcome::PayloadMismatch`](crate::ClaimOutcome::PayloadMismatch): the key was reused
+/// for a different operation.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// The SHA-256 of `payload`.
+    pub fn of(payload: impl AsRef<[u8]>) -> Self {
+        Self(Sha256::digest(payload.as_ref()).into())
+    }
+
+    /// A fingerprint the caller computed itself (for example over chosen fields).
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The digest's bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Reads a stored fingerprint; `None` if it is not 32 bytes long.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Self)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({}…)", hex(&self.0[..6]))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scope() -> Scope {
+        Scope::new("orders").expect("valid scope")
+    }
+
+    #[test]
+    fn empty_and_oversized_keys_are_rejected() {
+        assert_eq!(IdempotencyKey::new(scope(), b""), Err(InputError::EmptyKey));
+        let long = vec![b'k'; MAX_KEY_LEN + 1];
+        assert_eq!(
+            IdempotencyKey::new(scope(), &long),
+            Err(InputError::KeyTooLong {
+                len: MAX_KEY_LEN + 1,
+                max: MAX_KEY_LEN
+            })
+        );
+        assert!(IdempotencyKey::new(scope(), &long[..MAX_KEY_LEN]).is_ok());
+    }
+
+    #[test]
+    fn bad_scopes_are_rejected() {
+        assert_eq!(Scope::new(""), Err(InputError::EmptyScope));
+        assert_eq!(Scope::new("a\nb"), Err(InputError::ScopeNotPrintable));
+        assert!(matches!(
+            Scope::new("s".repeat(MAX_SCOPE_LEN + 1)),
+            Err(InputError::ScopeTooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn binary_keys_are_kept_as_bytes_and_displayed_escaped() {
+        let raw = IdempotencyKey::new(scope(), b"\xffab\x00").expect("binary key");
+        let lossy = IdempotencyKey::new(scope(), "\u{fffd}ab\u{0}").expect("text key");
+        assert_ne!(raw, lossy, "a lossy UTF-8 conversion must not merge keys");
+        assert_eq!(raw.to_string(), "orders/\\xffab\\u{0}");
+    }
+
+    #[test]
+    fn display_never_dumps_a_long_key() {
+        let key = IdempotencyKey::new(scope(), "x".repeat(MAX_KEY_LEN)).expect("valid");
+        let shown = key.to_string();
+        assert!(shown.len() < 100, "{shown}");
+        assert!(shown.ends_with("…(512 bytes)"), "{shown}");
+    }
+
+    #[test]
+    fn digest_keys_are_fixed_length_and_stable() {
+        let a = IdempotencyKey::digest(scope(), vec![7u8; 10_000]).expect("digest");
+        let b = IdempotencyKey::digest(scope(), vec![7u8; 10_000]).expect("digest");
+        assert_eq!(a, b);
+        assert_eq!(a.key_bytes().len(), "sha256:".len() + 64);
+        assert_eq!(
+            IdempotencyKey::digest(scope(), b""),
+            Err(InputError::EmptyKey)
+        );
+    }
+
+    #[test]
+    fn scopes_separate_equal_keys() {
+        let a = IdempotencyKey::new(Scope::new("tenant-a").expect("scope"), b"k").expect("key");
+        let b = IdempotencyKey::new(Scope::new("tenant-b").expect("scope"), b"k").expect("key");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn fingerprints_differ_by_payload() {
+        assert_eq!(Fingerprint::of(b"a"), Fingerprint::of(b"a"));
+        assert_ne!(Fingerprint::of(b"a"), Fingerprint::of(b"b"));
+        let fp = Fingerprint::of(b"a");
+        assert_eq!(Fingerprint::from_slice(fp.as_bytes()), Some(fp));
+        assert_eq!(Fingerprint::from_slice(b"short"), None);
+    }
+}

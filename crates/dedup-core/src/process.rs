@@ -1,0 +1,580 @@
+//! The API a consumer calls: [`Dedup::process`].
+
+use std::fmt;
+use std::future::Future;
+use std::process;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::{Instant, sleep};
+use tracing::{Instrument, debug, info_span, warn};
+
+use crate::error::{InputError, StoreError};
+use crate::key::{Fingerprint, IdempotencyKey};
+use crate::record::{
+    AfterFailure, ClaimOutcome, ClaimRequest, FencingToken, Lease, OwnerId, Policy, State,
+    Timestamp,
+};
+use crate::store::Store;
+
+/// How many times a call whose outcome is unknown, or whose backend is briefly unavailable, is
+/// read back and tried again before the error is passed up.
+const RESOLVE_TRIES: u32 = 5;
+
+/// Runs each key's effect once, and replays its result to every duplicate.
+///
+/// `process` claims the key, runs the handler while a heartbeat extends the lease, and completes
+/// the key with the handler's result. Duplicates get the stored result without running the
+/// handler. A duplicate that arrives while another holder runs the key waits (up to
+/// [`with_in_flight_wait`](Self::with_in_flight_wait)) for that holder to finish.
+#[derive(Debug)]
+pub struct Dedup<S> {
+    store: S,
+    policy: Policy,
+    in_flight_wait: Duration,
+    owner_prefix: Arc<str>,
+    claims: AtomicU64,
+}
+
+/// What [`Dedup::process`] did.
+#[derive(Clone, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum Processed {
+    /// The handler ran, and its result is stored.
+    Executed {
+        /// The handler's result.
+        result: Bytes,
+        /// The token it ran under.
+        token: FencingToken,
+        /// Which attempt it was.
+        attempts: u32,
+    },
+    /// The key was done before: the stored result, the handler did not run.
+    Replayed {
+        /// The stored result.
+        result: Bytes,
+    },
+}
+
+impl Processed {
+    /// The result, fresh or replayed.
+    pub fn result(&self) -> &Bytes {
+        match self {
+            Self::Executed { result, .. } | Self::Replayed { result } => result,
+        }
+    }
+
+    /// Whether the handler ran in this call.
+    pub fn executed(&self) -> bool {
+        matches!(self, Self::Executed { .. })
+    }
+}
+
+/// What a handler returns when it succeeds.
+#[derive(Clone, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum Completion {
+    /// Store this result and mark the key COMPLETED (lease mode).
+    Store(Bytes),
+    /// The handler already completed the key with its lease inside its own database transaction,
+    /// and that transaction committed (transactional mode). The result is what it stored.
+    Committed(Bytes),
+}
+
+impl Completion {
+    /// Lease mode: dedup stores `result` after the handler returns.
+    pub fn store(result: impl Into<Bytes>) -> Self {
+        Self::Store(result.into())
+    }
+
+    /// Transactional mode: the handler's transaction completed the key and committed.
+    pub fn committed(result: impl Into<Bytes>) -> Self {
+        Self::Committed(result.into())
+    }
+}
+
+/// How a handler failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum HandlerError<E> {
+    /// A passing failure: the key is released (attempts kept) for a later delivery, or marked
+    /// FAILED once its attempts are used up.
+    Retryable(E),
+    /// This message can never succeed: the key is marked FAILED (poison).
+    Permanent(E),
+    /// The handler's own call to the store failed (transactional mode: completing inside its
+    /// transaction, or the commit).
+    Store(StoreError),
+}
+
+impl<E> From<StoreError> for HandlerError<E> {
+    fn from(e: StoreError) -> Self {
+        Self::Store(e)
+    }
+}
+
+/// Why [`Dedup::process`] did not produce a result.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessError<E> {
+    /// Another holder runs the key and did not finish within the wait. Retry later.
+    #[error("{key} is being processed by {} (lease until {lease_until:?})", owner.as_ref().map_or("another holder", |o| o.as_str()))]
+    InFlight {
+        /// The key.
+        key: IdempotencyKey,
+        /// The holder, where known.
+        owner: Option<OwnerId>,
+        /// The end of its lease, where known.
+        lease_until: Option<Timestamp>,
+    },
+    /// The key is poison. Do not retry; dead-letter the message.
+    #[error("{key} failed permanently after {attempts} attempt(s): {reason}")]
+    Failed {
+        /// The key.
+        key: IdempotencyKey,
+        /// Why.
+        reason: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The key was used before with a different payload. Do not retry.
+    #[error("{key} was used before with a different payload")]
+    PayloadMismatch {
+        /// The key.
+        key: IdempotencyKey,
+    },
+    /// The handler failed; `after` says where that left the key.
+    #[error("the handler failed on {key} ({after}): {source}")]
+    Handler {
+        /// The key.
+        key: IdempotencyKey,
+        /// The handler's error.
+        #[source]
+        source: E,
+        /// Where the key stands now.
+        after: AfterHandlerError,
+    },
+    /// The lease was taken over before the completion: another holder owns the key now, and this
+    /// call's completion was refused. A redelivery will replay the other holder's result.
+    #[error("lease lost on {key} (token {token})")]
+    LeaseLost {
+        /// The key.
+        key: IdempotencyKey,
+        /// The stale token.
+        token: FencingToken,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+/// Where a handler's failure left its key.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum AfterHandlerError {
+    /// Released for a later delivery.
+    Released {
+        /// Attempts made so far.
+        attempts: u32,
+    },
+    /// FAILED: permanent, or out of attempts.
+    Failed {
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The store could not record the failure; the lease will expire and the key be taken over.
+    Unrecorded,
+}
+
+impl fmt::Display for AfterHandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Released { attempts } => write!(f, "released after attempt {attempts}"),
+            Self::Failed { attempts } => write!(f, "failed after {attempts} attempt(s)"),
+            Self::Unrecorded => f.write_str("failure not recorded; the lease will expire"),
+        }
+    }
+}
+
+impl<E> ProcessError<E> {
+    /// Whether delivering the same message again later can lead to a result.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::InFlight { .. } | Self::LeaseLost { .. } => true,
+            Self::Failed { .. } | Self::PayloadMismatch { .. } => false,
+            Self::Handler { after, .. } => !matches!(after, AfterHandlerError::Failed { .. }),
+            Self::Store(e) => e.is_retryable(),
+        }
+    }
+}
+
+/// What a handler gets: its lease, and whether the heartbeat has seen it taken over.
+#[derive(Clone, Debug)]
+pub struct LeaseContext {
+    lease: Lease,
+    lost: Arc<AtomicBool>,
+}
+
+impl LeaseContext {
+    /// The lease: pass it to a transactional completion (`complete_in`).
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Whether the heartbeat found the lease taken over. A handler about to do something
+    /// irreversible outside the database checks this first; its completion will be refused anyway.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
+    }
+}
+
+impl<S: Store> Dedup<S> {
+    /// Wraps a store, with the default [`Policy`] and a 5 s in-flight wait.
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            policy: Policy::default(),
+            in_flight_wait: Duration::from_secs(5),
+            owner_prefix: format!("pid{}-{:x}", process::id(), Timestamp::now().as_micros()).into(),
+            claims: AtomicU64::new(0),
+        }
+    }
+
+    /// Sets the policy every claim uses.
+    pub fn with_policy(mut self, policy: Policy) -> Result<Self, InputError> {
+        policy.validate()?;
+        self.policy = policy;
+        Ok(self)
+    }
+
+    /// How long a duplicate waits for another holder's live lease before answering
+    /// [`ProcessError::InFlight`]. Zero answers at once.
+    pub fn with_in_flight_wait(mut self, wait: Duration) -> Self {
+        self.in_flight_wait = wait;
+        self
+    }
+
+    /// Names this instance in owner ids (a host or pod name helps an operator); the default is the
+    /// process id.
+    pub fn with_owner_prefix(mut self, prefix: impl Into<Arc<str>>) -> Self {
+        self.owner_prefix = prefix.into();
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    fn next_owner(&self) -> OwnerId {
+        let n = self.claims.fetch_add(1, Ordering::Relaxed);
+        OwnerId::new(format!("{}#{n}", self.owner_prefix))
+    }
+
+    /// Runs `handler` for `key` once; replays the stored result to duplicates.
+    ///
+    /// `fingerprint` (usually [`Fingerprint::of`] the payload) makes a reuse of the key with a
+    /// different payload answer [`ProcessError::PayloadMismatch`]; `None` skips that check.
+    pub async fn process<F, Fut, E>(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+        handler: F,
+    ) -> Result<Processed, ProcessError<E>>
+    where
+        F: FnOnce(LeaseContext) -> Fut,
+        Fut: Future<Output = Result<Completion, HandlerError<E>>>,
+        E: fmt::Display,
+    {
+        let span = info_span!("dedup.process", key = %key, outcome = tracing::field::Empty, token = tracing::field::Empty);
+        async move {
+            let lease = match self.claim_waiting(key, fingerprint).await? {
+                Claimed::Lease(lease) => lease,
+                Claimed::Replay(result) => {
+                    tracing::Span::current().record("outcome", "replayed");
+                    return Ok(Processed::Replayed { result });
+                }
+            };
+            tracing::Span::current().record("token", lease.token.get());
+            let out = self.run(lease, handler).await;
+            tracing::Span::current().record(
+                "outcome",
+                match &out {
+                    Ok(_) => "executed",
+                    Err(ProcessError::LeaseLost { .. }) => "lease_lost",
+                    Err(ProcessError::Handler { .. }) => "handler_error",
+                    Err(_) => "error",
+                },
+            );
+            out
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn claim_waiting<E>(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Claimed, ProcessError<E>> {
+        let deadline = Instant::now() + self.in_flight_wait;
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let req = ClaimRequest::new(key.clone(), self.next_owner())
+                .with_fingerprint(fingerprint)
+                .with_policy(self.policy);
+            match self
+                .claim_resolved(&req)
+                .await
+                .map_err(ProcessError::Store)?
+            {
+                ClaimOutcome::Acquired(lease) => return Ok(Claimed::Lease(lease)),
+                ClaimOutcome::Completed { result, .. } => return Ok(Claimed::Replay(result)),
+                ClaimOutcome::Failed { reason, attempts } => {
+                    return Err(ProcessError::Failed {
+                        key: key.clone(),
+                        reason,
+                        attempts,
+                    });
+                }
+                ClaimOutcome::PayloadMismatch => {
+                    return Err(ProcessError::PayloadMismatch { key: key.clone() });
+                }
+                ClaimOutcome::InFlight { owner, lease_until } => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(ProcessError::InFlight {
+                            key: key.clone(),
+                            owner,
+                            lease_until,
+                        });
+                    }
+                    sleep(backoff.min(deadline - now)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+
+    /// Claims; a claim whose outcome is unknown is read back: if the record holds our owner id
+    /// the claim landed and its lease is ours, otherwise the claim is made again.
+    async fn claim_resolved(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.store.claim(req).await {
+                Err(e) if e.is_outcome_unknown() && tries < RESOLVE_TRIES => {
+                    warn!(key = %req.key, error = %e, "claim outcome unknown; reading it back");
+                    match self.store.get(&req.key).await {
+                        Ok(Some(r))
+                            if r.state == State::InProgress
+                                && r.owner.as_ref() == Some(&req.owner) =>
+                        {
+                            return Ok(ClaimOutcome::Acquired(Lease {
+                                key: req.key.clone(),
+                                token: r.token,
+                                owner: req.owner.clone(),
+                                lease_until: r.lease_until.unwrap_or(r.updated_at),
+                                attempts: r.attempts,
+                                policy: req.policy,
+                            }));
+                        }
+                        Ok(_) => continue,
+                        Err(e) if e.is_retryable() => {
+                            sleep(Duration::from_millis(20 * u64::from(tries))).await;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn run<F, Fut, E>(&self, lease: Lease, handler: F) -> Result<Processed, ProcessError<E>>
+    where
+        F: FnOnce(LeaseContext) -> Fut,
+        Fut: Future<Output = Result<Completion, HandlerError<E>>>,
+        E: fmt::Display,
+    {
+        let ctx = LeaseContext {
+            lease: lease.clone(),
+            lost: Arc::new(AtomicBool::new(false)),
+        };
+        let lost = Arc::clone(&ctx.lost);
+        let outcome = {
+            let work = handler(ctx);
+            let beat = self.heartbeat(&lease, &lost);
+            tokio::pin!(work, beat);
+            tokio::select! {
+                biased;
+                out = &mut work => out,
+                never = &mut beat => match never {},
+            }
+        };
+        let executed = |result: Bytes| Processed::Executed {
+            result,
+            token: lease.token,
+            attempts: lease.attempts,
+        };
+        match outcome {
+            Ok(Completion::Store(result)) => match self.complete_resolved(&lease, &result).await {
+                Ok(()) => Ok(executed(result)),
+                Err(StoreError::Input(e)) => {
+                    // The effect ran, but its result cannot be stored. Releasing the key would run
+                    // the effect again; FAILED keeps it at one and says why.
+                    let reason = format!("the effect ran but its result was refused: {e}");
+                    let _ = self.store.fail_permanent(&lease, &reason).await;
+                    Err(ProcessError::Store(StoreError::Input(e)))
+                }
+                Err(e) => Err(self.lease_error(&lease, e)),
+            },
+            Ok(Completion::Committed(result)) => Ok(executed(result)),
+            Err(HandlerError::Retryable(source)) => {
+                let after = match self.store.fail_retryable(&lease, &source.to_string()).await {
+                    Ok(AfterFailure::Released { attempts }) => {
+                        AfterHandlerError::Released { attempts }
+                    }
+                    Ok(AfterFailure::Failed { attempts }) => AfterHandlerError::Failed { attempts },
+                    Err(e) => return Err(self.unrecorded(&lease, e, source)),
+                };
+                Err(ProcessError::Handler {
+                    key: lease.key.clone(),
+                    source,
+                    after,
+                })
+            }
+            Err(HandlerError::Permanent(source)) => {
+                match self.store.fail_permanent(&lease, &source.to_string()).await {
+                    Ok(()) => Err(ProcessError::Handler {
+                        key: lease.key.clone(),
+                        source,
+                        after: AfterHandlerError::Failed {
+                            attempts: lease.attempts,
+                        },
+                    }),
+                    Err(e) => Err(self.unrecorded(&lease, e, source)),
+                }
+            }
+            Err(HandlerError::Store(e)) => self.handler_store_error(&lease, e).await,
+        }
+    }
+
+    /// The handler's own store call failed (transactional mode).
+    async fn handler_store_error<E>(
+        &self,
+        lease: &Lease,
+        e: StoreError,
+    ) -> Result<Processed, ProcessError<E>> {
+        if e.is_outcome_unknown() {
+            // Did its transaction commit the completion? The record says.
+            for _ in 0..RESOLVE_TRIES {
+                match self.store.get(&lease.key).await {
+                    Ok(Some(r)) if r.token == lease.token && r.state == State::Completed => {
+                        return Ok(Processed::Executed {
+                            result: r.result.unwrap_or_default(),
+                            token: lease.token,
+                            attempts: lease.attempts,
+                        });
+                    }
+                    Ok(_) => break,
+                    Err(_) => sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
+        match &e {
+            StoreError::LeaseLost { .. } => {}
+            StoreError::Input(_) => {
+                // Its transaction rolled back, and a retry would fail the same way.
+                let _ = self.store.fail_permanent(lease, &e.to_string()).await;
+            }
+            _ => {
+                // Its transaction rolled back: nothing ran. Release the key for a later delivery.
+                let _ = self.store.fail_retryable(lease, &e.to_string()).await;
+            }
+        }
+        Err(self.lease_error(lease, e))
+    }
+
+    fn lease_error<E>(&self, lease: &Lease, e: StoreError) -> ProcessError<E> {
+        if e.is_lease_lost() {
+            warn!(key = %lease.key, token = lease.token.get(), "lease lost: another holder owns the key");
+            ProcessError::LeaseLost {
+                key: lease.key.clone(),
+                token: lease.token,
+            }
+        } else {
+            ProcessError::Store(e)
+        }
+    }
+
+    fn unrecorded<E>(&self, lease: &Lease, e: StoreError, source: E) -> ProcessError<E> {
+        if e.is_lease_lost() {
+            return self.lease_error(lease, e);
+        }
+        warn!(key = %lease.key, error = %e, "could not record the handler's failure");
+        ProcessError::Handler {
+            key: lease.key.clone(),
+            source,
+            after: AfterHandlerError::Unrecorded,
+        }
+    }
+
+    /// Completes; an unknown outcome is read back (COMPLETED under our token means it landed), and
+    /// a passing error is retried a few times, since the effect has already run.
+    async fn complete_resolved(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let err = match self.store.complete(lease, result).await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_retryable() && tries < RESOLVE_TRIES => e,
+                Err(e) => return Err(e),
+            };
+            if err.is_outcome_unknown() {
+                warn!(key = %lease.key, error = %err, "completion outcome unknown; reading it back");
+                if let Ok(Some(r)) = self.store.get(&lease.key).await {
+                    if r.token == lease.token && r.state == State::Completed {
+                        return Ok(());
+                    }
+                    if r.token != lease.token || r.state != State::InProgress {
+                        return Err(StoreError::LeaseLost {
+                            key: lease.key.clone(),
+                            token: lease.token,
+                        });
+                    }
+                }
+            }
+            sleep(Duration::from_millis(20 * u64::from(tries))).await;
+        }
+    }
+
+    /// Extends the lease every third of its length until it is lost; never returns.
+    async fn heartbeat(&self, lease: &Lease, lost: &AtomicBool) -> std::convert::Infallible {
+        let every = (lease.policy.lease / 3).max(Duration::from_millis(1));
+        loop {
+            sleep(every).await;
+            match self.store.extend(lease).await {
+                Ok(until) => debug!(key = %lease.key, until = until.as_micros(), "lease extended"),
+                Err(e) if e.is_lease_lost() => {
+                    warn!(key = %lease.key, token = lease.token.get(), "heartbeat found the lease taken over");
+                    lost.store(true, Ordering::Release);
+                    return std::future::pending().await;
+                }
+                Err(e) => warn!(key = %lease.key, error = %e, "heartbeat failed; retrying"),
+            }
+        }
+    }
+}
+
+enum Claimed {
+    Lease(Lease),
+    Replay(Bytes),
+}

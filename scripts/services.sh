@@ -1,0 +1,81 @@
+# shellcheck shell=bash
+# Sourced by the project's commands. Installs (when root) and starts the servers dedup's tests and
+# demo need, on loopback, in private data directories, and exports their URLs.
+#
+#   ensure_postgres   -> DATABASE_URL (superuser on a private cluster; tests create a database each)
+#
+# A server that cannot be started is an error: nothing is skipped.
+
+set -euo pipefail
+
+DEDUP_PG_PORT="${DEDUP_PG_PORT:-55432}"
+DEDUP_PG_DIR="${DEDUP_PG_DIR:-/tmp/dedup-pg-$DEDUP_PG_PORT}"
+
+log() { printf '[services] %s\n' "$*" >&2; }
+die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
+
+is_root() { [ "$(id -u)" -eq 0 ]; }
+
+apt_updated=""
+apt_install() {
+  is_root || die "missing packages: $* (run once as root, or install them: apt-get install $*)"
+  if [ -z "$apt_updated" ]; then
+    log "apt-get update"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+    apt_updated=1
+  fi
+  log "apt-get install $*"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2
+}
+
+pg_bindir() {
+  local d
+  d="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)"
+  [ -n "$d" ] && [ -x "$d/postgres" ] && printf '%s' "$d"
+}
+
+# Runs a command as the cluster's owner: `postgres` when we are root (initdb and postgres refuse
+# to run as root), ourselves otherwise.
+as_pg_owner() {
+  if is_root; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+ensure_postgres() {
+  local bin
+  bin="$(pg_bindir)" || true
+  if [ -z "$bin" ]; then
+    apt_install postgresql
+    bin="$(pg_bindir)" || die "postgresql installed but no server binary found under /usr/lib/postgresql"
+  fi
+  if ! "$bin/pg_isready" -q -h 127.0.0.1 -p "$DEDUP_PG_PORT"; then
+    if [ ! -f "$DEDUP_PG_DIR/PG_VERSION" ]; then
+      log "initdb $DEDUP_PG_DIR"
+      mkdir -p "$DEDUP_PG_DIR"
+      is_root && chown postgres:postgres "$DEDUP_PG_DIR"
+      chmod 700 "$DEDUP_PG_DIR"
+      # trust on loopback only: a throwaway cluster for tests and the demo.
+      as_pg_owner "$bin/initdb" -D "$DEDUP_PG_DIR" -U postgres --auth=trust -E UTF8 --no-locale >/dev/null
+      cat >>"$DEDUP_PG_DIR/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+port = $DEDUP_PG_PORT
+unix_socket_directories = '$DEDUP_PG_DIR'
+max_connections = 300
+shared_buffers = 256MB
+# durability stays on: dedup's ledger must survive a crash.
+fsync = on
+synchronous_commit = on
+CONF
+    fi
+    log "starting postgres on 127.0.0.1:$DEDUP_PG_PORT"
+    as_pg_owner "$bin/pg_ctl" -D "$DEDUP_PG_DIR" -l "$DEDUP_PG_DIR/server.log" -w -t 60 start >/dev/null \
+      || { tail -n 20 "$DEDUP_PG_DIR/server.log" >&2 || true; die "postgres did not start"; }
+  fi
+  export DATABASE_URL="postgres://postgres@127.0.0.1:$DEDUP_PG_PORT/postgres"
+  log "DATABASE_URL=$DATABASE_URL"
+}
+
+stop_postgres() {
+  local bin
+  bin="$(pg_bindir)" || return 0
+  [ -f "$DEDUP_PG_DIR/PG_VERSION" ] && as_pg_owner "$bin/pg_ctl" -D "$DEDUP_PG_DIR" -m fast stop >/dev/null 2>&1 || true
+}
