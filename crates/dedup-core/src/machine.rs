@@ -151,18 +151,12 @@ pub fn claim(
 }
 
 fn acquire(record: Record, req: &ClaimRequest) -> ClaimStep {
-    let lease = Lease {
-        key: record.key.clone(),
-        token: record.token,
-        owner: req.owner.clone(),
-        lease_until: record.lease_until.unwrap_or(record.updated_at),
-        attempts: record.attempts,
-        policy: req.policy,
-    };
+    let lease = Lease::granted(&record, req);
     ClaimStep::Acquire { record, lease }
 }
 
-fn failed_outcome(record: &Record) -> ClaimOutcome {
+/// The answer a FAILED record gives a claim.
+pub fn failed_outcome(record: &Record) -> ClaimOutcome {
     ClaimOutcome::Failed {
         reason: record.failure.clone().unwrap_or_default(),
         attempts: record.attempts,

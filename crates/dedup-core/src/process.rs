@@ -377,14 +377,7 @@ impl<S: Store> Dedup<S> {
                             if r.state == State::InProgress
                                 && r.owner.as_ref() == Some(&req.owner) =>
                         {
-                            return Ok(ClaimOutcome::Acquired(Lease {
-                                key: req.key.clone(),
-                                token: r.token,
-                                owner: req.owner.clone(),
-                                lease_until: r.lease_until.unwrap_or(r.updated_at),
-                                attempts: r.attempts,
-                                policy: req.policy,
-                            }));
+                            return Ok(ClaimOutcome::Acquired(Lease::granted(&r, req)));
                         }
                         Ok(_) => continue,
                         Err(e) if e.is_retryable() => {

@@ -185,6 +185,34 @@ pub struct Record {
     pub expires_at: Timestamp,
 }
 
+impl Record {
+    /// A record with the given identity and times; owner, lease, fingerprint, result and failure
+    /// start empty (set the public fields). For stores that read records from elsewhere.
+    pub fn new(
+        key: IdempotencyKey,
+        state: State,
+        token: FencingToken,
+        attempts: u32,
+        created_at: Timestamp,
+        expires_at: Timestamp,
+    ) -> Self {
+        Self {
+            key,
+            state,
+            owner: None,
+            token,
+            lease_until: None,
+            attempts,
+            fingerprint: None,
+            result: None,
+            failure: None,
+            created_at,
+            updated_at: created_at,
+            expires_at,
+        }
+    }
+}
+
 /// How a key is held and kept. Carried by each claim and by the lease it grants.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
@@ -332,6 +360,20 @@ pub struct Lease {
     pub attempts: u32,
     /// The policy the key was claimed with.
     pub policy: Policy,
+}
+
+impl Lease {
+    /// The lease that `record` (IN_PROGRESS, just written by `req`'s claim) grants.
+    pub fn granted(record: &Record, req: &ClaimRequest) -> Self {
+        Self {
+            key: record.key.clone(),
+            token: record.token,
+            owner: req.owner.clone(),
+            lease_until: record.lease_until.unwrap_or(record.updated_at),
+            attempts: record.attempts,
+            policy: req.policy,
+        }
+    }
 }
 
 /// What a claim answers.

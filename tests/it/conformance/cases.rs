@@ -1,0 +1,417 @@
+//! Store-level cases: every transition and answer, fencing, retention, bad input.
+
+use std::sync::Arc;
+
+use dedup_core::{
+    AfterFailure, ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, InputError, Lease,
+    Policy, State, Store, StoreError,
+};
+use tokio::time::sleep;
+
+use crate::support::{acquired, bytes, key, ms, req, scope, short_lease};
+
+pub(crate) async fn new_key_is_acquired<S: Store>(s: Arc<S>) {
+    let k = key("order-1");
+    let fp = Fingerprint::of(b"payload");
+    let lease = acquired(
+        s.claim(&req(&k, "a").with_fingerprint(Some(fp)))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(lease.attempts, 1);
+    assert_eq!(lease.key, k);
+    let rec = s
+        .get(&k)
+        .await
+        .unwrap()
+        .expect("a claimed key has a record");
+    assert_eq!(rec.state, State::InProgress);
+    assert_eq!(rec.token, lease.token);
+    assert_eq!(rec.owner.as_ref().map(|o| o.as_str()), Some("a"));
+    assert_eq!(rec.fingerprint, Some(fp));
+    assert_eq!(rec.lease_until, Some(lease.lease_until));
+    // The lease is measured from the store's clock: about 30 s from the claim.
+    let lease_len = lease.lease_until.since(rec.created_at);
+    assert_eq!(lease_len, Policy::default().lease, "{lease_len:?}");
+    assert!(rec.expires_at > lease.lease_until);
+    assert_eq!(rec.result, None);
+}
+
+pub(crate) async fn absent_key_reads_none<S: Store>(s: Arc<S>) {
+    assert_eq!(s.get(&key("never-claimed")).await.unwrap(), None);
+}
+
+pub(crate) async fn live_lease_answers_in_flight<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+    match s.claim(&req(&k, "b")).await.unwrap() {
+        ClaimOutcome::InFlight { owner, lease_until } => {
+            assert_eq!(owner.as_ref().map(|o| o.as_str()), Some("a"));
+            assert_eq!(lease_until, Some(lease.lease_until));
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+    // The answer changed nothing.
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!((rec.token, rec.attempts), (lease.token, 1));
+}
+
+pub(crate) async fn completed_key_replays_its_result<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+    s.complete(&lease, b"receipt-77").await.unwrap();
+    for owner in ["b", "c"] {
+        assert_eq!(
+            s.claim(&req(&k, owner)).await.unwrap(),
+            ClaimOutcome::Completed {
+                result: bytes("receipt-77"),
+                token: lease.token
+            }
+        );
+    }
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(rec.result, Some(bytes("receipt-77")));
+    assert_eq!(rec.lease_until, None);
+    // A second completion, even under the right token, is refused.
+    assert!(
+        s.complete(&lease, b"again")
+            .await
+            .unwrap_err()
+            .is_lease_lost()
+    );
+}
+
+pub(crate) async fn payload_mismatch_is_refused_in_every_state<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let one = Some(Fingerprint::of(b"one"));
+    let two = Some(Fingerprint::of(b"two"));
+    let lease = acquired(s.claim(&req(&k, "a").with_fingerprint(one)).await.unwrap());
+    assert_eq!(
+        s.claim(&req(&k, "b").with_fingerprint(two)).await.unwrap(),
+        ClaimOutcome::PayloadMismatch
+    );
+    s.complete(&lease, b"ok").await.unwrap();
+    assert_eq!(
+        s.claim(&req(&k, "b").with_fingerprint(two)).await.unwrap(),
+        ClaimOutcome::PayloadMismatch
+    );
+    // The same payload, or none, replays.
+    for fp in [one, None] {
+        assert!(matches!(
+            s.claim(&req(&k, "c").with_fingerprint(fp)).await.unwrap(),
+            ClaimOutcome::Completed { .. }
+        ));
+    }
+    // A released key is not taken over by a different payload either.
+    let k2 = key("k2");
+    let l2 = acquired(s.claim(&req(&k2, "a").with_fingerprint(one)).await.unwrap());
+    s.fail_retryable(&l2, "flaky").await.unwrap();
+    assert_eq!(
+        s.claim(&req(&k2, "b").with_fingerprint(two)).await.unwrap(),
+        ClaimOutcome::PayloadMismatch
+    );
+    assert_eq!(s.get(&k2).await.unwrap().unwrap().state, State::Released);
+}
+
+pub(crate) async fn stale_token_is_fenced_out_of_every_call<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let zombie = acquired(
+        s.claim(&req(&k, "zombie").with_policy(short_lease(150)))
+            .await
+            .unwrap(),
+    );
+    sleep(ms(300)).await;
+    let fresh = acquired(s.claim(&req(&k, "fresh")).await.unwrap());
+    assert!(
+        fresh.token > zombie.token,
+        "{:?} !> {:?}",
+        fresh.token,
+        zombie.token
+    );
+    assert_eq!(fresh.attempts, 2);
+
+    let lost = |e: StoreError| assert!(e.is_lease_lost() && !e.is_retryable(), "{e:?}");
+    lost(s.complete(&zombie, b"late").await.unwrap_err());
+    lost(s.extend(&zombie).await.unwrap_err());
+    lost(s.fail_retryable(&zombie, "x").await.unwrap_err());
+    lost(s.fail_permanent(&zombie, "x").await.unwrap_err());
+
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(rec.state, State::InProgress);
+    assert_eq!(rec.token, fresh.token);
+    assert_eq!(rec.owner.as_ref().map(|o| o.as_str()), Some("fresh"));
+    s.complete(&fresh, b"ok").await.unwrap();
+}
+
+pub(crate) async fn retryable_failures_release_then_fail<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let policy = Policy::default().with_max_attempts(3);
+    let mut last_token = None;
+    for attempt in 1..=3u32 {
+        let lease = acquired(s.claim(&req(&k, "a").with_policy(policy)).await.unwrap());
+        assert_eq!(lease.attempts, attempt);
+        assert!(last_token < Some(lease.token));
+        last_token = Some(lease.token);
+        let after = s.fail_retryable(&lease, "upstream 503").await.unwrap();
+        let rec = s.get(&k).await.unwrap().unwrap();
+        if attempt < 3 {
+            assert_eq!(after, AfterFailure::Released { attempts: attempt });
+            assert_eq!(rec.state, State::Released);
+            assert_eq!(rec.failure.as_deref(), Some("upstream 503"));
+            assert_eq!(rec.lease_until, None);
+        } else {
+            assert_eq!(after, AfterFailure::Failed { attempts: 3 });
+            assert_eq!(rec.state, State::Failed);
+        }
+        assert_eq!(rec.attempts, attempt);
+    }
+    match s.claim(&req(&k, "b").with_policy(policy)).await.unwrap() {
+        ClaimOutcome::Failed { reason, attempts } => {
+            assert_eq!(attempts, 3);
+            assert!(
+                reason.contains("out of attempts") && reason.contains("upstream 503"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+}
+
+pub(crate) async fn permanent_failure_makes_poison<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+    s.fail_permanent(&lease, "amount is negative")
+        .await
+        .unwrap();
+    assert_eq!(
+        s.claim(&req(&k, "b")).await.unwrap(),
+        ClaimOutcome::Failed {
+            reason: "amount is negative".into(),
+            attempts: 1
+        }
+    );
+    assert!(
+        s.complete(&lease, b"late")
+            .await
+            .unwrap_err()
+            .is_lease_lost()
+    );
+}
+
+pub(crate) async fn expiring_leases_exhaust_the_attempts<S: Store>(s: Arc<S>) {
+    // A message that kills its consumer every time must not loop forever.
+    let k = key("k");
+    let policy = short_lease(100).with_max_attempts(2);
+    let first = acquired(s.claim(&req(&k, "a").with_policy(policy)).await.unwrap());
+    sleep(ms(200)).await;
+    let second = acquired(s.claim(&req(&k, "b").with_policy(policy)).await.unwrap());
+    assert_eq!(second.attempts, 2);
+    assert!(second.token > first.token);
+    sleep(ms(200)).await;
+    match s.claim(&req(&k, "c").with_policy(policy)).await.unwrap() {
+        ClaimOutcome::Failed { reason, attempts } => {
+            assert_eq!(attempts, 2);
+            assert!(reason.contains("lease expired"), "{reason}");
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(rec.state, State::Failed);
+    assert!(
+        s.complete(&second, b"late")
+            .await
+            .unwrap_err()
+            .is_lease_lost()
+    );
+}
+
+pub(crate) async fn extend_keeps_the_lease_alive<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let lease = acquired(
+        s.claim(&req(&k, "a").with_policy(short_lease(400)))
+            .await
+            .unwrap(),
+    );
+    let mut until = lease.lease_until;
+    for _ in 0..3 {
+        sleep(ms(200)).await;
+        let next = s.extend(&lease).await.unwrap();
+        assert!(next > until, "{next:?} !> {until:?}");
+        until = next;
+    }
+    // 600 ms after a 400 ms claim, the lease still holds.
+    assert!(matches!(
+        s.claim(&req(&k, "b").with_policy(short_lease(400)))
+            .await
+            .unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+    s.complete(&lease, b"ok").await.unwrap();
+}
+
+pub(crate) async fn concurrent_claims_have_one_winner<S: Store + 'static>(s: Arc<S>) {
+    for round in 0..5 {
+        let k = key(format!("hot-{round}"));
+        let mut tasks = Vec::new();
+        for i in 0..16 {
+            let (s, k) = (Arc::clone(&s), k.clone());
+            tasks.push(tokio::spawn(async move {
+                s.claim(&req(&k, &format!("w{i}"))).await
+            }));
+        }
+        let mut won = 0;
+        for t in tasks {
+            match t.await.unwrap().unwrap() {
+                ClaimOutcome::Acquired(_) => won += 1,
+                ClaimOutcome::InFlight { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(won, 1, "round {round}: exactly one claimer may win");
+    }
+}
+
+async fn completed<S: Store>(s: &S, k: &IdempotencyKey, policy: Policy) -> Lease {
+    let lease = acquired(s.claim(&req(k, "a").with_policy(policy)).await.unwrap());
+    s.complete(&lease, b"ok").await.unwrap();
+    lease
+}
+
+pub(crate) async fn purge_is_bounded_and_takes_only_expired_records<S: Store>(s: Arc<S>) {
+    let gone = Policy::default().with_retention(ms(0));
+    for i in 0..5 {
+        completed(&*s, &key(format!("old-{i}")), gone).await;
+    }
+    let kept = key("kept");
+    completed(&*s, &kept, Policy::default()).await;
+    let live = key("live");
+    acquired(s.claim(&req(&live, "a")).await.unwrap());
+    sleep(ms(20)).await;
+
+    assert_eq!(s.purge(2).await.unwrap(), 2, "at most the limit");
+    assert_eq!(s.purge(10).await.unwrap(), 3);
+    assert_eq!(s.purge(10).await.unwrap(), 0);
+    for i in 0..5 {
+        assert_eq!(s.get(&key(format!("old-{i}"))).await.unwrap(), None);
+    }
+    assert_eq!(s.get(&kept).await.unwrap().unwrap().state, State::Completed);
+    assert_eq!(
+        s.get(&live).await.unwrap().unwrap().state,
+        State::InProgress
+    );
+}
+
+pub(crate) async fn a_record_past_retention_runs_again<S: Store>(s: Arc<S>) {
+    // Documented behaviour: a duplicate delivered after the retention window runs again, whether
+    // or not the purge has removed the record yet.
+    let k = key("k");
+    let old = completed(&*s, &k, Policy::default().with_retention(ms(50))).await;
+    sleep(ms(100)).await;
+    let again = acquired(s.claim(&req(&k, "b")).await.unwrap());
+    assert_eq!(again.attempts, 1);
+    assert!(again.token > old.token);
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.result.clone()), (State::InProgress, None));
+}
+
+pub(crate) async fn tokens_never_repeat_after_a_purge<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let policy = short_lease(50).with_retention(ms(0));
+    let first = acquired(s.claim(&req(&k, "a").with_policy(policy)).await.unwrap());
+    sleep(ms(100)).await;
+    assert_eq!(
+        s.purge(100).await.unwrap(),
+        1,
+        "the abandoned claim is purged"
+    );
+    let second = acquired(s.claim(&req(&k, "b")).await.unwrap());
+    assert!(second.token > first.token);
+    // The first holder, back from a long pause, is still fenced out.
+    assert!(
+        s.complete(&first, b"zombie")
+            .await
+            .unwrap_err()
+            .is_lease_lost()
+    );
+    s.complete(&second, b"ok").await.unwrap();
+}
+
+pub(crate) async fn scopes_are_isolated<S: Store>(s: Arc<S>) {
+    let a = IdempotencyKey::new(scope("tenant-a"), b"invoice-1").unwrap();
+    let b = IdempotencyKey::new(scope("tenant-b"), b"invoice-1").unwrap();
+    let la = acquired(s.claim(&req(&a, "x")).await.unwrap());
+    acquired(s.claim(&req(&b, "y")).await.unwrap());
+    s.complete(&la, b"a-done").await.unwrap();
+    assert_eq!(s.get(&b).await.unwrap().unwrap().state, State::InProgress);
+}
+
+pub(crate) async fn binary_keys_are_kept_as_bytes<S: Store>(s: Arc<S>) {
+    let raw = key(b"\xff\xfe\x00id");
+    let lossy = key("\u{fffd}\u{fffd}\u{0}id");
+    let lr = acquired(s.claim(&req(&raw, "a")).await.unwrap());
+    acquired(s.claim(&req(&lossy, "b")).await.unwrap());
+    s.complete(&lr, b"\x00\x01binary result").await.unwrap();
+    let rec = s.get(&raw).await.unwrap().unwrap();
+    assert_eq!(rec.key.key_bytes(), b"\xff\xfe\x00id");
+    assert_eq!(rec.result.as_deref(), Some(&b"\x00\x01binary result"[..]));
+    assert_eq!(
+        s.get(&lossy).await.unwrap().unwrap().state,
+        State::InProgress
+    );
+}
+
+pub(crate) async fn oversized_result_is_refused_and_changes_nothing<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let policy = Policy::default().with_max_result_bytes(8);
+    let lease = acquired(s.claim(&req(&k, "a").with_policy(policy)).await.unwrap());
+    let err = s.complete(&lease, b"123456789").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Input(InputError::ResultTooLarge { len: 9, max: 8 })
+        ),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable() && !err.is_outcome_unknown());
+    assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::InProgress);
+    s.complete(&lease, b"12345678").await.unwrap();
+}
+
+pub(crate) async fn invalid_policy_is_refused<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let zero = ClaimRequest::new(k.clone(), dedup_core::OwnerId::new("a"))
+        .with_policy(Policy::default().with_max_attempts(0));
+    assert!(matches!(
+        s.claim(&zero).await,
+        Err(StoreError::Input(InputError::Policy(_)))
+    ));
+    assert_eq!(s.get(&k).await.unwrap(), None);
+}
+
+pub(crate) async fn batch_calls_answer_in_order<S: Store>(s: Arc<S>) {
+    let (a, b) = (key("a"), key("b"));
+    let out = s
+        .claim_batch(&[req(&a, "x"), req(&b, "x"), req(&a, "y")])
+        .await;
+    let la = acquired(out[0].clone().unwrap());
+    let lb = acquired(out[1].clone().unwrap());
+    assert!(
+        matches!(out[2], Ok(ClaimOutcome::InFlight { .. })),
+        "{:?}",
+        out[2]
+    );
+    let done = s
+        .complete_batch(&[
+            (la.clone(), bytes("ra")),
+            (lb, bytes("rb")),
+            (la, bytes("again")),
+        ])
+        .await;
+    assert!(done[0].is_ok() && done[1].is_ok());
+    assert!(done[2].as_ref().unwrap_err().is_lease_lost());
+    assert!(matches!(
+        s.claim(&req(&b, "z")).await.unwrap(),
+        ClaimOutcome::Completed { result, .. } if result == bytes("rb")
+    ));
+}

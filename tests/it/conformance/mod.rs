@@ -1,0 +1,68 @@
+//! The conformance suite: written once, run against every `Store`.
+//!
+//! `conformance!` stamps each case out once per store: the in-memory reference and Postgres (each
+//! Postgres test in a fresh database). Later stores (Redis, tiered) add a module to the macro.
+
+mod cases;
+mod process;
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let store = std::sync::Arc::new(dedup_core::MemoryStore::new());
+                    super::run::$case(store).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    let store = std::sync::Arc::new(dedup_pg::PgStore::new(pool));
+                    super::run::$case(store).await;
+                }
+            )*
+        }
+
+        mod run {
+            pub(super) use super::cases::*;
+            pub(super) use super::process::*;
+        }
+    };
+}
+
+conformance!(
+    // claims and the state machine
+    new_key_is_acquired,
+    absent_key_reads_none,
+    live_lease_answers_in_flight,
+    completed_key_replays_its_result,
+    payload_mismatch_is_refused_in_every_state,
+    stale_token_is_fenced_out_of_every_call,
+    retryable_failures_release_then_fail,
+    permanent_failure_makes_poison,
+    expiring_leases_exhaust_the_attempts,
+    extend_keeps_the_lease_alive,
+    concurrent_claims_have_one_winner,
+    purge_is_bounded_and_takes_only_expired_records,
+    a_record_past_retention_runs_again,
+    tokens_never_repeat_after_a_purge,
+    scopes_are_isolated,
+    binary_keys_are_kept_as_bytes,
+    oversized_result_is_refused_and_changes_nothing,
+    invalid_policy_is_refused,
+    batch_calls_answer_in_order,
+    // the consumer API on top of the store
+    process_executes_once_and_replays,
+    process_releases_on_a_retryable_error,
+    process_poisons_on_a_permanent_error,
+    process_heartbeat_outlives_the_lease,
+    process_waits_for_an_in_flight_duplicate,
+    process_fails_a_key_whose_result_is_too_large,
+    process_reads_back_an_unknown_completion,
+    process_reads_back_an_unknown_claim,
+    process_storm_runs_each_key_once,
+);

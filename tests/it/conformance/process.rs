@@ -1,0 +1,290 @@
+//! `Dedup::process` on top of each store: the handler runs once, duplicates replay.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::{
+    AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, Policy, ProcessError,
+    Processed, State, Store,
+};
+use tokio::time::sleep;
+
+use crate::support::{Boom, LostReplies, bytes, key, ms};
+
+type Res = Result<Completion, HandlerError<Boom>>;
+
+fn ok(result: &'static str) -> Res {
+    Ok(Completion::store(bytes(result)))
+}
+
+pub(crate) async fn process_executes_once_and_replays<S: Store>(s: Arc<S>) {
+    let dedup = Dedup::new(s);
+    let k = key("evt-1");
+    let runs = AtomicU32::new(0);
+    for i in 0..3 {
+        let done = dedup
+            .process(&k, Some(Fingerprint::of(b"p")), |_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                ok("charged")
+            })
+            .await
+            .unwrap();
+        assert_eq!(done.result(), &bytes("charged"));
+        assert_eq!(done.executed(), i == 0);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let err = dedup
+        .process(&k, Some(Fingerprint::of(b"other")), |_| async { ok("x") })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ProcessError::PayloadMismatch { .. }) && !err.is_retryable(),
+        "{err:?}"
+    );
+}
+
+pub(crate) async fn process_releases_on_a_retryable_error<S: Store>(s: Arc<S>) {
+    let dedup = Dedup::new(Arc::clone(&s));
+    let k = key("evt");
+    let err = dedup
+        .process(&k, None, |_| async {
+            Err::<Completion, _>(HandlerError::Retryable(Boom("503")))
+        })
+        .await
+        .unwrap_err();
+    match &err {
+        ProcessError::Handler { after, source, .. } => {
+            assert_eq!(*after, AfterHandlerError::Released { attempts: 1 });
+            assert_eq!(source.0, "503");
+        }
+        other => panic!("expected Handler, got {other:?}"),
+    }
+    assert!(err.is_retryable());
+    let done = dedup
+        .process(&k, None, |_| async { ok("second time") })
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, Processed::Executed { attempts: 2, .. }),
+        "{done:?}"
+    );
+}
+
+pub(crate) async fn process_poisons_on_a_permanent_error<S: Store>(s: Arc<S>) {
+    let dedup = Dedup::new(s);
+    let k = key("evt");
+    let err = dedup
+        .process(&k, None, |_| async {
+            Err::<Completion, _>(HandlerError::Permanent(Boom("bad iban")))
+        })
+        .await
+        .unwrap_err();
+    assert!(!err.is_retryable(), "{err:?}");
+    let again = dedup
+        .process(&k, None, |_| async { ok("never") })
+        .await
+        .unwrap_err();
+    match again {
+        ProcessError::Failed {
+            reason, attempts, ..
+        } => {
+            assert_eq!((reason.as_str(), attempts), ("bad iban", 1));
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+}
+
+pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: Arc<S>) {
+    // The handler runs 4 leases long; the heartbeat keeps the key ours, so a duplicate that comes
+    // meanwhile is told InFlight instead of taking it over.
+    let policy = Policy::default().with_lease(ms(300));
+    let dedup = Arc::new(
+        Dedup::new(Arc::clone(&s))
+            .with_policy(policy)
+            .unwrap()
+            .with_in_flight_wait(Duration::ZERO),
+    );
+    let k = key("slow");
+    let runs = Arc::new(AtomicU32::new(0));
+    let slow = {
+        let (dedup, k, runs) = (Arc::clone(&dedup), k.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            dedup
+                .process(&k, None, |ctx| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    sleep(ms(1200)).await;
+                    assert!(!ctx.is_lost());
+                    ok("slow result")
+                })
+                .await
+        })
+    };
+    sleep(ms(700)).await;
+    let dup = dedup
+        .process(&k, None, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ok("duplicate ran")
+        })
+        .await;
+    assert!(matches!(dup, Err(ProcessError::InFlight { .. })), "{dup:?}");
+    let done = slow.await.unwrap().unwrap();
+    assert!(done.executed());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::Completed);
+}
+
+pub(crate) async fn process_waits_for_an_in_flight_duplicate<S: Store + 'static>(s: Arc<S>) {
+    let dedup = Arc::new(Dedup::new(s).with_in_flight_wait(Duration::from_secs(5)));
+    let k = key("k");
+    let first = {
+        let (dedup, k) = (Arc::clone(&dedup), k.clone());
+        tokio::spawn(async move {
+            dedup
+                .process(&k, None, |_| async {
+                    sleep(ms(300)).await;
+                    ok("first")
+                })
+                .await
+        })
+    };
+    sleep(ms(50)).await;
+    let dup = dedup
+        .process(&k, None, |_| async { ok("second") })
+        .await
+        .unwrap();
+    assert_eq!(
+        dup,
+        Processed::Replayed {
+            result: bytes("first")
+        }
+    );
+    assert!(first.await.unwrap().unwrap().executed());
+}
+
+pub(crate) async fn process_fails_a_key_whose_result_is_too_large<S: Store>(s: Arc<S>) {
+    // The effect ran, but its result cannot be stored: the key becomes FAILED with the reason,
+    // so a redelivery does not run the effect a second time.
+    let dedup = Dedup::new(Arc::clone(&s))
+        .with_policy(Policy::default().with_max_result_bytes(4))
+        .unwrap();
+    let k = key("k");
+    let err = dedup
+        .process(&k, None, |_| async { ok("too long") })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ProcessError::Store(ref e) if !e.is_retryable()),
+        "{err:?}"
+    );
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(rec.state, State::Failed);
+    assert!(
+        rec.failure
+            .as_deref()
+            .unwrap()
+            .contains("8 bytes long; the limit is 4"),
+        "{:?}",
+        rec.failure
+    );
+    let again = dedup
+        .process(&k, None, |_| async { ok("x") })
+        .await
+        .unwrap_err();
+    assert!(matches!(again, ProcessError::Failed { .. }), "{again:?}");
+}
+
+pub(crate) async fn process_reads_back_an_unknown_completion<S: Store>(s: Arc<S>) {
+    // The completion lands but its reply is lost: process reads the record back and reports the
+    // truth (executed), instead of failing or running the handler again.
+    let flaky = LostReplies::new(Arc::clone(&s), 0, 1);
+    let dedup = Dedup::new(&flaky);
+    let k = key("k");
+    let runs = AtomicU32::new(0);
+    let done = dedup
+        .process(&k, None, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ok("done")
+        })
+        .await
+        .unwrap();
+    assert!(done.executed());
+    assert_eq!(
+        flaky.completes.load(Ordering::SeqCst),
+        0,
+        "the fault was injected"
+    );
+    let again = dedup
+        .process(&k, None, |_| async { ok("again") })
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        Processed::Replayed {
+            result: bytes("done")
+        }
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+pub(crate) async fn process_reads_back_an_unknown_claim<S: Store>(s: Arc<S>) {
+    // The claim lands but its reply is lost: the record holds our owner id, so the lease is ours
+    // and the handler runs (once) instead of waiting out our own lease.
+    let flaky = LostReplies::new(Arc::clone(&s), 1, 0);
+    let dedup = Dedup::new(&flaky).with_in_flight_wait(Duration::ZERO);
+    let k = key("k");
+    let done = dedup
+        .process(&k, None, |_| async { ok("done") })
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, Processed::Executed { attempts: 1, .. }),
+        "{done:?}"
+    );
+    assert_eq!(
+        flaky.claims.load(Ordering::SeqCst),
+        0,
+        "the fault was injected"
+    );
+    assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::Completed);
+}
+
+pub(crate) async fn process_storm_runs_each_key_once<S: Store + 'static>(s: Arc<S>) {
+    // 32 tasks, 2,000 deliveries over 200 keys, duplicates racing each other.
+    let dedup = Arc::new(Dedup::new(s).with_in_flight_wait(Duration::from_secs(30)));
+    let effects: Arc<Mutex<HashMap<u32, u32>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for t in 0..32u32 {
+        let (dedup, effects) = (Arc::clone(&dedup), Arc::clone(&effects));
+        tasks.push(tokio::spawn(async move {
+            let mut executed = 0u32;
+            for i in 0..62u32 {
+                let n = (t * 7 + i * 13) % 200;
+                let effects = Arc::clone(&effects);
+                let done = dedup
+                    .process(&key(format!("storm-{n}")), None, |_| async move {
+                        *effects.lock().unwrap().entry(n).or_default() += 1;
+                        tokio::task::yield_now().await;
+                        Ok::<_, HandlerError<Boom>>(Completion::store(format!("r{n}")))
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(done.result(), format!("r{n}").as_bytes());
+                executed += u32::from(done.executed());
+            }
+            executed
+        }));
+    }
+    let mut executed = 0;
+    for t in tasks {
+        executed += t.await.unwrap();
+    }
+    let effects = effects.lock().unwrap();
+    assert_eq!(effects.len(), 200, "every key ran");
+    assert!(
+        effects.values().all(|&n| n == 1),
+        "a key ran twice: {effects:?}"
+    );
+    assert_eq!(executed, 200);
+}

@@ -1,0 +1,1 @@
+//! SIGKILL (placeholder, filled below).

@@ -1,0 +1,13 @@
+//! dedup's integration tests: one binary, a module per area.
+//!
+//! Every test that needs Postgres gets its own fresh database from `#[sqlx::test]` (which reads
+//! `DATABASE_URL`, a superuser on the cluster `scripts/test` starts). Nothing is skipped: a missing
+//! server fails the run.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+mod conformance;
+mod kill;
+mod pg;

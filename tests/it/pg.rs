@@ -1,0 +1,1 @@
+//! Postgres-only scenarios (placeholder, filled below).

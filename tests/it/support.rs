@@ -1,0 +1,122 @@
+//! Helpers shared by the test modules.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{
+    AfterFailure, ClaimOutcome, ClaimRequest, IdempotencyKey, Lease, OwnerId, Policy, Record,
+    Scope, Store, StoreError, Timestamp,
+};
+
+pub(crate) fn scope(name: &str) -> Scope {
+    Scope::new(name).unwrap()
+}
+
+pub(crate) fn key(name: impl AsRef<[u8]>) -> IdempotencyKey {
+    IdempotencyKey::new(scope("test"), name).unwrap()
+}
+
+pub(crate) fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A claim by `owner` with a 30 s lease unless `policy` says otherwise.
+pub(crate) fn req(key: &IdempotencyKey, owner: &str) -> ClaimRequest {
+    ClaimRequest::new(key.clone(), OwnerId::new(owner))
+}
+
+pub(crate) fn acquired(outcome: ClaimOutcome) -> Lease {
+    match outcome {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+pub(crate) fn short_lease(ms_: u64) -> Policy {
+    Policy::default().with_lease(ms(ms_))
+}
+
+/// A real store with injected faults: a call that **was applied** by the inner store is reported
+/// as [`StoreError::OutcomeUnknown`], as a dropped connection after COMMIT would be. It does not
+/// fake any answer: the inner store's state is the truth the caller must read back.
+#[derive(Debug)]
+pub(crate) struct LostReplies<S> {
+    pub(crate) inner: S,
+    pub(crate) claims: AtomicU32,
+    pub(crate) completes: AtomicU32,
+}
+
+impl<S> LostReplies<S> {
+    pub(crate) fn new(inner: S, claims: u32, completes: u32) -> Self {
+        Self {
+            inner,
+            claims: AtomicU32::new(claims),
+            completes: AtomicU32::new(completes),
+        }
+    }
+}
+
+fn take(n: &AtomicU32) -> bool {
+    n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1))
+        .is_ok()
+}
+
+#[derive(Debug)]
+struct ReplyLost;
+
+impl std::fmt::Display for ReplyLost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection dropped before the reply (injected)")
+    }
+}
+
+impl std::error::Error for ReplyLost {}
+
+impl<S: Store> Store for LostReplies<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let out = self.inner.claim(req).await?;
+        if take(&self.claims) {
+            return Err(StoreError::outcome_unknown(ReplyLost));
+        }
+        Ok(out)
+    }
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
+        self.inner.complete(lease, result).await?;
+        if take(&self.completes) {
+            return Err(StoreError::outcome_unknown(ReplyLost));
+        }
+        Ok(())
+    }
+    async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
+        self.inner.fail_retryable(lease, error).await
+    }
+    async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
+        self.inner.fail_permanent(lease, reason).await
+    }
+    async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
+        self.inner.extend(lease).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
+        self.inner.purge(limit).await
+    }
+}
+
+/// The handler error type tests use.
+#[derive(Debug)]
+pub(crate) struct Boom(pub(crate) &'static str);
+
+impl std::fmt::Display for Boom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for Boom {}
+
+pub(crate) fn bytes(s: &'static str) -> Bytes {
+    Bytes::from_static(s.as_bytes())
+}
