@@ -4,9 +4,8 @@
 #
 #   ensure_postgres   -> DATABASE_URL (superuser on a private cluster; tests create a database each)
 #
-# A server that cannot be started is an error: nothing is skipped.
-
-set -euo pipefail
+# A server that cannot be started is an error: nothing is skipped. Sourcing this file changes no
+# shell options; the scripts that source it set their own.
 
 DEDUP_PG_PORT="${DEDUP_PG_PORT:-55432}"
 DEDUP_PG_DIR="${DEDUP_PG_DIR:-/tmp/dedup-pg-$DEDUP_PG_PORT}"

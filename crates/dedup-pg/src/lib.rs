@@ -153,7 +153,7 @@ const CLAIM_SQL: &str = concat!(
     "  FROM clock c",
     "  WHERE r.scope = $1 AND r.key = $2 AND (r.expires_at <= c.t OR (r.attempts < $7",
     "    AND ($4::bytea IS NULL OR r.fingerprint IS NULL OR r.fingerprint = $4)",
-    "    AND (r.state = 'released' OR (r.state = 'in_progress'))))",
+    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
     "  RETURNING r.*) ",
     "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
     record_cols!("ins"),
