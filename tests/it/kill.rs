@@ -1,1 +1,112 @@
-//! SIGKILL (placeholder, filled below).
+//! A real process killed with SIGKILL after its claim and before completing.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{ClaimOutcome, Dedup, HandlerError, Processed, State, Store};
+use dedup_pg::PgStore;
+use sqlx::PgPool;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::support::{key, req};
+
+/// The URL of the test's own database: `DATABASE_URL` with the database name swapped.
+fn url_of(pool: &PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set by scripts/test");
+    let db = pool
+        .connect_options()
+        .get_database()
+        .expect("sqlx::test names its database")
+        .to_owned();
+    let (server, _) = base
+        .rsplit_once('/')
+        .expect("DATABASE_URL has a database path");
+    format!("{server}/{db}")
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
+    sqlx::query("CREATE TABLE effects (key text NOT NULL, token bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dedup-claim-and-hang"))
+        .args([url_of(&pool).as_str(), "test", "order-7", "1000"])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let stdout = child.stdout.take().unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        BufReader::new(stdout).read_line(&mut line),
+    )
+    .await
+    .expect("the worker claims within 30 s")
+    .unwrap();
+    let dead_token: u64 = line
+        .trim()
+        .strip_prefix("claimed token=")
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    child.kill().await.unwrap(); // SIGKILL: no cleanup, no release
+    let status = child.wait().await.unwrap();
+    assert!(!status.success());
+
+    let store = PgStore::new(pool.clone());
+    let k = key("order-7");
+    // Its lease still stands right after the kill.
+    let early = store.claim(&req(&k, "early")).await.unwrap();
+    assert!(matches!(early, ClaimOutcome::InFlight { .. }), "{early:?}");
+
+    // A consumer waits out the dead lease, takes over, and runs the effect once.
+    let dedup = Dedup::new(store.clone()).with_in_flight_wait(Duration::from_secs(10));
+    let run = |store: PgStore| {
+        move |ctx: dedup_core::LeaseContext| async move {
+            let token = i64::try_from(ctx.lease().token.get()).unwrap();
+            store
+                .transact::<sqlx::Error, _>(&ctx, move |tx| {
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO effects VALUES ('order-7', $1)")
+                            .bind(token)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(HandlerError::Retryable)?;
+                        Ok(Bytes::from_static(b"shipped"))
+                    })
+                })
+                .await
+        }
+    };
+    let done = dedup.process(&k, None, run(store.clone())).await.unwrap();
+    let Processed::Executed {
+        token, attempts, ..
+    } = done
+    else {
+        panic!("expected the takeover to execute, got {done:?}");
+    };
+    assert!(token.get() > dead_token);
+    assert_eq!(attempts, 2);
+    // Another delivery replays.
+    let again = dedup.process(&k, None, run(store.clone())).await.unwrap();
+    assert!(!again.executed());
+
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT key, token FROM effects")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![("order-7".to_owned(), i64::try_from(token.get()).unwrap())]
+    );
+    let rec = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.token, rec.attempts),
+        (State::Completed, token, 2)
+    );
+}

@@ -1,1 +1,329 @@
-//! Postgres-only scenarios (placeholder, filled below).
+//! Postgres-only scenarios: transactional mode, zombies, the storm with real effect rows.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{
+    ClaimOutcome, Completion, Dedup, HandlerError, Policy, Processed, State, Store, StoreError,
+};
+use dedup_pg::PgStore;
+use sqlx::PgPool;
+use tokio::time::sleep;
+
+use crate::support::{Boom, acquired, bytes, key, ms, req, short_lease};
+
+async fn effects_table(pool: &PgPool) {
+    sqlx::query(
+        "CREATE TABLE effects (key text NOT NULL, token bigint NOT NULL, worker text NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn effect_rows(pool: &PgPool) -> Vec<(String, i64, String)> {
+    sqlx::query_as("SELECT key, token, worker FROM effects ORDER BY key, token")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn storm_in_transactional_mode_writes_one_effect_per_key(pool: PgPool) {
+    // 32 tasks make 2,000 deliveries over 200 keys; each handler writes its effect row in the
+    // same transaction as its fenced completion.
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let dedup = Arc::new(Dedup::new(store.clone()).with_in_flight_wait(Duration::from_secs(60)));
+    let mut tasks = Vec::new();
+    for t in 0..32u32 {
+        let (dedup, store) = (Arc::clone(&dedup), store.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut executed, mut replayed) = (0u32, 0u32);
+            for d in (t..2000).step_by(32) {
+                let n = (d * 7919) % 200;
+                let name = format!("storm-{n}");
+                let done = dedup
+                    .process(&key(&name), None, |ctx| {
+                        let (store, name) = (store.clone(), name.clone());
+                        async move {
+                            let token = i64::try_from(ctx.lease().token.get()).unwrap();
+                            store
+                                .transact::<sqlx::Error, _>(&ctx, move |tx| {
+                                    Box::pin(async move {
+                                        sqlx::query("INSERT INTO effects VALUES ($1, $2, $3)")
+                                            .bind(&name)
+                                            .bind(token)
+                                            .bind(format!("task-{t}"))
+                                            .execute(&mut *tx)
+                                            .await
+                                            .map_err(HandlerError::Retryable)?;
+                                        Ok(Bytes::from(format!("done {name}")))
+                                    })
+                                })
+                                .await
+                        }
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(done.result(), format!("done storm-{n}").as_bytes());
+                match done {
+                    Processed::Executed { .. } => executed += 1,
+                    _ => replayed += 1,
+                }
+            }
+            (executed, replayed)
+        }));
+    }
+    let (mut executed, mut replayed) = (0, 0);
+    for t in tasks {
+        let (e, r) = t.await.unwrap();
+        executed += e;
+        replayed += r;
+    }
+    assert_eq!((executed, replayed), (200, 1800));
+    let (rows, keys): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT key) FROM effects")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, keys), (200, 200), "exactly one effect row per key");
+    // Each effect was written under the token that completed its key.
+    let mismatched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM effects e JOIN dedup_records r ON r.key = convert_to(e.key, 'UTF8') \
+         WHERE r.state <> 'completed' OR r.token <> e.token",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(mismatched, 0);
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_zombie_is_fenced_out_with_its_business_writes(pool: PgPool) {
+    // A claims and stalls past its lease mid-transaction (a GC pause, SIGSTOP); B takes over and
+    // completes. A's late completion is refused, and its business write rolls back with it.
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let k = key("payment-1");
+    let a = acquired(
+        store
+            .claim(&req(&k, "A").with_policy(short_lease(300)))
+            .await
+            .unwrap(),
+    );
+    let mut tx_a = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO effects VALUES ('payment-1', $1, 'A')")
+        .bind(i64::try_from(a.token.get()).unwrap())
+        .execute(&mut *tx_a)
+        .await
+        .unwrap();
+    sleep(ms(600)).await; // A stalls; its lease runs out.
+
+    let b = acquired(store.claim(&req(&k, "B")).await.unwrap());
+    assert!(b.token > a.token);
+    let mut tx_b = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO effects VALUES ('payment-1', $1, 'B')")
+        .bind(i64::try_from(b.token.get()).unwrap())
+        .execute(&mut *tx_b)
+        .await
+        .unwrap();
+    PgStore::complete_in(&mut tx_b, &b, b"B's receipt")
+        .await
+        .unwrap();
+    store.commit(tx_b, &b).await.unwrap();
+
+    // A wakes up and tries to finish.
+    let err = PgStore::complete_in(&mut tx_a, &a, b"A's receipt")
+        .await
+        .unwrap_err();
+    assert!(err.is_lease_lost(), "{err:?}");
+    drop(tx_a); // A's transaction rolls back, its effect row with it.
+
+    let rows = effect_rows(&pool).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].2, "B");
+    let rec = store.get(&k).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.token), (State::Completed, b.token));
+    assert_eq!(rec.result, Some(bytes("B's receipt")));
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_late_holder_that_commits_first_wins_and_the_takeover_replays(pool: PgPool) {
+    // The other order: A's lease ran out, but A completes (holding the row) before B's takeover
+    // lands. B's claim waits on A's row, then sees COMPLETED and replays: still one effect.
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let k = key("payment-2");
+    let a = acquired(
+        store
+            .claim(&req(&k, "A").with_policy(short_lease(200)))
+            .await
+            .unwrap(),
+    );
+    sleep(ms(400)).await;
+    let mut tx_a = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO effects VALUES ('payment-2', 1, 'A')")
+        .execute(&mut *tx_a)
+        .await
+        .unwrap();
+    PgStore::complete_in(&mut tx_a, &a, b"A's receipt")
+        .await
+        .unwrap();
+
+    let claimer = {
+        let (store, k) = (store.clone(), k.clone());
+        tokio::spawn(async move { store.claim(&req(&k, "B")).await })
+    };
+    sleep(ms(300)).await;
+    assert!(
+        !claimer.is_finished(),
+        "B's takeover must wait on A's uncommitted completion"
+    );
+    store.commit(tx_a, &a).await.unwrap();
+    assert_eq!(
+        claimer.await.unwrap().unwrap(),
+        ClaimOutcome::Completed {
+            result: bytes("A's receipt"),
+            token: a.token
+        }
+    );
+    assert_eq!(effect_rows(&pool).await.len(), 1);
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn transaction_mode_claim_is_a_lock_until_commit(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let k = key("k");
+    let mut tx1 = pool.begin().await.unwrap();
+    let lease = acquired(PgStore::claim_in(&mut tx1, &req(&k, "tx1")).await.unwrap());
+
+    // Nobody else sees the uncommitted claim, but nobody can claim past it either.
+    assert_eq!(store.get(&k).await.unwrap(), None);
+    let mut tx2 = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '200ms'")
+        .execute(&mut *tx2)
+        .await
+        .unwrap();
+    assert_eq!(
+        PgStore::claim_in(&mut tx2, &req(&k, "tx2")).await.unwrap(),
+        ClaimOutcome::InFlight {
+            owner: None,
+            lease_until: None
+        }
+    );
+    tx2.rollback().await.unwrap();
+
+    // A claimer without a lock timeout waits for tx1 to end.
+    let waiter = {
+        let (store, k) = (store.clone(), k.clone());
+        tokio::spawn(async move { store.claim(&req(&k, "waiter")).await })
+    };
+    sleep(ms(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the second claim must wait on the uncommitted one"
+    );
+    PgStore::complete_in(&mut tx1, &lease, b"one transaction")
+        .await
+        .unwrap();
+    store.commit(tx1, &lease).await.unwrap();
+    assert!(matches!(
+        waiter.await.unwrap().unwrap(),
+        ClaimOutcome::Completed { result, .. } if result == bytes("one transaction")
+    ));
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn transaction_mode_rollback_leaves_nothing_behind(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let k = key("k");
+    let mut tx = pool.begin().await.unwrap();
+    acquired(
+        PgStore::claim_in(&mut tx, &req(&k, "crashes"))
+            .await
+            .unwrap(),
+    );
+    tx.rollback().await.unwrap(); // as a crash would
+    assert_eq!(store.get(&k).await.unwrap(), None);
+    let lease = acquired(store.claim(&req(&k, "next")).await.unwrap());
+    assert_eq!(lease.attempts, 1);
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_commit_on_a_terminated_connection_is_not_taken_for_success(pool: PgPool) {
+    // The server drops the transaction's connection before COMMIT: the commit reports a retryable
+    // error, nothing landed, and the lease can still complete.
+    let store = PgStore::new(pool.clone());
+    let k = key("k");
+    let lease = acquired(store.claim(&req(&k, "a")).await.unwrap());
+    let mut tx = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    PgStore::complete_in(&mut tx, &lease, b"lost")
+        .await
+        .unwrap();
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(killed);
+    sleep(ms(100)).await;
+    let err = store.commit(tx, &lease).await.unwrap_err();
+    assert!(err.is_retryable() && !err.is_lease_lost(), "{err:?}");
+    let rec = store.get(&k).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.token), (State::InProgress, lease.token));
+    store.complete(&lease, b"second try").await.unwrap();
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn migrations_apply_once_and_rerun_cleanly(pool: PgPool) {
+    dedup_pg::migrate(&pool).await.unwrap();
+    dedup_pg::migrate(&pool).await.unwrap();
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        applied,
+        i64::try_from(dedup_pg::MIGRATOR.iter().count()).unwrap()
+    );
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn foreign_rows_read_as_corrupt_not_as_answers(pool: PgPool) {
+    // A row written by something else (here: a fingerprint of the wrong length slipped in with
+    // the constraint dropped) is a typed error, never a panic or a wrong answer.
+    sqlx::query("ALTER TABLE dedup_records DROP CONSTRAINT dedup_records_fingerprint_check")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO dedup_records (scope, key, state, token, attempts, fingerprint, created_at, \
+         updated_at, expires_at) VALUES ('test', 'bad', 'completed', 1, 1, '\\x0102', now(), now(), \
+         now() + interval '1 day')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = PgStore::new(pool);
+    let k = key("bad");
+    let err = store.get(&k).await.unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err:?}");
+    let err = store.claim(&req(&k, "a")).await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::Corrupt { .. }) && !err.is_retryable(),
+        "{err:?}"
+    );
+    let dedup = Dedup::new(store).with_policy(Policy::default()).unwrap();
+    let out = dedup
+        .process(&k, None, |_| async {
+            Ok::<_, HandlerError<Boom>>(Completion::store("x"))
+        })
+        .await;
+    assert!(out.is_err(), "{out:?}");
+}
