@@ -84,7 +84,7 @@ pub fn claim(
     let current = current.filter(|r| !purgeable(r, now));
     let Some(cur) = current else {
         let token = next_token();
-        let lease_until = now.add(policy.lease);
+        let lease_until = now.plus(policy.lease);
         let record = Record {
             key: req.key.clone(),
             state: State::InProgress,
@@ -97,7 +97,7 @@ pub fn claim(
             failure: None,
             created_at: now,
             updated_at: now,
-            expires_at: lease_until.add(policy.retention),
+            expires_at: lease_until.plus(policy.retention),
         };
         return acquire(record, req);
     };
@@ -127,13 +127,13 @@ pub fn claim(
                         cur.failure.as_deref(),
                     )),
                     updated_at: now,
-                    expires_at: now.add(policy.failed_retention),
+                    expires_at: now.plus(policy.failed_retention),
                     ..cur.clone()
                 },
             }
         }
         State::InProgress | State::Released => {
-            let lease_until = now.add(policy.lease);
+            let lease_until = now.plus(policy.lease);
             let record = Record {
                 state: State::InProgress,
                 owner: Some(req.owner.clone()),
@@ -142,7 +142,7 @@ pub fn claim(
                 attempts: cur.attempts.saturating_add(1),
                 fingerprint: cur.fingerprint.or(req.fingerprint),
                 updated_at: now,
-                expires_at: lease_until.add(policy.retention),
+                expires_at: lease_until.plus(policy.retention),
                 ..cur.clone()
             };
             acquire(record, req)
@@ -192,7 +192,7 @@ pub fn complete(
         result: Some(bytes::Bytes::copy_from_slice(result)),
         failure: None,
         updated_at: now,
-        expires_at: now.add(lease.policy.retention),
+        expires_at: now.plus(lease.policy.retention),
         ..cur.clone()
     })
 }
@@ -211,7 +211,7 @@ pub fn fail_retryable(
         let record = Record {
             state: State::Failed,
             failure: Some(exhausted_reason(cur.attempts, max, Some(error))),
-            expires_at: now.add(lease.policy.failed_retention),
+            expires_at: now.plus(lease.policy.failed_retention),
             ..cur.clone()
         };
         (
@@ -224,7 +224,7 @@ pub fn fail_retryable(
         let record = Record {
             state: State::Released,
             failure: Some(error.to_owned()),
-            expires_at: now.add(lease.policy.retention),
+            expires_at: now.plus(lease.policy.retention),
             ..cur.clone()
         };
         (
@@ -257,7 +257,7 @@ pub fn fail_permanent(
         lease_until: None,
         failure: Some(reason.to_owned()),
         updated_at: now,
-        expires_at: now.add(lease.policy.failed_retention),
+        expires_at: now.plus(lease.policy.failed_retention),
         ..cur.clone()
     })
 }
@@ -269,11 +269,11 @@ pub fn extend(
     now: Timestamp,
 ) -> Result<Record, StoreError> {
     let cur = check_fence(current, lease)?;
-    let lease_until = now.add(lease.policy.lease);
+    let lease_until = now.plus(lease.policy.lease);
     Ok(Record {
         lease_until: Some(lease_until),
         updated_at: now,
-        expires_at: cur.expires_at.max(lease_until.add(lease.policy.retention)),
+        expires_at: cur.expires_at.max(lease_until.plus(lease.policy.retention)),
         ..cur.clone()
     })
 }
@@ -322,24 +322,24 @@ mod tests {
         assert_eq!(rec.state, State::InProgress);
         assert_eq!(rec.token, FencingToken::new(7));
         assert_eq!(rec.attempts, 1);
-        assert_eq!(rec.lease_until, Some(T0.add(secs(10))));
-        assert_eq!(rec.expires_at, T0.add(secs(110)));
+        assert_eq!(rec.lease_until, Some(T0.plus(secs(10))));
+        assert_eq!(rec.expires_at, T0.plus(secs(110)));
         assert_eq!(rec.owner, Some(OwnerId::new("a")));
         assert_eq!(lease.token, rec.token);
-        assert_eq!(lease.lease_until, T0.add(secs(10)));
+        assert_eq!(lease.lease_until, T0.plus(secs(10)));
     }
 
     #[test]
     fn a_live_lease_answers_in_flight_and_draws_no_token() {
         let (rec, _) = acquired(claim(None, &req("a"), T0, tok(1)));
-        let step = claim(Some(&rec), &req("b"), T0.add(secs(9)), || {
+        let step = claim(Some(&rec), &req("b"), T0.plus(secs(9)), || {
             panic!("no token may be drawn for an answer")
         });
         assert_eq!(
             step,
             ClaimStep::Answer(ClaimOutcome::InFlight {
                 owner: Some(OwnerId::new("a")),
-                lease_until: Some(T0.add(secs(10)))
+                lease_until: Some(T0.plus(secs(10)))
             })
         );
     }
@@ -347,7 +347,7 @@ mod tests {
     #[test]
     fn an_expired_lease_is_taken_over_with_a_new_token_and_one_more_attempt() {
         let (rec, _) = acquired(claim(None, &req("a"), T0, tok(1)));
-        let (rec2, lease2) = acquired(claim(Some(&rec), &req("b"), T0.add(secs(10)), tok(2)));
+        let (rec2, lease2) = acquired(claim(Some(&rec), &req("b"), T0.plus(secs(10)), tok(2)));
         assert_eq!(rec2.token, FencingToken::new(2));
         assert_eq!(rec2.attempts, 2);
         assert_eq!(rec2.owner, Some(OwnerId::new("b")));
@@ -358,12 +358,12 @@ mod tests {
     #[test]
     fn complete_then_duplicates_replay_the_result() {
         let (rec, lease) = acquired(claim(None, &req("a"), T0, tok(1)));
-        let done = complete(Some(&rec), &lease, b"ok", T0.add(secs(1))).expect("complete");
+        let done = complete(Some(&rec), &lease, b"ok", T0.plus(secs(1))).expect("complete");
         assert_eq!(done.state, State::Completed);
         assert_eq!(done.lease_until, None);
-        assert_eq!(done.expires_at, T0.add(secs(101)));
+        assert_eq!(done.expires_at, T0.plus(secs(101)));
         assert_eq!(
-            claim(Some(&done), &req("b"), T0.add(secs(50)), tok(9)).outcome(),
+            claim(Some(&done), &req("b"), T0.plus(secs(50)), tok(9)).outcome(),
             ClaimOutcome::Completed {
                 result: bytes::Bytes::from_static(b"ok"),
                 token: FencingToken::new(1)
@@ -374,8 +374,8 @@ mod tests {
     #[test]
     fn stale_tokens_are_fenced_out_of_every_call() {
         let (rec, stale) = acquired(claim(None, &req("a"), T0, tok(1)));
-        let (rec2, _) = acquired(claim(Some(&rec), &req("b"), T0.add(secs(11)), tok(2)));
-        let now = T0.add(secs(12));
+        let (rec2, _) = acquired(claim(Some(&rec), &req("b"), T0.plus(secs(11)), tok(2)));
+        let now = T0.plus(secs(12));
         assert!(complete(Some(&rec2), &stale, b"late", now).is_err_and(|e| e.is_lease_lost()));
         assert!(fail_retryable(Some(&rec2), &stale, "x", now).is_err_and(|e| e.is_lease_lost()));
         assert!(fail_permanent(Some(&rec2), &stale, "x", now).is_err_and(|e| e.is_lease_lost()));
@@ -404,7 +404,7 @@ mod tests {
             } else {
                 assert_eq!(after, AfterFailure::Failed { attempts: 3 });
                 assert_eq!(after_rec.state, State::Failed);
-                assert_eq!(after_rec.expires_at, T0.add(secs(1000)));
+                assert_eq!(after_rec.expires_at, T0.plus(secs(1000)));
             }
             rec = Some(after_rec);
         }
@@ -424,7 +424,7 @@ mod tests {
         for n in 1..=3u64 {
             let (r, _) = acquired(claim(rec.as_ref(), &req("a"), now, tok(n)));
             rec = Some(r);
-            now = now.add(secs(11));
+            now = now.plus(secs(11));
         }
         let step = claim(rec.as_ref(), &req("b"), now, || panic!("no token"));
         let ClaimStep::Exhaust { record } = &step else {
@@ -460,12 +460,12 @@ mod tests {
     #[test]
     fn extend_moves_the_lease_from_now() {
         let (rec, lease) = acquired(claim(None, &req("a"), T0, tok(1)));
-        let later = T0.add(secs(8));
+        let later = T0.plus(secs(8));
         let ext = extend(Some(&rec), &lease, later).expect("extend");
-        assert_eq!(ext.lease_until, Some(later.add(secs(10))));
-        assert!(ext.expires_at >= later.add(secs(110)));
+        assert_eq!(ext.lease_until, Some(later.plus(secs(10))));
+        assert!(ext.expires_at >= later.plus(secs(110)));
         assert!(matches!(
-            claim(Some(&ext), &req("b"), T0.add(secs(15)), tok(2)).outcome(),
+            claim(Some(&ext), &req("b"), T0.plus(secs(15)), tok(2)).outcome(),
             ClaimOutcome::InFlight { .. }
         ));
     }
@@ -494,7 +494,7 @@ mod tests {
     fn a_record_past_retention_is_absent() {
         let (rec, lease) = acquired(claim(None, &req("a"), T0, tok(1)));
         let done = complete(Some(&rec), &lease, b"ok", T0).expect("complete");
-        let after = T0.add(secs(100));
+        let after = T0.plus(secs(100));
         assert!(purgeable(&done, after));
         let (fresh, _) = acquired(claim(Some(&done), &req("b"), after, tok(5)));
         assert_eq!(fresh.attempts, 1);

@@ -36,7 +36,7 @@ impl Timestamp {
     }
 
     /// `self + d`, saturating.
-    pub fn add(self, d: Duration) -> Self {
+    pub fn plus(self, d: Duration) -> Self {
         Self(self.0.saturating_add(micros(d)))
     }
 
