@@ -58,3 +58,8 @@ pub use record::{
     Timestamp, micros,
 };
 pub use store::{MemoryStore, Store};
+
+/// The README's examples run as doctests, so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;

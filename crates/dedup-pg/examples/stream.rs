@@ -261,34 +261,43 @@ async fn main() -> Result<(), Box<dyn Error>> {
     };
     let t = &tally;
     let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let line = |label: &str, value: String| println!("  {label:<30}{value}");
     println!();
-    println!("  deliveries processed        {:>8}", lat.len());
-    println!("  unique events               {:>8}", unique.len());
-    println!("  effects executed            {:>8}", n(&t.executed));
-    println!("  duplicates replayed         {:>8}", n(&t.replayed));
-    println!(
-        "  redelivered after a transient failure {:>2}",
-        n(&t.retried)
+    line("deliveries processed", format!("{:>8}", lat.len()));
+    line("unique events", format!("{:>8}", unique.len()));
+    line("effects executed", format!("{:>8}", n(&t.executed)));
+    line("duplicates replayed", format!("{:>8}", n(&t.replayed)));
+    line(
+        "redelivered after a failure",
+        format!("{:>8}  (transient, then succeeded)", n(&t.retried)),
     );
-    println!(
-        "  poison deliveries (FAILED)  {:>8}  ({} poison events)",
-        n(&t.poison),
-        poison.len()
+    line(
+        "poison deliveries (FAILED)",
+        format!("{:>8}  ({} poison events)", n(&t.poison), poison.len()),
     );
-    println!("  payload mismatches refused  {:>8}", n(&t.mismatched));
-    println!("  gave up waiting (in flight) {:>8}", n(&t.in_flight));
-    println!(
-        "  ledger rows                 {rows:>8}  for {keys} events; expected {expected}; doubled: {doubled}"
+    line(
+        "payload mismatches refused",
+        format!("{:>8}", n(&t.mismatched)),
     );
-    println!(
-        "  throughput                  {:>8.0} deliveries/s over {:.2?}",
-        lat.len() as f64 / elapsed.as_secs_f64(),
-        elapsed
+    line(
+        "gave up waiting (in flight)",
+        format!("{:>8}", n(&t.in_flight)),
     );
-    println!(
-        "  latency per delivery        p50 {:.2?}  p99 {:.2?}",
-        pct(50),
-        pct(99)
+    line(
+        "ledger rows",
+        format!("{rows:>8}  for {keys} events; expected {expected}; doubled: {doubled}"),
+    );
+    line(
+        "throughput",
+        format!(
+            "{:>8.0}  deliveries/s over {:.2?}",
+            lat.len() as f64 / elapsed.as_secs_f64(),
+            elapsed
+        ),
+    );
+    line(
+        "latency per delivery",
+        format!("p50 {:.2?}  p99 {:.2?}", pct(50), pct(99)),
     );
     if rows != expected
         || keys != expected
