@@ -4,13 +4,13 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{ClaimOutcome, Dedup, HandlerError, Processed, State, Store};
+use dedup_core::{ClaimOutcome, Dedup, LeaseContext, Processed, State, Store};
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::support::{key, req};
+use crate::support::{effect_in_tx, effect_rows, effects_table, key, req};
 
 /// The URL of the test's own database: `DATABASE_URL` with the database name swapped.
 fn url_of(pool: &PgPool) -> String {
@@ -28,12 +28,9 @@ fn url_of(pool: &PgPool) -> String {
 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
-    sqlx::query("CREATE TABLE effects (key text NOT NULL, token bigint NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    effects_table(&pool).await;
     let mut child = Command::new(env!("CARGO_BIN_EXE_dedup-claim-and-hang"))
-        .args([url_of(&pool).as_str(), "test", "order-7", "1000"])
+        .args([url_of(&pool).as_str(), "test", "order-7", "2000"])
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -67,20 +64,9 @@ async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
     // A consumer waits out the dead lease, takes over, and runs the effect once.
     let dedup = Dedup::new(store.clone()).with_in_flight_wait(Duration::from_secs(10));
     let run = |store: PgStore| {
-        move |ctx: dedup_core::LeaseContext| async move {
-            let token = i64::try_from(ctx.lease().token.get()).unwrap();
-            store
-                .transact::<sqlx::Error, _>(&ctx, move |tx| {
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO effects VALUES ('order-7', $1)")
-                            .bind(token)
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(HandlerError::Retryable)?;
-                        Ok(Bytes::from_static(b"shipped"))
-                    })
-                })
-                .await
+        move |ctx: LeaseContext| async move {
+            let result = Bytes::from_static(b"shipped");
+            effect_in_tx(&store, &ctx, "order-7".into(), "taker".into(), result).await
         }
     };
     let done = dedup.process(&k, None, run(store.clone())).await.unwrap();
@@ -96,13 +82,11 @@ async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
     let again = dedup.process(&k, None, run(store.clone())).await.unwrap();
     assert!(!again.executed());
 
-    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT key, token FROM effects")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+    let rows = effect_rows(&pool).await;
+    let token_i64 = i64::try_from(token.get()).unwrap();
     assert_eq!(
         rows,
-        vec![("order-7".to_owned(), i64::try_from(token.get()).unwrap())]
+        vec![("order-7".to_owned(), token_i64, "taker".to_owned())]
     );
     let rec = store.get(&k).await.unwrap().unwrap();
     assert_eq!(

@@ -11,23 +11,10 @@ use dedup_pg::PgStore;
 use sqlx::PgPool;
 use tokio::time::sleep;
 
-use crate::support::{Boom, acquired, bytes, key, ms, req, short_lease};
-
-async fn effects_table(pool: &PgPool) {
-    sqlx::query(
-        "CREATE TABLE effects (key text NOT NULL, token bigint NOT NULL, worker text NOT NULL)",
-    )
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
-async fn effect_rows(pool: &PgPool) -> Vec<(String, i64, String)> {
-    sqlx::query_as("SELECT key, token, worker FROM effects ORDER BY key, token")
-        .fetch_all(pool)
-        .await
-        .unwrap()
-}
+use crate::support::{
+    Boom, acquired, bytes, effect_in_tx, effect_rows, effects_table, insert_effect, key, ms, req,
+    short_lease,
+};
 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn storm_in_transactional_mode_writes_one_effect_per_key(pool: PgPool) {
@@ -48,21 +35,8 @@ async fn storm_in_transactional_mode_writes_one_effect_per_key(pool: PgPool) {
                     .process(&key(&name), None, |ctx| {
                         let (store, name) = (store.clone(), name.clone());
                         async move {
-                            let token = i64::try_from(ctx.lease().token.get()).unwrap();
-                            store
-                                .transact::<sqlx::Error, _>(&ctx, move |tx| {
-                                    Box::pin(async move {
-                                        sqlx::query("INSERT INTO effects VALUES ($1, $2, $3)")
-                                            .bind(&name)
-                                            .bind(token)
-                                            .bind(format!("task-{t}"))
-                                            .execute(&mut *tx)
-                                            .await
-                                            .map_err(HandlerError::Retryable)?;
-                                        Ok(Bytes::from(format!("done {name}")))
-                                    })
-                                })
-                                .await
+                            let result = Bytes::from(format!("done {name}"));
+                            effect_in_tx(&store, &ctx, name, format!("task-{t}"), result).await
                         }
                     })
                     .await
@@ -114,9 +88,7 @@ async fn a_zombie_is_fenced_out_with_its_business_writes(pool: PgPool) {
             .unwrap(),
     );
     let mut tx_a = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO effects VALUES ('payment-1', $1, 'A')")
-        .bind(i64::try_from(a.token.get()).unwrap())
-        .execute(&mut *tx_a)
+    insert_effect(&mut tx_a, "payment-1", a.token, "A")
         .await
         .unwrap();
     sleep(ms(600)).await; // A stalls; its lease runs out.
@@ -124,9 +96,7 @@ async fn a_zombie_is_fenced_out_with_its_business_writes(pool: PgPool) {
     let b = acquired(store.claim(&req(&k, "B")).await.unwrap());
     assert!(b.token > a.token);
     let mut tx_b = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO effects VALUES ('payment-1', $1, 'B')")
-        .bind(i64::try_from(b.token.get()).unwrap())
-        .execute(&mut *tx_b)
+    insert_effect(&mut tx_b, "payment-1", b.token, "B")
         .await
         .unwrap();
     PgStore::complete_in(&mut tx_b, &b, b"B's receipt")
@@ -164,8 +134,7 @@ async fn a_late_holder_that_commits_first_wins_and_the_takeover_replays(pool: Pg
     );
     sleep(ms(400)).await;
     let mut tx_a = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO effects VALUES ('payment-2', 1, 'A')")
-        .execute(&mut *tx_a)
+    insert_effect(&mut tx_a, "payment-2", a.token, "A")
         .await
         .unwrap();
     PgStore::complete_in(&mut tx_a, &a, b"A's receipt")
@@ -326,4 +295,74 @@ async fn foreign_rows_read_as_corrupt_not_as_answers(pool: PgPool) {
         })
         .await;
     assert!(out.is_err(), "{out:?}");
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_fencing_storm_with_zombies_leaves_one_effect_per_key(pool: PgPool) {
+    // 16 holders work 40 keys on 60 ms leases and often stall past them mid-transaction, with no
+    // heartbeat: takeovers and zombies race. Four groups of four walk the keys in step, so every
+    // key is contended by four holders at once. Fencing must leave exactly one committed effect per
+    // key, written under the token that completed it.
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let policy = short_lease(60).with_max_attempts(10_000);
+    let mut tasks = Vec::new();
+    for t in 0..16u64 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut fenced, mut committed) = (0u32, 0u32);
+            for i in 0..40u64 {
+                let name = format!("k{}", (10 * (t % 4) + i) % 40);
+                let k = key(&name);
+                loop {
+                    match store
+                        .claim(&req(&k, &format!("t{t}")).with_policy(policy))
+                        .await
+                        .unwrap()
+                    {
+                        ClaimOutcome::Acquired(lease) => {
+                            let mut tx = store.pool().begin().await.unwrap();
+                            insert_effect(&mut tx, &name, lease.token, &format!("t{t}"))
+                                .await
+                                .unwrap();
+                            // Stall for 0 to 119 ms: past the lease about half the time.
+                            sleep(ms((t * 31 + i * 17).wrapping_mul(2_654_435_761) % 120)).await;
+                            match PgStore::complete_in(&mut tx, &lease, name.as_bytes()).await {
+                                Ok(()) => {
+                                    store.commit(tx, &lease).await.unwrap();
+                                    committed += 1;
+                                }
+                                Err(e) if e.is_lease_lost() => fenced += 1, // tx rolls back
+                                Err(e) => panic!("{e:?}"),
+                            }
+                            break;
+                        }
+                        ClaimOutcome::Completed { .. } => break,
+                        ClaimOutcome::InFlight { .. } => sleep(ms(5)).await,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+            }
+            (fenced, committed)
+        }));
+    }
+    let (mut fenced, mut committed) = (0, 0);
+    for t in tasks {
+        let (f, c) = t.await.unwrap();
+        fenced += f;
+        committed += c;
+    }
+    assert!(
+        fenced > 0,
+        "the storm must produce zombies for the test to mean anything"
+    );
+    let rows = effect_rows(&pool).await;
+    assert_eq!(rows.len(), 40, "one effect per key: {rows:?}");
+    assert_eq!(committed, 40);
+    for (name, token, _) in rows {
+        let rec = store.get(&key(&name)).await.unwrap().unwrap();
+        assert_eq!(rec.state, State::Completed);
+        assert_eq!(i64::try_from(rec.token.get()).unwrap(), token, "{name}");
+    }
+    eprintln!("fencing storm: {fenced} zombie completions refused, 40 keys committed once");
 }

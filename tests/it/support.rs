@@ -120,3 +120,58 @@ impl std::error::Error for Boom {}
 pub(crate) fn bytes(s: &'static str) -> Bytes {
     Bytes::from_static(s.as_bytes())
 }
+
+/// A table of business effects: one row per time a handler's effect ran and committed.
+pub(crate) async fn effects_table(pool: &sqlx::PgPool) {
+    sqlx::query(
+        "CREATE TABLE effects (key text NOT NULL, token bigint NOT NULL, worker text NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Writes one effect row on `conn` (usually inside the handler's transaction).
+pub(crate) async fn insert_effect(
+    conn: &mut sqlx::PgConnection,
+    key: &str,
+    token: dedup_core::FencingToken,
+    worker: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO effects VALUES ($1, $2, $3)")
+        .bind(key)
+        .bind(i64::try_from(token.get()).unwrap())
+        .bind(worker)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// All effect rows: (key, token, worker), ordered.
+pub(crate) async fn effect_rows(pool: &sqlx::PgPool) -> Vec<(String, i64, String)> {
+    sqlx::query_as("SELECT key, token, worker FROM effects ORDER BY key, token")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// A transactional handler body: the effect row and the fenced completion commit together.
+pub(crate) async fn effect_in_tx(
+    store: &dedup_pg::PgStore,
+    ctx: &dedup_core::LeaseContext,
+    key: String,
+    worker: String,
+    result: Bytes,
+) -> Result<dedup_core::Completion, dedup_core::HandlerError<sqlx::Error>> {
+    let token = ctx.lease().token;
+    store
+        .transact(ctx, move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, &key, token, &worker)
+                    .await
+                    .map_err(dedup_core::HandlerError::Retryable)?;
+                Ok(result)
+            })
+        })
+        .await
+}

@@ -415,3 +415,13 @@ pub(crate) async fn batch_calls_answer_in_order<S: Store>(s: Arc<S>) {
         ClaimOutcome::Completed { result, .. } if result == bytes("rb")
     ));
 }
+
+pub(crate) async fn longest_key_and_scope_round_trip<S: Store>(s: Arc<S>) {
+    let long_scope = scope(&"s".repeat(dedup_core::MAX_SCOPE_LEN));
+    let k = IdempotencyKey::new(long_scope, vec![0xabu8; dedup_core::MAX_KEY_LEN]).unwrap();
+    let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+    s.complete(&lease, &[0u8; 1024]).await.unwrap();
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(rec.key, k);
+    assert_eq!(rec.result.as_deref().map(<[u8]>::len), Some(1024));
+}

@@ -52,6 +52,7 @@ conformance!(
     tokens_never_repeat_after_a_purge,
     scopes_are_isolated,
     binary_keys_are_kept_as_bytes,
+    longest_key_and_scope_round_trip,
     oversized_result_is_refused_and_changes_nothing,
     invalid_policy_is_refused,
     batch_calls_answer_in_order,
