@@ -38,13 +38,15 @@ pub(crate) fn short_lease(ms_: u64) -> Policy {
 }
 
 /// A real store with injected faults: a call that **was applied** by the inner store is reported
-/// as [`StoreError::OutcomeUnknown`], as a dropped connection after COMMIT would be. It does not
-/// fake any answer: the inner store's state is the truth the caller must read back.
+/// as [`StoreError::OutcomeUnknown`], as a dropped connection after COMMIT would be, and a read
+/// can be refused as [`StoreError::Unavailable`] before it reaches the store. It does not fake any
+/// answer: the inner store's state is the truth the caller must read back.
 #[derive(Debug)]
 pub(crate) struct LostReplies<S> {
     pub(crate) inner: S,
     pub(crate) claims: AtomicU32,
     pub(crate) completes: AtomicU32,
+    pub(crate) gets: AtomicU32,
 }
 
 impl<S> LostReplies<S> {
@@ -53,7 +55,14 @@ impl<S> LostReplies<S> {
             inner,
             claims: AtomicU32::new(claims),
             completes: AtomicU32::new(completes),
+            gets: AtomicU32::new(0),
         }
+    }
+
+    /// Also refuses the next `n` reads as unavailable.
+    pub(crate) fn failing_gets(self, n: u32) -> Self {
+        self.gets.store(n, Ordering::SeqCst);
+        self
     }
 }
 
@@ -98,6 +107,9 @@ impl<S: Store> Store for LostReplies<S> {
         self.inner.extend(lease).await
     }
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        if take(&self.gets) {
+            return Err(StoreError::unavailable(ReplyLost));
+        }
         self.inner.get(key).await
     }
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {

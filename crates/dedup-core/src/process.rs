@@ -364,29 +364,39 @@ impl<S: Store> Dedup<S> {
     }
 
     /// Claims; a claim whose outcome is unknown is read back: if the record holds our owner id
-    /// the claim landed and its lease is ours, otherwise the claim is made again.
+    /// (one per claim attempt) the claim landed and its lease is ours, otherwise the claim is made
+    /// again. A retried claim that finds our own owner id in flight adopts that lease too, rather
+    /// than waiting it out.
     async fn claim_resolved(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut tries = 0;
+        let mut unknown = false;
         loop {
             tries += 1;
-            match self.store.claim(req).await {
+            let outcome = match self.store.claim(req).await {
                 Err(e) if e.is_outcome_unknown() && tries < RESOLVE_TRIES => {
                     warn!(key = %req.key, error = %e, "claim outcome unknown; reading it back");
-                    match self.store.get(&req.key).await {
-                        Ok(Some(r))
-                            if r.state == State::InProgress
-                                && r.owner.as_ref() == Some(&req.owner) =>
-                        {
-                            return Ok(ClaimOutcome::Acquired(Lease::granted(&r, req)));
-                        }
-                        Ok(_) => continue,
-                        Err(e) if e.is_retryable() => {
-                            sleep(Duration::from_millis(20 * u64::from(tries))).await;
-                        }
-                        Err(e) => return Err(e),
-                    }
+                    unknown = true;
+                    None
                 }
-                other => return other,
+                Ok(ClaimOutcome::InFlight { owner: Some(o), .. }) if unknown && o == req.owner => {
+                    None
+                }
+                other => Some(other),
+            };
+            if let Some(outcome) = outcome {
+                return outcome;
+            }
+            match self.store.get(&req.key).await {
+                Ok(Some(r))
+                    if r.state == State::InProgress && r.owner.as_ref() == Some(&req.owner) =>
+                {
+                    return Ok(ClaimOutcome::Acquired(Lease::granted(&r, req)));
+                }
+                Ok(_) => {}
+                Err(e) if e.is_retryable() && tries < RESOLVE_TRIES => {
+                    sleep(Duration::from_millis(20 * u64::from(tries))).await;
+                }
+                Err(e) => return Err(e),
             }
         }
     }

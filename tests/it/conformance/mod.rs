@@ -65,5 +65,6 @@ conformance!(
     process_fails_a_key_whose_result_is_too_large,
     process_reads_back_an_unknown_completion,
     process_reads_back_an_unknown_claim,
+    process_adopts_its_own_claim_after_a_failed_read_back,
     process_storm_runs_each_key_once,
 );

@@ -288,3 +288,30 @@ pub(crate) async fn process_storm_runs_each_key_once<S: Store + 'static>(s: Arc<
     );
     assert_eq!(executed, 200);
 }
+
+pub(crate) async fn process_adopts_its_own_claim_after_a_failed_read_back<S: Store>(s: Arc<S>) {
+    // The claim lands, its reply is lost, and the read-back fails too: the retried claim finds
+    // our own owner id in flight and adopts that lease instead of waiting it out.
+    let flaky = LostReplies::new(Arc::clone(&s), 1, 0).failing_gets(1);
+    let dedup = Dedup::new(&flaky).with_in_flight_wait(Duration::ZERO);
+    let k = key("k");
+    let done = dedup
+        .process(&k, None, |_| async { ok("done") })
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, Processed::Executed { attempts: 1, .. }),
+        "{done:?}"
+    );
+    assert_eq!(
+        flaky.claims.load(Ordering::SeqCst),
+        0,
+        "the lost reply was injected"
+    );
+    assert_eq!(
+        flaky.gets.load(Ordering::SeqCst),
+        0,
+        "the failed read was injected"
+    );
+    assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::Completed);
+}
