@@ -3,12 +3,16 @@
 # demo need, on loopback, in private data directories, and exports their URLs.
 #
 #   ensure_postgres   -> DATABASE_URL (superuser on a private cluster; tests create a database each)
+#   ensure_redis      -> REDIS_URL (a private redis-server; tests use a database number each or
+#                        spawn their own server from REDIS_SERVER_BIN)
 #
 # A server that cannot be started is an error: nothing is skipped. Sourcing this file changes no
 # shell options; the scripts that source it set their own.
 
 DEDUP_PG_PORT="${DEDUP_PG_PORT:-55432}"
 DEDUP_PG_DIR="${DEDUP_PG_DIR:-/tmp/dedup-pg-$DEDUP_PG_PORT}"
+DEDUP_REDIS_PORT="${DEDUP_REDIS_PORT:-56379}"
+DEDUP_REDIS_DIR="${DEDUP_REDIS_DIR:-/tmp/dedup-redis-$DEDUP_REDIS_PORT}"
 
 log() { printf '[services] %s\n' "$*" >&2; }
 die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
@@ -77,4 +81,31 @@ stop_postgres() {
   local bin
   bin="$(pg_bindir)" || return 0
   [ -f "$DEDUP_PG_DIR/PG_VERSION" ] && as_pg_owner "$bin/pg_ctl" -D "$DEDUP_PG_DIR" -m fast stop >/dev/null 2>&1 || true
+}
+
+ensure_redis() {
+  command -v redis-server >/dev/null || apt_install redis-server redis-tools
+  command -v redis-server >/dev/null || die "redis-server installed but not on PATH"
+  if ! redis-cli -h 127.0.0.1 -p "$DEDUP_REDIS_PORT" ping >/dev/null 2>&1; then
+    mkdir -p "$DEDUP_REDIS_DIR"
+    log "starting redis on 127.0.0.1:$DEDUP_REDIS_PORT"
+    # No persistence: Redis is a cache here; losing it costs speed, never a second effect.
+    redis-server --bind 127.0.0.1 --port "$DEDUP_REDIS_PORT" --dir "$DEDUP_REDIS_DIR" \
+      --save "" --appendonly no --daemonize yes --databases 1024 \
+      --pidfile "$DEDUP_REDIS_DIR/redis.pid" --logfile "$DEDUP_REDIS_DIR/redis.log" >/dev/null
+    for _ in $(seq 1 50); do
+      redis-cli -h 127.0.0.1 -p "$DEDUP_REDIS_PORT" ping >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+    redis-cli -h 127.0.0.1 -p "$DEDUP_REDIS_PORT" ping >/dev/null 2>&1 \
+      || { tail -n 20 "$DEDUP_REDIS_DIR/redis.log" >&2 || true; die "redis did not start"; }
+  fi
+  export REDIS_URL="redis://127.0.0.1:$DEDUP_REDIS_PORT"
+  REDIS_SERVER_BIN="$(command -v redis-server)"
+  export REDIS_SERVER_BIN
+  log "REDIS_URL=$REDIS_URL"
+}
+
+stop_redis() {
+  redis-cli -h 127.0.0.1 -p "$DEDUP_REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
 }

@@ -11,3 +11,4 @@ mod support;
 mod conformance;
 mod kill;
 mod pg;
+mod redis;

@@ -155,7 +155,8 @@ async fn a_late_holder_that_commits_first_wins_and_the_takeover_replays(pool: Pg
         claimer.await.unwrap().unwrap(),
         ClaimOutcome::Completed {
             result: bytes("A's receipt"),
-            token: a.token
+            token: a.token,
+            fingerprint: None,
         }
     );
     assert_eq!(effect_rows(&pool).await.len(), 1);

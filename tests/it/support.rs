@@ -187,3 +187,107 @@ pub(crate) async fn effect_in_tx(
         })
         .await
 }
+
+/// A redis-server of the test's own, on a free loopback port, killed on drop (as redis-rs's own
+/// tests do). The binary comes from `REDIS_SERVER_BIN` (set by `scripts/test`) or the PATH.
+#[derive(Debug)]
+pub(crate) struct RedisServer {
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl RedisServer {
+    pub(crate) fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("dedup-test-redis-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut server = Self {
+            port,
+            dir,
+            child: None,
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        let child = std::process::Command::new(&bin)
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {bin} (scripts/test installs it): {e}"));
+        self.child = Some(child);
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("redis-server did not listen on {}", self.port);
+    }
+
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// SIGKILL: no goodbye to the clients.
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same port (empty: nothing is persisted).
+    pub(crate) fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// A plain client for poking at the server directly.
+    pub(crate) async fn client(&self) -> dedup_redis::redis::aio::MultiplexedConnection {
+        dedup_redis::redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The tiered store the tests use: Postgres behind L1 and this Redis.
+pub(crate) type Tiered = dedup_core::TieredStore<dedup_pg::PgStore, dedup_redis::RedisFastPath>;
+
+pub(crate) async fn tiered(pool: sqlx::PgPool, redis: &RedisServer) -> Tiered {
+    let fast = dedup_redis::RedisFastPath::connect(&redis.url())
+        .await
+        .unwrap();
+    dedup_core::TieredStore::new(
+        dedup_pg::PgStore::new(pool),
+        fast,
+        dedup_core::TieredConfig::default(),
+    )
+}

@@ -47,6 +47,7 @@ pub mod machine;
 mod process;
 mod record;
 mod store;
+mod tiered;
 
 pub use error::{BoxError, InputError, StoreError};
 pub use key::{Fingerprint, IdempotencyKey, MAX_KEY_LEN, MAX_SCOPE_LEN, Scope};
@@ -58,6 +59,7 @@ pub use record::{
     Timestamp, micros,
 };
 pub use store::{MemoryStore, Store};
+pub use tiered::{Cached, FastPath, L1Policy, TierStats, TieredConfig, TieredStore};
 
 /// The README's examples run as doctests, so they cannot rot.
 #[cfg(doctest)]

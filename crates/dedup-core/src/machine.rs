@@ -108,6 +108,7 @@ pub fn claim(
         State::Completed => ClaimStep::Answer(ClaimOutcome::Completed {
             result: cur.result.clone().unwrap_or_default(),
             token: cur.token,
+            fingerprint: cur.fingerprint,
         }),
         State::Failed => ClaimStep::Answer(failed_outcome(cur)),
         State::InProgress if cur.lease_until.is_some_and(|until| until > now) => {
@@ -366,7 +367,8 @@ mod tests {
             claim(Some(&done), &req("b"), T0.plus(secs(50)), tok(9)).outcome(),
             ClaimOutcome::Completed {
                 result: bytes::Bytes::from_static(b"ok"),
-                token: FencingToken::new(1)
+                token: FencingToken::new(1),
+                fingerprint: Some(Fingerprint::of(b"payload")),
             }
         );
     }

@@ -439,7 +439,10 @@ impl<S: Store> Dedup<S> {
                 }
                 Err(e) => Err(self.lease_error(&lease, e)),
             },
-            Ok(Completion::Committed(result)) => Ok(executed(result)),
+            Ok(Completion::Committed(result)) => {
+                self.store.committed(&lease, &result).await;
+                Ok(executed(result))
+            }
             Err(HandlerError::Retryable(source)) => {
                 let after = match self.store.fail_retryable(&lease, &source.to_string()).await {
                     Ok(AfterFailure::Released { attempts }) => {
@@ -481,8 +484,10 @@ impl<S: Store> Dedup<S> {
             for _ in 0..RESOLVE_TRIES {
                 match self.store.get(&lease.key).await {
                     Ok(Some(r)) if r.token == lease.token && r.state == State::Completed => {
+                        let result = r.result.unwrap_or_default();
+                        self.store.committed(lease, &result).await;
                         return Ok(Processed::Executed {
-                            result: r.result.unwrap_or_default(),
+                            result,
                             token: lease.token,
                             attempts: lease.attempts,
                         });

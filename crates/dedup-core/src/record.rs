@@ -358,6 +358,9 @@ pub struct Lease {
     pub lease_until: Timestamp,
     /// Which attempt this is (1 for a first claim).
     pub attempts: u32,
+    /// The fingerprint the record holds (caches copy it, so they refuse a reused key as the
+    /// store would).
+    pub fingerprint: Option<Fingerprint>,
     /// The policy the key was claimed with.
     pub policy: Policy,
 }
@@ -371,6 +374,7 @@ impl Lease {
             owner: req.owner.clone(),
             lease_until: record.lease_until.unwrap_or(record.updated_at),
             attempts: record.attempts,
+            fingerprint: record.fingerprint,
             policy: req.policy,
         }
     }
@@ -388,6 +392,8 @@ pub enum ClaimOutcome {
         result: Bytes,
         /// The token that completed it.
         token: FencingToken,
+        /// The fingerprint the record holds (so a cache can copy it exactly).
+        fingerprint: Option<Fingerprint>,
     },
     /// Someone holds a live lease. Back off, or wait for it to finish.
     InFlight {

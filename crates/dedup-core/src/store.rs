@@ -65,6 +65,14 @@ pub trait Store: Send + Sync {
     /// until it returns less than `limit`.
     fn purge(&self, limit: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// Tells the store that `lease` was completed with `result` inside a caller's transaction that
+    /// has committed (transactional mode). The authority already holds it; a store with caches
+    /// backfills them now. The default does nothing.
+    fn committed(&self, lease: &Lease, result: &[u8]) -> impl Future<Output = ()> + Send {
+        let _ = (lease, result);
+        async {}
+    }
+
     /// Claims many keys; one answer per request, in order.
     fn claim_batch(
         &self,
@@ -224,6 +232,9 @@ macro_rules! forward_store {
             }
             fn purge(&self, limit: u32) -> impl Future<Output = Result<u64, StoreError>> + Send {
                 (**self).purge(limit)
+            }
+            fn committed(&self, lease: &Lease, result: &[u8]) -> impl Future<Output = ()> + Send {
+                (**self).committed(lease, result)
             }
             fn claim_batch(&self, reqs: &[ClaimRequest]) -> impl Future<Output = Vec<Result<ClaimOutcome, StoreError>>> + Send {
                 (**self).claim_batch(reqs)

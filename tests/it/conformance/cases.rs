@@ -65,7 +65,8 @@ pub(crate) async fn completed_key_replays_its_result<S: Store>(s: Arc<S>) {
             s.claim(&req(&k, owner)).await.unwrap(),
             ClaimOutcome::Completed {
                 result: bytes("receipt-77"),
-                token: lease.token
+                token: lease.token,
+                fingerprint: None,
             }
         );
     }

@@ -1,7 +1,7 @@
 //! The conformance suite: written once, run against every `Store`.
 //!
-//! `conformance!` stamps each case out once per store: the in-memory reference and Postgres (each
-//! Postgres test in a fresh database). Later stores (Redis, tiered) add a module to the macro.
+//! `conformance!` stamps each case out once per store: the in-memory reference, Postgres (each
+//! test in a fresh database) and the tiered store (Postgres behind L1 and a Redis of the test's own).
 
 mod cases;
 mod process;
@@ -27,6 +27,16 @@ macro_rules! conformance {
             )*
         }
 
+        mod tiered {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    let redis = crate::support::RedisServer::start();
+                    let store = std::sync::Arc::new(crate::support::tiered(pool, &redis).await);
+                    super::run::$case(store).await;
+                }
+            )*
+        }
         mod run {
             pub(super) use super::cases::*;
             pub(super) use super::process::*;

@@ -1,0 +1,622 @@
+//! Three tiers, one authority: an in-process L1 (moka), a fast path L2 (Redis, through the
+//! [`FastPath`] trait) and the authority (Postgres, any [`Store`]).
+//!
+//! - L1 holds only terminal outcomes (COMPLETED, FAILED): bounded by entries and by bytes, each
+//!   entry living no longer than its record's retention.
+//! - L2 holds terminal outcomes and live IN_PROGRESS markers that expire with their lease.
+//! - Only the authority grants a lease. A cache may answer Completed, Failed, PayloadMismatch or
+//!   InFlight; it never answers Acquired.
+//! - Caches learn an outcome only after the authority has it (backfill after commit).
+//! - A miss, an error or a timeout in a cache falls through to the authority: losing a cache costs
+//!   speed, never a second effect.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::time::timeout;
+use tracing::{Instrument, debug, info_span, warn};
+
+use crate::error::StoreError;
+use crate::key::{Fingerprint, IdempotencyKey};
+use crate::machine;
+use crate::record::{
+    AfterFailure, ClaimOutcome, ClaimRequest, FencingToken, Lease, OwnerId, Record, State,
+    Timestamp,
+};
+use crate::store::Store;
+
+/// A copy of (part of) an authority's record, as a cache holds it.
+#[derive(Clone, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub struct Cached {
+    /// IN_PROGRESS (L2 only), COMPLETED or FAILED.
+    pub state: State,
+    /// The token of the claim the copy came from.
+    pub token: FencingToken,
+    /// The authority's fingerprint for the key.
+    pub fingerprint: Option<Fingerprint>,
+    /// Attempts made.
+    pub attempts: u32,
+    /// The holder (IN_PROGRESS).
+    pub owner: Option<OwnerId>,
+    /// The end of the lease on the authority's clock (IN_PROGRESS).
+    pub lease_until: Option<Timestamp>,
+    /// The result (COMPLETED).
+    pub result: Option<Bytes>,
+    /// The reason (FAILED).
+    pub failure: Option<String>,
+    /// How long the cache will still hold it, where the cache says.
+    pub expires_in: Option<Duration>,
+}
+
+impl Cached {
+    /// A bare copy; set the other public fields.
+    pub fn new(state: State, token: FencingToken) -> Self {
+        Self {
+            state,
+            token,
+            fingerprint: None,
+            attempts: 0,
+            owner: None,
+            lease_until: None,
+            result: None,
+            failure: None,
+            expires_in: None,
+        }
+    }
+
+    /// The IN_PROGRESS marker of a granted lease.
+    pub fn in_progress(lease: &Lease) -> Self {
+        Self {
+            fingerprint: lease.fingerprint,
+            attempts: lease.attempts,
+            owner: Some(lease.owner.clone()),
+            lease_until: Some(lease.lease_until),
+            ..Self::new(State::InProgress, lease.token)
+        }
+    }
+
+    /// The COMPLETED copy of `lease`'s completion.
+    pub fn completed(lease: &Lease, result: Bytes) -> Self {
+        Self {
+            fingerprint: lease.fingerprint,
+            attempts: lease.attempts,
+            result: Some(result),
+            ..Self::new(State::Completed, lease.token)
+        }
+    }
+
+    /// The FAILED copy of `lease`'s failure.
+    pub fn failed(lease: &Lease, reason: String) -> Self {
+        Self {
+            fingerprint: lease.fingerprint,
+            attempts: lease.attempts,
+            failure: Some(reason),
+            ..Self::new(State::Failed, lease.token)
+        }
+    }
+
+    /// The copy of a terminal record.
+    pub fn of_record(record: &Record) -> Option<Self> {
+        record.state.is_terminal().then(|| Self {
+            fingerprint: record.fingerprint,
+            attempts: record.attempts,
+            result: record.result.clone(),
+            failure: record.failure.clone(),
+            ..Self::new(record.state, record.token)
+        })
+    }
+
+    /// What this copy lets a cache answer to `req`, if anything. Never `Acquired`.
+    pub fn answer(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
+        if machine::mismatch(self.fingerprint, req.fingerprint) {
+            return Some(ClaimOutcome::PayloadMismatch);
+        }
+        match self.state {
+            State::Completed => Some(ClaimOutcome::Completed {
+                result: self.result.clone().unwrap_or_default(),
+                token: self.token,
+                fingerprint: self.fingerprint,
+            }),
+            State::Failed => Some(ClaimOutcome::Failed {
+                reason: self.failure.clone().unwrap_or_default(),
+                attempts: self.attempts,
+            }),
+            // The marker exists only while its lease does (it expires with it).
+            State::InProgress => Some(ClaimOutcome::InFlight {
+                owner: self.owner.clone(),
+                lease_until: self.lease_until,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Roughly how many bytes the copy holds.
+    pub fn size(&self) -> usize {
+        96 + self.result.as_ref().map_or(0, Bytes::len)
+            + self.failure.as_ref().map_or(0, String::len)
+            + self.owner.as_ref().map_or(0, |o| o.as_str().len())
+    }
+}
+
+/// The fast path (L2): a shared cache in front of the authority. Every call is advisory: the
+/// tiered store treats an error or a timeout as a miss. Implementations keep these rules:
+///
+/// - an IN_PROGRESS marker expires with its lease (`ttl`);
+/// - a write never replaces a copy holding a newer token, and a marker never replaces a terminal
+///   copy of the same token (a zombie's late write cannot overwrite a newer record);
+/// - data at a key that is not a well-formed copy of that key's record reads as a miss (with a
+///   warning), never as an answer.
+pub trait FastPath: Send + Sync {
+    /// Reads the copy held for `key`.
+    fn lookup(
+        &self,
+        key: &IdempotencyKey,
+    ) -> impl Future<Output = Result<Option<Cached>, StoreError>> + Send;
+
+    /// Writes `copy` of `key` for `ttl`, unless a newer token is held. Returns whether it wrote.
+    fn store(
+        &self,
+        key: &IdempotencyKey,
+        copy: &Cached,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Drops the IN_PROGRESS marker of `lease` (the key was released). Returns whether it did.
+    fn release(&self, lease: &Lease) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Moves `lease`'s marker to `lease_until`, expiring in `ttl`. Returns whether it did.
+    fn extend(
+        &self,
+        lease: &Lease,
+        lease_until: Timestamp,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+/// The L1 eviction policy. See docs/ARCHITECTURE.md for the measurements behind the default.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum L1Policy {
+    /// moka's default: TinyLFU admission (may refuse a new key on a stream of mostly new keys).
+    TinyLfu,
+    /// Least recently used: admits every new key.
+    Lru,
+}
+
+/// How the tiered store is sized and how long it waits for the fast path.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct TieredConfig {
+    /// The most entries L1 holds.
+    pub l1_max_entries: u64,
+    /// The most bytes L1 holds (results and reasons included).
+    pub l1_max_bytes: u64,
+    /// The longest an L1 entry lives (never longer than the record's retention).
+    pub l1_ttl: Duration,
+    /// L1's eviction policy.
+    pub l1_policy: L1Policy,
+    /// How long a fast-path call may take before it counts as a miss.
+    pub l2_timeout: Duration,
+}
+
+impl Default for TieredConfig {
+    /// 100,000 entries or 64 MiB, 10 minutes, LRU, a 50 ms fast-path timeout.
+    fn default() -> Self {
+        Self {
+            l1_max_entries: 100_000,
+            l1_max_bytes: 64 << 20,
+            l1_ttl: Duration::from_secs(600),
+            l1_policy: L1Policy::Lru,
+            l2_timeout: Duration::from_millis(50),
+        }
+    }
+}
+
+impl TieredConfig {
+    /// Sets the L1 bounds.
+    pub fn with_l1_capacity(mut self, max_entries: u64, max_bytes: u64) -> Self {
+        self.l1_max_entries = max_entries.max(1);
+        self.l1_max_bytes = max_bytes.max(1);
+        self
+    }
+
+    /// Sets the L1 eviction policy.
+    pub fn with_l1_policy(mut self, policy: L1Policy) -> Self {
+        self.l1_policy = policy;
+        self
+    }
+
+    /// Sets the L1 entry lifetime.
+    pub fn with_l1_ttl(mut self, ttl: Duration) -> Self {
+        self.l1_ttl = ttl;
+        self
+    }
+
+    /// Sets the fast-path timeout.
+    pub fn with_l2_timeout(mut self, t: Duration) -> Self {
+        self.l2_timeout = t;
+        self
+    }
+}
+
+/// Counters per tier, read with [`TieredStore::stats`].
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub struct TierStats {
+    /// Claims answered by L1.
+    pub l1_hits: u64,
+    /// Claims L1 could not answer.
+    pub l1_misses: u64,
+    /// Claims answered by the fast path.
+    pub l2_hits: u64,
+    /// Claims the fast path could not answer (nothing held, or nothing it may answer).
+    pub l2_misses: u64,
+    /// Fast-path calls that failed (errors, corrupt data).
+    pub l2_errors: u64,
+    /// Fast-path calls that timed out.
+    pub l2_timeouts: u64,
+    /// Copies written to the fast path after the authority had the outcome.
+    pub backfills: u64,
+    /// Copies the fast path refused (it held a newer token).
+    pub backfills_refused: u64,
+    /// Claims that reached the authority.
+    pub authority_claims: u64,
+    /// All calls that reached the authority (claims, completions, failures, heartbeats, reads).
+    pub authority_calls: u64,
+}
+
+#[derive(Default, Debug)]
+struct Counters {
+    l1_hits: AtomicU64,
+    l1_misses: AtomicU64,
+    l2_hits: AtomicU64,
+    l2_misses: AtomicU64,
+    l2_errors: AtomicU64,
+    l2_timeouts: AtomicU64,
+    backfills: AtomicU64,
+    backfills_refused: AtomicU64,
+    authority_claims: AtomicU64,
+    authority_calls: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+#[derive(Debug)]
+struct L1Entry {
+    copy: Cached,
+    ttl: Duration,
+}
+
+struct L1Expiry;
+
+impl moka::Expiry<IdempotencyKey, Arc<L1Entry>> for L1Expiry {
+    fn expire_after_create(
+        &self,
+        _: &IdempotencyKey,
+        v: &Arc<L1Entry>,
+        _: Instant,
+    ) -> Option<Duration> {
+        Some(v.ttl)
+    }
+}
+
+/// Which tier answered a claim.
+#[derive(Clone, Copy, Debug)]
+enum Tier {
+    L1,
+    L2,
+    Authority,
+}
+
+/// The tiered store: L1 (moka), the fast path `F` (L2), and the authority `A`.
+pub struct TieredStore<A, F> {
+    authority: A,
+    fast: F,
+    l1: moka::sync::Cache<IdempotencyKey, Arc<L1Entry>>,
+    config: TieredConfig,
+    counters: Arc<Counters>,
+}
+
+impl<A: fmt::Debug, F: fmt::Debug> fmt::Debug for TieredStore<A, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TieredStore")
+            .field("authority", &self.authority)
+            .field("fast", &self.fast)
+            .field("config", &self.config)
+            .field("l1_entries", &self.l1.entry_count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<A: Store, F: FastPath> TieredStore<A, F> {
+    /// Puts L1 and `fast` in front of `authority`.
+    pub fn new(authority: A, fast: F, config: TieredConfig) -> Self {
+        // Each entry weighs at least max_bytes / max_entries, so both bounds hold at once.
+        let floor = u32::try_from(config.l1_max_bytes / config.l1_max_entries.max(1))
+            .unwrap_or(u32::MAX)
+            .max(1);
+        let l1 = moka::sync::Cache::builder()
+            .max_capacity(config.l1_max_bytes)
+            .weigher(move |k: &IdempotencyKey, v: &Arc<L1Entry>| {
+                let size = k.key_bytes().len() + k.scope().as_str().len() + v.copy.size();
+                u32::try_from(size).unwrap_or(u32::MAX).max(floor)
+            })
+            .expire_after(L1Expiry)
+            .eviction_policy(match config.l1_policy {
+                L1Policy::TinyLfu => moka::policy::EvictionPolicy::tiny_lfu(),
+                L1Policy::Lru => moka::policy::EvictionPolicy::lru(),
+            })
+            .build();
+        Self {
+            authority,
+            fast,
+            l1,
+            config,
+            counters: Arc::default(),
+        }
+    }
+
+    /// The authority.
+    pub fn authority(&self) -> &A {
+        &self.authority
+    }
+
+    /// The fast path.
+    pub fn fast_path(&self) -> &F {
+        &self.fast
+    }
+
+    /// Drops every L1 entry (for tests and operators; never needed for correctness).
+    pub fn clear_l1(&self) {
+        self.l1.invalidate_all();
+        self.l1.run_pending_tasks();
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> TierStats {
+        let c = &*self.counters;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TierStats {
+            l1_hits: n(&c.l1_hits),
+            l1_misses: n(&c.l1_misses),
+            l2_hits: n(&c.l2_hits),
+            l2_misses: n(&c.l2_misses),
+            l2_errors: n(&c.l2_errors),
+            l2_timeouts: n(&c.l2_timeouts),
+            backfills: n(&c.backfills),
+            backfills_refused: n(&c.backfills_refused),
+            authority_claims: n(&c.authority_claims),
+            authority_calls: n(&c.authority_calls),
+        }
+    }
+
+    /// Runs a fast-path call under the timeout; errors and timeouts are counted, logged and
+    /// turned into `None`.
+    async fn fast<T>(
+        &self,
+        what: &str,
+        key: &IdempotencyKey,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Option<T> {
+        match timeout(self.config.l2_timeout, call).await {
+            Ok(Ok(v)) => Some(v),
+            Ok(Err(e)) => {
+                bump(&self.counters.l2_errors);
+                warn!(key = %key, error = %e, "fast path {what} failed; falling through");
+                None
+            }
+            Err(_) => {
+                bump(&self.counters.l2_timeouts);
+                warn!(key = %key, "fast path {what} timed out; falling through");
+                None
+            }
+        }
+    }
+
+    /// Writes a copy the authority already holds to L2 (and, if terminal, to L1).
+    async fn backfill(&self, key: &IdempotencyKey, copy: Cached, ttl: Duration) {
+        if copy.state.is_terminal() {
+            self.fill_l1(key, copy.clone(), ttl);
+        }
+        match self
+            .fast("backfill", key, self.fast.store(key, &copy, ttl))
+            .await
+        {
+            Some(true) => bump(&self.counters.backfills),
+            Some(false) => bump(&self.counters.backfills_refused),
+            None => {}
+        }
+    }
+
+    fn fill_l1(&self, key: &IdempotencyKey, copy: Cached, ttl: Duration) {
+        let ttl = ttl
+            .min(self.config.l1_ttl)
+            .min(copy.expires_in.unwrap_or(Duration::MAX));
+        if copy.state.is_terminal() && !ttl.is_zero() {
+            self.l1.insert(key.clone(), Arc::new(L1Entry { copy, ttl }));
+        }
+    }
+
+    fn retention_of(copy: &Cached, lease_policy: crate::Policy) -> Duration {
+        if copy.state == State::Failed {
+            lease_policy.failed_retention
+        } else {
+            lease_policy.retention
+        }
+    }
+
+    async fn claim_tiered(&self, req: &ClaimRequest) -> Result<(ClaimOutcome, Tier), StoreError> {
+        if let Some(entry) = self.l1.get(&req.key)
+            && let Some(answer) = entry.copy.answer(req)
+        {
+            bump(&self.counters.l1_hits);
+            return Ok((answer, Tier::L1));
+        }
+        bump(&self.counters.l1_misses);
+        match self
+            .fast("lookup", &req.key, self.fast.lookup(&req.key))
+            .await
+        {
+            Some(Some(copy)) => {
+                if let Some(answer) = copy.answer(req) {
+                    bump(&self.counters.l2_hits);
+                    if copy.state.is_terminal() {
+                        let ttl = Self::retention_of(&copy, req.policy);
+                        self.fill_l1(&req.key, copy, ttl);
+                    }
+                    return Ok((answer, Tier::L2));
+                }
+                bump(&self.counters.l2_misses);
+            }
+            Some(None) => bump(&self.counters.l2_misses),
+            None => {}
+        }
+        bump(&self.counters.authority_claims);
+        bump(&self.counters.authority_calls);
+        let outcome = self.authority.claim(req).await?;
+        match &outcome {
+            ClaimOutcome::Acquired(lease) => {
+                // Concurrent duplicates now get InFlight from L2 without asking the authority.
+                let marker = Cached::in_progress(lease);
+                self.backfill(&req.key, marker, lease.policy.lease).await;
+            }
+            ClaimOutcome::Completed {
+                result,
+                token,
+                fingerprint,
+            } => {
+                // The authority just showed it committed: restore the fast tiers (after a flush,
+                // a restart or an eviction). Failed answers are not copied: their token is not
+                // known here, and poison keys are rare.
+                let mut copy = Cached::new(State::Completed, *token);
+                copy.fingerprint = *fingerprint;
+                copy.result = Some(result.clone());
+                self.backfill(&req.key, copy, req.policy.retention).await;
+            }
+            _ => {}
+        }
+        Ok((outcome, Tier::Authority))
+    }
+}
+
+impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        req.policy.validate()?;
+        let span = info_span!(
+            "dedup.decision",
+            key = %req.key,
+            tier = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            token = tracing::field::Empty,
+            latency_us = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let res = self.claim_tiered(req).instrument(span.clone()).await;
+        if let Ok((outcome, tier)) = &res {
+            span.record("tier", format!("{tier:?}").to_lowercase());
+            span.record("outcome", outcome_name(outcome));
+            if let Some(token) = lease_token(outcome) {
+                span.record("token", token.get());
+            }
+            span.record(
+                "latency_us",
+                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            );
+            debug!(parent: &span, "decided");
+        }
+        res.map(|(outcome, _)| outcome)
+    }
+
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
+        bump(&self.counters.authority_calls);
+        self.authority.complete(lease, result).await?;
+        let copy = Cached::completed(lease, Bytes::copy_from_slice(result));
+        self.backfill(&lease.key, copy, lease.policy.retention)
+            .await;
+        Ok(())
+    }
+
+    async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
+        bump(&self.counters.authority_calls);
+        let after = self.authority.fail_retryable(lease, error).await?;
+        match after {
+            AfterFailure::Released { .. } => {
+                let _ = self
+                    .fast("release", &lease.key, self.fast.release(lease))
+                    .await;
+            }
+            AfterFailure::Failed { attempts } => {
+                let reason =
+                    machine::exhausted_reason(attempts, lease.policy.max_attempts, Some(error));
+                let copy = Cached::failed(lease, reason);
+                self.backfill(&lease.key, copy, lease.policy.failed_retention)
+                    .await;
+            }
+        }
+        Ok(after)
+    }
+
+    async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
+        bump(&self.counters.authority_calls);
+        self.authority.fail_permanent(lease, reason).await?;
+        let copy = Cached::failed(lease, reason.to_owned());
+        self.backfill(&lease.key, copy, lease.policy.failed_retention)
+            .await;
+        Ok(())
+    }
+
+    async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
+        bump(&self.counters.authority_calls);
+        let until = self.authority.extend(lease).await?;
+        let _ = self
+            .fast(
+                "extend",
+                &lease.key,
+                self.fast.extend(lease, until, lease.policy.lease),
+            )
+            .await;
+        Ok(until)
+    }
+
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        bump(&self.counters.authority_calls);
+        self.authority.get(key).await
+    }
+
+    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
+        bump(&self.counters.authority_calls);
+        self.authority.purge(limit).await
+    }
+
+    async fn committed(&self, lease: &Lease, result: &[u8]) {
+        self.authority.committed(lease, result).await;
+        let copy = Cached::completed(lease, Bytes::copy_from_slice(result));
+        self.backfill(&lease.key, copy, lease.policy.retention)
+            .await;
+    }
+}
+
+fn outcome_name(o: &ClaimOutcome) -> &'static str {
+    match o {
+        ClaimOutcome::Acquired(_) => "acquired",
+        ClaimOutcome::Completed { .. } => "completed",
+        ClaimOutcome::InFlight { .. } => "in_flight",
+        ClaimOutcome::Failed { .. } => "failed",
+        ClaimOutcome::PayloadMismatch => "payload_mismatch",
+    }
+}
+
+fn lease_token(o: &ClaimOutcome) -> Option<FencingToken> {
+    match o {
+        ClaimOutcome::Acquired(lease) => Some(lease.token),
+        ClaimOutcome::Completed { token, .. } => Some(*token),
+        _ => None,
+    }
+}

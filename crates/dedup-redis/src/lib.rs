@@ -1,0 +1,295 @@
+//! dedup-redis: the Redis fast path (L2) of dedup's tiered store.
+//!
+//! Redis holds copies of what the authority (Postgres) decided: COMPLETED and FAILED records for
+//! replay, and IN_PROGRESS markers that expire with their lease, so a concurrent duplicate is told
+//! InFlight without a Postgres round trip. Redis never grants a lease and never learns an outcome
+//! before the authority committed it. Losing Redis (flush, restart, failover) costs speed only.
+//!
+//! Each idempotency key is one Redis hash, `<prefix>:{<digest>}`, where the digest (128 bits of
+//! SHA-256 over scope and key) is the hash tag: the scripts in the workspace's `lua/` touch one key
+//! each, so they run unchanged on Redis Cluster. The hash also holds the full scope and key, and a
+//! copy whose identity does not match is a miss (with a warning), never an answer.
+//!
+//! Connections: [`ConnectionManager`] (reconnects in the background) or a cluster connection,
+//! behind the same [`RedisFastPath`] type. The URL carries ACL user and password
+//! (`redis://user:password@host:port/db`); dedup never logs URLs or passwords.
+//!
+//! # Example
+//! ```no_run
+//! use dedup_core::{Dedup, TieredConfig, TieredStore};
+//! use dedup_pg::PgStore;
+//! use dedup_redis::RedisFastPath;
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+//! let redis = RedisFastPath::connect(&std::env::var("REDIS_URL")?).await?;
+//! let store = TieredStore::new(PgStore::new(pool), redis, TieredConfig::default());
+//! let dedup = Dedup::new(store);
+//! # let _ = dedup;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{
+    Cached, FastPath, FencingToken, Fingerprint, IdempotencyKey, Lease, OwnerId, State, StoreError,
+    Timestamp,
+};
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::{RedisError, Script};
+use sha2::{Digest, Sha256};
+use tracing::warn;
+
+pub use redis;
+
+struct Scripts {
+    store: Script,
+    release: Script,
+    extend: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    store: Script::new(include_str!("../../../lua/store.lua")),
+    release: Script::new(include_str!("../../../lua/release.lua")),
+    extend: Script::new(include_str!("../../../lua/extend.lua")),
+});
+
+/// The Redis fast path, over any async Redis connection (by default a [`ConnectionManager`]).
+#[derive(Clone)]
+pub struct RedisFastPath<C = ConnectionManager> {
+    conn: C,
+    prefix: String,
+}
+
+impl<C> fmt::Debug for RedisFastPath<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the connection: its URL may hold a password.
+        f.debug_struct("RedisFastPath")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisFastPath<ConnectionManager> {
+    /// Connects to one Redis server (`redis://[user:password@]host:port[/db]`). The connection
+    /// reconnects by itself after a drop.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(config_error)?;
+        let conn = client.get_connection_manager().await.map_err(classify)?;
+        Ok(Self::new(conn))
+    }
+}
+
+impl RedisFastPath<redis::cluster_async::ClusterConnection> {
+    /// Connects to a Redis Cluster through any of its nodes.
+    pub async fn connect_cluster(urls: &[&str]) -> Result<Self, StoreError> {
+        let client = redis::cluster::ClusterClient::new(urls.to_vec()).map_err(config_error)?;
+        let conn = client.get_async_connection().await.map_err(classify)?;
+        Ok(Self::new(conn))
+    }
+}
+
+impl<C> RedisFastPath<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Wraps a connection, with the key prefix `dedup`.
+    pub fn new(conn: C) -> Self {
+        Self {
+            conn,
+            prefix: "dedup".to_owned(),
+        }
+    }
+
+    /// Sets the key prefix (to share a Redis between deployments).
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The connection.
+    pub fn connection(&self) -> &C {
+        &self.conn
+    }
+
+    /// The Redis key holding `key`'s copy: `<prefix>:{<32 hex digits>}`.
+    pub fn redis_key(&self, key: &IdempotencyKey) -> String {
+        let mut h = Sha256::new();
+        h.update(identity(key));
+        let digest = h.finalize();
+        let mut hex = String::with_capacity(32);
+        for b in &digest[..16] {
+            hex.push_str(&format!("{b:02x}"));
+        }
+        format!("{}:{{{hex}}}", self.prefix)
+    }
+}
+
+/// scope, NUL, key: unambiguous, since a scope holds no control characters.
+fn identity(key: &IdempotencyKey) -> Vec<u8> {
+    let mut id = Vec::with_capacity(key.scope().as_str().len() + 1 + key.key_bytes().len());
+    id.extend_from_slice(key.scope().as_str().as_bytes());
+    id.push(0);
+    id.extend_from_slice(key.key_bytes());
+    id
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl<C> FastPath for RedisFastPath<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    async fn lookup(&self, key: &IdempotencyKey) -> Result<Option<Cached>, StoreError> {
+        let rkey = self.redis_key(key);
+        let mut conn = self.conn.clone();
+        let (fields, pttl): (HashMap<String, Vec<u8>>, i64) = redis::pipe()
+            .cmd("HGETALL")
+            .arg(&rkey)
+            .cmd("PTTL")
+            .arg(&rkey)
+            .query_async(&mut conn)
+            .await
+            .map_err(classify)?;
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        let mut copy = parse(key, &fields).map_err(|detail| {
+            warn!(key = %key, %detail, "foreign or corrupted data at a dedup key in Redis; treating it as a miss");
+            StoreError::Corrupt {
+                key: key.clone(),
+                detail,
+            }
+        })?;
+        copy.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
+        Ok(Some(copy))
+    }
+
+    async fn store(
+        &self,
+        key: &IdempotencyKey,
+        copy: &Cached,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        let empty: &[u8] = b"";
+        let written: i64 = SCRIPTS
+            .store
+            .key(self.redis_key(key))
+            .arg(copy.state.as_str())
+            .arg(copy.token.get())
+            .arg(ms(ttl))
+            .arg(identity(key))
+            .arg(copy.attempts)
+            .arg(
+                copy.fingerprint
+                    .as_ref()
+                    .map_or(empty, |f| f.as_bytes().as_slice()),
+            )
+            .arg(copy.owner.as_ref().map_or("", OwnerId::as_str))
+            .arg(
+                copy.lease_until
+                    .map_or(String::new(), |t| t.as_micros().to_string()),
+            )
+            .arg(copy.result.as_deref().unwrap_or(empty))
+            .arg(copy.failure.as_deref().unwrap_or(""))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(classify)?;
+        Ok(written == 1)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        let dropped: i64 = SCRIPTS
+            .release
+            .key(self.redis_key(&lease.key))
+            .arg(lease.token.get())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(classify)?;
+        Ok(dropped == 1)
+    }
+
+    async fn extend(
+        &self,
+        lease: &Lease,
+        lease_until: Timestamp,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        let moved: i64 = SCRIPTS
+            .extend
+            .key(self.redis_key(&lease.key))
+            .arg(lease.token.get())
+            .arg(lease_until.as_micros())
+            .arg(ms(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(classify)?;
+        Ok(moved == 1)
+    }
+}
+
+/// Reads a hash as a copy of `key`'s record; anything else is an error naming what was wrong.
+fn parse(key: &IdempotencyKey, f: &HashMap<String, Vec<u8>>) -> Result<Cached, String> {
+    let text = |name: &str| -> Result<&str, String> {
+        let v = f
+            .get(name)
+            .ok_or_else(|| format!("field {name} is missing"))?;
+        std::str::from_utf8(v).map_err(|_| format!("field {name} is not text"))
+    };
+    if f.get("k").map(Vec::as_slice) != Some(identity(key).as_slice()) {
+        return Err("the hash belongs to another key (or to nobody)".into());
+    }
+    let state = State::parse(text("s")?).ok_or("field s is not a state")?;
+    let token: u64 = text("t")?.parse().map_err(|_| "field t is not a token")?;
+    let mut copy = Cached::new(state, FencingToken::new(token));
+    copy.attempts = text("a")?.parse().map_err(|_| "field a is not a count")?;
+    copy.fingerprint = match f.get("fp").map(Vec::as_slice) {
+        None | Some([]) => None,
+        Some(b) => Some(Fingerprint::from_slice(b).ok_or("field fp is not 32 bytes")?),
+    };
+    match state {
+        State::InProgress => {
+            copy.owner = Some(OwnerId::new(text("o")?));
+            let lu: i64 = text("lu")?.parse().map_err(|_| "field lu is not a time")?;
+            copy.lease_until = Some(Timestamp::from_micros(lu));
+        }
+        State::Completed => {
+            let r = f.get("r").ok_or("field r is missing")?;
+            copy.result = Some(Bytes::copy_from_slice(r));
+        }
+        State::Failed => copy.failure = Some(text("f")?.to_owned()),
+        other => return Err(format!("state {other} is never cached")),
+    }
+    Ok(copy)
+}
+
+/// Classifies a Redis error. Every fast-path call is advisory (the tiered store falls through to
+/// the authority on any error), but the kinds still tell passing trouble from bugs.
+pub fn classify(e: RedisError) -> StoreError {
+    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
+        StoreError::unavailable(e)
+    } else {
+        StoreError::backend(e)
+    }
+}
+
+fn config_error(e: RedisError) -> StoreError {
+    StoreError::Input(dedup_core::InputError::Policy(
+        if e.to_string().contains("URL") {
+            "the Redis URL is not valid (redis://[user:password@]host:port[/db])"
+        } else {
+            "the Redis configuration is not valid"
+        },
+    ))
+}

@@ -1,0 +1,293 @@
+//! The tiered store with a real Redis: caches answer, Postgres decides, and nothing that happens
+//! to Redis causes a second effect.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{Cached, ClaimOutcome, Dedup, FastPath, Processed, State, Store, TierStats};
+use dedup_redis::redis::AsyncCommands;
+use sqlx::PgPool;
+use tokio::time::sleep;
+
+use crate::support::{
+    RedisServer, Tiered, acquired, effect_in_tx, effect_rows, effects_table, key, ms, req,
+    short_lease, tiered,
+};
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn duplicates_are_answered_without_the_authority(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await;
+    let k = key("k");
+    let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+    // A concurrent duplicate: the Redis marker answers InFlight.
+    assert!(matches!(
+        s.claim(&req(&k, "b")).await.unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+    assert_eq!((s.stats().l2_hits, s.stats().authority_claims), (1, 1));
+
+    s.complete(&lease, b"done").await.unwrap();
+    for _ in 0..10 {
+        assert!(matches!(
+            s.claim(&req(&k, "c")).await.unwrap(),
+            ClaimOutcome::Completed { .. }
+        ));
+    }
+    let st = s.stats();
+    assert_eq!((st.l1_hits, st.authority_claims), (10, 1), "{st:?}");
+    // Without L1, Redis answers, and refills L1.
+    s.clear_l1();
+    s.claim(&req(&k, "d")).await.unwrap();
+    s.claim(&req(&k, "e")).await.unwrap();
+    let st = s.stats();
+    assert_eq!(
+        (st.l2_hits, st.l1_hits, st.authority_claims),
+        (2, 11, 1),
+        "{st:?}"
+    );
+}
+
+/// A storm through `Dedup` on the tiered store, with effect rows written in the completion's
+/// transaction, while `chaos` runs against Redis. Returns the stats.
+async fn storm_with(
+    pool: &PgPool,
+    s: Arc<Tiered>,
+    chaos: impl std::future::Future<Output = ()>,
+) -> TierStats {
+    effects_table(pool).await;
+    let dedup = Arc::new(Dedup::new(Arc::clone(&s)).with_in_flight_wait(Duration::from_secs(60)));
+    let mut tasks = Vec::new();
+    for t in 0..16u32 {
+        let (dedup, store) = (Arc::clone(&dedup), dedup_pg::PgStore::new(pool.clone()));
+        tasks.push(tokio::spawn(async move {
+            for d in (t..1600).step_by(16) {
+                let name = format!("storm-{}", (d * 7919) % 200);
+                let done = dedup
+                    .process(&key(&name), None, |ctx| {
+                        let (store, name) = (store.clone(), name.clone());
+                        async move {
+                            let result = Bytes::from(format!("r-{name}"));
+                            effect_in_tx(&store, &ctx, name, format!("t{t}"), result).await
+                        }
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(done.result(), format!("r-{name}").as_bytes());
+                if let Processed::Executed { .. } = done {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    let all = async {
+        for t in tasks {
+            t.await.unwrap();
+        }
+    };
+    tokio::join!(all, chaos);
+    let rows = effect_rows(pool).await;
+    assert_eq!(rows.len(), 200, "exactly one effect per key");
+    let mut keys: Vec<_> = rows.iter().map(|r| &r.0).collect();
+    keys.dedup();
+    assert_eq!(keys.len(), 200);
+    s.stats()
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn flushall_in_the_middle_of_a_run_causes_no_duplicate_effect(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = Arc::new(tiered(pool.clone(), &redis).await);
+    let mut conn = redis.client().await;
+    let done = AtomicBool::new(false);
+    let chaos = async {
+        for _ in 0..40 {
+            sleep(ms(15)).await;
+            let _: () = dedup_redis::redis::cmd("FLUSHALL")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+        done.store(true, Ordering::SeqCst);
+    };
+    let st = storm_with(&pool, Arc::clone(&s), chaos).await;
+    assert!(done.load(Ordering::SeqCst));
+    assert!(st.l2_hits + st.l1_hits > 0, "{st:?}");
+    eprintln!("flushall storm: {st:?}");
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn redis_killed_and_restarted_mid_run_causes_no_duplicate_effect(pool: PgPool) {
+    let mut redis = RedisServer::start();
+    let s = Arc::new(tiered(pool.clone(), &redis).await);
+    let redis_ref = &mut redis;
+    let chaos = async move {
+        sleep(ms(100)).await;
+        redis_ref.kill();
+        sleep(ms(400)).await;
+        redis_ref.restart();
+    };
+    let during = storm_with(&pool, Arc::clone(&s), chaos).await;
+    assert!(
+        during.l2_errors + during.l2_timeouts > 0,
+        "the outage must be felt: {during:?}"
+    );
+
+    // Recovery without restarting the caller: the same store writes to and reads from the new
+    // Redis. Every key's copy is backfilled on its next claim, then answered by Redis.
+    s.clear_l1();
+    let mut recovered = false;
+    for _ in 0..50 {
+        for n in 0..200 {
+            s.claim(&req(&key(format!("storm-{n}")), "late"))
+                .await
+                .unwrap();
+        }
+        s.clear_l1();
+        let before = s.stats().l2_hits;
+        s.claim(&req(&key("storm-0"), "probe")).await.unwrap();
+        if s.stats().l2_hits > before {
+            recovered = true;
+            break;
+        }
+        sleep(ms(100)).await;
+    }
+    assert!(recovered, "the fast path never came back: {:?}", s.stats());
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_stale_marker_holds_no_longer_than_its_ttl(pool: PgPool) {
+    // The holder died; its Postgres lease ran out, but Redis still holds its marker (written with
+    // a longer TTL than the lease, as clock trouble could). Duplicates are told InFlight until the
+    // marker expires, then the authority lets one take over.
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await;
+    let k = key("k");
+    let dead = acquired(
+        s.claim(&req(&k, "dead").with_policy(short_lease(100)))
+            .await
+            .unwrap(),
+    );
+    s.fast_path()
+        .store(&k, &Cached::in_progress(&dead), ms(700))
+        .await
+        .unwrap();
+    sleep(ms(200)).await;
+    assert!(matches!(
+        s.claim(&req(&k, "early")).await.unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+
+    let dedup = Dedup::new(&s).with_in_flight_wait(Duration::from_secs(5));
+    let done = dedup
+        .process(&k, None, |_| async {
+            Ok::<_, dedup_core::HandlerError<std::io::Error>>(dedup_core::Completion::store(
+                "taken over",
+            ))
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, Processed::Executed { attempts: 2, .. }),
+        "{done:?}"
+    );
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_zombie_backfill_cannot_overwrite_a_newer_record(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await;
+    let fast = s.fast_path();
+    let k = key("k");
+    let zombie = acquired(
+        s.claim(&req(&k, "zombie").with_policy(short_lease(100)))
+            .await
+            .unwrap(),
+    );
+    sleep(ms(200)).await;
+    let fresh = acquired(s.claim(&req(&k, "fresh")).await.unwrap());
+    s.complete(&fresh, b"fresh result").await.unwrap();
+
+    // The zombie's late writes, straight at Redis, are refused.
+    assert!(
+        !fast
+            .store(
+                &k,
+                &Cached::completed(&zombie, Bytes::from_static(b"zombie")),
+                ms(60_000)
+            )
+            .await
+            .unwrap()
+    );
+    assert!(
+        !fast
+            .store(&k, &Cached::in_progress(&zombie), ms(60_000))
+            .await
+            .unwrap()
+    );
+    assert!(!fast.release(&zombie).await.unwrap());
+    // A marker never replaces the terminal copy of its own token either.
+    assert!(
+        !fast
+            .store(&k, &Cached::in_progress(&fresh), ms(60_000))
+            .await
+            .unwrap()
+    );
+
+    let copy = fast.lookup(&k).await.unwrap().unwrap();
+    assert_eq!((copy.state, copy.token), (State::Completed, fresh.token));
+    assert_eq!(copy.result.as_deref(), Some(&b"fresh result"[..]));
+    assert!(
+        s.complete(&zombie, b"late")
+            .await
+            .unwrap_err()
+            .is_lease_lost()
+    );
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn foreign_or_corrupted_redis_data_is_a_miss_never_an_answer(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await;
+    let mut conn = redis.client().await;
+
+    // A string where a hash should be: left alone, and the authority decides.
+    let wrong_type = key("wrong-type");
+    let rk = s.fast_path().redis_key(&wrong_type);
+    let _: () = conn.set(&rk, "not ours").await.unwrap();
+    acquired(s.claim(&req(&wrong_type, "a")).await.unwrap());
+    assert!(s.stats().l2_errors >= 1);
+    let still: String = conn.get(&rk).await.unwrap();
+    assert_eq!(still, "not ours");
+
+    // A hash with garbage fields claiming COMPLETED: a miss, then overwritten by the truth.
+    let garbage = key("garbage");
+    let rk = s.fast_path().redis_key(&garbage);
+    let _: () = conn
+        .hset_multiple(&rk, &[("s", "completed"), ("t", "nonsense"), ("r", "fake")])
+        .await
+        .unwrap();
+    let lease = acquired(s.claim(&req(&garbage, "a")).await.unwrap());
+    let copy = s.fast_path().lookup(&garbage).await.unwrap().unwrap();
+    assert_eq!((copy.state, copy.token), (State::InProgress, lease.token));
+
+    // Another key's copy at this key's name (a collision, or a copy-paste): a miss.
+    let victim = key("victim");
+    let other = key("other");
+    let rk_victim = s.fast_path().redis_key(&victim);
+    let rk_other = s.fast_path().redis_key(&other);
+    let other_lease = acquired(s.claim(&req(&other, "a")).await.unwrap());
+    s.complete(&other_lease, b"other's result").await.unwrap();
+    let _: () = dedup_redis::redis::cmd("COPY")
+        .arg(&rk_other)
+        .arg(&rk_victim)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(s.fast_path().lookup(&victim).await.is_err());
+    let errors = s.stats().l2_errors;
+    acquired(s.claim(&req(&victim, "a")).await.unwrap());
+    assert!(s.stats().l2_errors > errors);
+}
