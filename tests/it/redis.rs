@@ -291,3 +291,28 @@ async fn foreign_or_corrupted_redis_data_is_a_miss_never_an_answer(pool: PgPool)
     acquired(s.claim(&req(&victim, "a")).await.unwrap());
     assert!(s.stats().l2_errors > errors);
 }
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_slow_redis_times_out_into_the_authority(pool: PgPool) {
+    // Redis stops answering (CLIENT PAUSE) for 300 ms at a time: each fast-path call gives up
+    // after its timeout and the authority decides. Slower, never a second effect.
+    let redis = RedisServer::start();
+    let s = Arc::new(tiered(pool.clone(), &redis).await);
+    let mut conn = redis.client().await;
+    let chaos = async {
+        for _ in 0..3 {
+            sleep(ms(100)).await;
+            let _: () = dedup_redis::redis::cmd("CLIENT")
+                .arg("PAUSE")
+                .arg(300)
+                .arg("ALL")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            sleep(ms(300)).await;
+        }
+    };
+    let st = storm_with(&pool, Arc::clone(&s), chaos).await;
+    assert!(st.l2_timeouts > 0, "the pause must be felt: {st:?}");
+    eprintln!("slow redis storm: {st:?}");
+}

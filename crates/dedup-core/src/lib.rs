@@ -59,7 +59,7 @@ pub use record::{
     Timestamp, micros,
 };
 pub use store::{MemoryStore, Store};
-pub use tiered::{Cached, FastPath, L1Policy, TierStats, TieredConfig, TieredStore};
+pub use tiered::{Cached, FastPath, L1Policy, NoFastPath, TierStats, TieredConfig, TieredStore};
 
 /// The README's examples run as doctests, so they cannot rot.
 #[cfg(doctest)]

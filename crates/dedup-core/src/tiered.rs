@@ -178,6 +178,25 @@ pub trait FastPath: Send + Sync {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
 
+/// No fast path: a tiered store with L1 and the authority only.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoFastPath;
+
+impl FastPath for NoFastPath {
+    async fn lookup(&self, _: &IdempotencyKey) -> Result<Option<Cached>, StoreError> {
+        Ok(None)
+    }
+    async fn store(&self, _: &IdempotencyKey, _: &Cached, _: Duration) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+    async fn release(&self, _: &Lease) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+    async fn extend(&self, _: &Lease, _: Timestamp, _: Duration) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+}
+
 /// The L1 eviction policy. See docs/ARCHITECTURE.md for the measurements behind the default.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
