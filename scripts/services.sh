@@ -3,8 +3,10 @@
 # demo need, on loopback, in private data directories, and exports their URLs.
 #
 #   ensure_postgres   -> DATABASE_URL (superuser on a private cluster; tests create a database each)
-#   ensure_redis      -> REDIS_URL (a private redis-server; tests use a database number each or
-#                        spawn their own server from REDIS_SERVER_BIN)
+#   ensure_redis      -> REDIS_URL (a private redis-server) and REDIS_SERVER_BIN (tests spawn
+#                        servers of their own from it)
+#   ensure_redis_cluster -> REDIS_CLUSTER_URLS (three masters on loopback, comma-separated;
+#                        ports of at most 55535, since each bus port is 10000 higher)
 #
 # A server that cannot be started is an error: nothing is skipped. Sourcing this file changes no
 # shell options; the scripts that source it set their own.
@@ -13,6 +15,7 @@ DEDUP_PG_PORT="${DEDUP_PG_PORT:-55432}"
 DEDUP_PG_DIR="${DEDUP_PG_DIR:-/tmp/dedup-pg-$DEDUP_PG_PORT}"
 DEDUP_REDIS_PORT="${DEDUP_REDIS_PORT:-56379}"
 DEDUP_REDIS_DIR="${DEDUP_REDIS_DIR:-/tmp/dedup-redis-$DEDUP_REDIS_PORT}"
+DEDUP_REDIS_CLUSTER_PORTS="${DEDUP_REDIS_CLUSTER_PORTS:-46401 46402 46403}"
 
 log() { printf '[services] %s\n' "$*" >&2; }
 die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
@@ -108,4 +111,48 @@ ensure_redis() {
 
 stop_redis() {
   redis-cli -h 127.0.0.1 -p "$DEDUP_REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
+}
+
+ensure_redis_cluster() {
+  ensure_redis
+  local port nodes="" urls=""
+  for port in $DEDUP_REDIS_CLUSTER_PORTS; do
+    nodes="$nodes 127.0.0.1:$port"
+    urls="${urls:+$urls,}redis://127.0.0.1:$port"
+    if ! redis-cli -h 127.0.0.1 -p "$port" ping >/dev/null 2>&1; then
+      local dir="/tmp/dedup-redis-cluster-$port"
+      rm -rf "$dir" && mkdir -p "$dir"
+      redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" --cluster-enabled yes \
+        --cluster-config-file "$dir/nodes.conf" --save "" --appendonly no --daemonize yes \
+        --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" >/dev/null
+    fi
+  done
+  for port in $DEDUP_REDIS_CLUSTER_PORTS; do
+    for _ in $(seq 1 50); do
+      redis-cli -h 127.0.0.1 -p "$port" ping >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+  done
+  local first="${DEDUP_REDIS_CLUSTER_PORTS%% *}"
+  if ! redis-cli -h 127.0.0.1 -p "$first" cluster info 2>/dev/null | grep -q 'cluster_state:ok'; then
+    log "creating a 3-master redis cluster on$nodes"
+    # shellcheck disable=SC2086
+    redis-cli --cluster create $nodes --cluster-replicas 0 --cluster-yes >/dev/null \
+      || die "redis-cli --cluster create failed"
+    for _ in $(seq 1 100); do
+      redis-cli -h 127.0.0.1 -p "$first" cluster info | grep -q 'cluster_state:ok' && break
+      sleep 0.1
+    done
+    redis-cli -h 127.0.0.1 -p "$first" cluster info | grep -q 'cluster_state:ok' \
+      || die "the redis cluster did not reach cluster_state:ok"
+  fi
+  export REDIS_CLUSTER_URLS="$urls"
+  log "REDIS_CLUSTER_URLS=$REDIS_CLUSTER_URLS"
+}
+
+stop_redis_cluster() {
+  local port
+  for port in $DEDUP_REDIS_CLUSTER_PORTS; do
+    redis-cli -h 127.0.0.1 -p "$port" shutdown nosave >/dev/null 2>&1 || true
+  done
 }

@@ -316,3 +316,96 @@ async fn a_slow_redis_times_out_into_the_authority(pool: PgPool) {
     assert!(st.l2_timeouts > 0, "the pause must be felt: {st:?}");
     eprintln!("slow redis storm: {st:?}");
 }
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn the_scripts_run_on_a_three_master_cluster(pool: PgPool) {
+    let s = crate::support::tiered_cluster(pool).await;
+    let mut leases = Vec::new();
+    for n in 0..60 {
+        let k = key(format!("spread-{n}"));
+        let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+        s.extend(&lease).await.unwrap();
+        leases.push(lease);
+    }
+    for (n, lease) in leases.iter().enumerate() {
+        if n % 2 == 0 {
+            s.complete(lease, b"done").await.unwrap();
+        } else {
+            s.fail_retryable(lease, "later").await.unwrap();
+        }
+    }
+    for (n, lease) in leases.iter().enumerate() {
+        let copy = s.fast_path().lookup(&lease.key).await.unwrap();
+        if n % 2 == 0 {
+            assert_eq!(
+                copy.map(|c| (c.state, c.token)),
+                Some((State::Completed, lease.token))
+            );
+        } else {
+            assert_eq!(copy, None, "the released key's marker is dropped");
+        }
+    }
+    // The copies are spread over all three masters.
+    let prefix = s.fast_path().redis_key(&key("x"));
+    let prefix = prefix.split(':').next().unwrap().to_owned();
+    let urls = std::env::var("REDIS_CLUSTER_URLS").unwrap();
+    for url in urls.split(',') {
+        let mut node = dedup_redis::redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let (_, found): (u64, Vec<String>) = dedup_redis::redis::cmd("SCAN")
+            .arg(0)
+            .arg("MATCH")
+            .arg(format!("{prefix}:*"))
+            .arg("COUNT")
+            .arg(100_000)
+            .query_async(&mut node)
+            .await
+            .unwrap();
+        assert!(!found.is_empty(), "no copy landed on {url}");
+    }
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn acl_credentials_come_from_the_url_and_never_show(pool: PgPool) {
+    let secret = "s3cret-Pa55";
+    let acl_user = format!(">{secret}");
+    let redis = RedisServer::start_with(&[
+        "--user", "default", "off", "--user", "dedup", "on", &acl_user, "~*", "&*", "+@all",
+    ]);
+    let url = format!("redis://dedup:{secret}@127.0.0.1:{}", redis.port());
+    let fast = dedup_redis::RedisFastPath::connect(&url).await.unwrap();
+    assert!(!format!("{fast:?}").contains(secret));
+    let s = dedup_core::TieredStore::new(
+        dedup_pg::PgStore::new(pool),
+        fast,
+        dedup_core::TieredConfig::default(),
+    );
+    let lease = acquired(s.claim(&req(&key("k"), "a")).await.unwrap());
+    s.complete(&lease, b"ok").await.unwrap();
+    assert_eq!(
+        s.stats().backfills,
+        2,
+        "marker and completion reached the ACL-protected Redis"
+    );
+    assert!(!format!("{s:?}").contains(secret));
+
+    // Wrong password: a clear error that does not repeat the password.
+    let wrong = format!("redis://dedup:not-{secret}@127.0.0.1:{}", redis.port());
+    let err = dedup_redis::RedisFastPath::connect(&wrong)
+        .await
+        .unwrap_err();
+    let shown = format!("{err} {err:?}");
+    assert!(!shown.contains(secret), "{shown}");
+    assert!(
+        shown.to_lowercase().contains("wrongpass") || shown.contains("auth"),
+        "{shown}"
+    );
+    // A URL that is not one names what to fix.
+    let err = dedup_redis::RedisFastPath::connect("rediss//nope")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("redis://"), "{err}");
+}

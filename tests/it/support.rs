@@ -194,11 +194,17 @@ pub(crate) async fn effect_in_tx(
 pub(crate) struct RedisServer {
     port: u16,
     dir: std::path::PathBuf,
+    extra: Vec<String>,
     child: Option<std::process::Child>,
 }
 
 impl RedisServer {
     pub(crate) fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts with extra `redis-server` arguments (ACL users, say).
+    pub(crate) fn start_with(extra: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -209,6 +215,7 @@ impl RedisServer {
         let mut server = Self {
             port,
             dir,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
             child: None,
         };
         server.spawn();
@@ -230,6 +237,7 @@ impl RedisServer {
             ])
             .arg("--dir")
             .arg(&self.dir)
+            .args(&self.extra)
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {bin} (scripts/test installs it): {e}"));
@@ -245,6 +253,10 @@ impl RedisServer {
 
     pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub(crate) fn port(&self) -> u16 {
+        self.port
     }
 
     /// SIGKILL: no goodbye to the clients.
@@ -285,6 +297,35 @@ pub(crate) async fn tiered(pool: sqlx::PgPool, redis: &RedisServer) -> Tiered {
     let fast = dedup_redis::RedisFastPath::connect(&redis.url())
         .await
         .unwrap();
+    dedup_core::TieredStore::new(
+        dedup_pg::PgStore::new(pool),
+        fast,
+        dedup_core::TieredConfig::default(),
+    )
+}
+
+/// The tiered store on the 3-master cluster `scripts/test` starts (`REDIS_CLUSTER_URLS`), under a
+/// key prefix of the test's own.
+pub(crate) type TieredCluster = dedup_core::TieredStore<
+    dedup_pg::PgStore,
+    dedup_redis::RedisFastPath<dedup_redis::redis::cluster_async::ClusterConnection>,
+>;
+
+pub(crate) async fn tiered_cluster(pool: sqlx::PgPool) -> TieredCluster {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let urls =
+        std::env::var("REDIS_CLUSTER_URLS").expect("REDIS_CLUSTER_URLS is set by scripts/test");
+    let urls: Vec<&str> = urls.split(',').collect();
+    let prefix = format!(
+        "t{}-{}-{}",
+        std::process::id(),
+        Timestamp::now().as_micros(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let fast = dedup_redis::RedisFastPath::connect_cluster(&urls)
+        .await
+        .unwrap()
+        .with_prefix(prefix);
     dedup_core::TieredStore::new(
         dedup_pg::PgStore::new(pool),
         fast,

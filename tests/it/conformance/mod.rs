@@ -1,7 +1,8 @@
 //! The conformance suite: written once, run against every `Store`.
 //!
 //! `conformance!` stamps each case out once per store: the in-memory reference, Postgres (each
-//! test in a fresh database) and the tiered store (Postgres behind L1 and a Redis of the test's own).
+//! test in a fresh database) and the tiered store (Postgres behind L1 and a Redis of the test's own, or the 3-master
+//! Redis Cluster `scripts/test` starts).
 
 mod cases;
 mod process;
@@ -33,6 +34,15 @@ macro_rules! conformance {
                 async fn $case(pool: sqlx::PgPool) {
                     let redis = crate::support::RedisServer::start();
                     let store = std::sync::Arc::new(crate::support::tiered(pool, &redis).await);
+                    super::run::$case(store).await;
+                }
+            )*
+        }
+        mod tiered_cluster {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    let store = std::sync::Arc::new(crate::support::tiered_cluster(pool).await);
                     super::run::$case(store).await;
                 }
             )*
