@@ -88,6 +88,7 @@ stop_postgres() {
 
 ensure_redis() {
   command -v redis-server >/dev/null || apt_install redis-server redis-tools
+  command -v openssl >/dev/null || apt_install openssl   # the TLS test makes its certificates
   command -v redis-server >/dev/null || die "redis-server installed but not on PATH"
   if ! redis-cli -h 127.0.0.1 -p "$DEDUP_REDIS_PORT" ping >/dev/null 2>&1; then
     mkdir -p "$DEDUP_REDIS_DIR"

@@ -409,3 +409,121 @@ async fn acl_credentials_come_from_the_url_and_never_show(pool: PgPool) {
         .unwrap_err();
     assert!(err.to_string().contains("redis://"), "{err}");
 }
+
+/// A CA and a server certificate for 127.0.0.1, made with the openssl command.
+fn test_certificates(dir: &std::path::Path) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=dedup test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn tls_connections_carry_the_fast_path(pool: PgPool) {
+    let certs = std::env::temp_dir().join(format!("dedup-test-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&certs).unwrap();
+    test_certificates(&certs);
+    let path = |f: &str| certs.join(f).to_string_lossy().into_owned();
+    let redis = RedisServer::start_on(|port| {
+        [
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--tls-auth-clients",
+            "no",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .chain([
+            "--tls-cert-file".into(),
+            path("server.crt"),
+            "--tls-key-file".into(),
+            path("server.key"),
+        ])
+        .chain(["--tls-ca-cert-file".into(), path("ca.crt")])
+        .collect()
+    });
+    let url = format!("rediss://127.0.0.1:{}", redis.port());
+    let ca = std::fs::read(certs.join("ca.crt")).unwrap();
+
+    // Without our CA the server is not trusted: a clear error, no connection.
+    assert!(dedup_redis::RedisFastPath::connect(&url).await.is_err());
+
+    let fast = dedup_redis::RedisFastPath::connect_tls(&url, Some(&ca))
+        .await
+        .unwrap();
+    let s = dedup_core::TieredStore::new(
+        dedup_pg::PgStore::new(pool),
+        fast,
+        dedup_core::TieredConfig::default(),
+    );
+    let k = key("k");
+    let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+    s.complete(&lease, b"over tls").await.unwrap();
+    s.clear_l1();
+    assert!(matches!(
+        s.claim(&req(&k, "b")).await.unwrap(),
+        ClaimOutcome::Completed { .. }
+    ));
+    let st = s.stats();
+    assert_eq!(
+        (st.backfills, st.l2_hits, st.l2_errors),
+        (2, 1, 0),
+        "{st:?}"
+    );
+    let _ = std::fs::remove_dir_all(&certs);
+}

@@ -205,6 +205,11 @@ impl RedisServer {
 
     /// Starts with extra `redis-server` arguments (ACL users, say).
     pub(crate) fn start_with(extra: &[&str]) -> Self {
+        Self::start_on(|_| extra.iter().map(|s| (*s).to_owned()).collect())
+    }
+
+    /// Starts with extra arguments made from the chosen port (for `--tls-port`, say).
+    pub(crate) fn start_on(extra: impl FnOnce(u16) -> Vec<String>) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -215,7 +220,7 @@ impl RedisServer {
         let mut server = Self {
             port,
             dir,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            extra: extra(port),
             child: None,
         };
         server.spawn();

@@ -12,7 +12,9 @@
 //!
 //! Connections: [`ConnectionManager`] (reconnects in the background) or a cluster connection,
 //! behind the same [`RedisFastPath`] type. The URL carries ACL user and password
-//! (`redis://user:password@host:port/db`); dedup never logs URLs or passwords.
+//! (`redis://user:password@host:port/db`); dedup never logs URLs or passwords. With the `tls`
+//! feature, `rediss://` URLs connect over TLS (rustls), trusting the system's roots or a CA given
+//! to `connect_tls`.
 //!
 //! # Example
 //! ```no_run
@@ -80,15 +82,52 @@ impl RedisFastPath<ConnectionManager> {
     /// Connects to one Redis server (`redis://[user:password@]host:port[/db]`). The connection
     /// reconnects by itself after a drop.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        install_crypto();
         let client = redis::Client::open(url).map_err(config_error)?;
-        let conn = client.get_connection_manager().await.map_err(classify)?;
-        Ok(Self::new(conn))
+        Ok(Self::new(manager(&client).await?))
+    }
+}
+
+#[cfg(feature = "tls")]
+impl RedisFastPath<ConnectionManager> {
+    /// Connects over TLS (`rediss://host:port`), trusting `root_ca_pem` (a PEM certificate)
+    /// instead of the system's roots when it is given.
+    pub async fn connect_tls(url: &str, root_ca_pem: Option<&[u8]>) -> Result<Self, StoreError> {
+        install_crypto();
+        let certs = redis::TlsCertificates {
+            client_tls: None,
+            root_cert: root_ca_pem.map(<[u8]>::to_vec),
+        };
+        let client = redis::Client::build_with_tls(url, certs).map_err(config_error)?;
+        Ok(Self::new(manager(&client).await?))
+    }
+}
+
+/// A connection manager that gives up on a connection attempt after 1 s and waits at most 1 s
+/// between attempts: a cache should fail a bad configuration fast, and come back fast after a
+/// restart (the default backoff grows to several seconds).
+async fn manager(client: &redis::Client) -> Result<ConnectionManager, StoreError> {
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_max_delay(Duration::from_secs(1))
+        .set_connection_timeout(Some(Duration::from_secs(1)));
+    client
+        .get_connection_manager_with_config(config)
+        .await
+        .map_err(classify)
+}
+
+/// redis-rs leaves rustls's crypto provider to the application: use ring unless one is set.
+fn install_crypto() {
+    #[cfg(feature = "tls")]
+    {
+        let _ = rustls::crypto::ring::default_provider().install_default();
     }
 }
 
 impl RedisFastPath<redis::cluster_async::ClusterConnection> {
     /// Connects to a Redis Cluster through any of its nodes.
     pub async fn connect_cluster(urls: &[&str]) -> Result<Self, StoreError> {
+        install_crypto();
         let client = redis::cluster::ClusterClient::new(urls.to_vec()).map_err(config_error)?;
         let conn = client.get_async_connection().await.map_err(classify)?;
         Ok(Self::new(conn))
