@@ -10,21 +10,7 @@ use sqlx::PgPool;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::support::{effect_in_tx, effect_rows, effects_table, key, req};
-
-/// The URL of the test's own database: `DATABASE_URL` with the database name swapped.
-fn url_of(pool: &PgPool) -> String {
-    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set by scripts/test");
-    let db = pool
-        .connect_options()
-        .get_database()
-        .expect("sqlx::test names its database")
-        .to_owned();
-    let (server, _) = base
-        .rsplit_once('/')
-        .expect("DATABASE_URL has a database path");
-    format!("{server}/{db}")
-}
+use crate::support::{effect_in_tx, effect_rows, effects_table, key, req, url_of};
 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {

@@ -9,6 +9,7 @@
 mod support;
 
 mod conformance;
+mod kafka;
 mod kill;
 mod pg;
 mod redis;

@@ -337,3 +337,103 @@ pub(crate) async fn tiered_cluster(pool: sqlx::PgPool) -> TieredCluster {
         dedup_core::TieredConfig::default(),
     )
 }
+
+/// A nisshi broker (a Kafka-compatible broker, in its own process) on a free loopback port,
+/// killed on drop. The binary comes from `NISSHI_BIN` (set by `scripts/test`, which installs and
+/// caches it).
+#[derive(Debug)]
+pub(crate) struct NisshiServer {
+    port: u16,
+    storage: String,
+    child: std::sync::Mutex<Option<std::process::Child>>,
+}
+
+impl NisshiServer {
+    pub(crate) fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let server = Self {
+            port,
+            storage: nisshi_storage(port),
+            child: std::sync::Mutex::new(None),
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&self) {
+        let bin = std::env::var("NISSHI_BIN").unwrap_or_else(|_| "nisshi".into());
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let log = std::fs::File::create(
+            std::env::temp_dir().join(format!("dedup-test-nisshi-{}.log", self.port)),
+        )
+        .unwrap();
+        let child = std::process::Command::new(&bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .args(["--storage-engine", &self.storage])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {bin} (scripts/test installs it): {e}"));
+        *self.child.lock().unwrap() = Some(child);
+        for _ in 0..500 {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("nisshi did not listen on {}", self.port);
+    }
+
+    pub(crate) fn bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the broker (SIGKILL) and starts it again on the same port and storage.
+    pub(crate) fn restart(&self) {
+        self.kill();
+        std::thread::sleep(Duration::from_millis(500));
+        self.spawn();
+    }
+
+    fn kill(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for NisshiServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Where a test broker keeps its data.
+fn nisshi_storage(port: u16) -> String {
+    format!("memory://nisshi-{port}/")
+}
+
+/// The URL of the test's own database: `DATABASE_URL` with the database name swapped.
+pub(crate) fn url_of(pool: &sqlx::PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set by scripts/test");
+    let db = pool
+        .connect_options()
+        .get_database()
+        .expect("sqlx::test names its database")
+        .to_owned();
+    let (server, _) = base
+        .rsplit_once('/')
+        .expect("DATABASE_URL has a database path");
+    format!("{server}/{db}")
+}

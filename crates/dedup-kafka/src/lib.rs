@@ -1,0 +1,60 @@
+//! An idempotent Kafka consumer on rdkafka: each message's effect runs once, duplicates get the
+//! stored result, and no offset is committed ahead of durable state.
+//!
+//! # Concepts
+//! - A [`Runner`] consumes topics in a consumer group and passes each message through
+//!   [`dedup_core::Dedup::process`] to a [`Handler`]. The idempotency key comes from a header
+//!   (default `idempotency-key`), a JSON pointer, or a digest of chosen JSON fields
+//!   ([`KeySource`]); the scope defaults to the group.
+//! - **Offsets.** Automatic commit and automatic offset storing are off. A partition's offset is
+//!   committed up to the first message not yet settled (completed, replayed, or dead-lettered),
+//!   every [`RunnerConfig::commit_interval`], on revocation and on shutdown, and only for
+//!   partitions this member owns at that moment.
+//! - **Order.** One message at a time per partition, partitions concurrently; or, with
+//!   [`Ordering::PerKey`], different keys of one partition concurrently. At most
+//!   [`RunnerConfig::max_in_flight`] messages are held: past it the runner pauses its partitions
+//!   (and keeps polling, so rebalances are served) until half are settled.
+//! - **Failures.** Retryable errors are retried with [`Backoff`] up to the policy's attempt limit;
+//!   poison messages, permanent errors, exhausted attempts, payload mismatches and unusable keys
+//!   go to the dead-letter topic with headers [`DLQ_REASON`], [`DLQ_ATTEMPTS`], [`DLQ_TOPIC`],
+//!   [`DLQ_PARTITION`], [`DLQ_OFFSET`], and then the offset moves on. A store that is down is
+//!   retried without limit: a message is never dropped for want of a database.
+//! - **Rebalances.** On revocation the runner takes no new work for those partitions, lets running
+//!   messages finish on their own (their dedup state is fenced and durable; the new owner replays
+//!   or waits for them), drops queued ones, and commits what is settled. Every assignment resumes
+//!   or re-pauses its partitions explicitly.
+//! - **Shutdown.** `run` takes a future (SIGINT/SIGTERM in the binary): it stops taking messages,
+//!   waits up to [`RunnerConfig::drain_timeout`] for running ones, commits and leaves the group.
+//! - **Traces.** Each message is a `dedup.kafka.message` span with OpenTelemetry's messaging
+//!   attributes; with the `otel` feature its parent is read from the W3C `traceparent` header.
+//!
+//! # Example
+//! ```no_run
+//! use std::sync::Arc;
+//! use dedup_core::{Completion, Dedup, HandlerError, MemoryStore};
+//! use dedup_kafka::{Delivery, Runner, RunnerConfig};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let dedup = Arc::new(Dedup::new(MemoryStore::new()));
+//! let config = RunnerConfig::new("127.0.0.1:9092", "payments", ["payments"]);
+//! let runner = Runner::new(config, dedup, |d: Arc<Delivery>, _lease| async move {
+//!     // The effect, once per key. Its result is replayed to duplicates.
+//!     Ok::<_, HandlerError<String>>(Completion::store(d.payload.clone().unwrap_or_default()))
+//! });
+//! let stats = runner.run(async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! println!("{stats:?}");
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod delivery;
+mod runner;
+mod stats;
+mod trace;
+
+pub use config::{Backoff, DEFAULT_KEY_HEADER, KeySource, MissingKey, Ordering, RunnerConfig};
+pub use delivery::{Delivery, KeyError, extract_key};
+pub use runner::{
+    DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Handler, Runner, RunnerError,
+};
+pub use stats::{RunnerStats, StatsHandle};

@@ -1,0 +1,809 @@
+//! The consumer loop: receive, dispatch into lanes, settle, commit what is durable.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use dedup_core::{
+    AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, LeaseContext,
+    ProcessError, Processed, Scope, Store,
+};
+use rdkafka::client::ClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tokio::sync::{mpsc, watch};
+use tokio::time::{Instant, sleep};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::config::{MissingKey, Ordering, RunnerConfig};
+use crate::delivery::{Delivery, KeyError, extract_key};
+use crate::stats::{Counters, RunnerStats, StatsHandle};
+
+/// Dead-letter header: why the message was dead-lettered.
+pub const DLQ_REASON: &str = "dedup-reason";
+/// Dead-letter header: the attempts made.
+pub const DLQ_ATTEMPTS: &str = "dedup-attempts";
+/// Dead-letter header: the original topic.
+pub const DLQ_TOPIC: &str = "dedup-original-topic";
+/// Dead-letter header: the original partition.
+pub const DLQ_PARTITION: &str = "dedup-original-partition";
+/// Dead-letter header: the original offset.
+pub const DLQ_OFFSET: &str = "dedup-original-offset";
+
+/// What the runner calls for each message.
+///
+/// `lease` is the dedup lease the message runs under (pass it to a transactional completion such
+/// as `PgStore::transact`); it is `None` only for a keyless message under
+/// [`MissingKey::ProcessWithoutDedup`]. Any `Fn(Arc<Delivery>, Option<LeaseContext>) -> Future`
+/// closure is a handler.
+pub trait Handler: Send + Sync + 'static {
+    /// The handler's own error.
+    type Error: fmt::Display + Send + 'static;
+
+    /// Handles one message.
+    fn handle(
+        &self,
+        delivery: Arc<Delivery>,
+        lease: Option<LeaseContext>,
+    ) -> impl Future<Output = Result<Completion, HandlerError<Self::Error>>> + Send;
+}
+
+impl<F, Fut, E> Handler for F
+where
+    F: Fn(Arc<Delivery>, Option<LeaseContext>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Completion, HandlerError<E>>> + Send,
+    E: fmt::Display + Send + 'static,
+{
+    type Error = E;
+
+    fn handle(
+        &self,
+        delivery: Arc<Delivery>,
+        lease: Option<LeaseContext>,
+    ) -> impl Future<Output = Result<Completion, HandlerError<E>>> + Send {
+        self(delivery, lease)
+    }
+}
+
+/// Why a runner could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunnerError {
+    /// The configuration is not usable (bad property, bad scope, no topics).
+    #[error("bad runner configuration: {0}")]
+    Config(String),
+    /// The Kafka client failed to start or to subscribe.
+    #[error("kafka: {0}")]
+    Kafka(#[from] KafkaError),
+}
+
+impl RunnerError {
+    /// Whether starting again may help (a broker that was down); a bad configuration will not.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Kafka(_))
+    }
+}
+
+/// An idempotent consumer: runs every message through [`Dedup::process`] and commits an offset
+/// only once every message before it is settled (completed, replayed, or dead-lettered).
+#[derive(Debug)]
+pub struct Runner<S, H> {
+    config: RunnerConfig,
+    dedup: Arc<Dedup<S>>,
+    handler: H,
+    counters: Arc<Counters>,
+}
+
+type TopicPartition = (String, i32);
+
+/// A partition this member owns, as the runner tracks it.
+#[derive(Debug)]
+struct Part {
+    /// Changes on every assignment, so work from an earlier ownership is never counted.
+    generation: u64,
+    revoked: Arc<AtomicBool>,
+    /// Offsets received and not yet settled.
+    pending: BTreeSet<i64>,
+    /// The offset after the last one received.
+    next: Option<i64>,
+    /// What was last committed (or sent to be).
+    committed: Option<i64>,
+}
+
+impl Part {
+    /// The next offset to read: nothing before it is unsettled.
+    fn position(&self) -> Option<i64> {
+        self.pending.first().copied().or(self.next)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    parts: HashMap<TopicPartition, Part>,
+    generation: u64,
+    paused: bool,
+}
+
+struct RunnerContext {
+    shared: Arc<Mutex<Shared>>,
+    counters: Arc<Counters>,
+}
+
+fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    // A panic elsewhere must not stop offset tracking: the data is plain bookkeeping.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl ClientContext for RunnerContext {}
+
+impl ConsumerContext for RunnerContext {
+    fn pre_rebalance(
+        &self,
+        consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        rebalance: &Rebalance<'_>,
+    ) {
+        let Rebalance::Revoke(tpl) = rebalance else {
+            return;
+        };
+        // Still ours during this callback: stop the work, and commit what is settled.
+        let mut commit = TopicPartitionList::new();
+        {
+            let mut shared = lock(&self.shared);
+            for e in tpl.elements() {
+                let tp = (e.topic().to_owned(), e.partition());
+                if let Some(part) = shared.parts.remove(&tp) {
+                    part.revoked.store(true, AtomicOrdering::Release);
+                    if let Some(pos) = part.position()
+                        && part.committed != Some(pos)
+                    {
+                        let _ = commit.add_partition_offset(&tp.0, tp.1, Offset::Offset(pos));
+                    }
+                }
+            }
+        }
+        self.counters.revoked.add(tpl.count() as u64);
+        info!(partitions = tpl.count(), "partitions revoked");
+        if commit.count() > 0 {
+            match consumer.commit(&commit, CommitMode::Sync) {
+                Ok(()) => self.counters.commits.add(1),
+                Err(e) => {
+                    self.counters.commit_errors.add(1);
+                    warn!(error = %e, "commit on revocation failed; those messages will be replayed");
+                }
+            }
+        }
+    }
+
+    fn post_rebalance(
+        &self,
+        consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        rebalance: &Rebalance<'_>,
+    ) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let paused = {
+                    let mut shared = lock(&self.shared);
+                    shared.generation += 1;
+                    let generation = shared.generation;
+                    for e in tpl.elements() {
+                        shared.parts.insert(
+                            (e.topic().to_owned(), e.partition()),
+                            Part {
+                                generation,
+                                revoked: Arc::new(AtomicBool::new(false)),
+                                pending: BTreeSet::new(),
+                                next: None,
+                                committed: None,
+                            },
+                        );
+                    }
+                    shared.paused
+                };
+                // librdkafka keeps an application pause across revoke and re-assign: say
+                // explicitly which state these partitions are in.
+                let r = if paused {
+                    consumer.pause(tpl)
+                } else {
+                    consumer.resume(tpl)
+                };
+                if let Err(e) = r {
+                    debug!(error = %e, "pause/resume on assignment");
+                }
+                self.counters.assigned.add(tpl.count() as u64);
+                info!(partitions = tpl.count(), paused, "partitions assigned");
+            }
+            Rebalance::Error(e) => warn!(error = %e, "rebalance error"),
+            Rebalance::Revoke(_) => {}
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(e) = result {
+            self.counters.commit_errors.add(1);
+            warn!(error = %e, "offset commit failed; it is retried");
+            // Forget what we thought committed, so the next round sends it again.
+            let mut shared = lock(&self.shared);
+            for e in offsets.elements() {
+                if let Some(p) = shared.parts.get_mut(&(e.topic().to_owned(), e.partition())) {
+                    p.committed = None;
+                }
+            }
+        }
+    }
+}
+
+/// Which messages must wait for each other.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+struct Lane {
+    topic: String,
+    partition: i32,
+    generation: u64,
+    key: Option<Vec<u8>>,
+}
+
+#[derive(Debug)]
+struct Job {
+    delivery: Arc<Delivery>,
+    key: Result<IdempotencyKey, KeyError>,
+    revoked: Arc<AtomicBool>,
+    lane: Lane,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Settled {
+    Executed,
+    Replayed,
+    DeadLettered,
+    ProcessedWithoutDedup,
+    /// Left unsettled (revoked or shutting down): it will be redelivered.
+    Abandoned,
+}
+
+#[derive(Debug)]
+struct Done {
+    lane: Lane,
+    offset: i64,
+    settled: Settled,
+}
+
+struct Inner<S, H> {
+    config: RunnerConfig,
+    dedup: Arc<Dedup<S>>,
+    handler: H,
+    producer: FutureProducer,
+    counters: Arc<Counters>,
+    stopping: watch::Receiver<bool>,
+}
+
+impl<S, H> Runner<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    /// A runner over `dedup` calling `handler`.
+    pub fn new(config: RunnerConfig, dedup: Arc<Dedup<S>>, handler: H) -> Self {
+        Self {
+            config,
+            dedup,
+            handler,
+            counters: Arc::new(Counters::default()),
+        }
+    }
+
+    /// A handle to the runner's counters, readable while it runs.
+    pub fn stats(&self) -> StatsHandle {
+        StatsHandle(self.counters.clone())
+    }
+
+    fn client_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.config.brokers);
+        for (k, v) in &self.config.client {
+            c.set(k, v);
+        }
+        c
+    }
+
+    /// Consumes until `shutdown` completes, then drains, commits and leaves the group.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
+        if self.config.topics.is_empty() {
+            return Err(RunnerError::Config("no topics to consume".into()));
+        }
+        if self.config.max_in_flight == 0 {
+            return Err(RunnerError::Config(
+                "max_in_flight must be at least 1".into(),
+            ));
+        }
+        let scope = Scope::new(
+            self.config
+                .scope
+                .as_deref()
+                .unwrap_or(&self.config.group_id),
+        )
+        .map_err(|e| RunnerError::Config(format!("scope: {e}")))?;
+
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let mut cc = self.client_config();
+        cc.set("group.id", &self.config.group_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false");
+        if !self
+            .config
+            .client
+            .iter()
+            .any(|(k, _)| k == "auto.offset.reset")
+        {
+            cc.set("auto.offset.reset", "earliest");
+        }
+        let consumer: StreamConsumer<RunnerContext> = cc.create_with_context(RunnerContext {
+            shared: shared.clone(),
+            counters: self.counters.clone(),
+        })?;
+        let mut pc = self.client_config();
+        pc.set("enable.idempotence", "true").set("acks", "all");
+        // Consumer-only properties would make the producer refuse to start.
+        pc.remove("group.protocol");
+        pc.remove("group.instance.id");
+        pc.remove("partition.assignment.strategy");
+        pc.remove("auto.offset.reset");
+        pc.remove("session.timeout.ms");
+        pc.remove("heartbeat.interval.ms");
+        pc.remove("max.poll.interval.ms");
+        let producer: FutureProducer = pc.create()?;
+        let topics: Vec<&str> = self.config.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics)?;
+        info!(group = %self.config.group_id, topics = ?topics, "runner subscribed");
+
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            config: self.config,
+            dedup: self.dedup,
+            handler: self.handler,
+            producer,
+            counters: self.counters.clone(),
+            stopping: stop_rx,
+        });
+        let mut lp = Loop {
+            inner: inner.clone(),
+            consumer,
+            shared,
+            scope,
+            lanes: HashMap::new(),
+            held: 0,
+            paused: false,
+            done_tx: None,
+        };
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        lp.done_tx = Some(done_tx);
+
+        let mut commit_tick = tokio::time::interval(inner.config.commit_interval);
+        commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                Some(done) = done_rx.recv() => lp.settle(done),
+                _ = commit_tick.tick() => lp.commit(CommitMode::Async),
+                m = lp.consumer.recv() => match m {
+                    Ok(m) => {
+                        let delivery = Delivery::from_message(&m);
+                        drop(m);
+                        lp.receive(delivery);
+                    }
+                    Err(e) => {
+                        inner.counters.consumer_errors.add(1);
+                        warn!(error = %e, "consumer error");
+                    }
+                },
+            }
+            lp.backpressure();
+        }
+
+        // Shutdown: running messages finish (their retries stop), queued ones are left to
+        // redelivery, settled offsets are committed.
+        info!(held = lp.held, "runner draining");
+        let _ = stop_tx.send(true);
+        let dropped: usize = lp.lanes.values_mut().map(|q| std::mem::take(q).len()).sum();
+        lp.held -= dropped;
+        inner.counters.abandoned.add(dropped as u64);
+        let deadline = Instant::now() + inner.config.drain_timeout;
+        while lp.held > 0 {
+            tokio::select! {
+                Some(done) = done_rx.recv() => lp.settle(done),
+                // Keep serving rebalance callbacks; new messages are not taken.
+                _ = lp.consumer.recv() => {}
+                () = tokio::time::sleep_until(deadline) => {
+                    warn!(held = lp.held, "drain timed out; the rest will be redelivered");
+                    break;
+                }
+            }
+        }
+        lp.commit(CommitMode::Sync);
+        lp.consumer.unsubscribe();
+        if let Err(e) = inner.producer.flush(Duration::from_secs(10)) {
+            warn!(error = %e, "dead-letter producer flush");
+        }
+        info!("runner stopped");
+        Ok(StatsHandle(inner.counters.clone()).snapshot())
+    }
+}
+
+struct Loop<S, H> {
+    inner: Arc<Inner<S, H>>,
+    consumer: StreamConsumer<RunnerContext>,
+    shared: Arc<Mutex<Shared>>,
+    scope: Scope,
+    lanes: HashMap<Lane, VecDeque<Job>>,
+    /// Messages received and not settled: running or waiting in a lane.
+    held: usize,
+    paused: bool,
+    done_tx: Option<mpsc::UnboundedSender<Done>>,
+}
+
+impl<S, H> Loop<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    fn receive(&mut self, delivery: Delivery) {
+        self.inner.counters.received.add(1);
+        let tp = (delivery.topic.clone(), delivery.partition);
+        let (generation, revoked) = {
+            let mut shared = lock(&self.shared);
+            let Some(part) = shared.parts.get_mut(&tp) else {
+                // Not ours (a message fetched before a revocation): its new owner reads it.
+                debug!(topic = %tp.0, partition = tp.1, "message for a partition not assigned");
+                return;
+            };
+            part.pending.insert(delivery.offset);
+            part.next = Some(
+                part.next
+                    .map_or(delivery.offset + 1, |n| n.max(delivery.offset + 1)),
+            );
+            (part.generation, part.revoked.clone())
+        };
+        let key = extract_key(&self.inner.config.key, &self.scope, &delivery);
+        let lane = Lane {
+            topic: tp.0,
+            partition: tp.1,
+            generation,
+            key: match (&self.inner.config.ordering, &key) {
+                (Ordering::PerKey, Ok(k)) => Some(k.key_bytes().to_vec()),
+                _ => None,
+            },
+        };
+        let job = Job {
+            delivery: Arc::new(delivery),
+            key,
+            revoked,
+            lane: lane.clone(),
+        };
+        self.held += 1;
+        match self.lanes.get_mut(&lane) {
+            Some(queue) => queue.push_back(job),
+            None => {
+                self.lanes.insert(lane, VecDeque::new());
+                self.start(job);
+            }
+        }
+    }
+
+    fn start(&self, job: Job) {
+        let inner = self.inner.clone();
+        let Some(done_tx) = self.done_tx.clone() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let lane = job.lane.clone();
+            let offset = job.delivery.offset;
+            let settled = inner.run_job(job).await;
+            let _ = done_tx.send(Done {
+                lane,
+                offset,
+                settled,
+            });
+        });
+    }
+
+    fn settle(&mut self, done: Done) {
+        self.held -= 1;
+        let c = &self.inner.counters;
+        match done.settled {
+            Settled::Executed => c.executed.add(1),
+            Settled::Replayed => c.replayed.add(1),
+            Settled::DeadLettered => c.dead_lettered.add(1),
+            Settled::ProcessedWithoutDedup => c.processed_without_dedup.add(1),
+            Settled::Abandoned => c.abandoned.add(1),
+        }
+        if done.settled != Settled::Abandoned {
+            let mut shared = lock(&self.shared);
+            if let Some(part) = shared
+                .parts
+                .get_mut(&(done.lane.topic.clone(), done.lane.partition))
+                && part.generation == done.lane.generation
+            {
+                part.pending.remove(&done.offset);
+            }
+        }
+        // The lane's next message, unless its partition has moved on.
+        loop {
+            let Some(queue) = self.lanes.get_mut(&done.lane) else {
+                return;
+            };
+            let Some(job) = queue.pop_front() else {
+                self.lanes.remove(&done.lane);
+                return;
+            };
+            if job.revoked.load(AtomicOrdering::Acquire) || *self.inner.stopping.borrow() {
+                self.held -= 1;
+                c.abandoned.add(1);
+                continue;
+            }
+            self.start(job);
+            return;
+        }
+    }
+
+    /// Commits, for each partition this member owns, the offset before which all is settled.
+    fn commit(&self, mode: CommitMode) {
+        let mut tpl = TopicPartitionList::new();
+        {
+            let mut shared = lock(&self.shared);
+            for ((topic, partition), part) in shared.parts.iter_mut() {
+                if let Some(pos) = part.position()
+                    && part.committed != Some(pos)
+                {
+                    let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(pos));
+                    part.committed = Some(pos);
+                }
+            }
+        }
+        if tpl.count() == 0 {
+            return;
+        }
+        match self.consumer.commit(&tpl, mode) {
+            Ok(()) => self.inner.counters.commits.add(1),
+            Err(e) => {
+                self.inner.counters.commit_errors.add(1);
+                warn!(error = %e, "offset commit failed; it is retried");
+                let mut shared = lock(&self.shared);
+                for e in tpl.elements() {
+                    if let Some(p) = shared.parts.get_mut(&(e.topic().to_owned(), e.partition())) {
+                        p.committed = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Pauses every owned partition when too much is held, and resumes at half.
+    fn backpressure(&mut self) {
+        let max = self.inner.config.max_in_flight;
+        let pause = if !self.paused && self.held >= max {
+            true
+        } else if self.paused && self.held <= max / 2 {
+            false
+        } else {
+            return;
+        };
+        let Ok(assignment) = self.consumer.assignment() else {
+            return;
+        };
+        let r = if pause {
+            self.consumer.pause(&assignment)
+        } else {
+            self.consumer.resume(&assignment)
+        };
+        if let Err(e) = r {
+            warn!(error = %e, pause, "pause/resume failed");
+            return;
+        }
+        self.paused = pause;
+        lock(&self.shared).paused = pause;
+        if pause {
+            self.inner.counters.pauses.add(1);
+        }
+        debug!(held = self.held, pause, "backpressure");
+    }
+}
+
+impl<S, H> Inner<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    fn abandoned(&self, job: &Job) -> bool {
+        job.revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow()
+    }
+
+    /// Waits before retry `n`; false if the job should be abandoned instead.
+    async fn wait_retry(&self, job: &Job, n: u32) -> bool {
+        self.counters.retries.add(1);
+        let mut stopping = self.stopping.clone();
+        tokio::select! {
+            () = sleep(self.config.backoff.delay(n)) => {}
+            _ = stopping.wait_for(|s| *s) => {}
+        }
+        !self.abandoned(job)
+    }
+
+    async fn run_job(&self, job: Job) -> Settled {
+        let d = &job.delivery;
+        let span = info_span!(
+            "dedup.kafka.message",
+            "messaging.system" = "kafka",
+            "messaging.destination.name" = %d.topic,
+            "messaging.kafka.partition" = d.partition,
+            "messaging.kafka.offset" = d.offset,
+            outcome = tracing::field::Empty,
+        );
+        crate::trace::set_parent(&span, d);
+        let settled = async {
+            match &job.key {
+                Ok(key) => self.run_keyed(&job, key).await,
+                Err(KeyError::Missing(why)) => {
+                    self.counters.missing_key.add(1);
+                    match self.config.missing_key {
+                        MissingKey::DeadLetter => {
+                            warn!(topic = %d.topic, partition = d.partition, offset = d.offset, why, "message without an idempotency key: dead-lettered");
+                            self.dead_letter(&job, &format!("no idempotency key: {why}"), 0)
+                                .await
+                        }
+                        MissingKey::ProcessWithoutDedup => {
+                            warn!(topic = %d.topic, partition = d.partition, offset = d.offset, why, "message without an idempotency key: processed without dedup");
+                            self.run_unkeyed(&job).await
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.counters.bad_key.add(1);
+                    warn!(topic = %d.topic, partition = d.partition, offset = d.offset, error = %e, "bad idempotency key: dead-lettered");
+                    self.dead_letter(&job, &e.to_string(), 0).await
+                }
+            }
+        }
+        .instrument(span.clone())
+        .await;
+        span.record("outcome", format!("{settled:?}").to_lowercase());
+        settled
+    }
+
+    async fn run_keyed(&self, job: &Job, key: &IdempotencyKey) -> Settled {
+        let fingerprint = self
+            .config
+            .check_payload
+            .then(|| Fingerprint::of(job.delivery.payload_bytes()));
+        let mut retry = 0;
+        loop {
+            let delivery = job.delivery.clone();
+            let handler = &self.handler;
+            let out = self
+                .dedup
+                .process(key, fingerprint, move |lease| {
+                    handler.handle(delivery, Some(lease))
+                })
+                .await;
+            let err = match out {
+                Ok(Processed::Replayed { .. }) => return Settled::Replayed,
+                Ok(_) => return Settled::Executed,
+                Err(e) => e,
+            };
+            if err.is_retryable() {
+                retry += 1;
+                debug!(key = %key, error = %err, retry, "retrying");
+                if !self.wait_retry(job, retry).await {
+                    return Settled::Abandoned;
+                }
+                continue;
+            }
+            let attempts = match &err {
+                ProcessError::Failed { attempts, .. } => *attempts,
+                ProcessError::Handler {
+                    after: AfterHandlerError::Failed { attempts },
+                    ..
+                } => *attempts,
+                _ => retry + 1,
+            };
+            warn!(key = %key, error = %err, attempts, "dead-lettering");
+            return self.dead_letter(job, &err.to_string(), attempts).await;
+        }
+    }
+
+    async fn run_unkeyed(&self, job: &Job) -> Settled {
+        let max = self.dedup.policy().max_attempts;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let reason = match self.handler.handle(job.delivery.clone(), None).await {
+                Ok(_) => return Settled::ProcessedWithoutDedup,
+                Err(HandlerError::Permanent(e)) => format!("the handler failed permanently: {e}"),
+                Err(HandlerError::Retryable(e)) if attempt >= max => {
+                    format!("the handler failed {attempt} time(s); last: {e}")
+                }
+                Err(HandlerError::Store(e)) if !e.is_retryable() || attempt >= max => {
+                    format!("the handler's store call failed: {e}")
+                }
+                Err(e) => {
+                    debug!(attempt, error = %DisplayHandlerError(&e), "retrying a keyless message");
+                    if !self.wait_retry(job, attempt).await {
+                        return Settled::Abandoned;
+                    }
+                    continue;
+                }
+            };
+            return self.dead_letter(job, &reason, attempt).await;
+        }
+    }
+
+    /// Writes the message to the dead-letter topic and waits for the broker's acknowledgement;
+    /// retries until it is written (the offset must not move past a message that is nowhere).
+    async fn dead_letter(&self, job: &Job, reason: &str, attempts: u32) -> Settled {
+        let d = &job.delivery;
+        let attempts = attempts.to_string();
+        let partition = d.partition.to_string();
+        let offset = d.offset.to_string();
+        let mut retry = 0;
+        loop {
+            let mut headers = OwnedHeaders::new_with_capacity(d.headers.len() + 5);
+            for (k, v) in &d.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: v.as_deref(),
+                });
+            }
+            for (k, v) in [
+                (DLQ_REASON, reason),
+                (DLQ_ATTEMPTS, &attempts),
+                (DLQ_TOPIC, &d.topic),
+                (DLQ_PARTITION, &partition),
+                (DLQ_OFFSET, &offset),
+            ] {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v),
+                });
+            }
+            let mut record: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&self.config.dead_letter_topic).headers(headers);
+            if let Some(k) = &d.key {
+                record = record.key(&k[..]);
+            }
+            if let Some(p) = &d.payload {
+                record = record.payload(&p[..]);
+            }
+            match self.producer.send(record, Duration::from_secs(30)).await {
+                Ok(_) => return Settled::DeadLettered,
+                Err((e, _)) => {
+                    self.counters.dead_letter_errors.add(1);
+                    warn!(error = %e, topic = %self.config.dead_letter_topic, "dead-letter write failed; retrying");
+                    retry += 1;
+                    if !self.wait_retry(job, retry).await {
+                        return Settled::Abandoned;
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct DisplayHandlerError<'a, E>(&'a HandlerError<E>);
+
+impl<E: fmt::Display> fmt::Display for DisplayHandlerError<'_, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            HandlerError::Retryable(e) => write!(f, "retryable: {e}"),
+            HandlerError::Permanent(e) => write!(f, "permanent: {e}"),
+            HandlerError::Store(e) => write!(f, "store: {e}"),
+            _ => f.write_str("handler error"),
+        }
+    }
+}

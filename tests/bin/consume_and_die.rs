@@ -1,0 +1,61 @@
+//! A consumer for the kill test: runs the Kafka runner over the full engine, booking each message
+//! into `effects` in transactional mode, and never commits an offset on its own (the test kills it
+//! with SIGKILL first).
+//!
+//! Usage: `dedup-consume-and-die <brokers> <group> <topic> <database-url> <redis-url> [k=v ...]`
+//! (`k=v`: extra librdkafka properties).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{Dedup, HandlerError, LeaseContext, TieredConfig, TieredStore};
+use dedup_kafka::{Delivery, Runner, RunnerConfig};
+use dedup_pg::PgStore;
+use dedup_redis::RedisFastPath;
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, brokers, group, topic, db, redis, extra @ ..] = args.as_slice() else {
+        return Err("usage: dedup-consume-and-die <brokers> <group> <topic> <database-url> <redis-url> [k=v ...]".into());
+    };
+    let pg = PgStore::new(sqlx::PgPool::connect(db).await?);
+    let store = TieredStore::new(
+        pg.clone(),
+        RedisFastPath::connect(redis).await?,
+        TieredConfig::default(),
+    );
+    let dedup = Arc::new(Dedup::new(store));
+    let mut config = RunnerConfig::new(brokers.as_str(), group.as_str(), [topic.as_str()])
+        .with_commit_interval(Duration::from_secs(3600));
+    for kv in extra {
+        let (k, v) = kv.split_once('=').ok_or("extra properties are k=v")?;
+        config = config.with_client(k, v);
+    }
+    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
+        let pg = pg.clone();
+        async move {
+            let lease = lease.ok_or(HandlerError::Permanent("no key".to_owned()))?;
+            let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default())
+                .into_owned();
+            let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
+            pg.transact(&lease, move |tx| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects VALUES ($1, $2, 'killed')")
+                        .bind(&key)
+                        .bind(token)
+                        .execute(tx)
+                        .await
+                        .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+                    Ok(Bytes::from(format!("booked {key}")))
+                })
+            })
+            .await
+        }
+    };
+    Runner::new(config, dedup, handler)
+        .run(std::future::pending())
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,780 @@
+//! The Kafka runner against librdkafka's mock cluster and a nisshi broker process, with the full
+//! engine (L1, a real Redis, Postgres) and a ledger written in transactional mode.
+//!
+//! Every scenario runs on both brokers (`kafka::mock::*`, `kafka::nisshi::*`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{Completion, Dedup, HandlerError, LeaseContext, Policy};
+use dedup_kafka::{
+    Backoff, DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Delivery, MissingKey,
+    Runner, RunnerConfig, RunnerError, RunnerStats, StatsHandle,
+};
+use dedup_pg::PgStore;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep};
+
+use crate::support::{
+    RedisServer, Tiered, effect_in_tx, effect_rows, effects_table, tiered, url_of,
+};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A name no other test uses.
+fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A broker for one test: librdkafka's in-process mock cluster, or a nisshi process of its own.
+enum Broker {
+    Mock(MockCluster<'static, DefaultProducerContext>),
+    Nisshi(crate::support::NisshiServer),
+}
+
+impl Broker {
+    fn mock() -> Self {
+        Self::Mock(MockCluster::new(1).unwrap())
+    }
+
+    fn nisshi() -> Self {
+        Self::Nisshi(crate::support::NisshiServer::start())
+    }
+
+    fn bootstrap(&self) -> String {
+        match self {
+            Self::Mock(m) => m.bootstrap_servers(),
+            Self::Nisshi(n) => n.bootstrap(),
+        }
+    }
+
+    /// Client properties every client of this broker needs.
+    fn client(&self) -> Vec<(&'static str, &'static str)> {
+        match self {
+            // The KIP-848 protocol assigns in milliseconds; the classic one waits 3 s first.
+            Self::Mock(_) => vec![("group.protocol", "consumer")],
+            Self::Nisshi(_) => vec![
+                ("broker.address.family", "v4"),
+                ("session.timeout.ms", "6000"),
+                ("heartbeat.interval.ms", "500"),
+            ],
+        }
+    }
+
+    fn client_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", self.bootstrap());
+        for (k, v) in self.client() {
+            c.set(k, v);
+        }
+        c
+    }
+
+    async fn create_topic(&self, name: &str, partitions: i32) {
+        match self {
+            Self::Mock(m) => m.create_topic(name, partitions, 1).unwrap(),
+            Self::Nisshi(_) => {
+                let mut c = self.client_config();
+                c.remove("session.timeout.ms");
+                c.remove("heartbeat.interval.ms");
+                let admin: AdminClient<DefaultClientContext> = c.create().unwrap();
+                let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+                let r = admin
+                    .create_topics(&[topic], &AdminOptions::new())
+                    .await
+                    .unwrap();
+                for t in r {
+                    t.unwrap();
+                }
+            }
+        }
+    }
+
+    fn producer(&self) -> FutureProducer {
+        let mut c = self.client_config();
+        c.remove("group.protocol");
+        c.remove("session.timeout.ms");
+        c.remove("heartbeat.interval.ms");
+        c.set("enable.idempotence", "true").set("acks", "all");
+        c.create().unwrap()
+    }
+
+    fn config(&self, group: &str, topic: &str) -> RunnerConfig {
+        let mut cfg = RunnerConfig::new(self.bootstrap(), group, [topic])
+            .with_commit_interval(Duration::from_millis(200))
+            .with_backoff(Backoff::new(
+                Duration::from_millis(20),
+                Duration::from_millis(200),
+            ));
+        for (k, v) in self.client() {
+            cfg = cfg.with_client(k, v);
+        }
+        cfg
+    }
+}
+
+/// One event of a test stream.
+#[derive(Clone, Debug)]
+struct Event {
+    key: Option<String>,
+    payload: String,
+    partition: i32,
+}
+
+fn event(id: u32, partitions: i32) -> Event {
+    Event {
+        key: Some(format!("evt-{id}")),
+        payload: format!(r#"{{"id":{id},"amount":{}}}"#, id % 100 + 1),
+        partition: i32::try_from(id).unwrap() % partitions,
+    }
+}
+
+async fn produce(broker: &Broker, topic: &str, events: &[Event]) {
+    let producer = broker.producer();
+    let mut acks = Vec::new();
+    for e in events {
+        let mut headers = OwnedHeaders::new();
+        if let Some(k) = &e.key {
+            headers = headers.insert(Header {
+                key: "idempotency-key",
+                value: Some(k.as_bytes()),
+            });
+        }
+        let record = FutureRecord::<str, str>::to(topic)
+            .payload(&e.payload)
+            .partition(e.partition)
+            .headers(headers);
+        acks.push(producer.send_result(record).map_err(|(e, _)| e).unwrap());
+    }
+    for a in acks {
+        a.await.unwrap().map_err(|(e, _)| e).unwrap();
+    }
+}
+
+/// The ledger handler: an amount below zero is poison; otherwise one row in `effects` and the
+/// fenced completion, in one transaction.
+type HandlerFuture = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Completion, HandlerError<String>>> + Send>,
+>;
+
+fn ledger_handler(
+    store: PgStore,
+    worker: &'static str,
+) -> impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static {
+    move |d, lease| {
+        let store = store.clone();
+        Box::pin(async move {
+            let json: serde_json::Value = serde_json::from_slice(d.payload_bytes())
+                .map_err(|e| HandlerError::Permanent(format!("payload: {e}")))?;
+            if json["amount"].as_i64().unwrap_or(0) < 0 {
+                return Err(HandlerError::Permanent("negative amount".to_owned()));
+            }
+            let key = d
+                .header("idempotency-key")
+                .map(|k| String::from_utf8_lossy(k).into_owned())
+                .unwrap_or_else(|| format!("offset-{}", d.offset));
+            match lease {
+                Some(ctx) => effect_in_tx(
+                    &store,
+                    &ctx,
+                    key.clone(),
+                    worker.to_owned(),
+                    Bytes::from(format!("booked {key}")),
+                )
+                .await
+                .map_err(|e| match e {
+                    HandlerError::Retryable(e) => HandlerError::Retryable(e.to_string()),
+                    HandlerError::Permanent(e) => HandlerError::Permanent(e.to_string()),
+                    HandlerError::Store(e) => HandlerError::Store(e),
+                    _ => HandlerError::Permanent("unexpected".to_owned()),
+                }),
+                None => {
+                    sqlx::query("INSERT INTO effects VALUES ($1, 0, $2)")
+                        .bind(&key)
+                        .bind(worker)
+                        .execute(store.pool())
+                        .await
+                        .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+                    Ok(Completion::store(Bytes::new()))
+                }
+            }
+        })
+    }
+}
+
+struct Running {
+    stop: oneshot::Sender<()>,
+    handle: JoinHandle<Result<RunnerStats, RunnerError>>,
+    stats: StatsHandle,
+}
+
+impl Running {
+    fn spawn(config: RunnerConfig, dedup: Arc<Dedup<Tiered>>, worker: &'static str) -> Self {
+        let store = dedup.store().authority().clone();
+        let runner = Runner::new(config, dedup, ledger_handler(store, worker));
+        let stats = runner.stats();
+        let (stop, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(runner.run(async {
+            let _ = rx.await;
+        }));
+        Self {
+            stop,
+            handle,
+            stats,
+        }
+    }
+
+    async fn stop(self) -> RunnerStats {
+        let _ = self.stop.send(());
+        self.handle.await.unwrap().unwrap()
+    }
+}
+
+async fn engine(pool: &PgPool, redis: &RedisServer) -> Arc<Dedup<Tiered>> {
+    let policy = Policy::default().with_lease(Duration::from_secs(5));
+    Arc::new(
+        Dedup::new(tiered(pool.clone(), redis).await)
+            .with_policy(policy)
+            .unwrap()
+            .with_in_flight_wait(Duration::from_secs(1)),
+    )
+}
+
+async fn ledger_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until `done` holds, or fails the test after `secs`.
+async fn eventually<F, Fut>(secs: u64, what: &str, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every key in the ledger exactly once, and nothing else.
+async fn assert_one_row_per_key(pool: &PgPool, keys: impl IntoIterator<Item = String>) {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for (k, _, _) in effect_rows(pool).await {
+        *counts.entry(k).or_default() += 1;
+    }
+    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "keys with more than one effect: {doubled:?}"
+    );
+    let expected: std::collections::BTreeSet<String> = keys.into_iter().collect();
+    let got: std::collections::BTreeSet<String> = counts.into_keys().collect();
+    assert_eq!(got, expected, "ledger keys differ from the stream's");
+}
+
+/// The group's committed offset per partition (-1 where none). Blocking calls go to the blocking
+/// pool: the test's runtime has one thread, and the runner lives on it.
+async fn committed(broker: &Broker, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    let mut c = broker.client_config();
+    c.set("group.id", group);
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = c.create().unwrap();
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(&topic, p);
+        }
+        let got = consumer
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .unwrap();
+        (0..partitions)
+            .map(
+                |p| match got.find_partition(&topic, p).map(|e| e.offset()) {
+                    Some(Offset::Offset(o)) => o,
+                    _ => -1,
+                },
+            )
+            .collect()
+    })
+    .await
+    .unwrap()
+}
+
+/// How many messages each partition holds.
+async fn high_watermarks(broker: &Broker, topic: &str, partitions: i32) -> Vec<i64> {
+    let mut c = broker.client_config();
+    c.set("group.id", unique("watermarks"));
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = c.create().unwrap();
+        (0..partitions)
+            .map(|p| {
+                consumer
+                    .fetch_watermarks(&topic, p, Duration::from_secs(10))
+                    .unwrap()
+                    .1
+            })
+            .collect()
+    })
+    .await
+    .unwrap()
+}
+
+/// A dead-lettered message: its payload and its headers.
+type Dead = (Option<String>, HashMap<String, String>);
+
+async fn read_dead_letters(broker: &Broker, topic: &str, n: usize) -> Vec<Dead> {
+    let mut c = broker.client_config();
+    c.set("group.id", unique("dlq-reader"))
+        .set("auto.offset.reset", "earliest");
+    let consumer: StreamConsumer = c.create().unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out.len() < n {
+        let m = tokio::time::timeout_at(deadline, consumer.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {} of {n} dead letters arrived", out.len()))
+            .unwrap();
+        let headers = m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let payload = m.payload().map(|p| String::from_utf8_lossy(p).into_owned());
+        out.push((payload, headers));
+    }
+    out
+}
+
+macro_rules! on_brokers {
+    ($($name:ident),* $(,)?) => {
+        mod mock {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $name(pool: sqlx::PgPool) {
+                    let broker = super::Broker::mock();
+                    super::$name(&broker, pool).await;
+                }
+            )*
+        }
+        mod nisshi {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $name(pool: sqlx::PgPool) {
+                    let broker = super::Broker::nisshi();
+                    super::$name(&broker, pool).await;
+                }
+            )*
+        }
+    };
+}
+
+on_brokers!(
+    a_stream_with_duplicates_books_each_key_once_and_commits_to_the_end,
+    killed_after_the_handler_and_before_the_commit_replays_on_restart,
+    two_consumers_with_a_rebalance_mid_stream_lose_and_double_nothing,
+    poison_goes_to_the_dead_letter_topic_and_the_stream_goes_on,
+    keyless_messages_are_dead_lettered_by_default,
+    keyless_messages_run_without_dedup_when_asked,
+    per_key_concurrency_with_a_small_in_flight_bound_keeps_the_ledger_exact,
+    the_broker_stopped_and_restarted_mid_stream_loses_and_doubles_nothing,
+);
+
+async fn a_stream_with_duplicates_books_each_key_once_and_commits_to_the_end(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("orders");
+    broker.create_topic(&topic, 3).await;
+    // 300 events over 200 keys: every third event is a redelivery of an earlier one.
+    let events: Vec<Event> = (0..300u32)
+        .map(|i| {
+            let id = if i % 3 == 2 { i / 3 } else { i };
+            let mut e = event(id, 3);
+            e.partition = i32::try_from(i).unwrap() % 3;
+            e
+        })
+        .collect();
+    let keys: std::collections::BTreeSet<String> =
+        events.iter().filter_map(|e| e.key.clone()).collect();
+    produce(broker, &topic, &events).await;
+    let dedup = engine(&pool, &redis).await;
+    let group = unique("g");
+    let run = Running::spawn(broker.config(&group, &topic), dedup, "a");
+    let stats = run.stats.clone();
+    eventually(60, "all 300 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed == 300 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!(s.executed, keys.len() as u64);
+    assert_eq!(s.replayed, 300 - keys.len() as u64);
+    assert_eq!(s.dead_lettered, 0);
+    assert_one_row_per_key(&pool, keys).await;
+    assert_eq!(
+        committed(broker, &group, &topic, 3).await,
+        high_watermarks(broker, &topic, 3).await
+    );
+}
+
+async fn killed_after_the_handler_and_before_the_commit_replays_on_restart(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("payments");
+    broker.create_topic(&topic, 2).await;
+    let events: Vec<Event> = (0..40).map(|i| event(i, 2)).collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+
+    // The first consumer is a process of its own: it runs every handler (each effect commits
+    // with its completion) and is killed with SIGKILL before any offset is committed (its commit
+    // interval is an hour; a kill runs no revocation and no shutdown).
+    let mut args = vec![
+        broker.bootstrap(),
+        group.clone(),
+        topic.clone(),
+        url_of(&pool),
+        redis.url(),
+    ];
+    args.extend(broker.client().iter().map(|(k, v)| format!("{k}={v}")));
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"))
+        .args(&args)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually(60, "40 effects", || {
+        let pool = pool.clone();
+        async move { ledger_count(&pool).await == 40 }
+    })
+    .await;
+    child.kill().await.unwrap();
+    assert!(!child.wait().await.unwrap().success());
+    assert_eq!(committed(broker, &group, &topic, 2).await, vec![-1, -1]);
+
+    // On restart (a new process would have an empty L1: a new engine), every message comes again
+    // and is replayed from dedup.
+    let second = Running::spawn(
+        broker.config(&group, &topic),
+        engine(&pool, &redis).await,
+        "second",
+    );
+    let stats = second.stats.clone();
+    eventually(60, "40 replays", || {
+        let s = stats.snapshot();
+        async move { s.replayed == 40 }
+    })
+    .await;
+    let s = second.stop().await;
+    assert_eq!(s.executed, 0, "nothing runs twice");
+    assert_one_row_per_key(&pool, events.iter().filter_map(|e| e.key.clone())).await;
+    assert!(
+        effect_rows(&pool)
+            .await
+            .iter()
+            .all(|(_, _, w)| w == "killed")
+    );
+    assert_eq!(committed(broker, &group, &topic, 2).await, vec![20, 20]);
+}
+
+async fn two_consumers_with_a_rebalance_mid_stream_lose_and_double_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("stock");
+    broker.create_topic(&topic, 4).await;
+    // 1,200 events over 800 keys, redeliveries spread over every partition.
+    let events: Vec<Event> = (0..1200u32)
+        .map(|i| {
+            let mut e = event(if i % 3 == 2 { i / 2 } else { i }, 4);
+            e.partition = i32::try_from(i).unwrap() % 4;
+            e
+        })
+        .collect();
+    let keys: std::collections::BTreeSet<String> =
+        events.iter().filter_map(|e| e.key.clone()).collect();
+    let group = unique("g");
+    // Each consumer is its own instance: its own L1, the shared Redis and Postgres.
+    let a = Running::spawn(
+        broker.config(&group, &topic),
+        engine(&pool, &redis).await,
+        "a",
+    );
+    produce(broker, &topic, &events[..600]).await;
+    let a_stats = a.stats.clone();
+    eventually(60, "the first consumer under way", || {
+        let s = a_stats.snapshot();
+        async move { s.executed > 50 }
+    })
+    .await;
+    // The second member joins mid-stream: partitions move while messages are in flight.
+    let b = Running::spawn(
+        broker.config(&group, &topic),
+        engine(&pool, &redis).await,
+        "b",
+    );
+    produce(broker, &topic, &events[600..]).await;
+    eventually(90, "every key booked", || {
+        let pool = pool.clone();
+        let n = keys.len();
+        async move { ledger_count(&pool).await >= i64::try_from(n).unwrap() }
+    })
+    .await;
+    // Wait until both have settled what they hold and committed.
+    let hw = high_watermarks(broker, &topic, 4).await;
+    eventually(60, "offsets committed to the end", || {
+        let (hw, group, topic) = (hw.clone(), group.clone(), topic.clone());
+        async move { committed(broker, &group, &topic, 4).await == hw }
+    })
+    .await;
+    let (sa, sb) = (a.stop().await, b.stop().await);
+    assert!(
+        sb.assigned > 0,
+        "the second consumer got partitions: {sb:?}"
+    );
+    assert!(sa.revoked > 0, "the first consumer gave some up: {sa:?}");
+    assert_one_row_per_key(&pool, keys.clone()).await;
+    assert_eq!(sa.executed + sb.executed, keys.len() as u64);
+    assert_eq!(sa.dead_lettered + sb.dead_lettered, 0);
+}
+
+async fn poison_goes_to_the_dead_letter_topic_and_the_stream_goes_on(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("ledger");
+    broker.create_topic(&topic, 1).await;
+    let mut events: Vec<Event> = (0..30).map(|i| event(i, 1)).collect();
+    events[10].payload = r#"{"id":10,"amount":-5}"#.to_owned();
+    events[20].payload = "not json at all".to_owned();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let config = broker
+        .config(&group, &topic)
+        .with_dead_letter_topic(format!("{topic}.dlq"));
+    let run = Running::spawn(config, engine(&pool, &redis).await, "a");
+    let stats = run.stats.clone();
+    eventually(60, "30 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.dead_lettered == 30 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.dead_lettered), (28, 2));
+    let mut dead = read_dead_letters(broker, &format!("{topic}.dlq"), 2).await;
+    dead.sort_by_key(|(_, h)| h[DLQ_OFFSET].parse::<i64>().unwrap());
+    let (payload, h) = &dead[0];
+    assert_eq!(payload.as_deref(), Some(r#"{"id":10,"amount":-5}"#));
+    assert!(h[DLQ_REASON].contains("negative amount"), "{h:?}");
+    assert_eq!(h[DLQ_ATTEMPTS], "1");
+    assert_eq!(h[DLQ_TOPIC], topic);
+    assert_eq!(h[DLQ_PARTITION], "0");
+    assert_eq!(h[DLQ_OFFSET], "10");
+    assert_eq!(h["idempotency-key"], "evt-10", "original headers are kept");
+    assert!(dead[1].1[DLQ_REASON].contains("payload"), "{:?}", dead[1].1);
+    assert_eq!(dead[1].1[DLQ_OFFSET], "20");
+    // The stream went on: every other key booked, the offset past the poison.
+    let good = events
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 10 && *i != 20)
+        .filter_map(|(_, e)| e.key.clone());
+    assert_one_row_per_key(&pool, good).await;
+    assert_eq!(committed(broker, &group, &topic, 1).await, vec![30]);
+}
+
+async fn keyless_messages_are_dead_lettered_by_default(broker: &Broker, pool: PgPool) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("keyless");
+    broker.create_topic(&topic, 1).await;
+    let mut events: Vec<Event> = (0..10).map(|i| event(i, 1)).collect();
+    events[3].key = None;
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let run = Running::spawn(
+        broker.config(&group, &topic),
+        engine(&pool, &redis).await,
+        "a",
+    );
+    let stats = run.stats.clone();
+    eventually(60, "10 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.dead_lettered == 10 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.dead_lettered, s.missing_key), (9, 1, 1));
+    let dead = read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    assert!(
+        dead[0].1[DLQ_REASON].contains("no idempotency key"),
+        "{:?}",
+        dead[0].1
+    );
+    assert_eq!(dead[0].1[DLQ_OFFSET], "3");
+    assert_eq!(ledger_count(&pool).await, 9);
+    assert_eq!(committed(broker, &group, &topic, 1).await, vec![10]);
+}
+
+async fn keyless_messages_run_without_dedup_when_asked(broker: &Broker, pool: PgPool) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("keyless-ok");
+    broker.create_topic(&topic, 1).await;
+    let mut events: Vec<Event> = (0..10).map(|i| event(i, 1)).collect();
+    events[4].key = None;
+    events[7].key = None;
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let config = broker
+        .config(&group, &topic)
+        .with_missing_key(MissingKey::ProcessWithoutDedup);
+    let run = Running::spawn(config, engine(&pool, &redis).await, "a");
+    let stats = run.stats.clone();
+    eventually(60, "10 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.processed_without_dedup == 10 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!(
+        (s.executed, s.processed_without_dedup, s.dead_lettered),
+        (8, 2, 0)
+    );
+    assert_eq!(s.missing_key, 2);
+    let rows = effect_rows(&pool).await;
+    assert!(
+        rows.iter().any(|(k, t, _)| k == "offset-4" && *t == 0),
+        "{rows:?}"
+    );
+    assert!(
+        rows.iter().any(|(k, t, _)| k == "offset-7" && *t == 0),
+        "{rows:?}"
+    );
+    assert_eq!(committed(broker, &group, &topic, 1).await, vec![10]);
+}
+
+async fn per_key_concurrency_with_a_small_in_flight_bound_keeps_the_ledger_exact(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("perkey");
+    broker.create_topic(&topic, 2).await;
+    // Hot keys: 600 events over 60 keys, so one key's copies queue behind each other.
+    let events: Vec<Event> = (0..600u32)
+        .map(|i| {
+            let mut e = event(i % 60, 2);
+            e.partition = i32::try_from(i).unwrap() % 2;
+            e
+        })
+        .collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let config = broker
+        .config(&group, &topic)
+        .with_ordering(dedup_kafka::Ordering::PerKey)
+        .with_max_in_flight(16);
+    let run = Running::spawn(config, engine(&pool, &redis).await, "a");
+    let stats = run.stats.clone();
+    eventually(60, "600 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed == 600 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!(s.executed, 60);
+    assert!(
+        s.pauses > 0,
+        "the in-flight bound paused the partitions: {s:?}"
+    );
+    assert_one_row_per_key(&pool, (0..60).map(|i| format!("evt-{i}"))).await;
+    assert_eq!(committed(broker, &group, &topic, 2).await, vec![300, 300]);
+}
+
+async fn the_broker_stopped_and_restarted_mid_stream_loses_and_doubles_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("restart");
+    broker.create_topic(&topic, 2).await;
+    let events: Vec<Event> = (0..400).map(|i| event(i, 2)).collect();
+    produce(broker, &topic, &events[..200]).await;
+    let group = unique("g");
+    let run = Running::spawn(
+        broker.config(&group, &topic),
+        engine(&pool, &redis).await,
+        "a",
+    );
+    let stats = run.stats.clone();
+    eventually(60, "the first half booked", || {
+        let s = stats.snapshot();
+        async move { s.executed >= 200 }
+    })
+    .await;
+    match broker {
+        Broker::Mock(m) => {
+            m.broker_down(1).unwrap();
+            sleep(Duration::from_secs(2)).await;
+            m.broker_up(1).unwrap();
+        }
+        Broker::Nisshi(n) => n.restart(),
+    }
+    produce(broker, &topic, &events[200..]).await;
+    eventually(120, "every key booked after the restart", || {
+        let pool = pool.clone();
+        async move { ledger_count(&pool).await >= 400 }
+    })
+    .await;
+    let hw = high_watermarks(broker, &topic, 2).await;
+    eventually(60, "offsets committed to the end", || {
+        let (hw, group, topic) = (hw.clone(), group.clone(), topic.clone());
+        async move { committed(broker, &group, &topic, 2).await == hw }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!(s.dead_lettered, 0);
+    assert_one_row_per_key(&pool, events.iter().filter_map(|e| e.key.clone())).await;
+}
