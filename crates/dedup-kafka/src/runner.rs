@@ -647,6 +647,7 @@ where
             outcome = tracing::field::Empty,
         );
         crate::trace::set_parent(&span, d);
+        let started = Instant::now();
         let settled = async {
             match &job.key {
                 Ok(key) => self.run_keyed(&job, key).await,
@@ -674,6 +675,11 @@ where
         .instrument(span.clone())
         .await;
         span.record("outcome", format!("{settled:?}").to_lowercase());
+        if settled != Settled::Abandoned {
+            self.counters
+                .latency
+                .record(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX));
+        }
         settled
     }
 

@@ -15,8 +15,70 @@ impl Counter {
     }
 }
 
+/// Per-message latencies in microseconds, in log buckets (8 per power of two: within 12.5%).
+#[derive(Debug)]
+pub(crate) struct Histogram([AtomicU64; BUCKETS]);
+
+const BUCKETS: usize = 16 + 44 * 8;
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
+impl Histogram {
+    fn index(us: u64) -> usize {
+        if us < 16 {
+            return usize::try_from(us).unwrap_or(0);
+        }
+        let b = 63 - u64::from(us.leading_zeros());
+        let sub = (us >> (b - 3)) & 7;
+        let i = 16 + (b - 4) * 8 + sub;
+        usize::try_from(i).unwrap_or(BUCKETS - 1).min(BUCKETS - 1)
+    }
+
+    /// The upper end of bucket `i`.
+    fn upper(i: usize) -> u64 {
+        if i < 16 {
+            return i as u64;
+        }
+        let b = (i as u64 - 16) / 8 + 4;
+        let sub = (i as u64 - 16) % 8;
+        ((8 + sub + 1) << (b - 3)) - 1
+    }
+
+    pub(crate) fn record(&self, us: u64) {
+        self.0[Self::index(us)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The `q` quantile (0..=1), as the upper end of its bucket; 0 when empty.
+    fn quantile(&self, q: f64) -> u64 {
+        let counts: Vec<u64> = self.0.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return 0;
+        }
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let rank = ((total as f64) * q).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, c) in counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Self::upper(i);
+            }
+        }
+        Self::upper(BUCKETS - 1)
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
+    pub(crate) latency: Histogram,
     pub(crate) received: Counter,
     pub(crate) executed: Counter,
     pub(crate) replayed: Counter,
@@ -60,6 +122,8 @@ impl StatsHandle {
             assigned: c.assigned.get(),
             revoked: c.revoked.get(),
             pauses: c.pauses.get(),
+            latency_p50_us: c.latency.quantile(0.5),
+            latency_p99_us: c.latency.quantile(0.99),
         }
     }
 }
@@ -100,4 +164,45 @@ pub struct RunnerStats {
     pub revoked: u64,
     /// Times the runner paused for backpressure.
     pub pauses: u64,
+    /// Median time from a message's start to its settlement (dedup decision, handler, completion
+    /// or dead letter), in microseconds (within 12.5%).
+    pub latency_p50_us: u64,
+    /// The 99th percentile of the same.
+    pub latency_p99_us: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Histogram;
+
+    #[test]
+    fn buckets_cover_every_value_within_an_eighth() {
+        for us in (0..100_000u64).chain([1 << 20, 1 << 33, 1 << 40]) {
+            let i = Histogram::index(us);
+            let upper = Histogram::upper(i);
+            assert!(upper >= us, "{us} -> bucket {i} ending at {upper}");
+            assert!(
+                upper - us <= us / 8 + 1,
+                "{us} -> {upper}: more than 12.5% off"
+            );
+            if i > 0 {
+                assert!(
+                    Histogram::upper(i - 1) < us,
+                    "{us} belongs below bucket {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn quantiles_of_a_known_spread() {
+        let h = Histogram::default();
+        assert_eq!(h.quantile(0.5), 0);
+        for us in 1..=1000 {
+            h.record(us);
+        }
+        let (p50, p99) = (h.quantile(0.5), h.quantile(0.99));
+        assert!((500..=563).contains(&p50), "p50 {p50}");
+        assert!((990..=1114).contains(&p99), "p99 {p99}");
+    }
 }

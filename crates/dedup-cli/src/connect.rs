@@ -1,0 +1,85 @@
+//! Connections from configuration, with errors that name what to fix (and never a password).
+
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::time::Duration;
+
+use dedup_redis::RedisFastPath;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CliError {
+    /// The configuration is wrong (a bad URL, a bad argument): exit code 2.
+    #[error("{0}")]
+    Config(String),
+    /// A server named by the configuration cannot be reached: exit code 2.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The work failed: exit code 1.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl CliError {
+    pub(crate) fn exit_code(&self) -> ExitCode {
+        match self {
+            Self::Config(_) | Self::Unreachable(_) => ExitCode::from(2),
+            Self::Failed(_) => ExitCode::from(1),
+        }
+    }
+}
+
+/// `url` without its user and password, for messages.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}{}", &url[..s + 3], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+pub(crate) async fn connect_pg(url: &str, max: u32) -> Result<PgPool, CliError> {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        return Err(CliError::Config(format!(
+            "DATABASE_URL ({}) is not a valid postgres:// URL",
+            redact(url)
+        )));
+    }
+    let options = PgConnectOptions::from_str(url).map_err(|e| {
+        CliError::Config(format!(
+            "DATABASE_URL ({}) is not a valid postgres:// URL: {e}",
+            redact(url)
+        ))
+    })?;
+    let place = format!("{}:{}", options.get_host(), options.get_port());
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await
+        .map_err(|e| {
+            CliError::Unreachable(format!(
+                "cannot connect to Postgres at {place} (DATABASE_URL): {e}. Is it running? \
+                 `source scripts/services.sh && ensure_postgres` starts one"
+            ))
+        })
+}
+
+pub(crate) async fn connect_redis(url: &str, prefix: &str) -> Result<RedisFastPath, CliError> {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://"))
+    {
+        return Err(CliError::Config(format!(
+            "REDIS_URL ({}) must start with redis:// (or rediss://)",
+            redact(url)
+        )));
+    }
+    let fast = RedisFastPath::connect(url).await.map_err(|e| {
+        CliError::Unreachable(format!(
+            "cannot connect to Redis at {} (REDIS_URL): {e}. Is it running? \
+             `source scripts/services.sh && ensure_redis` starts one",
+            redact(url)
+        ))
+    })?;
+    Ok(fast.with_prefix(prefix))
+}

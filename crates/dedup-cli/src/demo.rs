@@ -1,0 +1,546 @@
+//! `dedup demo`: a stream with duplicates through Kafka and the full engine into a ledger.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Args;
+use dedup_core::{
+    Dedup, Fingerprint, HandlerError, LeaseContext, Policy, TieredConfig, TieredStore,
+};
+use dedup_kafka::{Delivery, Ordering, Runner, RunnerConfig, RunnerStats};
+use dedup_pg::PgStore;
+use indicatif::{ProgressBar, ProgressStyle};
+use opentelemetry::propagation::Injector;
+use rdkafka::config::ClientConfig;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tracing::info_span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+use crate::PgArgs;
+use crate::connect::{CliError, connect_pg, connect_redis, redact};
+
+#[derive(Args, Debug)]
+pub(crate) struct DemoArgs {
+    /// Events to produce.
+    #[arg(long, default_value_t = 100_000)]
+    events: u64,
+    /// Share of events that repeat an earlier event (0 to 0.9).
+    #[arg(long, default_value_t = 0.3)]
+    duplicates: f64,
+    /// Hot keys: half of the duplicates repeat one of these, Zipf-skewed.
+    #[arg(long, default_value_t = 100)]
+    hot_keys: u64,
+    /// Partitions of the demo topic.
+    #[arg(long, default_value_t = 8)]
+    partitions: i32,
+    /// Messages in flight at once (Postgres connections follow it, up to 64).
+    #[arg(long, default_value_t = 256)]
+    in_flight: usize,
+    /// Kafka bootstrap servers; without it, librdkafka's embedded mock cluster.
+    #[arg(long, env = "KAFKA_BROKERS")]
+    brokers: Option<String>,
+    /// Extra librdkafka properties for every client, as key=value (repeatable).
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
+    kafka_properties: Vec<String>,
+    #[command(flatten)]
+    pg: PgArgs,
+    /// Redis (the fast path): redis://[user:password@]host:port[/db]
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    redis_url: String,
+    /// Give up if the stream is not settled within this many seconds.
+    #[arg(long, default_value_t = 900)]
+    timeout_secs: u64,
+    /// No progress bar (for logs and CI).
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// A small deterministic generator: the same stream on every run.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 11
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn unit(&mut self) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let x = (self.next() >> 11) as f64 / (1u64 << 42) as f64;
+        x
+    }
+}
+
+/// One produced message.
+struct Event {
+    id: u64,
+    payload: String,
+}
+
+fn payload(id: u64) -> String {
+    // Every 997th event is poison: a negative amount the ledger refuses.
+    let amount: i64 = if id % 997 == 996 {
+        -1
+    } else {
+        i64::try_from(id % 1000).unwrap_or(0) + 1
+    };
+    format!(
+        r#"{{"id":{id},"account":{},"amount":{amount}}}"#,
+        1000 + id % 97
+    )
+}
+
+/// The stream: `unique` first deliveries, with duplicates in between (half on Zipf-skewed hot
+/// keys, half redeliveries of recent events), and one key reused with another payload.
+fn stream(events: u64, duplicates: f64, hot: u64) -> (Vec<Event>, u64) {
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let unique = ((events as f64) * (1.0 - duplicates.clamp(0.0, 0.9))).round() as u64;
+    let unique = unique.clamp(1, events);
+    let mut rng = Lcg(0x5eed);
+    let mut out = Vec::new();
+    let (mut next_new, mut dups_left) = (0u64, events - unique);
+    for i in 0..events {
+        let left = events - i;
+        let dup = next_new > 0 && (next_new == unique || rng.below(left) < dups_left);
+        if dup {
+            dups_left -= 1;
+            let id = if rng.below(2) == 0 {
+                // Zipf-like: low ranks far more often.
+                #[allow(
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss,
+                    clippy::cast_precision_loss
+                )]
+                let rank = ((hot.min(next_new) as f64) * rng.unit().powi(3)) as u64;
+                rank.min(next_new - 1)
+            } else {
+                next_new - 1 - rng.below(next_new.min(1000))
+            };
+            out.push(Event {
+                id,
+                payload: payload(id),
+            });
+        } else {
+            out.push(Event {
+                id: next_new,
+                payload: payload(next_new),
+            });
+            next_new += 1;
+        }
+    }
+    // One producer bug: key 7 reused with another payload (dead-lettered as a mismatch).
+    if let Some(e) = out.iter_mut().rev().find(|e| e.id == 7) {
+        e.payload = r#"{"id":7,"account":1,"amount":999999}"#.to_owned();
+    }
+    (out, unique)
+}
+
+struct HeaderInjector<'a>(&'a mut Vec<(String, String)>);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.push((key.to_owned(), value));
+    }
+}
+
+fn progress(quiet: bool, len: u64, what: &str) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} ({per_sec}, eta {eta})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
+
+fn client_config(bootstrap: &str, extra: &[(String, String)]) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", bootstrap);
+    for (k, v) in extra {
+        c.set(k, v);
+    }
+    c
+}
+
+pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
+    if args.events == 0 {
+        return Err(CliError::Config("--events must be at least 1".into()));
+    }
+    if !(0.0..=0.9).contains(&args.duplicates) {
+        return Err(CliError::Config(
+            "--duplicates must be between 0 and 0.9".into(),
+        ));
+    }
+    if args.partitions < 1 {
+        return Err(CliError::Config("--partitions must be at least 1".into()));
+    }
+    let mut extra = Vec::new();
+    for p in &args.kafka_properties {
+        let (k, v) = p
+            .split_once('=')
+            .ok_or_else(|| CliError::Config(format!("--kafka-property {p:?} is not key=value")))?;
+        extra.push((k.to_owned(), v.to_owned()));
+    }
+    let started_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let run_id = format!("demo-{started_at}");
+
+    // Postgres and Redis first: a bad URL should fail before anything is produced.
+    let conns = u32::try_from(args.in_flight.clamp(8, 64)).unwrap_or(64);
+    let pool = connect_pg(&args.pg.database_url, conns).await?;
+    dedup_pg::migrate(&pool)
+        .await
+        .map_err(|e| CliError::Failed(format!("migrations: {e}")))?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS dedup_demo_ledger (
+            id bigserial PRIMARY KEY, run text NOT NULL, key text NOT NULL,
+            account bigint NOT NULL, amount bigint NOT NULL, token bigint NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .map_err(|e| CliError::Failed(format!("creating the ledger: {e}")))?;
+    let fast = connect_redis(&args.redis_url, &run_id).await?;
+
+    // Kafka: the given cluster, or the embedded mock (kept in this function: it is not Send).
+    let mock = match &args.brokers {
+        Some(_) => None,
+        None => Some(
+            MockCluster::new(3)
+                .map_err(|e| CliError::Failed(format!("embedded Kafka mock cluster: {e}")))?,
+        ),
+    };
+    let bootstrap = match (&args.brokers, &mock) {
+        (Some(b), _) => b.clone(),
+        (None, Some(m)) => m.bootstrap_servers(),
+        (None, None) => unreachable!("one of the two is set"),
+    };
+    let kafka_name = if mock.is_some() {
+        "embedded mock cluster (librdkafka)".to_owned()
+    } else {
+        redact(&bootstrap)
+    };
+    let topic = run_id.clone();
+    if let Some(m) = &mock {
+        m.create_topic(&topic, args.partitions, 1)
+            .map_err(|e| CliError::Failed(format!("creating {topic}: {e}")))?;
+    }
+    let producer: FutureProducer = client_config(&bootstrap, &extra)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .create()
+        .map_err(|e| CliError::Config(format!("Kafka producer ({kafka_name}): {e}")))?;
+    producer
+        .client()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .map_err(|e| {
+            CliError::Unreachable(format!(
+                "cannot reach Kafka at {kafka_name} (KAFKA_BROKERS): {e}. Is it running?"
+            ))
+        })?;
+    if mock.is_none() {
+        create_topic(&bootstrap, &extra, &topic, args.partitions).await?;
+    }
+
+    // Produce.
+    let (events, unique) = stream(args.events, args.duplicates, args.hot_keys);
+    let poison_keys = (0..unique).filter(|id| id % 997 == 996).count() as u64;
+    println!(
+        "dedup demo: {} events ({} unique keys, {:.0}% duplicates) to {topic} on {kafka_name}",
+        args.events,
+        unique,
+        args.duplicates * 100.0
+    );
+    let bar = progress(args.quiet, args.events, "producing");
+    let produce_started = Instant::now();
+    let mut pending = Vec::with_capacity(1024);
+    for e in &events {
+        let key = format!("order-{}", e.id);
+        let partition = i32::from_be_bytes(
+            Fingerprint::of(key.as_bytes()).as_bytes()[..4]
+                .try_into()
+                .unwrap_or([0; 4]),
+        )
+        .rem_euclid(args.partitions);
+        // A producer span per event, its W3C context carried in the headers (exported only
+        // with OTEL_EXPORTER_OTLP_ENDPOINT set).
+        let span = info_span!("dedup.demo.produce", "messaging.system" = "kafka", "messaging.destination.name" = %topic, key = %key);
+        let mut trace = Vec::new();
+        let cx = span.context();
+        opentelemetry::global::get_text_map_propagator(|p| {
+            p.inject_context(&cx, &mut HeaderInjector(&mut trace));
+        });
+        let mut headers = OwnedHeaders::new().insert(Header {
+            key: "idempotency-key",
+            value: Some(key.as_bytes()),
+        });
+        for (k, v) in &trace {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        let record = FutureRecord::<str, str>::to(&topic)
+            .partition(partition)
+            .payload(&e.payload)
+            .headers(headers);
+        let ack = producer
+            .send_result(record)
+            .map_err(|(e, _)| CliError::Failed(format!("producing: {e}")))?;
+        pending.push(ack);
+        if pending.len() >= 1024 {
+            await_acks(&mut pending, &bar).await?;
+        }
+    }
+    await_acks(&mut pending, &bar).await?;
+    bar.finish_and_clear();
+    let produce_secs = produce_started.elapsed().as_secs_f64();
+
+    // Consume through the full engine.
+    let pg = PgStore::new(pool.clone());
+    let store = TieredStore::new(pg.clone(), fast, TieredConfig::default());
+    let dedup = Arc::new(
+        Dedup::new(store)
+            .with_policy(Policy::default().with_lease(Duration::from_secs(10)))
+            .map_err(|e| CliError::Config(e.to_string()))?
+            .with_in_flight_wait(Duration::from_millis(200)),
+    );
+    let mut config = RunnerConfig::new(bootstrap.clone(), run_id.clone(), [topic.clone()])
+        .with_ordering(Ordering::PerKey)
+        .with_max_in_flight(args.in_flight.max(1));
+    for (k, v) in &extra {
+        config = config.with_client(k.clone(), v.clone());
+    }
+    if mock.is_some() {
+        // The embedded cluster assigns at once with the KIP-848 protocol.
+        config = config.with_client("group.protocol", "consumer");
+    }
+    let ledger_run = run_id.clone();
+    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
+        let (pg, run) = (pg.clone(), ledger_run.clone());
+        async move { book(&pg, &run, &d, lease).await }
+    };
+    let runner = Runner::new(config, dedup.clone(), handler);
+    let stats = runner.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let consume_started = Instant::now();
+    let task = tokio::spawn(runner.run(async {
+        let _ = stop_rx.await;
+    }));
+    let bar = progress(args.quiet, args.events, "consuming");
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
+    let mut interrupted = false;
+    loop {
+        let s = stats.snapshot();
+        let settled = s.executed + s.replayed + s.dead_lettered + s.processed_without_dedup;
+        bar.set_position(settled);
+        if settled >= args.events {
+            break;
+        }
+        if Instant::now() > deadline || task.is_finished() {
+            break;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            _ = shutdown_signal() => { interrupted = true; break; }
+        }
+    }
+    let consume_secs = consume_started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let _ = stop_tx.send(());
+    let s: RunnerStats = task
+        .await
+        .map_err(|e| CliError::Failed(format!("runner: {e}")))?
+        .map_err(|e| CliError::Failed(format!("runner: {e}")))?;
+    let tiers = dedup.store().stats();
+    drop(mock);
+
+    // Check the ledger.
+    let (rows, keys): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT key) FROM dedup_demo_ledger WHERE run = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&pool)
+    .await
+    .map_err(|e| CliError::Failed(format!("reading the ledger: {e}")))?;
+    let expected = unique - poison_keys;
+    let settled = s.executed + s.replayed + s.dead_lettered;
+    #[allow(clippy::cast_precision_loss)]
+    let rate = settled as f64 / consume_secs.max(1e-9);
+    println!();
+    println!(
+        "events produced        {:>10}   ({:.1} s)",
+        args.events, produce_secs
+    );
+    println!("unique keys            {unique:>10}   ({poison_keys} poison)");
+    println!("ledger rows            {rows:>10}   (distinct keys {keys}; expected {expected})");
+    println!("handler executions     {:>10}", s.executed);
+    println!("duplicates replayed    {:>10}", s.replayed);
+    println!(
+        "  answered by L1       {:>10}   Redis {}   Postgres {}",
+        tiers.l1_hits, tiers.l2_hits, tiers.authority_claims
+    );
+    println!(
+        "  backfills            {:>10}   Redis errors {}   timeouts {}",
+        tiers.backfills, tiers.l2_errors, tiers.l2_timeouts
+    );
+    println!(
+        "dead letters           {:>10}   (to {topic}.dlq)",
+        s.dead_lettered
+    );
+    println!("retries                {:>10}", s.retries);
+    println!(
+        "throughput             {rate:>10.0}   deliveries/s over {consume_secs:.1} s, {} in flight",
+        args.in_flight
+    );
+    println!(
+        "decision latency       p50 {:.2} ms   p99 {:.2} ms",
+        micros_to_ms(s.latency_p50_us),
+        micros_to_ms(s.latency_p99_us)
+    );
+    println!(
+        "offset commits         {:>10}   (failed {})",
+        s.commits, s.commit_errors
+    );
+    if interrupted {
+        println!("interrupted: {settled} of {} settled", args.events);
+        return Ok(ExitCode::from(130));
+    }
+    let ok = settled == args.events && rows == keys && u64::try_from(rows).ok() == Some(expected);
+    if ok {
+        println!("ledger check           OK: one row per key, no key doubled, none lost");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        Err(CliError::Failed(format!(
+            "ledger check FAILED: {settled} of {} settled, {rows} rows for {keys} keys, {expected} expected",
+            args.events
+        )))
+    }
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn micros_to_ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+async fn await_acks(
+    pending: &mut Vec<rdkafka::producer::DeliveryFuture>,
+    bar: &ProgressBar,
+) -> Result<(), CliError> {
+    for ack in pending.drain(..) {
+        match ack.await {
+            Ok(Ok(_)) => bar.inc(1),
+            Ok(Err((e, _))) => return Err(CliError::Failed(format!("producing: {e}"))),
+            Err(_) => return Err(CliError::Failed("producing: the producer went away".into())),
+        }
+    }
+    Ok(())
+}
+
+async fn create_topic(
+    bootstrap: &str,
+    extra: &[(String, String)],
+    topic: &str,
+    partitions: i32,
+) -> Result<(), CliError> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = client_config(bootstrap, extra)
+        .create()
+        .map_err(|e| CliError::Config(format!("Kafka admin client: {e}")))?;
+    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    let results = admin
+        .create_topics(&[new], &AdminOptions::new())
+        .await
+        .map_err(|e| CliError::Failed(format!("creating {topic}: {e}")))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((t, e)) => return Err(CliError::Failed(format!("creating {t}: {e}"))),
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The demo's handler: one ledger row and the fenced completion in one transaction.
+async fn book(
+    pg: &PgStore,
+    run: &str,
+    d: &Delivery,
+    lease: Option<LeaseContext>,
+) -> Result<dedup_core::Completion, HandlerError<String>> {
+    let json: serde_json::Value = serde_json::from_slice(d.payload_bytes())
+        .map_err(|e| HandlerError::Permanent(format!("payload is not JSON: {e}")))?;
+    let field = |name: &str| {
+        json.get(name)
+            .and_then(serde_json::Value::as_i64)
+            .ok_or_else(|| HandlerError::Permanent(format!("payload has no integer {name:?}")))
+    };
+    let (account, amount) = (field("account")?, field("amount")?);
+    if amount <= 0 {
+        return Err(HandlerError::Permanent(format!(
+            "amount {amount} is not positive"
+        )));
+    }
+    let lease = lease.ok_or_else(|| HandlerError::Permanent("no idempotency key".to_owned()))?;
+    let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default()).into_owned();
+    let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
+    let run = run.to_owned();
+    pg.transact(&lease, move |tx| {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO dedup_demo_ledger (run, key, account, amount, token) VALUES ($1, $2, $3, $4, $5)",
+            )
+            .bind(&run)
+            .bind(&key)
+            .bind(account)
+            .bind(amount)
+            .bind(token)
+            .execute(tx)
+            .await
+            .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+            Ok(Bytes::from(format!("booked {key}: {amount} to {account}")))
+        })
+    })
+    .await
+}

@@ -1,0 +1,190 @@
+//! `dedup`: the demo (the project's main job), migrations, inspection and retention.
+//!
+//! Configuration comes from flags or the environment (`DATABASE_URL`, `REDIS_URL`,
+//! `KAFKA_BROKERS`); `OTEL_EXPORTER_OTLP_ENDPOINT` sends spans over OTLP/HTTP (to Jaeger, say).
+
+#![allow(clippy::print_stdout)]
+
+mod connect;
+mod demo;
+mod telemetry;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use dedup_core::{FastPath, IdempotencyKey, Scope, Store};
+
+use crate::connect::{CliError, connect_pg, connect_redis};
+
+/// Exactly-once effects for at-least-once consumers: an idempotency key per event, a fenced
+/// lease while it runs, the stored result replayed to every duplicate.
+#[derive(Parser, Debug)]
+#[command(name = "dedup", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Produce a stream with duplicates, redeliveries and poison to Kafka, consume it through the
+    /// full engine (moka, Redis, Postgres) into a ledger, and report what happened.
+    Demo(demo::DemoArgs),
+    /// Apply the database migrations.
+    Migrate(PgArgs),
+    /// Show one key's record in each tier.
+    Inspect(InspectArgs),
+    /// Delete records past their retention, in batches.
+    Purge(PurgeArgs),
+}
+
+/// Where Postgres is.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct PgArgs {
+    /// Postgres, the source of truth: postgres://user:password@host:port/database
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub(crate) database_url: String,
+}
+
+#[derive(Args, Debug)]
+struct InspectArgs {
+    #[command(flatten)]
+    pg: PgArgs,
+    /// Redis (the fast path): redis://[user:password@]host:port[/db]
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    redis_url: Option<String>,
+    /// The key prefix in Redis.
+    #[arg(long, default_value = "dedup")]
+    redis_prefix: String,
+    /// The key's scope (a service, a consumer group, a tenant).
+    scope: String,
+    /// The idempotency key (as UTF-8 text).
+    key: String,
+}
+
+#[derive(Args, Debug)]
+struct PurgeArgs {
+    #[command(flatten)]
+    pg: PgArgs,
+    /// Rows deleted per statement.
+    #[arg(long, default_value_t = 1000)]
+    batch: u32,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let telemetry = match telemetry::Telemetry::init() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("dedup: cannot set up telemetry: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dedup: cannot start the runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = runtime.block_on(async {
+        match run(cli.command).await {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("dedup: {e}");
+                e.exit_code()
+            }
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(5));
+    telemetry.shutdown();
+    code
+}
+
+async fn run(command: Command) -> Result<ExitCode, CliError> {
+    match command {
+        Command::Demo(args) => demo::run(args).await,
+        Command::Migrate(pg) => {
+            let pool = connect_pg(&pg.database_url, 2).await?;
+            dedup_pg::migrate(&pool)
+                .await
+                .map_err(|e| CliError::Failed(format!("migrations: {e}")))?;
+            println!("migrations applied");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Inspect(args) => inspect(args).await,
+        Command::Purge(args) => {
+            let pool = connect_pg(&args.pg.database_url, 2).await?;
+            let store = dedup_pg::PgStore::new(pool);
+            let mut total = 0;
+            loop {
+                let n = store
+                    .purge(args.batch)
+                    .await
+                    .map_err(|e| CliError::Failed(format!("purge: {e}")))?;
+                total += n;
+                if n < u64::from(args.batch) {
+                    break;
+                }
+            }
+            println!("purged {total} record(s) past retention");
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
+    let scope = Scope::new(&args.scope).map_err(|e| CliError::Config(format!("scope: {e}")))?;
+    let key = IdempotencyKey::new(scope, args.key.as_bytes())
+        .map_err(|e| CliError::Config(format!("key: {e}")))?;
+    println!("key: {key}");
+    println!("L1 (moka): in-process only; each consumer holds its own, so this process has none");
+    match &args.redis_url {
+        None => println!("L2 (Redis): not asked (no REDIS_URL)"),
+        Some(url) => {
+            let fast = connect_redis(url, &args.redis_prefix).await?;
+            match fast.lookup(&key).await {
+                Ok(Some(c)) => println!(
+                    "L2 (Redis): {:?} token={} attempts={} owner={:?} lease_until={:?} result={} bytes failure={:?} expires_in={:?}",
+                    c.state,
+                    c.token,
+                    c.attempts,
+                    c.owner.as_ref().map(|o| o.as_str()),
+                    c.lease_until,
+                    c.result.as_ref().map_or(0, |r| r.len()),
+                    c.failure,
+                    c.expires_in,
+                ),
+                Ok(None) => println!("L2 (Redis): nothing held"),
+                Err(e) => println!("L2 (Redis): error: {e}"),
+            }
+        }
+    }
+    let pool = connect_pg(&args.pg.database_url, 2).await?;
+    let store = dedup_pg::PgStore::new(pool);
+    match store
+        .get(&key)
+        .await
+        .map_err(|e| CliError::Failed(format!("postgres: {e}")))?
+    {
+        Some(r) => println!(
+            "L3 (Postgres): {:?} token={} attempts={} owner={:?} lease_until={:?} result={} bytes failure={:?} created={:?} updated={:?} expires={:?}",
+            r.state,
+            r.token,
+            r.attempts,
+            r.owner.as_ref().map(|o| o.as_str()),
+            r.lease_until,
+            r.result.as_ref().map_or(0, |r| r.len()),
+            r.failure,
+            r.created_at,
+            r.updated_at,
+            r.expires_at,
+        ),
+        None => println!("L3 (Postgres): no record"),
+    }
+    Ok(ExitCode::SUCCESS)
+}

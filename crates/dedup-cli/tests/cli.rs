@@ -1,0 +1,313 @@
+//! The `dedup` binary end to end: the demo against the embedded Kafka with a real Postgres and
+//! Redis (from `DATABASE_URL` / `REDIS_URL`, started by `scripts/test`), its spans decoded from
+//! real OTLP requests, the admin commands, and errors for bad configuration.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::process::{Command, Output};
+use std::sync::{Arc, Mutex};
+
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use prost::Message;
+
+fn dedup() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dedup"));
+    c.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("KAFKA_BROKERS");
+    c
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by scripts/test"))
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// One exported span: name, trace id, parent span id, string and int attributes.
+#[derive(Debug, Clone)]
+struct Span {
+    name: String,
+    trace_id: Vec<u8>,
+    span_id: Vec<u8>,
+    parent: Vec<u8>,
+    attrs: HashMap<String, String>,
+}
+
+/// An OTLP/HTTP receiver: decodes every `POST /v1/traces` body as an `ExportTraceServiceRequest`.
+fn receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let spans = Arc::new(Mutex::new(Vec::new()));
+    let sink = spans.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let sink = sink.clone();
+            std::thread::spawn(move || serve(conn, &sink));
+        }
+    });
+    (url, spans)
+}
+
+fn serve(conn: std::net::TcpStream, sink: &Mutex<Vec<Span>>) {
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut writer = conn;
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut length = 0usize;
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line).unwrap();
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                length = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0; length];
+        reader.read_exact(&mut body).unwrap();
+        assert!(request_line.contains("/v1/traces"), "{request_line}");
+        let req = ExportTraceServiceRequest::decode(&body[..]).expect("a real OTLP request");
+        let mut got = Vec::new();
+        for rs in req.resource_spans {
+            for ss in rs.scope_spans {
+                for s in ss.spans {
+                    let attrs = s
+                        .attributes
+                        .iter()
+                        .filter_map(|kv| {
+                            let v = match kv.value.as_ref()?.value.as_ref()? {
+                                Value::StringValue(s) => s.clone(),
+                                Value::IntValue(i) => i.to_string(),
+                                Value::BoolValue(b) => b.to_string(),
+                                other => format!("{other:?}"),
+                            };
+                            Some((kv.key.clone(), v))
+                        })
+                        .collect();
+                    got.push(Span {
+                        name: s.name,
+                        trace_id: s.trace_id,
+                        span_id: s.span_id,
+                        parent: s.parent_span_id,
+                        attrs,
+                    });
+                }
+            }
+        }
+        sink.lock().unwrap().extend(got);
+        let _ = writer.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n",
+        );
+    }
+}
+
+#[test]
+fn the_demo_books_every_key_once_and_its_spans_reach_an_otlp_receiver() {
+    let (endpoint, spans) = receiver();
+    let out = dedup()
+        .args(["demo", "--events", "400", "--partitions", "4", "--quiet"])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("ledger check           OK"), "{stdout}");
+    assert!(
+        stdout.contains("unique keys                   280"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("ledger rows                   280"),
+        "{stdout}"
+    );
+
+    // The provider was shut down at exit, so every batch has arrived.
+    let spans = spans.lock().unwrap().clone();
+    let named = |n: &str| spans.iter().filter(|s| s.name == n).collect::<Vec<_>>();
+    let messages = named("dedup.kafka.message");
+    let decisions = named("dedup.decision");
+    let produced = named("dedup.demo.produce");
+    assert_eq!(messages.len(), 400, "one span per delivery");
+    assert_eq!(produced.len(), 400);
+    assert!(!named("dedup.process").is_empty());
+    for m in &messages {
+        assert_eq!(m.attrs["messaging.system"], "kafka");
+        assert!(m.attrs.contains_key("messaging.kafka.offset"));
+        assert!(m.attrs.contains_key("outcome"), "{m:?}");
+    }
+    let tiers: std::collections::BTreeSet<&str> =
+        decisions.iter().map(|d| d.attrs["tier"].as_str()).collect();
+    assert!(tiers.contains("authority"), "{tiers:?}");
+    assert!(tiers.contains("l1") || tiers.contains("l2"), "{tiers:?}");
+    assert!(decisions.iter().any(|d| d.attrs["outcome"] == "acquired"));
+    assert!(decisions.iter().any(|d| d.attrs["outcome"] == "completed"));
+    // The consumer's spans join the producer's traces through the traceparent header.
+    let produce_ids: HashMap<&[u8], &[u8]> = produced
+        .iter()
+        .map(|p| (p.span_id.as_slice(), p.trace_id.as_slice()))
+        .collect();
+    for m in &messages {
+        let trace = produce_ids
+            .get(m.parent.as_slice())
+            .expect("a message span's parent is a produce span");
+        assert_eq!(*trace, m.trace_id.as_slice());
+    }
+    // Decisions are children of their message's dedup.process span: in the same traces.
+    let traces: std::collections::HashSet<&[u8]> =
+        messages.iter().map(|m| m.trace_id.as_slice()).collect();
+    assert!(
+        decisions
+            .iter()
+            .all(|d| traces.contains(d.trace_id.as_slice()))
+    );
+}
+
+#[test]
+fn migrate_inspect_and_purge_work_on_a_demo_run() {
+    let db = env("DATABASE_URL");
+    let redis = env("REDIS_URL");
+    let out = dedup()
+        .args(["migrate", "--database-url", &db])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(text(&out).0.contains("migrations applied"));
+
+    let out = dedup()
+        .args(["demo", "--events", "50", "--quiet"])
+        .env("DATABASE_URL", &db)
+        .env("REDIS_URL", &redis)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let run = stdout
+        .split_whitespace()
+        .find(|w| w.starts_with("demo-"))
+        .expect("the demo names its run")
+        .to_owned();
+
+    let out = dedup()
+        .args(["inspect", &run, "order-1", "--redis-prefix", &run])
+        .env("DATABASE_URL", &db)
+        .env("REDIS_URL", &redis)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("L2 (Redis): Completed"), "{stdout}");
+    assert!(stdout.contains("L3 (Postgres): Completed"), "{stdout}");
+
+    let out = dedup()
+        .args(["inspect", &run, "no-such-key"])
+        .env("DATABASE_URL", &db)
+        .env_remove("REDIS_URL")
+        .output()
+        .unwrap();
+    let (stdout, _) = text(&out);
+    assert!(stdout.contains("L3 (Postgres): no record"), "{stdout}");
+    assert!(stdout.contains("not asked"), "{stdout}");
+
+    let out = dedup()
+        .args(["purge", "--batch", "100"])
+        .env("DATABASE_URL", &db)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(text(&out).0.contains("purged "), "{:?}", text(&out));
+}
+
+/// Arguments, environment, and what stderr must say.
+type Case<'a> = (&'a [&'a str], Vec<(&'a str, String)>, &'a [&'a str]);
+
+#[test]
+fn bad_configuration_is_named_and_passwords_are_not_printed() {
+    let redis = env("REDIS_URL");
+    let db = env("DATABASE_URL");
+    let cases: [Case<'_>; 5] = [
+        (
+            &["migrate"],
+            vec![(
+                "DATABASE_URL",
+                "postgres://app:s3cret@127.0.0.1:1/x".to_owned(),
+            )],
+            &["DATABASE_URL", "127.0.0.1:1", "Is it running?"],
+        ),
+        (
+            &["migrate"],
+            vec![("DATABASE_URL", "mysql://app:s3cret@host/x".to_owned())],
+            &["DATABASE_URL", "not a valid postgres:// URL"],
+        ),
+        (
+            &["demo", "--events", "10", "--quiet"],
+            vec![
+                ("DATABASE_URL", db.clone()),
+                ("REDIS_URL", "http://app:s3cret@127.0.0.1:1".to_owned()),
+            ],
+            &["REDIS_URL", "redis://"],
+        ),
+        (
+            &["demo", "--events", "10", "--quiet"],
+            vec![
+                ("DATABASE_URL", db.clone()),
+                ("REDIS_URL", "redis://app:s3cret@127.0.0.1:1".to_owned()),
+            ],
+            &["cannot connect to Redis", "REDIS_URL", "127.0.0.1:1"],
+        ),
+        (
+            &["demo", "--events", "10", "--quiet"],
+            vec![
+                ("DATABASE_URL", db.clone()),
+                ("REDIS_URL", redis.clone()),
+                ("KAFKA_BROKERS", "127.0.0.1:1".to_owned()),
+            ],
+            &["cannot reach Kafka", "KAFKA_BROKERS", "127.0.0.1:1"],
+        ),
+    ];
+    for (args, envs, expect) in cases {
+        let mut c = dedup();
+        c.args(args)
+            .env_remove("DATABASE_URL")
+            .env_remove("REDIS_URL");
+        for (k, v) in &envs {
+            c.env(k, v);
+        }
+        let out = c.output().unwrap();
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stdout}\n{stderr}");
+        for e in expect {
+            assert!(stderr.contains(e), "{args:?}: {e:?} not in {stderr}");
+        }
+        assert!(
+            !stderr.contains("s3cret"),
+            "a password was printed: {stderr}"
+        );
+    }
+    // Missing configuration: clap names the flag and its variable.
+    let out = dedup()
+        .args(["migrate"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).1.contains("--database-url"), "{:?}", text(&out));
+}
