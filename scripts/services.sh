@@ -7,6 +7,9 @@
 #                        servers of their own from it)
 #   ensure_redis_cluster -> REDIS_CLUSTER_URLS (three masters on loopback, comma-separated;
 #                        ports of at most 55535, since each bus port is 10000 higher)
+#   ensure_nisshi     -> NISSHI_BIN: a Kafka-compatible broker (nisshi) the Kafka tests start per
+#                        test. Built once with cargo and cached in $DEDUP_CACHE (15 to 25 minutes
+#                        on two cores the first time; seconds after).
 #
 # A server that cannot be started is an error: nothing is skipped. Sourcing this file changes no
 # shell options; the scripts that source it set their own.
@@ -16,6 +19,11 @@ DEDUP_PG_DIR="${DEDUP_PG_DIR:-/tmp/dedup-pg-$DEDUP_PG_PORT}"
 DEDUP_REDIS_PORT="${DEDUP_REDIS_PORT:-56379}"
 DEDUP_REDIS_DIR="${DEDUP_REDIS_DIR:-/tmp/dedup-redis-$DEDUP_REDIS_PORT}"
 DEDUP_REDIS_CLUSTER_PORTS="${DEDUP_REDIS_CLUSTER_PORTS:-46401 46402 46403}"
+DEDUP_CACHE="${DEDUP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dedup}"
+# nisshi 0.7 and later need rustc 1.96 (through rama 0.4); 0.6.0 builds with our 1.95. Its
+# in-memory storage needs `dynostore`; `postgres` storage lets a broker restart keep its data.
+NISSHI_VERSION="${NISSHI_VERSION:-0.6.0}"
+NISSHI_FEATURES="postgres,dynostore"
 
 log() { printf '[services] %s\n' "$*" >&2; }
 die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
@@ -32,6 +40,15 @@ apt_install() {
   fi
   log "apt-get install $*"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2
+}
+
+# rdkafka builds librdkafka from source: a C compiler and make.
+ensure_build_tools() {
+  local missing=()
+  command -v cc >/dev/null || missing+=(gcc libc6-dev)
+  command -v make >/dev/null || missing+=(make)
+  command -v perl >/dev/null || missing+=(perl)
+  [ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
 }
 
 pg_bindir() {
@@ -156,4 +173,16 @@ stop_redis_cluster() {
   for port in $DEDUP_REDIS_CLUSTER_PORTS; do
     redis-cli -h 127.0.0.1 -p "$port" shutdown nosave >/dev/null 2>&1 || true
   done
+}
+
+ensure_nisshi() {
+  local root="$DEDUP_CACHE/nisshi-$NISSHI_VERSION-${NISSHI_FEATURES//,/-}"
+  if [ ! -x "$root/bin/nisshi" ]; then
+    log "building nisshi $NISSHI_VERSION once (cached in $root; 15 to 25 minutes on two cores)"
+    ensure_build_tools
+    cargo install "nisshi@$NISSHI_VERSION" --locked --features "$NISSHI_FEATURES" \
+      --root "$root" >&2 || die "cargo install nisshi@$NISSHI_VERSION failed"
+  fi
+  export NISSHI_BIN="$root/bin/nisshi"
+  log "NISSHI_BIN=$NISSHI_BIN"
 }

@@ -106,8 +106,8 @@ pub struct RunnerConfig {
     /// Whether the payload's fingerprint is checked (a key reused with another payload is then
     /// dead-lettered as a mismatch).
     pub check_payload: bool,
-    /// The most messages held at once (running or waiting their turn). Past it the runner pauses
-    /// its partitions until half of them are settled.
+    /// The most messages held at once (running or waiting their turn). At the bound the runner
+    /// takes no more until one settles; after a second without one it pauses its partitions.
     pub max_in_flight: usize,
     /// Which messages may run at the same time.
     pub ordering: Ordering,

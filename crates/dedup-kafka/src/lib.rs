@@ -12,8 +12,9 @@
 //!   partitions this member owns at that moment.
 //! - **Order.** One message at a time per partition, partitions concurrently; or, with
 //!   [`Ordering::PerKey`], different keys of one partition concurrently. At most
-//!   [`RunnerConfig::max_in_flight`] messages are held: past it the runner pauses its partitions
-//!   (and keeps polling, so rebalances are served) until half are settled.
+//!   [`RunnerConfig::max_in_flight`] messages are held: at the bound the runner stops taking
+//!   messages until one settles (without pausing, so nothing is refetched); if none settles for a
+//!   second it pauses its partitions and keeps polling, so rebalances are served during a stall.
 //! - **Failures.** Retryable errors are retried with [`Backoff`] up to the policy's attempt limit;
 //!   poison messages, permanent errors, exhausted attempts, payload mismatches and unusable keys
 //!   go to the dead-letter topic with headers [`DLQ_REASON`], [`DLQ_ATTEMPTS`], [`DLQ_TOPIC`],

@@ -379,6 +379,7 @@ where
             lanes: HashMap::new(),
             held: 0,
             paused: false,
+            saturated_since: None,
             done_tx: None,
         };
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
@@ -393,7 +394,10 @@ where
                 () = &mut shutdown => break,
                 Some(done) = done_rx.recv() => lp.settle(done),
                 _ = commit_tick.tick() => lp.commit(CommitMode::Async),
-                m = lp.consumer.recv() => match m {
+                () = sleep_until_opt(lp.stall_deadline()), if lp.stall_deadline().is_some() => {
+                    lp.set_paused(true);
+                }
+                m = lp.consumer.recv(), if lp.taking() => match m {
                     Ok(m) => {
                         let delivery = Delivery::from_message(&m);
                         drop(m);
@@ -446,7 +450,19 @@ struct Loop<S, H> {
     /// Messages received and not settled: running or waiting in a lane.
     held: usize,
     paused: bool,
+    /// Since when `held` has been at the bound.
+    saturated_since: Option<Instant>,
     done_tx: Option<mpsc::UnboundedSender<Done>>,
+}
+
+/// How long a saturated loop waits for a message to settle before it pauses its partitions.
+const STALL: Duration = Duration::from_secs(1);
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
 }
 
 impl<S, H> Loop<S, H>
@@ -585,16 +601,41 @@ where
         }
     }
 
-    /// Pauses every owned partition when too much is held, and resumes at half.
+    /// Backpressure. At `max_in_flight` held messages the loop stops taking messages: no pause,
+    /// so nothing is refetched, and every settled message lets one more in, so `recv` (and with
+    /// it the rebalance callbacks) keeps running while work completes. If nothing settles for
+    /// [`STALL`] (a store down, a slow handler), the loop pauses its partitions and polls again,
+    /// so rebalances are served during the stall; it resumes once below the bound.
     fn backpressure(&mut self) {
         let max = self.inner.config.max_in_flight;
-        let pause = if !self.paused && self.held >= max {
-            true
-        } else if self.paused && self.held <= max / 2 {
-            false
-        } else {
+        self.inner.counters.max_held.max(self.held as u64);
+        if self.held >= max {
+            if self.saturated_since.is_none() {
+                self.saturated_since = Some(Instant::now());
+                self.inner.counters.saturated.add(1);
+            }
             return;
-        };
+        }
+        self.saturated_since = None;
+        if self.paused {
+            self.set_paused(false);
+        }
+    }
+
+    /// Whether the loop takes messages now.
+    fn taking(&self) -> bool {
+        self.saturated_since.is_none() || self.paused
+    }
+
+    /// When a saturated loop pauses its partitions, if nothing settles before.
+    fn stall_deadline(&self) -> Option<Instant> {
+        match self.saturated_since {
+            Some(t) if !self.paused => Some(t + STALL),
+            _ => None,
+        }
+    }
+
+    fn set_paused(&mut self, pause: bool) {
         let Ok(assignment) = self.consumer.assignment() else {
             return;
         };

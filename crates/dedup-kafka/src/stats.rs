@@ -10,6 +10,9 @@ impl Counter {
     pub(crate) fn add(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);
     }
+    pub(crate) fn max(&self, n: u64) {
+        self.0.fetch_max(n, Ordering::Relaxed);
+    }
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -95,6 +98,8 @@ pub(crate) struct Counters {
     pub(crate) assigned: Counter,
     pub(crate) revoked: Counter,
     pub(crate) pauses: Counter,
+    pub(crate) saturated: Counter,
+    pub(crate) max_held: Counter,
 }
 
 /// A live view of a runner's counters.
@@ -122,6 +127,8 @@ impl StatsHandle {
             assigned: c.assigned.get(),
             revoked: c.revoked.get(),
             pauses: c.pauses.get(),
+            saturated: c.saturated.get(),
+            max_held: c.max_held.get(),
             latency_p50_us: c.latency.quantile(0.5),
             latency_p99_us: c.latency.quantile(0.99),
         }
@@ -162,8 +169,12 @@ pub struct RunnerStats {
     pub assigned: u64,
     /// Partitions revoked, summed over rebalances.
     pub revoked: u64,
-    /// Times the runner paused for backpressure.
+    /// Times the runner paused its partitions because nothing settled for a second at the bound.
     pub pauses: u64,
+    /// Times the runner reached `max_in_flight` and stopped taking messages.
+    pub saturated: u64,
+    /// The most messages held at once (the bound, plus any a stall pause let in).
+    pub max_held: u64,
     /// Median time from a message's start to its settlement (dedup decision, handler, completion
     /// or dead letter), in microseconds (within 12.5%).
     pub latency_p50_us: u64,
