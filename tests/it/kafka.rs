@@ -426,6 +426,7 @@ on_brokers!(
     per_key_concurrency_with_a_small_in_flight_bound_keeps_the_ledger_exact,
     the_broker_down_mid_stream_and_back_loses_and_doubles_nothing,
     a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served,
+    retryable_failures_are_retried_then_dead_lettered_past_the_attempt_limit,
 );
 
 async fn a_stream_with_duplicates_books_each_key_once_and_commits_to_the_end(
@@ -859,4 +860,117 @@ async fn a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served
     );
     assert!(sb.executed > 0, "the new member took work: {sb:?}");
     assert_one_row_per_key(&pool, events.iter().filter_map(|e| e.key.clone())).await;
+}
+
+#[test]
+fn keys_come_from_a_header_a_json_pointer_or_a_digest_of_fields() {
+    use dedup_kafka::{KeyError, KeySource, extract_key};
+    let scope = dedup_core::Scope::new("orders-group").unwrap();
+    let d = Delivery::new("t", 0, 7)
+        .with_header("idempotency-key", "evt-1")
+        .with_payload(r#"{"order":{"id":42,"ref":"A-9"},"account":7,"request":"r1","nested":{}}"#);
+    let header = extract_key(&KeySource::default(), &scope, &d).unwrap();
+    assert_eq!(header.key_bytes(), b"evt-1");
+    assert_eq!(header.scope().as_str(), "orders-group");
+    let number = extract_key(&KeySource::JsonPointer("/order/id".into()), &scope, &d).unwrap();
+    assert_eq!(number.key_bytes(), b"42");
+    let text = extract_key(&KeySource::JsonPointer("/order/ref".into()), &scope, &d).unwrap();
+    assert_eq!(text.key_bytes(), b"A-9");
+    let fields = KeySource::Fields(vec!["/account".into(), "/request".into()]);
+    let a = extract_key(&fields, &scope, &d).unwrap();
+    assert_eq!(a.key_bytes().len(), 64, "a hex SHA-256 digest");
+    // The same fields in another message give the same key; other values another.
+    let same = Delivery::new("t", 1, 9).with_payload(r#"{"request":"r1","account":7,"x":1}"#);
+    assert_eq!(extract_key(&fields, &scope, &same).unwrap(), a);
+    let other = Delivery::new("t", 1, 9).with_payload(r#"{"request":"r2","account":7}"#);
+    assert_ne!(extract_key(&fields, &scope, &other).unwrap(), a);
+
+    let err = |source: KeySource, d: &Delivery| extract_key(&source, &scope, d).unwrap_err();
+    assert!(matches!(
+        err(KeySource::Header("other".into()), &d),
+        KeyError::Missing(_)
+    ));
+    assert!(matches!(
+        err(KeySource::JsonPointer("/nope".into()), &d),
+        KeyError::Missing(_)
+    ));
+    assert!(matches!(
+        err(KeySource::JsonPointer("/nested".into()), &d),
+        KeyError::NotScalar { .. }
+    ));
+    let not_json = Delivery::new("t", 0, 1).with_payload(&b"\xff\xfe not json"[..]);
+    assert!(matches!(
+        err(KeySource::JsonPointer("/id".into()), &not_json),
+        KeyError::NotJson(_)
+    ));
+    let empty_header = Delivery::new("t", 0, 1).with_header("idempotency-key", "");
+    assert!(matches!(
+        err(KeySource::default(), &empty_header),
+        KeyError::Invalid(_)
+    ));
+    let long = Delivery::new("t", 0, 1).with_header("idempotency-key", "k".repeat(600));
+    assert!(matches!(
+        err(KeySource::default(), &long),
+        KeyError::Invalid(_)
+    ));
+    // Binary header values are keys too (keys are bytes).
+    let binary = Delivery::new("t", 0, 1).with_header("idempotency-key", &b"\x00\xff"[..]);
+    assert_eq!(
+        extract_key(&KeySource::default(), &scope, &binary)
+            .unwrap()
+            .key_bytes(),
+        b"\x00\xff"
+    );
+}
+
+async fn retryable_failures_are_retried_then_dead_lettered_past_the_attempt_limit(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("flaky");
+    broker.create_topic(&topic, 1).await;
+    let events: Vec<Event> = (0..6).map(|i| event(i, 1)).collect();
+    produce(broker, &topic, &events).await;
+    let dedup = engine(&pool, &redis).await;
+    let inner = ledger_handler(dedup.store().authority().clone(), "a");
+    let calls = Arc::new(std::sync::Mutex::new(HashMap::<i64, u32>::new()));
+    let seen = calls.clone();
+    // Offset 2 fails twice and then succeeds; offset 4 always fails (retryably).
+    let flaky = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
+        let n = {
+            let mut c = seen.lock().unwrap();
+            let n = c.entry(d.offset).or_default();
+            *n += 1;
+            *n
+        };
+        let fut = inner(d.clone(), lease);
+        async move {
+            if (d.offset == 2 && n <= 2) || d.offset == 4 {
+                return Err(HandlerError::Retryable(format!("flaky {n}")));
+            }
+            fut.await
+        }
+    };
+    let group = unique("g");
+    let run = Running::spawn_with(broker.config(&group, &topic), dedup, flaky);
+    let stats = run.stats.clone();
+    eventually(60, "6 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.dead_lettered == 6 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.dead_lettered), (5, 1), "{s:?}");
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls[&2], 3, "failed twice, then succeeded");
+    assert_eq!(calls[&4], 5, "the policy's 5 attempts");
+    assert!(s.retries >= 6, "{s:?}");
+    let dead = read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    assert_eq!(dead[0].1[DLQ_OFFSET], "4");
+    assert_eq!(dead[0].1[DLQ_ATTEMPTS], "5");
+    assert!(dead[0].1[DLQ_REASON].contains("flaky 5"), "{:?}", dead[0].1);
+    assert_eq!(ledger_count(&pool).await, 5);
+    assert_eq!(committed(broker, &group, &topic, 1).await, vec![6]);
 }

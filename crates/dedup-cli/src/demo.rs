@@ -37,8 +37,9 @@ pub(crate) struct DemoArgs {
     /// Partitions of the demo topic.
     #[arg(long, default_value_t = 8)]
     partitions: i32,
-    /// Messages in flight at once (Postgres connections follow it, up to 64).
-    #[arg(long, default_value_t = 256)]
+    /// Messages in flight at once (Postgres connections follow it, up to 64). On two cores with
+    /// Postgres on loopback, 32 gave the best throughput (more only queue on WAL flushes).
+    #[arg(long, default_value_t = 32)]
     in_flight: usize,
     /// Kafka bootstrap servers; without it, librdkafka's embedded mock cluster.
     #[arg(long, env = "KAFKA_BROKERS")]
@@ -203,6 +204,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
     let run_id = format!("demo-{started_at}");
+    let mut signals = Signals::install()?;
 
     // Postgres and Redis first: a bad URL should fail before anything is produced.
     let conns = u32::try_from(args.in_flight.clamp(8, 64)).unwrap_or(64);
@@ -361,7 +363,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_millis(100)) => {}
-            _ = shutdown_signal() => { interrupted = true; break; }
+            () = signals.recv() => { interrupted = true; break; }
         }
     }
     let consume_secs = consume_started.elapsed().as_secs_f64();
@@ -422,7 +424,10 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         s.commits, s.commit_errors
     );
     if interrupted {
-        println!("interrupted: {settled} of {} settled", args.events);
+        println!(
+            "interrupted: {settled} of {} settled; in-flight work drained and offsets committed",
+            args.events
+        );
         return Ok(ExitCode::from(130));
     }
     let ok = settled == args.events && rows == keys && u64::try_from(rows).ok() == Some(expected);
@@ -480,25 +485,40 @@ async fn create_topic(
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// SIGINT or SIGTERM, registered when the demo starts so a signal during set-up is not lost.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, CliError> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let err =
+                |e: std::io::Error| CliError::Failed(format!("installing signal handlers: {e}"));
+            Ok(Self {
+                int: signal(SignalKind::interrupt()).map_err(err)?,
+                term: signal(SignalKind::terminate()).map_err(err)?,
+            })
         }
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 

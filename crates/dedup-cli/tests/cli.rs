@@ -311,3 +311,36 @@ fn bad_configuration_is_named_and_passwords_are_not_printed() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).1.contains("--database-url"), "{:?}", text(&out));
 }
+
+#[test]
+fn sigterm_drains_commits_and_exits() {
+    let mut child = dedup()
+        .args(["demo", "--events", "100000", "--quiet"])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert!(first.starts_with("dedup demo:"), "{first}");
+    // Producing 100,000 events takes a few seconds; consuming them far longer.
+    std::thread::sleep(std::time::Duration::from_secs(8));
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{rest}");
+    assert!(rest.contains("interrupted: "), "{rest}");
+    assert!(rest.contains("offsets committed"), "{rest}");
+    // What was settled was committed: some commits went out, none failed.
+    assert!(rest.contains("(failed 0)"), "{rest}");
+}
