@@ -345,6 +345,16 @@ async fn committed(broker: &Broker, group: &str, topic: &str, partitions: i32) -
     .unwrap()
 }
 
+/// Waits until the group has committed every partition of `topic` to its end.
+async fn committed_to_the_end(broker: &Broker, group: &str, topic: &str, partitions: i32) {
+    let ends = produced_ends(topic, partitions);
+    eventually(60, "offsets committed to the end", || {
+        let ends = ends.clone();
+        async move { committed(broker, group, topic, partitions).await == ends }
+    })
+    .await;
+}
+
 /// The end offset of each partition (its last message's offset + 1), from the producer's
 /// acknowledgements: nisshi 0.6.0 answers a ListOffsets request for the latest offset with 1
 /// whatever the partition holds, so watermarks cannot be asked of the broker.
@@ -583,12 +593,7 @@ async fn two_consumers_with_a_rebalance_mid_stream_lose_and_double_nothing(
     })
     .await;
     // Wait until both have settled what they hold and committed.
-    let hw = produced_ends(&topic, 4);
-    eventually(60, "offsets committed to the end", || {
-        let (hw, group, topic) = (hw.clone(), group.clone(), topic.clone());
-        async move { committed(broker, &group, &topic, 4).await == hw }
-    })
-    .await;
+    committed_to_the_end(broker, &group, &topic, 4).await;
     let (sa, sb) = (a.stop().await, b.stop().await);
     assert!(
         sb.assigned > 0,
@@ -791,12 +796,7 @@ async fn the_broker_down_mid_stream_and_back_loses_and_doubles_nothing(
         async move { ledger_count(&pool).await >= 400 }
     })
     .await;
-    let hw = produced_ends(&topic, 2);
-    eventually(60, "offsets committed to the end", || {
-        let (hw, group, topic) = (hw.clone(), group.clone(), topic.clone());
-        async move { committed(broker, &group, &topic, 2).await == hw }
-    })
-    .await;
+    committed_to_the_end(broker, &group, &topic, 2).await;
     let s = run.stop().await;
     assert_eq!(s.dead_lettered, 0);
     assert_one_row_per_key(&pool, events.iter().filter_map(|e| e.key.clone())).await;
@@ -847,12 +847,7 @@ async fn a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served
         async move { ledger_count(&pool).await >= 20 }
     })
     .await;
-    let hw = produced_ends(&topic, 2);
-    eventually(60, "offsets committed to the end", || {
-        let (hw, group, topic) = (hw.clone(), group.clone(), topic.clone());
-        async move { committed(broker, &group, &topic, 2).await == hw }
-    })
-    .await;
+    committed_to_the_end(broker, &group, &topic, 2).await;
     let (sa, sb) = (a.stop().await, b.stop().await);
     assert!(
         sa.revoked > 0,
