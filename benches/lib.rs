@@ -1,0 +1,1 @@
+//! The benches live in `benches/`; this crate has no code of its own.
