@@ -16,6 +16,9 @@
 //! - Errors say whether a retry can help ([`StoreError::is_retryable`]) and whether the outcome is
 //!   unknown ([`StoreError::is_outcome_unknown`]); an unknown outcome is resolved by reading the
 //!   record back, never by guessing.
+//! - Throughput: [`TieredStore`] answers duplicates from memory (L1) and a fast path (L2) before
+//!   asking the authority, and [`Batched`] turns concurrent claims and completions into batch
+//!   calls (group commit).
 //!
 //! # Example
 //! ```
@@ -41,6 +44,7 @@
 //! # }
 //! ```
 
+mod batch;
 mod error;
 mod key;
 pub mod machine;
@@ -49,6 +53,7 @@ mod record;
 mod store;
 mod tiered;
 
+pub use batch::{BatchConfig, Batched};
 pub use error::{BoxError, InputError, StoreError};
 pub use key::{Fingerprint, IdempotencyKey, MAX_KEY_LEN, MAX_SCOPE_LEN, Scope};
 pub use process::{

@@ -73,7 +73,17 @@ pub trait Store: Send + Sync {
         async {}
     }
 
-    /// Claims many keys; one answer per request, in order.
+    /// Answers a claim from memory, without I/O, when the store can (an L1 hit in the tiered
+    /// store); `None` sends the caller to [`claim`](Self::claim). Never `Acquired`. The default
+    /// answers nothing.
+    fn answer_cached(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
+        let _ = req;
+        None
+    }
+
+    /// Claims many keys; one answer per request, in order. Each answer means what
+    /// [`claim`](Self::claim) would have answered, as if the requests were made one after the
+    /// other: a key that appears twice is answered as a duplicate of its first appearance.
     fn claim_batch(
         &self,
         reqs: &[ClaimRequest],
@@ -87,7 +97,8 @@ pub trait Store: Send + Sync {
         }
     }
 
-    /// Completes many leases; one answer per item, in order.
+    /// Completes many leases; one answer per item, in order, each as
+    /// [`complete`](Self::complete) would answer it.
     fn complete_batch(
         &self,
         items: &[(Lease, bytes::Bytes)],
@@ -235,6 +246,9 @@ macro_rules! forward_store {
             }
             fn committed(&self, lease: &Lease, result: &[u8]) -> impl Future<Output = ()> + Send {
                 (**self).committed(lease, result)
+            }
+            fn answer_cached(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
+                (**self).answer_cached(req)
             }
             fn claim_batch(&self, reqs: &[ClaimRequest]) -> impl Future<Output = Vec<Result<ClaimOutcome, StoreError>>> + Send {
                 (**self).claim_batch(reqs)

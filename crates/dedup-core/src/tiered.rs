@@ -176,6 +176,35 @@ pub trait FastPath: Send + Sync {
         lease_until: Timestamp,
         ttl: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Reads the copies held for `keys`: one answer per key, in order. The default loops over
+    /// [`lookup`](Self::lookup); a backend that can answers them all in one round trip.
+    fn lookup_many(
+        &self,
+        keys: &[IdempotencyKey],
+    ) -> impl Future<Output = Vec<Result<Option<Cached>, StoreError>>> + Send {
+        async move {
+            let mut out = Vec::with_capacity(keys.len());
+            for key in keys {
+                out.push(self.lookup(key).await);
+            }
+            out
+        }
+    }
+
+    /// Writes many copies, each as [`store`](Self::store) would: one answer per item, in order.
+    fn store_many(
+        &self,
+        items: &[(IdempotencyKey, Cached, Duration)],
+    ) -> impl Future<Output = Vec<Result<bool, StoreError>>> + Send {
+        async move {
+            let mut out = Vec::with_capacity(items.len());
+            for (key, copy, ttl) in items {
+                out.push(self.store(key, copy, *ttl).await);
+            }
+            out
+        }
+    }
 }
 
 /// No fast path: a tiered store with L1 and the authority only.
@@ -464,6 +493,80 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         }
     }
 
+    /// Writes copies the authority already holds to L2 in one call (and the terminal ones to L1).
+    async fn backfill_many(&self, items: Vec<(IdempotencyKey, Cached, Duration)>) {
+        if items.is_empty() {
+            return;
+        }
+        for (key, copy, ttl) in &items {
+            if copy.state.is_terminal() {
+                self.fill_l1(key, copy.clone(), *ttl);
+            }
+        }
+        match timeout(self.config.l2_timeout, self.fast.store_many(&items)).await {
+            Ok(written) => {
+                for (w, (key, _, _)) in written.into_iter().zip(&items) {
+                    match w {
+                        Ok(true) => bump(&self.counters.backfills),
+                        Ok(false) => bump(&self.counters.backfills_refused),
+                        Err(e) => {
+                            bump(&self.counters.l2_errors);
+                            warn!(key = %key, error = %e, "fast path backfill failed");
+                        }
+                    }
+                }
+            }
+            Err(_) => {
+                bump(&self.counters.l2_timeouts);
+                warn!(n = items.len(), "fast path batch backfill timed out");
+            }
+        }
+    }
+
+    /// Answers what the fast path can of `reqs[i]` for each `i` in `pending` (filling `out`);
+    /// returns the indexes it could not answer.
+    async fn lookup_pending(
+        &self,
+        reqs: &[ClaimRequest],
+        pending: Vec<usize>,
+        out: &mut [Option<Result<ClaimOutcome, StoreError>>],
+    ) -> Vec<usize> {
+        let keys: Vec<IdempotencyKey> = pending.iter().map(|&i| reqs[i].key.clone()).collect();
+        let Ok(found) = timeout(self.config.l2_timeout, self.fast.lookup_many(&keys)).await else {
+            bump(&self.counters.l2_timeouts);
+            warn!(
+                n = keys.len(),
+                "fast path batch lookup timed out; falling through"
+            );
+            return pending;
+        };
+        let mut rest = Vec::with_capacity(pending.len());
+        for (i, got) in pending.into_iter().zip(found) {
+            let req = &reqs[i];
+            match got {
+                Ok(Some(copy)) => {
+                    if let Some(answer) = copy.answer(req) {
+                        bump(&self.counters.l2_hits);
+                        if copy.state.is_terminal() {
+                            let ttl = Self::retention_of(&copy, req.policy);
+                            self.fill_l1(&req.key, copy, ttl);
+                        }
+                        out[i] = Some(Ok(answer));
+                        continue;
+                    }
+                    bump(&self.counters.l2_misses);
+                }
+                Ok(None) => bump(&self.counters.l2_misses),
+                Err(e) => {
+                    bump(&self.counters.l2_errors);
+                    warn!(key = %req.key, error = %e, "fast path lookup failed; falling through");
+                }
+            }
+            rest.push(i);
+        }
+        rest
+    }
+
     fn fill_l1(&self, key: &IdempotencyKey, copy: Cached, ttl: Duration) {
         let ttl = ttl
             .min(self.config.l1_ttl)
@@ -481,11 +584,15 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         }
     }
 
+    /// L1's answer, counting the hit.
+    fn l1_answer(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
+        let answer = self.l1.get(&req.key)?.copy.answer(req)?;
+        bump(&self.counters.l1_hits);
+        Some(answer)
+    }
+
     async fn claim_tiered(&self, req: &ClaimRequest) -> Result<(ClaimOutcome, Tier), StoreError> {
-        if let Some(entry) = self.l1.get(&req.key)
-            && let Some(answer) = entry.copy.answer(req)
-        {
-            bump(&self.counters.l1_hits);
+        if let Some(answer) = self.l1_answer(req) {
             return Ok((answer, Tier::L1));
         }
         bump(&self.counters.l1_misses);
@@ -564,6 +671,90 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
             debug!(parent: &span, "decided");
         }
         res.map(|(outcome, _)| outcome)
+    }
+
+    fn answer_cached(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
+        self.l1_answer(req)
+    }
+
+    /// L1 first, then one fast-path call for what L1 could not answer, then one authority call
+    /// for what the fast path could not settle; then one fast-path call to backfill.
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome, StoreError>> {
+        let mut out: Vec<Option<Result<ClaimOutcome, StoreError>>> = Vec::with_capacity(reqs.len());
+        let mut pending = Vec::new();
+        for (i, req) in reqs.iter().enumerate() {
+            let answer = match req.policy.validate() {
+                Err(e) => Some(Err(e.into())),
+                Ok(()) => self.l1_answer(req).map(Ok),
+            };
+            if answer.is_none() {
+                bump(&self.counters.l1_misses);
+                pending.push(i);
+            }
+            out.push(answer);
+        }
+        if !pending.is_empty() {
+            pending = self.lookup_pending(reqs, pending, &mut out).await;
+        }
+        if !pending.is_empty() {
+            let sub: Vec<ClaimRequest> = pending.iter().map(|&i| reqs[i].clone()).collect();
+            self.counters
+                .authority_claims
+                .fetch_add(sub.len() as u64, Ordering::Relaxed);
+            bump(&self.counters.authority_calls);
+            let answers = self.authority.claim_batch(&sub).await;
+            let mut fills = Vec::new();
+            for ((i, req), answer) in pending.into_iter().zip(sub).zip(answers) {
+                match &answer {
+                    Ok(ClaimOutcome::Acquired(lease)) => {
+                        let ttl = lease.policy.lease;
+                        fills.push((req.key, Cached::in_progress(lease), ttl));
+                    }
+                    Ok(ClaimOutcome::Completed {
+                        result,
+                        token,
+                        fingerprint,
+                    }) => {
+                        let mut copy = Cached::new(State::Completed, *token);
+                        copy.fingerprint = *fingerprint;
+                        copy.result = Some(result.clone());
+                        fills.push((req.key, copy, req.policy.retention));
+                    }
+                    _ => {}
+                }
+                out[i] = Some(answer);
+            }
+            self.backfill_many(fills).await;
+        }
+        out.into_iter()
+            .zip(reqs)
+            .map(|(answer, req)| {
+                // Every index was answered above; a hole would be a bug, reported, not a panic.
+                answer.unwrap_or_else(|| {
+                    Err(StoreError::Corrupt {
+                        key: req.key.clone(),
+                        detail: "the batch left this request unanswered".into(),
+                    })
+                })
+            })
+            .collect()
+    }
+
+    /// One authority call, then one fast-path call to backfill what it completed.
+    async fn complete_batch(&self, items: &[(Lease, Bytes)]) -> Vec<Result<(), StoreError>> {
+        bump(&self.counters.authority_calls);
+        let done = self.authority.complete_batch(items).await;
+        let fills = items
+            .iter()
+            .zip(&done)
+            .filter(|(_, r)| r.is_ok())
+            .map(|((lease, result), _)| {
+                let copy = Cached::completed(lease, result.clone());
+                (lease.key.clone(), copy, lease.policy.retention)
+            })
+            .collect();
+        self.backfill_many(fills).await;
+        done
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {

@@ -58,8 +58,11 @@
 //! # }
 //! ```
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -167,6 +170,77 @@ const CLAIM_SQL: &str = concat!(
     "WHERE NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd)"
 );
 
+/// [`CLAIM_SQL`] for many keys at once (each key at most once), from parallel arrays: the same
+/// branches per key, one statement, one WAL flush. Keys whose row is missing from the answer lost
+/// a race with a concurrent writer and are claimed again one by one.
+///
+/// $1 scopes, $2 keys, $3 owners, $4 fingerprints, $5 leases (µs), $6 retentions (µs),
+/// $7 max attempts.
+const CLAIM_BATCH_SQL: &str = concat!(
+    "WITH clock AS (SELECT statement_timestamp() AS t), ",
+    "q AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
+    "  $6::int8[], $7::int4[]) AS q(scope, key, owner, fp, lease_us, ret_us, max_attempts)), ",
+    "cur AS (SELECT r.* FROM dedup_records r JOIN q ON r.scope = q.scope AND r.key = q.key), ",
+    "ins AS (",
+    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "    fingerprint, created_at, updated_at, expires_at)",
+    "  SELECT q.scope, q.key, 'in_progress', q.owner, nextval('dedup_token_seq'),",
+    "    c.t + q.lease_us::float8 * interval '1 microsecond', 1, q.fp, c.t, c.t,",
+    "    c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
+    "  FROM q, clock c",
+    "  WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.scope = q.scope AND cur.key = q.key)",
+    // One lock order for every batch, so two batches never wait on each other in a cycle.
+    "  ORDER BY q.scope, q.key",
+    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
+    "upd AS (",
+    "  UPDATE dedup_records AS r SET state = 'in_progress', owner = q.owner,",
+    "    token = nextval('dedup_token_seq'),",
+    "    lease_until = c.t + q.lease_us::float8 * interval '1 microsecond',",
+    "    attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,",
+    "    fingerprint = CASE WHEN r.expires_at <= c.t THEN q.fp ELSE coalesce(r.fingerprint, q.fp) END,",
+    "    result = NULL,",
+    "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
+    "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
+    "    updated_at = c.t,",
+    "    expires_at = c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
+    "  FROM clock c, q",
+    "  WHERE r.scope = q.scope AND r.key = q.key AND (r.expires_at <= c.t OR (r.attempts < q.max_attempts",
+    "    AND (q.fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.fp)",
+    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
+    "  RETURNING r.*) ",
+    "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
+    record_cols!("ins"),
+    " FROM ins ",
+    "UNION ALL SELECT 'upd', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    record_cols!("upd"),
+    " FROM upd ",
+    "UNION ALL SELECT 'cur', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    record_cols!("cur"),
+    " FROM cur ",
+    "WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.scope = cur.scope AND ins.key = cur.key)",
+    " AND NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key)"
+);
+
+/// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
+/// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
+const COMPLETE_BATCH_SQL: &str = concat!(
+    "UPDATE dedup_records AS r SET state = 'completed', lease_until = NULL, result = q.result,",
+    " failure = NULL, updated_at = statement_timestamp(),",
+    " expires_at = statement_timestamp() + q.ret_us::float8 * interval '1 microsecond'",
+    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[])",
+    "   AS q(scope, key, token, result, ret_us)",
+    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
+    " RETURNING r.scope, r.key"
+);
+
+/// Reads many records. $1 scopes, $2 keys.
+const GET_MANY_SQL: &str = concat!(
+    "SELECT ",
+    record_cols!("r"),
+    " FROM dedup_records r JOIN unnest($1::text[], $2::bytea[]) AS q(scope, key)",
+    " ON r.scope = q.scope AND r.key = q.key"
+);
+
 /// A claim found the key out of attempts: mark it FAILED, fenced on what was read.
 /// $1 scope, $2 key, $3 token, $4 state read, $5 reason, $6 failed retention (µs), $7 max attempts.
 const EXHAUST_SQL: &str = concat!(
@@ -215,6 +289,7 @@ const PURGE_SQL: &str = concat!(
 #[derive(Clone, Debug)]
 pub struct PgStore {
     pool: PgPool,
+    statements: Arc<AtomicU64>,
 }
 
 /// The body of a transaction run by [`PgStore::transact`]: business writes on the transaction's
@@ -224,7 +299,45 @@ pub type TxBody<'c, E> = Pin<Box<dyn Future<Output = Result<Bytes, HandlerError<
 impl PgStore {
     /// A store on `pool`. Run [`migrate`] once before use.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            statements: Arc::default(),
+        }
+    }
+
+    /// How many statements (round trips) this store and its clones sent to Postgres through the
+    /// [`Store`] calls, batches and their fallbacks included (not the caller's own transactions).
+    pub fn statements(&self) -> u64 {
+        self.statements.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, n: u64) {
+        self.statements.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Completes many leases inside the caller's transaction, in one statement: the completions
+    /// commit or roll back with the caller's business writes. One answer per item, in order.
+    /// Where any answer is an error (a lease was taken over), the caller must roll back, since the
+    /// transaction holds that key's business writes too, and may retry the others.
+    pub async fn complete_batch_in(
+        conn: &mut PgConnection,
+        items: &[(Lease, Bytes)],
+    ) -> Vec<Result<(), StoreError>> {
+        complete_many(conn, items).await.0
+    }
+
+    /// Commits a transaction that completed `leases` with
+    /// [`complete_batch_in`](Self::complete_batch_in). A transaction commits whole, so an unknown
+    /// outcome is resolved by reading back one of its leases.
+    pub async fn commit_batch(
+        &self,
+        tx: Transaction<'_, Postgres>,
+        leases: &[Lease],
+    ) -> Result<(), StoreError> {
+        match leases.first() {
+            Some(lease) => self.commit(tx, lease).await,
+            None => tx.commit().await.map_err(|e| classify(e, true)),
+        }
     }
 
     /// The pool.
@@ -240,18 +353,36 @@ impl PgStore {
         conn: &mut PgConnection,
         req: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
-        req.policy.validate()?;
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            if let Some(outcome) = claim_once(conn, req).await? {
-                return Ok(outcome);
+        claim_counted(conn, req).await.0
+    }
+
+    /// Reads the records of `keys` in one statement, by key (absent keys are left out).
+    pub async fn get_many<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k IdempotencyKey>,
+    ) -> Result<HashMap<IdempotencyKey, Record>, StoreError> {
+        let keys: Vec<&IdempotencyKey> = keys.into_iter().collect();
+        let scopes: Vec<&str> = keys.iter().map(|k| k.scope().as_str()).collect();
+        let bytes: Vec<&[u8]> = keys.iter().map(|k| k.key_bytes()).collect();
+        let rows = sqlx::query(GET_MANY_SQL)
+            .bind(&scopes)
+            .bind(&bytes)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| classify(e, false))?;
+        let by_id: HashMap<(&str, &[u8]), &IdempotencyKey> = keys
+            .iter()
+            .map(|k| ((k.scope().as_str(), k.key_bytes()), *k))
+            .collect();
+        let mut out = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let scope: &str = row.try_get("scope").map_err(|e| classify(e, false))?;
+            let key: &[u8] = row.try_get("key").map_err(|e| classify(e, false))?;
+            if let Some(k) = by_id.get(&(scope, key)) {
+                out.insert((*k).clone(), record_from_row(k, row)?);
             }
-            if tries >= CLAIM_RACE_TRIES {
-                return Err(StoreError::unavailable(Contention(req.key.to_string())));
-            }
-            debug!(key = %req.key, tries, "claim lost a race; re-reading");
         }
+        Ok(out)
     }
 
     /// Completes `lease` inside the caller's transaction: the completion commits or rolls back
@@ -342,6 +473,230 @@ impl std::fmt::Display for Contention {
 }
 
 impl std::error::Error for Contention {}
+
+/// [`PgStore::claim_in`], also answering how many statements it sent.
+async fn claim_counted(
+    conn: &mut PgConnection,
+    req: &ClaimRequest,
+) -> (Result<ClaimOutcome, StoreError>, u64) {
+    if let Err(e) = req.policy.validate() {
+        return (Err(e.into()), 0);
+    }
+    let mut statements = 0;
+    loop {
+        statements += 1;
+        match claim_once(conn, req).await {
+            Ok(Some(outcome)) => return (Ok(outcome), statements),
+            Err(e) => return (Err(e), statements),
+            Ok(None) if statements >= u64::from(CLAIM_RACE_TRIES) => {
+                let e = StoreError::unavailable(Contention(req.key.to_string()));
+                return (Err(e), statements);
+            }
+            Ok(None) => debug!(key = %req.key, statements, "claim lost a race; re-reading"),
+        }
+    }
+}
+
+/// Each settled request's index, its answer, and the record as the statement left it (with the
+/// statement's clock), from which a repeat of the key is answered.
+type ClaimedMany = Vec<(
+    usize,
+    Result<ClaimOutcome, StoreError>,
+    Option<(Record, Timestamp)>,
+)>;
+
+/// Runs [`CLAIM_BATCH_SQL`] for `reqs[i]`, `i` in `batch` (distinct keys); answers what it settled.
+/// Keys it leaves out (lost races, keys out of attempts) go through the single-key claim.
+async fn claim_many(
+    conn: &mut PgConnection,
+    reqs: &[ClaimRequest],
+    batch: &[usize],
+) -> Result<ClaimedMany, StoreError> {
+    let n = batch.len();
+    let (mut scopes, mut keys, mut owners, mut fps) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut leases, mut rets, mut maxes) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let mut index: HashMap<(&str, &[u8]), usize> = HashMap::with_capacity(n);
+    for &i in batch {
+        let req = &reqs[i];
+        scopes.push(req.key.scope().as_str());
+        keys.push(req.key.key_bytes());
+        owners.push(req.owner.as_str());
+        fps.push(req.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()));
+        leases.push(micros(req.policy.lease));
+        rets.push(micros(req.policy.retention));
+        maxes.push(attempts_i32(req.policy.max_attempts));
+        index.insert((req.key.scope().as_str(), req.key.key_bytes()), i);
+    }
+    let rows = sqlx::query(CLAIM_BATCH_SQL)
+        .bind(&scopes)
+        .bind(&keys)
+        .bind(&owners)
+        .bind(&fps)
+        .bind(&leases)
+        .bind(&rets)
+        .bind(&maxes)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| classify(e, true))?;
+    let mut answers = Vec::with_capacity(n);
+    for row in &rows {
+        let scope: &str = row.try_get("scope").map_err(|e| classify(e, false))?;
+        let key: &[u8] = row.try_get("key").map_err(|e| classify(e, false))?;
+        let Some(&i) = index.get(&(scope, key)) else {
+            continue;
+        };
+        let req = &reqs[i];
+        let src: &str = row.try_get("src").map_err(|e| classify(e, false))?;
+        let now = Timestamp::from_micros(row.try_get("now_us").map_err(|e| classify(e, false))?);
+        let record = match record_from_row(&req.key, row) {
+            Ok(record) => record,
+            Err(e) => {
+                answers.push((i, Err(e), None));
+                continue;
+            }
+        };
+        let answer = match (src, record.state) {
+            ("ins" | "upd", State::InProgress) => {
+                ClaimOutcome::Acquired(Lease::granted(&record, req))
+            }
+            ("cur", _) => match machine::claim(Some(&record), req, now, || record.token) {
+                ClaimStep::Answer(outcome) => outcome,
+                // Out of attempts, or claimable when read but changed by a concurrent writer:
+                // the single-key claim settles it.
+                _ => continue,
+            },
+            _ => continue,
+        };
+        answers.push((i, Ok(answer), Some((record, now))));
+    }
+    Ok(answers)
+}
+
+/// Runs [`COMPLETE_BATCH_SQL`] on `conn`. One answer per item; the error that failed the whole
+/// statement, if one did, is returned too (each item then holds a copy of it).
+async fn complete_many(
+    conn: &mut PgConnection,
+    items: &[(Lease, Bytes)],
+) -> (Vec<Result<(), StoreError>>, Option<StoreError>) {
+    let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+    let mut deferred = Vec::new();
+    let (mut scopes, mut keys, mut tokens, mut results, mut rets) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut index: HashMap<(&str, &[u8]), usize> = HashMap::with_capacity(items.len());
+    for (i, (lease, result)) in items.iter().enumerate() {
+        if let Err(e) = lease.policy.check_result(result) {
+            out.push(Some(Err(e.into())));
+            continue;
+        }
+        if index.contains_key(&(lease.key.scope().as_str(), lease.key.key_bytes())) {
+            // A repeat of a key: completed after the batch, as if one after the other.
+            deferred.push(i);
+            out.push(None);
+            continue;
+        }
+        index.insert((lease.key.scope().as_str(), lease.key.key_bytes()), i);
+        scopes.push(lease.key.scope().as_str());
+        keys.push(lease.key.key_bytes());
+        tokens.push(token_i64(lease.token));
+        results.push(result.as_ref());
+        rets.push(micros(lease.policy.retention));
+        out.push(None);
+    }
+    let mut failed = None;
+    if !scopes.is_empty() {
+        let done = sqlx::query(COMPLETE_BATCH_SQL)
+            .bind(&scopes)
+            .bind(&keys)
+            .bind(&tokens)
+            .bind(&results)
+            .bind(&rets)
+            .fetch_all(&mut *conn)
+            .await;
+        match done {
+            Ok(rows) => {
+                for row in &rows {
+                    let scope: Result<&str, _> = row.try_get("scope");
+                    let key: Result<&[u8], _> = row.try_get("key");
+                    if let (Ok(scope), Ok(key)) = (scope, key)
+                        && let Some(&i) = index.get(&(scope, key))
+                    {
+                        out[i] = Some(Ok(()));
+                    }
+                }
+            }
+            Err(e) => {
+                let e = classify(e, true);
+                for &i in index.values() {
+                    out[i] = Some(Err(echo(&e)));
+                }
+                for &i in &deferred {
+                    out[i] = Some(Err(echo(&e)));
+                }
+                failed = Some(e);
+            }
+        }
+    }
+    if failed.is_none() {
+        for i in deferred {
+            let (lease, result) = &items[i];
+            out[i] = Some(PgStore::complete_in(conn, lease, result).await);
+        }
+    }
+    let out = out
+        .into_iter()
+        .zip(items)
+        .map(|(answer, (lease, _))| {
+            answer.unwrap_or_else(|| {
+                Err(StoreError::LeaseLost {
+                    key: lease.key.clone(),
+                    token: lease.token,
+                })
+            })
+        })
+        .collect();
+    (out, failed)
+}
+
+/// A batch statement failed as a whole: each of its items is told so.
+#[derive(Debug)]
+struct BatchFailed(String);
+
+impl std::fmt::Display for BatchFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BatchFailed {}
+
+/// A copy of `e` of the same kind (retryable, unknown outcome or not), for each item of a batch
+/// that `e` failed.
+fn echo(e: &StoreError) -> StoreError {
+    let msg = BatchFailed(format!("batch failed: {e}"));
+    if e.is_outcome_unknown() {
+        StoreError::outcome_unknown(msg)
+    } else if e.is_retryable() {
+        StoreError::unavailable(msg)
+    } else {
+        StoreError::backend(msg)
+    }
+}
+
+fn unanswered(key: &IdempotencyKey) -> StoreError {
+    StoreError::Corrupt {
+        key: key.clone(),
+        detail: "the batch left this request unanswered".into(),
+    }
+}
 
 /// One run of the claim statement; `None` when it lost a race and must run again.
 async fn claim_once(
@@ -446,15 +801,137 @@ async fn finish(
 impl Store for PgStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
-        Self::claim_in(&mut conn, req).await
+        let (outcome, statements) = claim_counted(&mut conn, req).await;
+        self.count(statements);
+        outcome
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
+        self.count(1);
         Self::complete_in(&mut conn, lease, result).await
     }
 
+    /// One statement for the batch's distinct keys; a key that lost a race to a concurrent writer
+    /// (rare) and each repeat of a key are then claimed one by one, in order.
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome, StoreError>> {
+        let mut conn = match self.pool.acquire().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                let e = classify(e, false);
+                return reqs.iter().map(|_| Err(echo(&e))).collect();
+            }
+        };
+        let mut out: Vec<Option<Result<ClaimOutcome, StoreError>>> = Vec::with_capacity(reqs.len());
+        let mut first: HashMap<&IdempotencyKey, usize> = HashMap::with_capacity(reqs.len());
+        let mut batch = Vec::with_capacity(reqs.len());
+        let mut after: HashMap<&IdempotencyKey, (Record, Timestamp)> = HashMap::new();
+        for (i, req) in reqs.iter().enumerate() {
+            match req.policy.validate() {
+                Err(e) => out.push(Some(Err(e.into()))),
+                Ok(()) => {
+                    if first.insert(&req.key, i).is_none() {
+                        batch.push(i);
+                    }
+                    out.push(None);
+                }
+            }
+        }
+        if batch.len() > 1 {
+            self.count(1);
+            match claim_many(&mut conn, reqs, &batch).await {
+                Ok(answers) => {
+                    for (i, answer, seen) in answers {
+                        out[i] = Some(answer);
+                        if let Some(seen) = seen {
+                            after.insert(&reqs[i].key, seen);
+                        }
+                    }
+                }
+                // Not applied (deadlock, overload...): every key is claimed one by one below.
+                Err(e) if !e.is_outcome_unknown() => {
+                    debug!(error = %e, "batch claim failed; claiming one by one");
+                }
+                // It may have applied: claim one by one too, each claim re-reading the row. A
+                // lease the lost answer granted is held by our owner id and expires unused.
+                Err(e) => warn!(error = %e, "batch claim outcome unknown; claiming one by one"),
+            }
+        }
+        for (i, req) in reqs.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            // A repeat of a key is answered from the record its first claim left, when that
+            // answer needs no write (it is InFlight after a grant, or a replay).
+            if let Some((record, now)) = after.get(&req.key)
+                && let ClaimStep::Answer(answer) =
+                    machine::claim(Some(record), req, *now, || record.token)
+            {
+                out[i] = Some(Ok(answer));
+            } else {
+                let (answer, statements) = claim_counted(&mut conn, req).await;
+                self.count(statements);
+                if let Ok(ClaimOutcome::Acquired(_) | ClaimOutcome::Failed { .. }) = &answer {
+                    // The record changed: a later repeat must not be answered from before.
+                    after.remove(&req.key);
+                }
+                out[i] = Some(answer);
+            }
+        }
+        out.into_iter()
+            .zip(reqs)
+            .map(|(answer, req)| answer.unwrap_or_else(|| Err(unanswered(&req.key))))
+            .collect()
+    }
+
+    /// One statement; an outcome that is unknown (a dropped connection) is read back.
+    async fn complete_batch(&self, items: &[(Lease, Bytes)]) -> Vec<Result<(), StoreError>> {
+        let mut conn = match self.pool.acquire().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                let e = classify(e, false);
+                return items.iter().map(|_| Err(echo(&e))).collect();
+            }
+        };
+        let distinct: std::collections::HashSet<&IdempotencyKey> =
+            items.iter().map(|(l, _)| &l.key).collect();
+        // One statement, plus one per repeat of a key (completed after it).
+        self.count(1 + (items.len() - distinct.len()) as u64);
+        let (mut out, failed) = complete_many(&mut conn, items).await;
+        let Some(err) = failed else {
+            return out;
+        };
+        drop(conn);
+        if !err.is_outcome_unknown() {
+            return out;
+        }
+        warn!(error = %err, n = items.len(), "batch completion outcome unknown; reading it back");
+        self.count(1);
+        let records = match self.get_many(items.iter().map(|(l, _)| &l.key)).await {
+            Ok(records) => records,
+            Err(_) => return out,
+        };
+        for ((lease, _), answer) in items.iter().zip(out.iter_mut()) {
+            if answer.as_ref().is_err_and(StoreError::is_outcome_unknown) {
+                *answer = match records.get(&lease.key) {
+                    Some(r) if r.token == lease.token && r.state == State::Completed => Ok(()),
+                    Some(r) if r.token == lease.token && r.state == State::InProgress => {
+                        Err(StoreError::unavailable(BatchFailed(
+                            "the batch completion did not apply; retry".into(),
+                        )))
+                    }
+                    _ => Err(StoreError::LeaseLost {
+                        key: lease.key.clone(),
+                        token: lease.token,
+                    }),
+                };
+            }
+        }
+        out
+    }
+
     async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
+        self.count(1);
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
         // The token pins the attempt count: it changes only with a takeover, which changes the
         // token too. So the lease's count is the record's.
@@ -490,6 +967,7 @@ impl Store for PgStore {
     }
 
     async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
+        self.count(1);
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
         let retention = lease.policy.failed_retention;
         finish(
@@ -504,6 +982,7 @@ impl Store for PgStore {
     }
 
     async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
+        self.count(1);
         let until: Option<i64> = sqlx::query_scalar(EXTEND_SQL)
             .bind(lease.key.scope().as_str())
             .bind(lease.key.key_bytes())
@@ -522,6 +1001,7 @@ impl Store for PgStore {
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.count(1);
         let row = sqlx::query(GET_SQL)
             .bind(key.scope().as_str())
             .bind(key.key_bytes())
@@ -532,6 +1012,7 @@ impl Store for PgStore {
     }
 
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
+        self.count(1);
         let done = sqlx::query(PURGE_SQL)
             .bind(i64::from(limit))
             .execute(&self.pool)

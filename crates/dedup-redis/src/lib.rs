@@ -43,6 +43,7 @@ use dedup_core::{
     Cached, FastPath, FencingToken, Fingerprint, IdempotencyKey, Lease, OwnerId, State, StoreError,
     Timestamp,
 };
+use futures_util::future::join_all;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{RedisError, Script};
 use sha2::{Digest, Sha256};
@@ -67,6 +68,10 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 pub struct RedisFastPath<C = ConnectionManager> {
     conn: C,
     prefix: String,
+    /// Whether batch calls go as one pipeline (one node) or as concurrent calls (a cluster,
+    /// where a pipeline may not cross hash slots; the multiplexed connection still writes them
+    /// together).
+    pipelined: bool,
 }
 
 impl<C> fmt::Debug for RedisFastPath<C> {
@@ -130,7 +135,7 @@ impl RedisFastPath<redis::cluster_async::ClusterConnection> {
         install_crypto();
         let client = redis::cluster::ClusterClient::new(urls.to_vec()).map_err(config_error)?;
         let conn = client.get_async_connection().await.map_err(classify)?;
-        Ok(Self::new(conn))
+        Ok(Self::new(conn).with_pipelining(false))
     }
 }
 
@@ -143,7 +148,16 @@ where
         Self {
             conn,
             prefix: "dedup".to_owned(),
+            pipelined: true,
         }
+    }
+
+    /// Whether batch calls go as one pipeline (the default; for one Redis server) or as
+    /// concurrent single calls (what a cluster connection needs: a pipeline may not cross hash
+    /// slots). [`connect_cluster`](RedisFastPath::connect_cluster) turns it off.
+    pub fn with_pipelining(mut self, on: bool) -> Self {
+        self.pipelined = on;
+        self
     }
 
     /// Sets the key prefix (to share a Redis between deployments).
@@ -198,18 +212,7 @@ where
             .query_async(&mut conn)
             .await
             .map_err(classify)?;
-        if fields.is_empty() {
-            return Ok(None);
-        }
-        let mut copy = parse(key, &fields).map_err(|detail| {
-            warn!(key = %key, %detail, "foreign or corrupted data at a dedup key in Redis; treating it as a miss");
-            StoreError::Corrupt {
-                key: key.clone(),
-                detail,
-            }
-        })?;
-        copy.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
-        Ok(Some(copy))
+        read_copy(key, &fields, pttl)
     }
 
     async fn store(
@@ -219,31 +222,75 @@ where
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
-        let empty: &[u8] = b"";
-        let written: i64 = SCRIPTS
-            .store
-            .key(self.redis_key(key))
-            .arg(copy.state.as_str())
-            .arg(copy.token.get())
-            .arg(ms(ttl))
-            .arg(identity(key))
-            .arg(copy.attempts)
-            .arg(
-                copy.fingerprint
-                    .as_ref()
-                    .map_or(empty, |f| f.as_bytes().as_slice()),
-            )
-            .arg(copy.owner.as_ref().map_or("", OwnerId::as_str))
-            .arg(
-                copy.lease_until
-                    .map_or(String::new(), |t| t.as_micros().to_string()),
-            )
-            .arg(copy.result.as_deref().unwrap_or(empty))
-            .arg(copy.failure.as_deref().unwrap_or(""))
+        let written: i64 = store_invocation(&self.redis_key(key), key, copy, ttl)
             .invoke_async(&mut conn)
             .await
             .map_err(classify)?;
         Ok(written == 1)
+    }
+
+    /// One pipeline of HGETALL and PTTL per key (or, on a cluster, concurrent lookups).
+    async fn lookup_many(
+        &self,
+        keys: &[IdempotencyKey],
+    ) -> Vec<Result<Option<Cached>, StoreError>> {
+        if !self.pipelined || keys.len() < 2 {
+            return join_all(keys.iter().map(|k| self.lookup(k))).await;
+        }
+        let mut pipe = redis::pipe();
+        for key in keys {
+            let rkey = self.redis_key(key);
+            pipe.cmd("HGETALL").arg(&rkey).cmd("PTTL").arg(&rkey);
+        }
+        let mut conn = self.conn.clone();
+        let values: Vec<redis::Value> = match pipe.query_async(&mut conn).await {
+            Ok(values) => values,
+            Err(e) => {
+                let e = classify(e);
+                return keys.iter().map(|_| Err(echo(&e))).collect();
+            }
+        };
+        let mut values = values.into_iter();
+        keys.iter()
+            .map(|key| {
+                let (Some(fields), Some(pttl)) = (values.next(), values.next()) else {
+                    return Err(StoreError::backend(PipelineShort));
+                };
+                let fields: HashMap<String, Vec<u8>> =
+                    redis::from_redis_value(fields).map_err(|e| classify(e.into()))?;
+                let pttl: i64 = redis::from_redis_value(pttl).map_err(|e| classify(e.into()))?;
+                read_copy(key, &fields, pttl)
+            })
+            .collect()
+    }
+
+    /// One pipeline of store scripts (or, on a cluster, concurrent calls). An item the pipeline
+    /// could not write (a script not loaded yet, say) is written on its own.
+    async fn store_many(
+        &self,
+        items: &[(IdempotencyKey, Cached, Duration)],
+    ) -> Vec<Result<bool, StoreError>> {
+        if !self.pipelined || items.len() < 2 {
+            return join_all(items.iter().map(|(k, c, ttl)| self.store(k, c, *ttl))).await;
+        }
+        let mut pipe = redis::pipe();
+        for (key, copy, ttl) in items {
+            pipe.invoke_script(&store_invocation(&self.redis_key(key), key, copy, *ttl));
+        }
+        let mut conn = self.conn.clone();
+        let values: Vec<redis::Value> = pipe.query_async(&mut conn).await.unwrap_or_default();
+        let mut values = values.into_iter();
+        let mut out = Vec::with_capacity(items.len());
+        for (key, copy, ttl) in items {
+            let written = values
+                .next()
+                .and_then(|v| redis::from_redis_value::<i64>(v).ok());
+            out.push(match written {
+                Some(w) => Ok(w == 1),
+                None => self.store(key, copy, *ttl).await,
+            });
+        }
+        out
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool, StoreError> {
@@ -276,6 +323,55 @@ where
             .map_err(classify)?;
         Ok(moved == 1)
     }
+}
+
+/// The store script's invocation for `copy` of `key`.
+fn store_invocation<'a>(
+    rkey: &str,
+    key: &IdempotencyKey,
+    copy: &Cached,
+    ttl: Duration,
+) -> redis::ScriptInvocation<'a> {
+    let empty: &[u8] = b"";
+    let mut inv = SCRIPTS.store.key(rkey);
+    inv.arg(copy.state.as_str())
+        .arg(copy.token.get())
+        .arg(ms(ttl))
+        .arg(identity(key))
+        .arg(copy.attempts)
+        .arg(
+            copy.fingerprint
+                .as_ref()
+                .map_or(empty, |f| f.as_bytes().as_slice()),
+        )
+        .arg(copy.owner.as_ref().map_or("", OwnerId::as_str))
+        .arg(
+            copy.lease_until
+                .map_or(String::new(), |t| t.as_micros().to_string()),
+        )
+        .arg(copy.result.as_deref().unwrap_or(empty))
+        .arg(copy.failure.as_deref().unwrap_or(""));
+    inv
+}
+
+/// A lookup's answer: the hash's fields and its PTTL.
+fn read_copy(
+    key: &IdempotencyKey,
+    fields: &HashMap<String, Vec<u8>>,
+    pttl: i64,
+) -> Result<Option<Cached>, StoreError> {
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    let mut copy = parse(key, fields).map_err(|detail| {
+        warn!(key = %key, %detail, "foreign or corrupted data at a dedup key in Redis; treating it as a miss");
+        StoreError::Corrupt {
+            key: key.clone(),
+            detail,
+        }
+    })?;
+    copy.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
+    Ok(Some(copy))
 }
 
 /// Reads a hash as a copy of `key`'s record; anything else is an error naming what was wrong.
@@ -311,6 +407,28 @@ fn parse(key: &IdempotencyKey, f: &HashMap<String, Vec<u8>>) -> Result<Cached, S
         other => return Err(format!("state {other} is never cached")),
     }
     Ok(copy)
+}
+
+/// A pipeline answered fewer values than it was sent commands.
+#[derive(Debug)]
+struct PipelineShort;
+
+impl fmt::Display for PipelineShort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the Redis pipeline answered fewer values than it was sent")
+    }
+}
+
+impl std::error::Error for PipelineShort {}
+
+/// A copy of `e` of the same kind, for each key of a pipeline that `e` failed.
+fn echo(e: &StoreError) -> StoreError {
+    let msg = std::io::Error::other(format!("pipeline failed: {e}"));
+    if e.is_retryable() {
+        StoreError::unavailable(msg)
+    } else {
+        StoreError::backend(msg)
+    }
 }
 
 /// Classifies a Redis error. Every fast-path call is advisory (the tiered store falls through to

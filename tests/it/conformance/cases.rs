@@ -426,3 +426,217 @@ pub(crate) async fn longest_key_and_scope_round_trip<S: Store>(s: Arc<S>) {
     assert_eq!(rec.key, k);
     assert_eq!(rec.result.as_deref().map(<[u8]>::len), Some(1024));
 }
+
+/// A batch answers every kind of key exactly as single claims made one after the other would.
+pub(crate) async fn batch_claim_answers_like_single_claims<S: Store>(s: Arc<S>) {
+    let fp = Fingerprint::of(b"payload");
+    let other_fp = Fingerprint::of(b"another payload");
+    let quick = short_lease(100).with_max_attempts(2);
+    // Set up one key in each state.
+    let done = key("done");
+    let l = acquired(s.claim(&req(&done, "a")).await.unwrap());
+    s.complete(&l, b"receipt").await.unwrap();
+    let busy = key("busy");
+    let busy_lease = acquired(s.claim(&req(&busy, "a")).await.unwrap());
+    let released = key("released");
+    let l = acquired(s.claim(&req(&released, "a")).await.unwrap());
+    s.fail_retryable(&l, "503").await.unwrap();
+    let poison = key("poison");
+    let l = acquired(s.claim(&req(&poison, "a")).await.unwrap());
+    s.fail_permanent(&l, "negative amount").await.unwrap();
+    let fingerprinted = key("fingerprinted");
+    let l = acquired(
+        s.claim(&req(&fingerprinted, "a").with_fingerprint(Some(fp)))
+            .await
+            .unwrap(),
+    );
+    s.complete(&l, b"fp-done").await.unwrap();
+    let expired = key("expired");
+    let first = acquired(
+        s.claim(&req(&expired, "a").with_policy(quick))
+            .await
+            .unwrap(),
+    );
+    let exhausted = key("exhausted");
+    acquired(
+        s.claim(&req(&exhausted, "a").with_policy(quick))
+            .await
+            .unwrap(),
+    );
+    sleep(ms(150)).await;
+    acquired(
+        s.claim(&req(&exhausted, "b").with_policy(quick))
+            .await
+            .unwrap(),
+    );
+    sleep(ms(150)).await;
+
+    let fresh = key("fresh");
+    let twice = key("twice");
+    let bad = Policy::default().with_max_attempts(0);
+    let out = s
+        .claim_batch(&[
+            req(&fresh, "x"),
+            req(&done, "x"),
+            req(&busy, "x"),
+            req(&released, "x"),
+            req(&poison, "x"),
+            req(&fingerprinted, "x").with_fingerprint(Some(other_fp)),
+            req(&fingerprinted, "x").with_fingerprint(Some(fp)),
+            req(&expired, "x").with_policy(quick),
+            req(&exhausted, "x").with_policy(quick),
+            req(&twice, "x"),
+            req(&twice, "y"),
+            req(&key("bad-policy"), "x").with_policy(bad),
+            req(&done, "y"),
+        ])
+        .await;
+    assert_eq!(out.len(), 13);
+    let fresh_lease = acquired(out[0].clone().unwrap());
+    assert_eq!((fresh_lease.attempts, fresh_lease.key.clone()), (1, fresh));
+    assert_eq!(
+        out[1].clone().unwrap(),
+        ClaimOutcome::Completed {
+            result: bytes("receipt"),
+            token: s.get(&done).await.unwrap().unwrap().token,
+            fingerprint: None,
+        }
+    );
+    match out[2].clone().unwrap() {
+        ClaimOutcome::InFlight { owner, lease_until } => {
+            assert_eq!(owner.as_ref().map(|o| o.as_str()), Some("a"));
+            assert_eq!(lease_until, Some(busy_lease.lease_until));
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+    let retried = acquired(out[3].clone().unwrap());
+    assert_eq!(retried.attempts, 2);
+    assert_eq!(
+        out[4].clone().unwrap(),
+        ClaimOutcome::Failed {
+            reason: "negative amount".into(),
+            attempts: 1
+        }
+    );
+    assert_eq!(out[5].clone().unwrap(), ClaimOutcome::PayloadMismatch);
+    assert!(matches!(
+        out[6].clone().unwrap(),
+        ClaimOutcome::Completed { result, .. } if result == bytes("fp-done")
+    ));
+    let takeover = acquired(out[7].clone().unwrap());
+    assert_eq!(takeover.attempts, 2);
+    assert!(takeover.token > first.token);
+    assert!(
+        matches!(out[8], Ok(ClaimOutcome::Failed { attempts: 2, .. })),
+        "{:?}",
+        out[8]
+    );
+    let twice_lease = acquired(out[9].clone().unwrap());
+    match out[10].clone().unwrap() {
+        ClaimOutcome::InFlight { owner, .. } => {
+            assert_eq!(owner.as_ref().map(|o| o.as_str()), Some("x"));
+        }
+        other => panic!("the repeat of a key is its duplicate, got {other:?}"),
+    }
+    assert!(matches!(
+        out[11],
+        Err(StoreError::Input(InputError::Policy(_)))
+    ));
+    assert!(matches!(out[12], Ok(ClaimOutcome::Completed { .. })));
+    // What the batch granted is held, fenced, in the store.
+    let rec = s.get(&twice).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.token),
+        (State::InProgress, twice_lease.token)
+    );
+    assert_eq!(s.get(&key("bad-policy")).await.unwrap(), None);
+    assert!(
+        s.complete(&first, b"zombie")
+            .await
+            .unwrap_err()
+            .is_lease_lost()
+    );
+}
+
+/// Completions in a batch are fenced one by one: a stale lease and an oversized result fail
+/// alone, the others commit; the same lease twice completes once.
+pub(crate) async fn batch_completion_is_fenced_per_item<S: Store>(s: Arc<S>) {
+    let quick = short_lease(100);
+    let (a, b, c) = (key("a"), key("b"), key("c"));
+    let la = acquired(s.claim(&req(&a, "x")).await.unwrap());
+    let stale = acquired(s.claim(&req(&b, "x").with_policy(quick)).await.unwrap());
+    sleep(ms(150)).await;
+    let fresh = acquired(s.claim(&req(&b, "y").with_policy(quick)).await.unwrap());
+    let small = Policy::default().with_max_result_bytes(4);
+    let lc = acquired(s.claim(&req(&c, "x").with_policy(small)).await.unwrap());
+    let out = s
+        .complete_batch(&[
+            (stale.clone(), bytes("zombie")),
+            (la.clone(), bytes("ra")),
+            (lc.clone(), bytes("too large")),
+            (la.clone(), bytes("again")),
+        ])
+        .await;
+    assert!(out[0].as_ref().unwrap_err().is_lease_lost(), "{:?}", out[0]);
+    assert!(out[1].is_ok(), "{:?}", out[1]);
+    assert!(
+        matches!(
+            out[2],
+            Err(StoreError::Input(InputError::ResultTooLarge { .. }))
+        ),
+        "{:?}",
+        out[2]
+    );
+    assert!(out[3].as_ref().unwrap_err().is_lease_lost(), "{:?}", out[3]);
+    let rec = s.get(&a).await.unwrap().unwrap();
+    assert_eq!(rec.result, Some(bytes("ra")));
+    let rec = s.get(&b).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.token), (State::InProgress, fresh.token));
+    let rec = s.get(&c).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.result), (State::InProgress, None));
+    // The live holders still complete.
+    let out = s
+        .complete_batch(&[(fresh, bytes("rb")), (lc, bytes("rc"))])
+        .await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+/// Batches over the same keys in opposite orders, at once: every key is granted exactly once,
+/// and no batch fails (no deadlock between them).
+pub(crate) async fn concurrent_batches_grant_each_key_once<S: Store + 'static>(s: Arc<S>) {
+    let keys: Vec<IdempotencyKey> = (0..60).map(|i| key(format!("k{i}"))).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..8usize {
+        let s = Arc::clone(&s);
+        let mut order = keys.clone();
+        order.rotate_left(t * 7);
+        if t % 2 == 1 {
+            order.reverse();
+        }
+        tasks.spawn(async move {
+            let reqs: Vec<ClaimRequest> = order.iter().map(|k| req(k, &format!("t{t}"))).collect();
+            let out = s.claim_batch(&reqs).await;
+            let mut won = Vec::new();
+            for (r, o) in reqs.iter().zip(out) {
+                match o.unwrap() {
+                    ClaimOutcome::Acquired(lease) => won.push(lease),
+                    ClaimOutcome::InFlight { .. } => {}
+                    other => panic!("{}: unexpected {other:?}", r.key),
+                }
+            }
+            won
+        });
+    }
+    let mut granted = Vec::new();
+    while let Some(won) = tasks.join_next().await {
+        granted.extend(won.unwrap());
+    }
+    granted.sort_by(|a, b| a.key.key_bytes().cmp(b.key.key_bytes()));
+    let names: Vec<&[u8]> = granted.iter().map(|l| l.key.key_bytes()).collect();
+    let mut expected: Vec<&[u8]> = keys.iter().map(IdempotencyKey::key_bytes).collect();
+    expected.sort();
+    assert_eq!(names, expected, "each key granted exactly once");
+    let items: Vec<(Lease, bytes::Bytes)> =
+        granted.into_iter().map(|l| (l, bytes("done"))).collect();
+    assert!(s.complete_batch(&items).await.iter().all(Result::is_ok));
+}

@@ -1,8 +1,9 @@
 //! The conformance suite: written once, run against every `Store`.
 //!
 //! `conformance!` stamps each case out once per store: the in-memory reference, Postgres (each
-//! test in a fresh database) and the tiered store (Postgres behind L1 and a Redis of the test's own, or the 3-master
-//! Redis Cluster `scripts/test` starts).
+//! test in a fresh database), the tiered store (Postgres behind L1 and a Redis of the test's own,
+//! or the 3-master Redis Cluster `scripts/test` starts), and the tiered store behind `Batched`
+//! (group commit).
 
 mod cases;
 mod process;
@@ -47,6 +48,17 @@ macro_rules! conformance {
                 }
             )*
         }
+        mod batched {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    let redis = crate::support::RedisServer::start();
+                    let store = crate::support::tiered(pool, &redis).await;
+                    let store = dedup_core::Batched::new(store, dedup_core::BatchConfig::default());
+                    super::run::$case(std::sync::Arc::new(store)).await;
+                }
+            )*
+        }
         mod run {
             pub(super) use super::cases::*;
             pub(super) use super::process::*;
@@ -76,6 +88,9 @@ conformance!(
     oversized_result_is_refused_and_changes_nothing,
     invalid_policy_is_refused,
     batch_calls_answer_in_order,
+    batch_claim_answers_like_single_claims,
+    batch_completion_is_fenced_per_item,
+    concurrent_batches_grant_each_key_once,
     // the consumer API on top of the store
     process_executes_once_and_replays,
     process_releases_on_a_retryable_error,
