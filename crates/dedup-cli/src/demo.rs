@@ -22,6 +22,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg, connect_redis, redact};
+use crate::workload::Lcg;
 
 #[derive(Args, Debug)]
 pub(crate) struct DemoArgs {
@@ -61,26 +62,6 @@ pub(crate) struct DemoArgs {
 }
 
 /// A small deterministic generator: the same stream on every run.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 11
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn unit(&mut self) -> f64 {
-        #[allow(clippy::cast_precision_loss)]
-        let x = (self.next() >> 11) as f64 / (1u64 << 42) as f64;
-        x
-    }
-}
-
 /// One produced message.
 struct Event {
     id: u64,

@@ -5,9 +5,11 @@
 
 #![allow(clippy::print_stdout)]
 
+mod bench;
 mod connect;
 mod demo;
 mod telemetry;
+mod workload;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -31,6 +33,7 @@ enum Command {
     /// Produce a stream with duplicates, redeliveries and poison to Kafka, consume it through the
     /// full engine (moka, Redis, Postgres) into a ledger, and report what happened.
     Demo(demo::DemoArgs),
+    Bench(bench::BenchArgs),
     /// Apply the database migrations.
     Migrate(PgArgs),
     /// Show one key's record in each tier.
@@ -108,6 +111,7 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> Result<ExitCode, CliError> {
     match command {
         Command::Demo(args) => demo::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
         Command::Migrate(pg) => {
             let pool = connect_pg(&pg.database_url, 2).await?;
             dedup_pg::migrate(&pool)
