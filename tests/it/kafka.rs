@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{Completion, Dedup, HandlerError, LeaseContext, Policy};
+use dedup_core::{BatchConfig, Batched, Completion, Dedup, HandlerError, LeaseContext, Policy};
 use dedup_kafka::{
     Backoff, DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Delivery, MissingKey,
     Runner, RunnerConfig, RunnerError, RunnerStats, StatsHandle,
@@ -242,14 +242,14 @@ struct Running {
 }
 
 impl Running {
-    fn spawn(config: RunnerConfig, dedup: Arc<Dedup<Tiered>>, worker: &'static str) -> Self {
-        let store = dedup.store().authority().clone();
+    fn spawn(config: RunnerConfig, dedup: Arc<Dedup<Engine>>, worker: &'static str) -> Self {
+        let store = dedup.store().inner().authority().clone();
         Self::spawn_with(config, dedup, ledger_handler(store, worker))
     }
 
     fn spawn_with(
         config: RunnerConfig,
-        dedup: Arc<Dedup<Tiered>>,
+        dedup: Arc<Dedup<Engine>>,
         handler: impl dedup_kafka::Handler,
     ) -> Self {
         let runner = Runner::new(config, dedup, handler);
@@ -271,13 +271,19 @@ impl Running {
     }
 }
 
-async fn engine(pool: &PgPool, redis: &RedisServer) -> Arc<Dedup<Tiered>> {
+/// The engine under test: the tiered store behind group commit, as the demo runs it.
+type Engine = Batched<Tiered>;
+
+async fn engine(pool: &PgPool, redis: &RedisServer) -> Arc<Dedup<Engine>> {
     let policy = Policy::default().with_lease(Duration::from_secs(5));
     Arc::new(
-        Dedup::new(tiered(pool.clone(), redis).await)
-            .with_policy(policy)
-            .unwrap()
-            .with_in_flight_wait(Duration::from_secs(1)),
+        Dedup::new(Batched::new(
+            tiered(pool.clone(), redis).await,
+            BatchConfig::default(),
+        ))
+        .with_policy(policy)
+        .unwrap()
+        .with_in_flight_wait(Duration::from_secs(1)),
     )
 }
 
@@ -816,7 +822,12 @@ async fn a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served
     // Each handler takes 1.5 s, longer than the stall limit, with two messages in flight.
     let slow = {
         let inner = ledger_handler(
-            engine(&pool, &redis).await.store().authority().clone(),
+            engine(&pool, &redis)
+                .await
+                .store()
+                .inner()
+                .authority()
+                .clone(),
             "slow",
         );
         move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
@@ -929,7 +940,7 @@ async fn retryable_failures_are_retried_then_dead_lettered_past_the_attempt_limi
     let events: Vec<Event> = (0..6).map(|i| event(i, 1)).collect();
     produce(broker, &topic, &events).await;
     let dedup = engine(&pool, &redis).await;
-    let inner = ledger_handler(dedup.store().authority().clone(), "a");
+    let inner = ledger_handler(dedup.store().inner().authority().clone(), "a");
     let calls = Arc::new(std::sync::Mutex::new(HashMap::<i64, u32>::new()));
     let seen = calls.clone();
     // Offset 2 fails twice and then succeeds; offset 4 always fails (retryably).

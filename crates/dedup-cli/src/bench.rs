@@ -43,11 +43,20 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 1.1)]
     zipf: f64,
     /// Events processed at once, the same for every contender.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 256)]
     concurrency: usize,
+    /// Postgres connections, the same pool for every contender that uses Postgres.
+    #[arg(long, default_value_t = 64)]
+    pg_connections: u32,
     /// Contenders to run, among a, b, c, d.
     #[arg(long, default_value = "a,b,c,d", value_delimiter = ',')]
     only: Vec<char>,
+    /// (d): the most requests in one batch call.
+    #[arg(long, default_value_t = 512)]
+    batch_max: usize,
+    /// (d): batch calls of one kind in flight at once.
+    #[arg(long, default_value_t = 2)]
+    batch_flushes: usize,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -118,8 +127,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             "--only: unknown contender {c:?} (a, b, c or d)"
         )));
     }
-    let max = u32::try_from(args.concurrency + 4).unwrap_or(u32::MAX);
-    let pool = connect_pg(&args.pg.database_url, max).await?;
+    let pool = connect_pg(&args.pg.database_url, args.pg_connections.max(2)).await?;
     dedup_pg::migrate(&pool)
         .await
         .map_err(|e| CliError::Failed(format!("migrations: {e}")))?;
@@ -137,6 +145,9 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             .map_or(0, |d| d.as_secs())
     );
     let ctx = Ctx {
+        batch: BatchConfig::default()
+            .with_max_batch(args.batch_max)
+            .with_max_flushes(args.batch_flushes),
         stream,
         concurrency: args.concurrency,
         run_id,
@@ -185,6 +196,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
 }
 
 struct Ctx {
+    batch: BatchConfig,
     stream: Arc<Vec<u64>>,
     concurrency: usize,
     run_id: String,
@@ -440,7 +452,7 @@ async fn tiered(ctx: &Ctx, pool: &PgPool, url: &str, batched: bool) -> Result<Ou
         .map_err(|e| CliError::Config(format!("scope: {e}")))?;
     let effects = Arc::new(AtomicU64::new(0));
     let (elapsed, latencies_us, errors, stats, batches) = if batched {
-        let dedup = Arc::new(Dedup::new(Batched::new(store, BatchConfig::default())));
+        let dedup = Arc::new(Dedup::new(Batched::new(store, ctx.batch)));
         let (elapsed, latencies, errors) = drive(ctx, process_one(&dedup, &scope, &effects)).await;
         let stats = dedup.store().inner().stats();
         let batches = dedup.store().batch_counts();
@@ -540,12 +552,13 @@ impl Report<'_> {
         let a = self.args;
         println!(
             "dedup bench: {} events, {} unique keys ({:.0}% duplicates, Zipf s={}), \
-             concurrency {} for every contender",
+             concurrency {} and {} Postgres connections for every contender",
             a.events,
             self.unique,
             a.duplicates * 100.0,
             a.zipf,
-            a.concurrency
+            a.concurrency,
+            a.pg_connections
         );
         println!(
             "Postgres synchronous_commit={} (durable commits: {}); Redis and Postgres on this host",
@@ -638,6 +651,7 @@ impl Report<'_> {
             "duplicates": a.duplicates,
             "zipf": a.zipf,
             "concurrency": a.concurrency,
+            "pg_connections": a.pg_connections,
             "synchronous_commit": self.sync,
             "contenders": contenders,
             "ratios": {

@@ -15,13 +15,17 @@ use std::future::Future;
 use std::mem;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use std::time::Instant;
+
 use bytes::Bytes;
 use tokio::sync::{Notify, oneshot};
+use tracing::{Instrument, info_span};
 
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
 use crate::record::{AfterFailure, ClaimOutcome, ClaimRequest, Lease, Record, Timestamp};
 use crate::store::Store;
+use crate::tiered::{lease_token, outcome_name};
 
 /// How [`Batched`] groups calls.
 #[derive(Clone, Copy, Debug)]
@@ -100,17 +104,48 @@ impl<S: Store> Batched<S> {
 }
 
 impl<S: Store> Store for Batched<S> {
+    /// Answers from memory when the inner store can; otherwise queues for the next batch. Each
+    /// claim is a `dedup.decision` span in its caller's trace, with `tier` = `l1` (answered from
+    /// memory) or `batched` (the batch's own `dedup.claim_batch` span says which tiers it asked).
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        if let Some(answer) = self.inner.answer_cached(req) {
-            return Ok(answer);
+        let span = info_span!(
+            "dedup.decision",
+            key = %req.key,
+            tier = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            token = tracing::field::Empty,
+            latency_us = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let (res, tier) = match self.inner.answer_cached(req) {
+            Some(answer) => (Ok(answer), "l1"),
+            None => {
+                let key = req.key.clone();
+                let res = self
+                    .claims
+                    .call(req.clone(), |reqs| async move {
+                        self.inner.claim_batch(&reqs).await
+                    })
+                    .instrument(span.clone())
+                    .await
+                    .unwrap_or_else(|| Err(abandoned(key)));
+                (res, "batched")
+            }
+        };
+        if let Ok(outcome) = &res
+            && !span.is_disabled()
+        {
+            span.record("tier", tier);
+            span.record("outcome", outcome_name(outcome));
+            if let Some(token) = lease_token(outcome) {
+                span.record("token", token.get());
+            }
+            span.record(
+                "latency_us",
+                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            );
         }
-        let key = req.key.clone();
-        self.claims
-            .call(req.clone(), |reqs| async move {
-                self.inner.claim_batch(&reqs).await
-            })
-            .await
-            .unwrap_or_else(|| Err(abandoned(key)))
+        res
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {

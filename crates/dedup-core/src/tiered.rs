@@ -567,6 +567,74 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         rest
     }
 
+    /// [`Store::claim_batch`]: L1, then one fast-path call, then one authority call.
+    async fn claim_batch_tiered(
+        &self,
+        reqs: &[ClaimRequest],
+        span: &tracing::Span,
+    ) -> Vec<Result<ClaimOutcome, StoreError>> {
+        let mut out: Vec<Option<Result<ClaimOutcome, StoreError>>> = Vec::with_capacity(reqs.len());
+        let mut pending = Vec::new();
+        for (i, req) in reqs.iter().enumerate() {
+            let answer = match req.policy.validate() {
+                Err(e) => Some(Err(e.into())),
+                Ok(()) => self.l1_answer(req).map(Ok),
+            };
+            if answer.is_none() {
+                bump(&self.counters.l1_misses);
+                pending.push(i);
+            }
+            out.push(answer);
+        }
+        span.record("l2_asked", pending.len());
+        if !pending.is_empty() {
+            pending = self.lookup_pending(reqs, pending, &mut out).await;
+        }
+        span.record("authority_asked", pending.len());
+        if !pending.is_empty() {
+            let sub: Vec<ClaimRequest> = pending.iter().map(|&i| reqs[i].clone()).collect();
+            self.counters
+                .authority_claims
+                .fetch_add(sub.len() as u64, Ordering::Relaxed);
+            bump(&self.counters.authority_calls);
+            let answers = self.authority.claim_batch(&sub).await;
+            let mut fills = Vec::new();
+            for ((i, req), answer) in pending.into_iter().zip(sub).zip(answers) {
+                match &answer {
+                    Ok(ClaimOutcome::Acquired(lease)) => {
+                        let ttl = lease.policy.lease;
+                        fills.push((req.key, Cached::in_progress(lease), ttl));
+                    }
+                    Ok(ClaimOutcome::Completed {
+                        result,
+                        token,
+                        fingerprint,
+                    }) => {
+                        let mut copy = Cached::new(State::Completed, *token);
+                        copy.fingerprint = *fingerprint;
+                        copy.result = Some(result.clone());
+                        fills.push((req.key, copy, req.policy.retention));
+                    }
+                    _ => {}
+                }
+                out[i] = Some(answer);
+            }
+            self.backfill_many(fills).await;
+        }
+        out.into_iter()
+            .zip(reqs)
+            .map(|(answer, req)| {
+                // Every index was answered above; a hole would be a bug, reported, not a panic.
+                answer.unwrap_or_else(|| {
+                    Err(StoreError::Corrupt {
+                        key: req.key.clone(),
+                        detail: "the batch left this request unanswered".into(),
+                    })
+                })
+            })
+            .collect()
+    }
+
     fn fill_l1(&self, key: &IdempotencyKey, copy: Cached, ttl: Duration) {
         let ttl = ttl
             .min(self.config.l1_ttl)
@@ -680,64 +748,15 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
     /// L1 first, then one fast-path call for what L1 could not answer, then one authority call
     /// for what the fast path could not settle; then one fast-path call to backfill.
     async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome, StoreError>> {
-        let mut out: Vec<Option<Result<ClaimOutcome, StoreError>>> = Vec::with_capacity(reqs.len());
-        let mut pending = Vec::new();
-        for (i, req) in reqs.iter().enumerate() {
-            let answer = match req.policy.validate() {
-                Err(e) => Some(Err(e.into())),
-                Ok(()) => self.l1_answer(req).map(Ok),
-            };
-            if answer.is_none() {
-                bump(&self.counters.l1_misses);
-                pending.push(i);
-            }
-            out.push(answer);
-        }
-        if !pending.is_empty() {
-            pending = self.lookup_pending(reqs, pending, &mut out).await;
-        }
-        if !pending.is_empty() {
-            let sub: Vec<ClaimRequest> = pending.iter().map(|&i| reqs[i].clone()).collect();
-            self.counters
-                .authority_claims
-                .fetch_add(sub.len() as u64, Ordering::Relaxed);
-            bump(&self.counters.authority_calls);
-            let answers = self.authority.claim_batch(&sub).await;
-            let mut fills = Vec::new();
-            for ((i, req), answer) in pending.into_iter().zip(sub).zip(answers) {
-                match &answer {
-                    Ok(ClaimOutcome::Acquired(lease)) => {
-                        let ttl = lease.policy.lease;
-                        fills.push((req.key, Cached::in_progress(lease), ttl));
-                    }
-                    Ok(ClaimOutcome::Completed {
-                        result,
-                        token,
-                        fingerprint,
-                    }) => {
-                        let mut copy = Cached::new(State::Completed, *token);
-                        copy.fingerprint = *fingerprint;
-                        copy.result = Some(result.clone());
-                        fills.push((req.key, copy, req.policy.retention));
-                    }
-                    _ => {}
-                }
-                out[i] = Some(answer);
-            }
-            self.backfill_many(fills).await;
-        }
-        out.into_iter()
-            .zip(reqs)
-            .map(|(answer, req)| {
-                // Every index was answered above; a hole would be a bug, reported, not a panic.
-                answer.unwrap_or_else(|| {
-                    Err(StoreError::Corrupt {
-                        key: req.key.clone(),
-                        detail: "the batch left this request unanswered".into(),
-                    })
-                })
-            })
-            .collect()
+        let span = info_span!(
+            "dedup.claim_batch",
+            size = reqs.len(),
+            l2_asked = tracing::field::Empty,
+            authority_asked = tracing::field::Empty,
+        );
+        self.claim_batch_tiered(reqs, &span)
+            .instrument(span.clone())
+            .await
     }
 
     /// One authority call, then one fast-path call to backfill what it completed.
@@ -756,7 +775,6 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
         self.backfill_many(fills).await;
         done
     }
-
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
         bump(&self.counters.authority_calls);
         self.authority.complete(lease, result).await?;
@@ -826,7 +844,7 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
     }
 }
 
-fn outcome_name(o: &ClaimOutcome) -> &'static str {
+pub(crate) fn outcome_name(o: &ClaimOutcome) -> &'static str {
     match o {
         ClaimOutcome::Acquired(_) => "acquired",
         ClaimOutcome::Completed { .. } => "completed",
@@ -836,7 +854,7 @@ fn outcome_name(o: &ClaimOutcome) -> &'static str {
     }
 }
 
-fn lease_token(o: &ClaimOutcome) -> Option<FencingToken> {
+pub(crate) fn lease_token(o: &ClaimOutcome) -> Option<FencingToken> {
     match o {
         ClaimOutcome::Acquired(lease) => Some(lease.token),
         ClaimOutcome::Completed { token, .. } => Some(*token),

@@ -26,6 +26,11 @@
 //!   or re-pauses its partitions explicitly.
 //! - **Shutdown.** `run` takes a future (SIGINT/SIGTERM in the binary): it stops taking messages,
 //!   waits up to [`RunnerConfig::drain_timeout`] for running ones, commits and leaves the group.
+//! - **Batching.** Every message in flight makes its claim (and its completion) at once; put the
+//!   store behind [`dedup_core::Batched`] and those calls reach Postgres as one statement per
+//!   batch of whatever is in flight (everything the consumer has fetched, up to
+//!   `max_in_flight`), while duplicates found in L1 are answered without queueing. The demo and
+//!   the Kafka tests run this way.
 //! - **Traces.** Each message is a `dedup.kafka.message` span with OpenTelemetry's messaging
 //!   attributes; with the `otel` feature its parent is read from the W3C `traceparent` header.
 //!
