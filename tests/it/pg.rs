@@ -495,3 +495,42 @@ async fn batched_groups_concurrent_calls(pool: PgPool) {
         "{statements} statements for {claims} claims and {completions} completions"
     );
 }
+
+/// A caller leading a batch can be cancelled (a dropped future, an aborted task) while its batch
+/// waits on Postgres: the callers queued behind it are not stranded; one of them leads next.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_cancelled_batch_leader_strands_nobody(pool: PgPool) {
+    let store = Arc::new(dedup_core::Batched::new(
+        PgStore::new(pool.clone()),
+        dedup_core::BatchConfig::default().with_max_flushes(1),
+    ));
+    // An uncommitted claim of x (transaction mode) makes the next claim of x wait on its row.
+    let mut tx = pool.begin().await.unwrap();
+    let held = acquired(
+        PgStore::claim_in(&mut tx, &req(&key("x"), "tx"))
+            .await
+            .unwrap(),
+    );
+    let leader = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move { store.claim(&req(&key("x"), "leader")).await })
+    };
+    sleep(ms(200)).await;
+    // The only flush slot is taken by the leader's batch: this claim queues behind it.
+    let follower = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move { store.claim(&req(&key("y"), "follower")).await })
+    };
+    sleep(ms(200)).await;
+    assert!(!follower.is_finished());
+    leader.abort();
+    let answer = tokio::time::timeout(Duration::from_secs(5), follower)
+        .await
+        .expect("the follower leads once the cancelled leader's slot is freed")
+        .unwrap()
+        .unwrap();
+    acquired(answer);
+    assert_eq!(store.batch_counts().0, 2);
+    tx.rollback().await.unwrap();
+    drop(held);
+}
