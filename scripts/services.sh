@@ -89,6 +89,15 @@ fsync = on
 synchronous_commit = on
 CONF
     fi
+    if [ -f "$DEDUP_PG_DIR/postgresql.conf" ] && ! grep -q '^wal_compression' "$DEDUP_PG_DIR/postgresql.conf"; then
+      # Write-heavy tuning that keeps every guarantee: fewer checkpoints, so fewer full-page
+      # images in the WAL, and those compressed (see docs/PERFORMANCE.md).
+      cat >>"$DEDUP_PG_DIR/postgresql.conf" <<CONF
+wal_compression = on
+max_wal_size = 4GB
+checkpoint_timeout = 15min
+CONF
+    fi
     log "starting postgres on 127.0.0.1:$DEDUP_PG_PORT"
     as_pg_owner "$bin/pg_ctl" -D "$DEDUP_PG_DIR" -l "$DEDUP_PG_DIR/server.log" -w -t 60 start >/dev/null \
       || { tail -n 20 "$DEDUP_PG_DIR/server.log" >&2 || true; die "postgres did not start"; }
