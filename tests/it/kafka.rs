@@ -278,7 +278,7 @@ async fn engine(pool: &PgPool, redis: &RedisServer) -> Arc<Dedup<Engine>> {
     let policy = Policy::default().with_lease(Duration::from_secs(5));
     Arc::new(
         Dedup::new(Batched::new(
-            tiered(pool.clone(), redis).await,
+            tiered(pool.clone(), redis).await.with_background_backfill(),
             BatchConfig::default(),
         ))
         .with_policy(policy)

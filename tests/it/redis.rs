@@ -527,3 +527,50 @@ async fn tls_connections_carry_the_fast_path(pool: PgPool) {
     );
     let _ = std::fs::remove_dir_all(&certs);
 }
+
+/// With background backfill, a batch answers once Postgres has, and Redis learns the outcome
+/// soon after: the IN_PROGRESS marker after the claim, the result after the completion, and
+/// never a result before Postgres has it. L1 is filled at once.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn background_backfill_reaches_redis_after_the_authority(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await.with_background_backfill();
+    let keys: Vec<_> = (0..50).map(|i| key(format!("k{i}"))).collect();
+    let reqs: Vec<_> = keys.iter().map(|k| req(k, "a")).collect();
+    let leases: Vec<_> = s
+        .claim_batch(&reqs)
+        .await
+        .into_iter()
+        .map(|o| acquired(o.unwrap()))
+        .collect();
+    eventually(&s, &keys, State::InProgress).await;
+    let items: Vec<(dedup_core::Lease, Bytes)> = leases
+        .iter()
+        .map(|l| (l.clone(), Bytes::from_static(b"done")))
+        .collect();
+    assert!(s.complete_batch(&items).await.iter().all(Result::is_ok));
+    // L1 answers at once, without waiting for Redis.
+    assert!(matches!(
+        s.claim(&req(&keys[0], "b")).await.unwrap(),
+        ClaimOutcome::Completed { .. }
+    ));
+    assert_eq!(s.stats().l1_hits, 1);
+    eventually(&s, &keys, State::Completed).await;
+    assert_eq!(s.stats().backfills, 100, "{:?}", s.stats());
+}
+
+/// Waits until Redis holds a copy in state `want` of every key.
+async fn eventually(s: &Tiered, keys: &[dedup_core::IdempotencyKey], want: State) {
+    for _ in 0..100 {
+        let mut all = true;
+        for k in keys {
+            let copy = s.fast_path().lookup(k).await.unwrap();
+            all &= copy.is_some_and(|c| c.state == want);
+        }
+        if all {
+            return;
+        }
+        sleep(ms(20)).await;
+    }
+    panic!("Redis never held {want:?} copies of every key");
+}

@@ -301,7 +301,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
 
     // Consume through the full engine.
     let pg = PgStore::new(pool.clone());
-    let store = TieredStore::new(pg.clone(), fast, TieredConfig::default());
+    let store =
+        TieredStore::new(pg.clone(), fast, TieredConfig::default()).with_background_backfill();
     // Group commit: the claims of every message in flight go to Postgres as batches.
     let store = Batched::new(store, BatchConfig::default());
     let dedup = Arc::new(

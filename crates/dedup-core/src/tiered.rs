@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tokio::sync::mpsc;
 use tokio::time::timeout;
 use tracing::{Instrument, debug, info_span, warn};
 
@@ -380,7 +381,16 @@ pub struct TieredStore<A, F> {
     l1: moka::sync::Cache<IdempotencyKey, Arc<L1Entry>>,
     config: TieredConfig,
     counters: Arc<Counters>,
+    /// Where batch backfills go when they are written in the background.
+    deferred: Option<mpsc::Sender<Vec<Fill>>>,
 }
+
+/// A copy to write to the fast path, and for how long.
+type Fill = (IdempotencyKey, Cached, Duration);
+
+/// How many batches of backfills may wait for the background writer before more are dropped
+/// (a dropped backfill costs a later lookup its hit, never an answer).
+const DEFERRED_BATCHES: usize = 64;
 
 impl<A: fmt::Debug, F: fmt::Debug> fmt::Debug for TieredStore<A, F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -418,7 +428,42 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             l1,
             config,
             counters: Arc::default(),
+            deferred: None,
         }
+    }
+
+    /// Writes the batch paths' backfills to the fast path from a background task, so that a
+    /// batch answers as soon as the authority has: a fast-path write then no longer adds to a
+    /// batch's latency. The copies are still sent only after the authority has the outcome, and
+    /// single-key calls still backfill before they return. Needs a Tokio runtime (without one,
+    /// the store stays as it was) and stops when the store is dropped. At most 64 batches wait;
+    /// past that, backfills are dropped and counted as fast-path errors.
+    pub fn with_background_backfill(mut self) -> Self
+    where
+        F: Clone + 'static,
+    {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            warn!("no Tokio runtime: batch backfills stay in the foreground");
+            return self;
+        };
+        let (tx, mut rx) = mpsc::channel::<Vec<Fill>>(DEFERRED_BATCHES);
+        // Off the critical path, a large pipeline may take longer than a lookup's timeout.
+        let (fast, counters, limit) = (
+            self.fast.clone(),
+            Arc::clone(&self.counters),
+            self.config.l2_timeout.max(Duration::from_secs(1)),
+        );
+        runtime.spawn(async move {
+            while let Some(mut items) = rx.recv().await {
+                // Whatever else is waiting goes in the same pipeline.
+                while let Ok(more) = rx.try_recv() {
+                    items.extend(more);
+                }
+                write_fills(&fast, &counters, limit, &items).await;
+            }
+        });
+        self.deferred = Some(tx);
+        self
     }
 
     /// The authority.
@@ -493,8 +538,9 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         }
     }
 
-    /// Writes copies the authority already holds to L2 in one call (and the terminal ones to L1).
-    async fn backfill_many(&self, items: Vec<(IdempotencyKey, Cached, Duration)>) {
+    /// Writes copies the authority already holds to L2 in one call (and the terminal ones to L1),
+    /// or hands them to the background writer.
+    async fn backfill_many(&self, items: Vec<Fill>) {
         if items.is_empty() {
             return;
         }
@@ -503,24 +549,22 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
                 self.fill_l1(key, copy.clone(), *ttl);
             }
         }
-        match timeout(self.config.l2_timeout, self.fast.store_many(&items)).await {
-            Ok(written) => {
-                for (w, (key, _, _)) in written.into_iter().zip(&items) {
-                    match w {
-                        Ok(true) => bump(&self.counters.backfills),
-                        Ok(false) => bump(&self.counters.backfills_refused),
-                        Err(e) => {
-                            bump(&self.counters.l2_errors);
-                            warn!(key = %key, error = %e, "fast path backfill failed");
-                        }
+        if let Some(tx) = &self.deferred {
+            if let Err(e) = tx.try_send(items) {
+                bump(&self.counters.l2_errors);
+                let n = match e {
+                    mpsc::error::TrySendError::Full(v) | mpsc::error::TrySendError::Closed(v) => {
+                        v.len()
                     }
-                }
+                };
+                warn!(
+                    n,
+                    "background backfill queue full; dropping these backfills"
+                );
             }
-            Err(_) => {
-                bump(&self.counters.l2_timeouts);
-                warn!(n = items.len(), "fast path batch backfill timed out");
-            }
+            return;
         }
+        write_fills(&self.fast, &self.counters, self.config.l2_timeout, &items).await;
     }
 
     /// Answers what the fast path can of `reqs[i]` for each `i` in `pending` (filling `out`);
@@ -841,6 +885,28 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
         let copy = Cached::completed(lease, Bytes::copy_from_slice(result));
         self.backfill(&lease.key, copy, lease.policy.retention)
             .await;
+    }
+}
+
+/// Writes `items` to the fast path in one call, counting what happened.
+async fn write_fills<F: FastPath>(fast: &F, counters: &Counters, limit: Duration, items: &[Fill]) {
+    match timeout(limit, fast.store_many(items)).await {
+        Ok(written) => {
+            for (w, (key, _, _)) in written.into_iter().zip(items) {
+                match w {
+                    Ok(true) => bump(&counters.backfills),
+                    Ok(false) => bump(&counters.backfills_refused),
+                    Err(e) => {
+                        bump(&counters.l2_errors);
+                        warn!(key = %key, error = %e, "fast path backfill failed");
+                    }
+                }
+            }
+        }
+        Err(_) => {
+            bump(&counters.l2_timeouts);
+            warn!(n = items.len(), "fast path batch backfill timed out");
+        }
     }
 }
 
