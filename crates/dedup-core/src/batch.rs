@@ -33,8 +33,9 @@ use crate::tiered::{lease_token, outcome_name};
 pub struct BatchConfig {
     /// The most requests in one batch call.
     pub max_batch: usize,
-    /// How many batch calls of one kind (claims, completions) may be in flight at once. While
-    /// they all are, new requests queue for the next batch.
+    /// How many batch calls of one kind (claims, completions) may be in flight at once. A batch
+    /// starts when none is in flight, or when a full batch waits; otherwise requests queue for the
+    /// next batch.
     pub max_flushes: usize,
 }
 
@@ -275,7 +276,7 @@ impl<Q: Send, R: Send> Lane<Q, R> {
     /// Takes the next batch if a flush slot is free.
     fn lead(&self) -> Option<Vec<(Q, oneshot::Sender<R>)>> {
         let mut q = self.lock();
-        if q.waiting.is_empty() || q.flushing >= self.config.max_flushes {
+        if !Self::may_lead(&q, &self.config) {
             return None;
         }
         q.flushing += 1;
@@ -325,8 +326,16 @@ impl<Q: Send, R: Send> Lane<Q, R> {
     }
 
     fn can_lead(&self) -> bool {
-        let q = self.lock();
-        !q.waiting.is_empty() && q.flushing < self.config.max_flushes
+        Self::may_lead(&self.lock(), &self.config)
+    }
+
+    /// A batch starts when nothing is in flight, or when a full batch is waiting and a slot is
+    /// free: a second slot carries overflow, not stragglers (a batch of one in a slot would cost a
+    /// whole statement and hold the slot that the next full batch needs).
+    fn may_lead(q: &Queue<Q, R>, config: &BatchConfig) -> bool {
+        !q.waiting.is_empty()
+            && q.flushing < config.max_flushes
+            && (q.flushing == 0 || q.waiting.len() >= config.max_batch)
     }
 }
 
