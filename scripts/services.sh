@@ -91,9 +91,11 @@ CONF
     fi
     if [ -f "$DEDUP_PG_DIR/postgresql.conf" ] && ! grep -q '^wal_compression' "$DEDUP_PG_DIR/postgresql.conf"; then
       # Write-heavy tuning that keeps every guarantee: fewer checkpoints, so fewer full-page
-      # images in the WAL, and those compressed (see docs/PERFORMANCE.md).
+      # images in the WAL, and those compressed (lz4 where the server has it: cheaper than pglz).
+      local compression=on
+      ldd "$bin/postgres" 2>/dev/null | grep -q liblz4 && compression=lz4
       cat >>"$DEDUP_PG_DIR/postgresql.conf" <<CONF
-wal_compression = on
+wal_compression = $compression
 max_wal_size = 4GB
 checkpoint_timeout = 15min
 CONF

@@ -167,6 +167,10 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         };
         outcomes.push(outcome);
     }
+    // Rows are deleted only now: deleting between contenders would set autovacuum to work
+    // while the next one is timed.
+    ctx.note("deleting the bench's rows");
+    cleanup(&pool, &ctx.run_id).await;
     let wrong: Vec<&Outcome> = outcomes
         .iter()
         .filter(|o| o.effects != unique || o.errors > 0)
@@ -337,11 +341,6 @@ async fn usual_postgres(ctx: &Ctx, pool: &PgPool) -> Result<Outcome, CliError> {
         }
     };
     let (elapsed, latencies_us, errors) = drive(ctx, one).await;
-    sqlx::query("DELETE FROM dedup_bench_usual WHERE starts_with(key, $1)")
-        .bind(prefix.as_str())
-        .execute(pool)
-        .await
-        .map_err(failed("clearing the bench table"))?;
     let unique_calls = trips.load(Ordering::Relaxed);
     Ok(Outcome {
         name: "(a)",
@@ -469,7 +468,6 @@ async fn tiered(ctx: &Ctx, pool: &PgPool, url: &str, batched: bool) -> Result<Ou
         (elapsed, latencies, errors, dedup.store().stats(), None)
     };
     let trips = pg.statements();
-    cleanup(pool, &scope).await;
     Ok(Outcome {
         name: if batched { "(d)" } else { "(c)" },
         label: if batched {
@@ -518,19 +516,25 @@ fn process_one<S: Store + 'static>(
     }
 }
 
-/// Deletes a run's records in bounded batches.
-async fn cleanup(pool: &PgPool, scope: &Scope) {
-    loop {
-        let done = sqlx::query(
-            "DELETE FROM dedup_records WHERE ctid IN \
-             (SELECT ctid FROM dedup_records WHERE scope = $1 LIMIT 10000)",
-        )
-        .bind(scope.as_str())
-        .execute(pool)
-        .await;
-        match done {
-            Ok(d) if d.rows_affected() > 0 => {}
-            _ => break,
+/// Deletes a run's rows (records under its scopes, rows of (a)) in bounded batches.
+async fn cleanup(pool: &PgPool, run_id: &str) {
+    for (sql, pattern) in [
+        (
+            "DELETE FROM dedup_records WHERE ctid IN (SELECT ctid FROM dedup_records \
+             WHERE scope IN ('bench-c-' || $1, 'bench-d-' || $1) LIMIT 10000)",
+            run_id.to_owned(),
+        ),
+        (
+            "DELETE FROM dedup_bench_usual WHERE ctid IN (SELECT ctid FROM dedup_bench_usual \
+             WHERE starts_with(key, $1) LIMIT 10000)",
+            format!("{run_id}:"),
+        ),
+    ] {
+        loop {
+            match sqlx::query(sql).bind(&pattern).execute(pool).await {
+                Ok(d) if d.rows_affected() > 0 => {}
+                _ => break,
+            }
         }
     }
 }
