@@ -19,13 +19,13 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tokio::sync::{Notify, oneshot};
-use tracing::{Instrument, info_span};
+use tracing::Instrument;
 
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
 use crate::record::{AfterFailure, ClaimOutcome, ClaimRequest, Lease, Record, Timestamp};
 use crate::store::Store;
-use crate::tiered::{lease_token, outcome_name};
+use crate::tiered::{decision_span, record_decision};
 
 /// How [`Batched`] groups calls.
 #[derive(Clone, Copy, Debug)]
@@ -109,14 +109,7 @@ impl<S: Store> Store for Batched<S> {
     /// claim is a `dedup.decision` span in its caller's trace, with `tier` = `l1` (answered from
     /// memory) or `batched` (the batch's own `dedup.claim_batch` span says which tiers it asked).
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let span = info_span!(
-            "dedup.decision",
-            key = %req.key,
-            tier = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            token = tracing::field::Empty,
-            latency_us = tracing::field::Empty,
-        );
+        let span = decision_span(&req.key);
         let started = Instant::now();
         let (res, tier) = match self.inner.answer_cached(req) {
             Some(answer) => (Ok(answer), "l1"),
@@ -133,18 +126,8 @@ impl<S: Store> Store for Batched<S> {
                 (res, "batched")
             }
         };
-        if let Ok(outcome) = &res
-            && !span.is_disabled()
-        {
-            span.record("tier", tier);
-            span.record("outcome", outcome_name(outcome));
-            if let Some(token) = lease_token(outcome) {
-                span.record("token", token.get());
-            }
-            span.record(
-                "latency_us",
-                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            );
+        if let Ok(outcome) = &res {
+            record_decision(&span, tier, outcome, started);
         }
         res
     }

@@ -757,30 +757,11 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
 impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         req.policy.validate()?;
-        let span = info_span!(
-            "dedup.decision",
-            key = %req.key,
-            tier = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            token = tracing::field::Empty,
-            latency_us = tracing::field::Empty,
-        );
+        let span = decision_span(&req.key);
         let started = Instant::now();
         let res = self.claim_tiered(req).instrument(span.clone()).await;
-        // Recording costs allocations and clock reads: only for a span someone listens to.
-        if let Ok((outcome, tier)) = &res
-            && !span.is_disabled()
-        {
-            span.record("tier", tier.name());
-            span.record("outcome", outcome_name(outcome));
-            if let Some(token) = lease_token(outcome) {
-                span.record("token", token.get());
-            }
-            span.record(
-                "latency_us",
-                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            );
-            debug!(parent: &span, "decided");
+        if let Ok((outcome, tier)) = &res {
+            record_decision(&span, tier.name(), outcome, started);
         }
         res.map(|(outcome, _)| outcome)
     }
@@ -910,7 +891,42 @@ async fn write_fills<F: FastPath>(fast: &F, counters: &Counters, limit: Duration
     }
 }
 
-pub(crate) fn outcome_name(o: &ClaimOutcome) -> &'static str {
+/// The `dedup.decision` span of one claim, its answer recorded by [`record_decision`].
+pub(crate) fn decision_span(key: &IdempotencyKey) -> tracing::Span {
+    info_span!(
+        "dedup.decision",
+        key = %key,
+        tier = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        token = tracing::field::Empty,
+        latency_us = tracing::field::Empty,
+    )
+}
+
+/// Records who answered a claim, what, and how long it took. Recording costs allocations and
+/// clock reads: only for a span someone listens to.
+pub(crate) fn record_decision(
+    span: &tracing::Span,
+    tier: &'static str,
+    outcome: &ClaimOutcome,
+    started: Instant,
+) {
+    if span.is_disabled() {
+        return;
+    }
+    span.record("tier", tier);
+    span.record("outcome", outcome_name(outcome));
+    if let Some(token) = lease_token(outcome) {
+        span.record("token", token.get());
+    }
+    span.record(
+        "latency_us",
+        u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+    );
+    debug!(parent: span, "decided");
+}
+
+fn outcome_name(o: &ClaimOutcome) -> &'static str {
     match o {
         ClaimOutcome::Acquired(_) => "acquired",
         ClaimOutcome::Completed { .. } => "completed",
@@ -920,7 +936,7 @@ pub(crate) fn outcome_name(o: &ClaimOutcome) -> &'static str {
     }
 }
 
-pub(crate) fn lease_token(o: &ClaimOutcome) -> Option<FencingToken> {
+fn lease_token(o: &ClaimOutcome) -> Option<FencingToken> {
     match o {
         ClaimOutcome::Acquired(lease) => Some(lease.token),
         ClaimOutcome::Completed { token, .. } => Some(*token),
