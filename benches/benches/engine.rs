@@ -50,6 +50,22 @@ fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by scripts/services.sh"))
 }
 
+/// The Postgres store of `DATABASE_URL`, migrated.
+fn pg_store(rt: &Runtime) -> PgStore {
+    let pool = rt
+        .block_on(sqlx::PgPool::connect(&env("DATABASE_URL")))
+        .unwrap();
+    rt.block_on(dedup_pg::migrate(&pool)).unwrap();
+    PgStore::new(pool)
+}
+
+/// The Redis fast path of `REDIS_URL`, under `prefix`.
+fn redis(rt: &Runtime, prefix: &str) -> RedisFastPath {
+    rt.block_on(RedisFastPath::connect(&env("REDIS_URL")))
+        .unwrap()
+        .with_prefix(prefix)
+}
+
 /// A duplicate answered by L1: the hot path of a consumer that sees its own duplicates.
 fn l1_hit(c: &mut Criterion) {
     let rt = runtime();
@@ -82,11 +98,11 @@ fn l1_hit(c: &mut Criterion) {
 fn redis_lookup(c: &mut Criterion) {
     let rt = runtime();
     let prefix = format!("bench-{}", std::process::id());
-    let fast = rt
-        .block_on(RedisFastPath::connect(&env("REDIS_URL")))
-        .unwrap()
-        .with_prefix(prefix);
-    let store = TieredStore::new(MemoryStore::new(), fast, TieredConfig::default());
+    let store = TieredStore::new(
+        MemoryStore::new(),
+        redis(&rt, &prefix),
+        TieredConfig::default(),
+    );
     let k = key("bench", "redis-hot");
     rt.block_on(complete(&store, &k));
     let fast = store.fast_path();
@@ -102,11 +118,7 @@ fn redis_lookup(c: &mut Criterion) {
 /// WAL flush, synchronous_commit on).
 fn pg_claim(c: &mut Criterion) {
     let rt = runtime();
-    let pool = rt
-        .block_on(sqlx::PgPool::connect(&env("DATABASE_URL")))
-        .unwrap();
-    rt.block_on(dedup_pg::migrate(&pool)).unwrap();
-    let store = PgStore::new(pool);
+    let store = pg_store(&rt);
     let scope = format!("bench-{}", std::process::id());
     let dup = key(&scope, "pg-dup");
     rt.block_on(complete(&store, &dup));
@@ -136,20 +148,9 @@ fn pg_claim(c: &mut Criterion) {
 /// statement to complete and one pipeline to backfill the results. Throughput is per key.
 fn batch_claim(c: &mut Criterion) {
     let rt = runtime();
-    let pool = rt
-        .block_on(
-            sqlx::postgres::PgPoolOptions::new()
-                .max_connections(4)
-                .connect(&env("DATABASE_URL")),
-        )
-        .unwrap();
-    rt.block_on(dedup_pg::migrate(&pool)).unwrap();
     let prefix = format!("bench-batch-{}", std::process::id());
-    let fast = rt
-        .block_on(RedisFastPath::connect(&env("REDIS_URL")))
-        .unwrap()
-        .with_prefix(prefix.clone());
-    let pg = PgStore::new(pool);
+    let fast = redis(&rt, &prefix);
+    let pg = pg_store(&rt);
     let tiered = TieredStore::new(pg.clone(), fast, TieredConfig::default());
     batch_group(c, &rt, "batch_claim_and_complete/postgres", &pg, &prefix);
     batch_group(c, &rt, "batch_claim_and_complete/tiered", &tiered, &prefix);
@@ -242,16 +243,8 @@ async fn decide<S: Store>(store: &S, scope: &str, id: u64) -> bool {
 /// and completion, and the backfills. The figure is the mean cost of one event.
 fn tiered_stream(c: &mut Criterion) {
     let rt = runtime();
-    let pool = rt
-        .block_on(sqlx::PgPool::connect(&env("DATABASE_URL")))
-        .unwrap();
-    rt.block_on(dedup_pg::migrate(&pool)).unwrap();
     let scope = format!("bench-stream-{}", std::process::id());
-    let fast = rt
-        .block_on(RedisFastPath::connect(&env("REDIS_URL")))
-        .unwrap()
-        .with_prefix(scope.clone());
-    let store = TieredStore::new(PgStore::new(pool), fast, TieredConfig::default());
+    let store = TieredStore::new(pg_store(&rt), redis(&rt, &scope), TieredConfig::default());
     let events = stream(1_000_000, 0.9, 11);
     let mut i = 0;
     let mut g = c.benchmark_group("tiered_decision");

@@ -114,7 +114,6 @@ impl<S: Store> Store for Batched<S> {
         let (res, tier) = match self.inner.answer_cached(req) {
             Some(answer) => (Ok(answer), "l1"),
             None => {
-                let key = req.key.clone();
                 let res = self
                     .claims
                     .call(req.clone(), |reqs| async move {
@@ -122,7 +121,7 @@ impl<S: Store> Store for Batched<S> {
                     })
                     .instrument(span.clone())
                     .await
-                    .unwrap_or_else(|| Err(abandoned(key)));
+                    .unwrap_or_else(|| Err(abandoned(&req.key)));
                 (res, "batched")
             }
         };
@@ -133,14 +132,13 @@ impl<S: Store> Store for Batched<S> {
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
-        let key = lease.key.clone();
         self.completions
             .call(
                 (lease.clone(), Bytes::copy_from_slice(result)),
                 |items| async move { self.inner.complete_batch(&items).await },
             )
             .await
-            .unwrap_or_else(|| Err(abandoned(key)))
+            .unwrap_or_else(|| Err(abandoned(&lease.key)))
     }
 
     fn fail_retryable(
@@ -198,8 +196,8 @@ impl<S: Store> Store for Batched<S> {
 }
 
 /// The leader carrying a request was dropped mid-batch: the batch may or may not have applied.
-fn abandoned(key: IdempotencyKey) -> StoreError {
-    StoreError::outcome_unknown(Abandoned(key))
+fn abandoned(key: &IdempotencyKey) -> StoreError {
+    StoreError::outcome_unknown(Abandoned(key.clone()))
 }
 
 #[derive(Debug)]

@@ -589,16 +589,10 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             let req = &reqs[i];
             match got {
                 Ok(Some(copy)) => {
-                    if let Some(answer) = copy.answer(req) {
-                        bump(&self.counters.l2_hits);
-                        if copy.state.is_terminal() {
-                            let ttl = Self::retention_of(&copy, req.policy);
-                            self.fill_l1(&req.key, copy, ttl);
-                        }
+                    if let Some(answer) = self.l2_answer(req, copy) {
                         out[i] = Some(Ok(answer));
                         continue;
                     }
-                    bump(&self.counters.l2_misses);
                 }
                 Ok(None) => bump(&self.counters.l2_misses),
                 Err(e) => {
@@ -644,22 +638,10 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             let answers = self.authority.claim_batch(&sub).await;
             let mut fills = Vec::new();
             for ((i, req), answer) in pending.into_iter().zip(sub).zip(answers) {
-                match &answer {
-                    Ok(ClaimOutcome::Acquired(lease)) => {
-                        let ttl = lease.policy.lease;
-                        fills.push((req.key, Cached::in_progress(lease), ttl));
-                    }
-                    Ok(ClaimOutcome::Completed {
-                        result,
-                        token,
-                        fingerprint,
-                    }) => {
-                        let mut copy = Cached::new(State::Completed, *token);
-                        copy.fingerprint = *fingerprint;
-                        copy.result = Some(result.clone());
-                        fills.push((req.key, copy, req.policy.retention));
-                    }
-                    _ => {}
+                if let Ok(outcome) = &answer
+                    && let Some((copy, ttl)) = authority_copy(&req, outcome)
+                {
+                    fills.push((req.key, copy, ttl));
                 }
                 out[i] = Some(answer);
             }
@@ -696,6 +678,21 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         }
     }
 
+    /// What a fast-path copy lets us answer, counting the hit or the miss; a terminal copy that
+    /// answers goes to L1 too.
+    fn l2_answer(&self, req: &ClaimRequest, copy: Cached) -> Option<ClaimOutcome> {
+        let Some(answer) = copy.answer(req) else {
+            bump(&self.counters.l2_misses);
+            return None;
+        };
+        bump(&self.counters.l2_hits);
+        if copy.state.is_terminal() {
+            let ttl = Self::retention_of(&copy, req.policy);
+            self.fill_l1(&req.key, copy, ttl);
+        }
+        Some(answer)
+    }
+
     /// L1's answer, counting the hit.
     fn l1_answer(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
         let answer = self.l1.get(&req.key)?.copy.answer(req)?;
@@ -713,15 +710,9 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             .await
         {
             Some(Some(copy)) => {
-                if let Some(answer) = copy.answer(req) {
-                    bump(&self.counters.l2_hits);
-                    if copy.state.is_terminal() {
-                        let ttl = Self::retention_of(&copy, req.policy);
-                        self.fill_l1(&req.key, copy, ttl);
-                    }
+                if let Some(answer) = self.l2_answer(req, copy) {
                     return Ok((answer, Tier::L2));
                 }
-                bump(&self.counters.l2_misses);
             }
             Some(None) => bump(&self.counters.l2_misses),
             None => {}
@@ -729,26 +720,8 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         bump(&self.counters.authority_claims);
         bump(&self.counters.authority_calls);
         let outcome = self.authority.claim(req).await?;
-        match &outcome {
-            ClaimOutcome::Acquired(lease) => {
-                // Concurrent duplicates now get InFlight from L2 without asking the authority.
-                let marker = Cached::in_progress(lease);
-                self.backfill(&req.key, marker, lease.policy.lease).await;
-            }
-            ClaimOutcome::Completed {
-                result,
-                token,
-                fingerprint,
-            } => {
-                // The authority just showed it committed: restore the fast tiers (after a flush,
-                // a restart or an eviction). Failed answers are not copied: their token is not
-                // known here, and poison keys are rare.
-                let mut copy = Cached::new(State::Completed, *token);
-                copy.fingerprint = *fingerprint;
-                copy.result = Some(result.clone());
-                self.backfill(&req.key, copy, req.policy.retention).await;
-            }
-            _ => {}
+        if let Some((copy, ttl)) = authority_copy(req, &outcome) {
+            self.backfill(&req.key, copy, ttl).await;
         }
         Ok((outcome, Tier::Authority))
     }
@@ -866,6 +839,28 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
         let copy = Cached::completed(lease, Bytes::copy_from_slice(result));
         self.backfill(&lease.key, copy, lease.policy.retention)
             .await;
+    }
+}
+
+/// The copy the fast tiers get after the authority answered a claim, and for how long: a granted
+/// lease's IN_PROGRESS marker (concurrent duplicates then get InFlight from L2 without asking the
+/// authority), or the completed record the authority showed (restoring the fast tiers after a
+/// flush, a restart or an eviction). Failed answers are not copied: their token is not known
+/// here, and poison keys are rare.
+fn authority_copy(req: &ClaimRequest, outcome: &ClaimOutcome) -> Option<(Cached, Duration)> {
+    match outcome {
+        ClaimOutcome::Acquired(lease) => Some((Cached::in_progress(lease), lease.policy.lease)),
+        ClaimOutcome::Completed {
+            result,
+            token,
+            fingerprint,
+        } => {
+            let mut copy = Cached::new(State::Completed, *token);
+            copy.fingerprint = *fingerprint;
+            copy.result = Some(result.clone());
+            Some((copy, req.policy.retention))
+        }
+        _ => None,
     }
 }
 

@@ -581,12 +581,13 @@ async fn claim_many(
     Ok(answers)
 }
 
-/// Runs [`COMPLETE_BATCH_SQL`] on `conn`. One answer per item; the error that failed the whole
-/// statement, if one did, is returned too (each item then holds a copy of it).
+/// Runs [`COMPLETE_BATCH_SQL`] on `conn`, then completes each repeat of a key on its own. One
+/// answer per item; the error that failed the whole statement, if one did (each item then holds
+/// a copy of it); and how many statements were sent.
 async fn complete_many(
     conn: &mut PgConnection,
     items: &[(Lease, Bytes)],
-) -> (Vec<Result<(), StoreError>>, Option<StoreError>) {
+) -> (Vec<Result<(), StoreError>>, Option<StoreError>, u64) {
     let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
     let mut deferred = Vec::new();
     let (mut scopes, mut keys, mut tokens, mut results, mut rets) =
@@ -612,7 +613,9 @@ async fn complete_many(
         out.push(None);
     }
     let mut failed = None;
+    let mut statements = 0;
     if !scopes.is_empty() {
+        statements += 1;
         let done = sqlx::query(COMPLETE_BATCH_SQL)
             .bind(&scopes)
             .bind(&keys)
@@ -648,6 +651,7 @@ async fn complete_many(
     if failed.is_none() {
         for i in deferred {
             let (lease, result) = &items[i];
+            statements += 1;
             out[i] = Some(PgStore::complete_in(conn, lease, result).await);
         }
     }
@@ -663,7 +667,7 @@ async fn complete_many(
             })
         })
         .collect();
-    (out, failed)
+    (out, failed, statements)
 }
 
 /// A batch statement failed as a whole: each of its items is told so.
@@ -893,11 +897,8 @@ impl Store for PgStore {
                 return items.iter().map(|_| Err(echo(&e))).collect();
             }
         };
-        let distinct: std::collections::HashSet<&IdempotencyKey> =
-            items.iter().map(|(l, _)| &l.key).collect();
-        // One statement, plus one per repeat of a key (completed after it).
-        self.count(1 + (items.len() - distinct.len()) as u64);
-        let (mut out, failed) = complete_many(&mut conn, items).await;
+        let (mut out, failed, statements) = complete_many(&mut conn, items).await;
+        self.count(statements);
         let Some(err) = failed else {
             return out;
         };
