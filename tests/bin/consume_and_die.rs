@@ -54,7 +54,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await
         }
     };
-    Runner::new(config, dedup, handler)
+    Runner::new(config, dedup, handler)?
         .run(std::future::pending())
         .await?;
     Ok(())

@@ -149,6 +149,8 @@ struct Event {
     key: Option<String>,
     payload: String,
     partition: i32,
+    /// The Kafka message key (what the producer partitions by: an account, an order).
+    message_key: Option<String>,
 }
 
 fn event(id: u32, partitions: i32) -> Event {
@@ -156,6 +158,7 @@ fn event(id: u32, partitions: i32) -> Event {
         key: Some(format!("evt-{id}")),
         payload: format!(r#"{{"id":{id},"amount":{}}}"#, id % 100 + 1),
         partition: i32::try_from(id).unwrap() % partitions,
+        message_key: None,
     }
 }
 
@@ -170,10 +173,13 @@ async fn produce(broker: &Broker, topic: &str, events: &[Event]) {
                 value: Some(k.as_bytes()),
             });
         }
-        let record = FutureRecord::<str, str>::to(topic)
+        let mut record = FutureRecord::<str, str>::to(topic)
             .payload(&e.payload)
             .partition(e.partition)
             .headers(headers);
+        if let Some(k) = &e.message_key {
+            record = record.key(k);
+        }
         acks.push(producer.send_result(record).map_err(|(e, _)| e).unwrap());
     }
     for a in acks {
@@ -252,7 +258,7 @@ impl Running {
         dedup: Arc<Dedup<Engine>>,
         handler: impl dedup_kafka::Handler,
     ) -> Self {
-        let runner = Runner::new(config, dedup, handler);
+        let runner = Runner::new(config, dedup, handler).unwrap();
         let stats = runner.stats();
         let (stop, rx) = oneshot::channel::<()>();
         let handle = tokio::spawn(runner.run(async {
@@ -283,7 +289,8 @@ async fn engine(pool: &PgPool, redis: &RedisServer) -> Arc<Dedup<Engine>> {
         ))
         .with_policy(policy)
         .unwrap()
-        .with_in_flight_wait(Duration::from_secs(1)),
+        .with_in_flight_wait(Duration::from_secs(1))
+        .unwrap(),
     )
 }
 
@@ -443,6 +450,9 @@ on_brokers!(
     the_broker_down_mid_stream_and_back_loses_and_doubles_nothing,
     a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served,
     retryable_failures_are_retried_then_dead_lettered_past_the_attempt_limit,
+    a_panicking_handler_on_one_partition_is_dead_lettered_and_the_stream_goes_on,
+    a_panicking_handler_on_several_partitions_is_dead_lettered_and_the_stream_goes_on,
+    per_key_order_follows_the_ordering_key_not_the_idempotency_key,
 );
 
 async fn a_stream_with_duplicates_books_each_key_once_and_commits_to_the_end(
@@ -572,18 +582,26 @@ async fn two_consumers_with_a_rebalance_mid_stream_lose_and_double_nothing(
     let keys: std::collections::BTreeSet<String> =
         events.iter().filter_map(|e| e.key.clone()).collect();
     let group = unique("g");
-    // Each consumer is its own instance: its own L1, the shared Redis and Postgres.
-    let a = Running::spawn(
-        broker.config(&group, &topic),
-        engine(&pool, &redis).await,
-        "a",
+    // Each consumer is its own instance: its own L1, the shared Redis and Postgres. The first
+    // one's handlers hold at a gate after 50 calls, so that it still has messages in flight when
+    // the second member joins, however fast the machine: the scenario makes its own
+    // precondition instead of racing the clock.
+    let a_dedup = engine(&pool, &redis).await;
+    let (gate, calls) = Gate::new();
+    let a_handler = gate.after(
+        50,
+        ledger_handler(a_dedup.store().inner().authority().clone(), "a"),
     );
+    let a = Running::spawn_with(broker.config(&group, &topic), a_dedup, a_handler);
     produce(broker, &topic, &events[..600]).await;
-    let a_stats = a.stats.clone();
-    eventually(60, "the first consumer under way", || {
-        let s = a_stats.snapshot();
-        async move { s.executed > 50 }
-    })
+    eventually(
+        60,
+        "the first consumer under way and held at the gate",
+        || {
+            let n = calls.load(Ordering::Relaxed);
+            async move { n > 50 }
+        },
+    )
     .await;
     // The second member joins mid-stream: partitions move while messages are in flight.
     let b = Running::spawn(
@@ -591,6 +609,13 @@ async fn two_consumers_with_a_rebalance_mid_stream_lose_and_double_nothing(
         engine(&pool, &redis).await,
         "b",
     );
+    let (a_stats, b_stats) = (a.stats.clone(), b.stats.clone());
+    eventually(90, "the second member assigned, the first revoked", || {
+        let (sa, sb) = (a_stats.snapshot(), b_stats.snapshot());
+        async move { sb.assigned > 0 && sa.revoked > 0 }
+    })
+    .await;
+    gate.open();
     produce(broker, &topic, &events[600..]).await;
     eventually(90, "every key booked", || {
         let pool = pool.clone();
@@ -979,4 +1004,212 @@ async fn retryable_failures_are_retried_then_dead_lettered_past_the_attempt_limi
     assert!(dead[0].1[DLQ_REASON].contains("flaky 5"), "{:?}", dead[0].1);
     assert_eq!(ledger_count(&pool).await, 5);
     assert_eq!(committed(broker, &group, &topic, 1).await, vec![6]);
+}
+
+/// Holds a handler's calls after the first `n` until it is opened: a test's way to keep messages
+/// in flight until something it waits for has happened, instead of sleeping.
+#[derive(Clone)]
+struct Gate(tokio::sync::watch::Sender<bool>, Arc<AtomicU32>);
+
+impl Gate {
+    /// A closed gate, and the count of calls that reached it.
+    fn new() -> (Self, Arc<AtomicU32>) {
+        let calls = Arc::new(AtomicU32::new(0));
+        (
+            Self(tokio::sync::watch::channel(false).0, calls.clone()),
+            calls,
+        )
+    }
+
+    fn open(&self) {
+        self.0.send_replace(true);
+    }
+
+    /// `inner`, with every call after the first `n` waiting for the gate to open.
+    fn after(
+        &self,
+        n: u32,
+        inner: impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static,
+    ) -> impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static {
+        let gate = self.clone();
+        move |d, lease| {
+            let mut open = gate.0.subscribe();
+            let call = gate.1.fetch_add(1, Ordering::Relaxed) + 1;
+            let fut = inner(d, lease);
+            Box::pin(async move {
+                if call > n {
+                    let _ = open.wait_for(|o| *o).await;
+                }
+                fut.await
+            })
+        }
+    }
+}
+
+/// 300 events; the handler panics on every call for one of them. The panic is caught and counted
+/// as a retryable failure; after the policy's 5 attempts the message is dead-lettered with the
+/// panic's message, and every other message, before and after it, is booked.
+async fn panicking_handler_case(broker: &Broker, pool: PgPool, partitions: i32) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("panics");
+    broker.create_topic(&topic, partitions).await;
+    let events: Vec<Event> = (0..300).map(|i| event(i, partitions)).collect();
+    produce(broker, &topic, &events).await;
+    let dedup = engine(&pool, &redis).await;
+    let inner = ledger_handler(dedup.store().inner().authority().clone(), "a");
+    let panics = Arc::new(AtomicU32::new(0));
+    let seen = panics.clone();
+    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
+        let poisoned = d.header("idempotency-key") == Some(b"evt-150".as_slice());
+        let fut = inner(d, lease);
+        let seen = seen.clone();
+        async move {
+            if poisoned {
+                seen.fetch_add(1, Ordering::Relaxed);
+                panic!("boom on evt-150");
+            }
+            fut.await
+        }
+    };
+    let group = unique("g");
+    let config = broker.config(&group, &topic).with_max_in_flight(4);
+    let run = Running::spawn_with(config, dedup, handler);
+    let stats = run.stats.clone();
+    eventually(90, "300 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.dead_lettered == 300 }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, partitions).await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.dead_lettered), (299, 1), "{s:?}");
+    assert_eq!(s.panics, 5, "each attempt panicked and was counted: {s:?}");
+    assert_eq!(panics.load(Ordering::Relaxed), 5);
+    let dead = read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    let h = &dead[0].1;
+    assert!(
+        h[DLQ_REASON].starts_with("handler panicked: boom on evt-150"),
+        "{h:?}"
+    );
+    assert_eq!(h[DLQ_ATTEMPTS], "5");
+    assert_eq!(h["idempotency-key"], "evt-150");
+    assert_one_row_per_key(
+        &pool,
+        (0..300).filter(|i| *i != 150).map(|i| format!("evt-{i}")),
+    )
+    .await;
+}
+
+async fn a_panicking_handler_on_one_partition_is_dead_lettered_and_the_stream_goes_on(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    panicking_handler_case(broker, pool, 1).await;
+}
+
+async fn a_panicking_handler_on_several_partitions_is_dead_lettered_and_the_stream_goes_on(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    panicking_handler_case(broker, pool, 3).await;
+}
+
+/// Four accounts' events, interleaved on two partitions, each with its own event id (idempotency
+/// key) and the account as the Kafka message key. With `Ordering::PerKey` each account's events
+/// run one at a time in offset order, and different accounts run at the same time.
+async fn per_key_order_follows_the_ordering_key_not_the_idempotency_key(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("accounts");
+    broker.create_topic(&topic, 2).await;
+    let accounts = ["acct-a", "acct-b", "acct-c", "acct-d"];
+    let events: Vec<Event> = (0..200u32)
+        .map(|i| {
+            let mut e = event(i, 2);
+            let account = accounts[i as usize % 4];
+            // acct-a and acct-c on partition 0, acct-b and acct-d on partition 1.
+            e.partition = i32::try_from(i % 2).unwrap();
+            e.message_key = Some(account.to_owned());
+            e.payload = format!(r#"{{"id":{i},"amount":1,"account":"{account}"}}"#);
+            e
+        })
+        .collect();
+    produce(broker, &topic, &events).await;
+    let dedup = engine(&pool, &redis).await;
+    let inner = ledger_handler(dedup.store().inner().authority().clone(), "a");
+    // Per account: the offsets whose handler started, in order, and whether one is running.
+    type Log = std::sync::Mutex<HashMap<String, (Vec<i64>, bool)>>;
+    let log: Arc<Log> = Arc::default();
+    // The first call of each partition's first account waits until a second account of the same
+    // partition has started: if one account held up the other, this would never happen.
+    let (all_started, _) = tokio::sync::watch::channel(false);
+    let all_started = Arc::new(all_started);
+    let overlapped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = log.clone();
+    let started = all_started.clone();
+    let overlap = overlapped.clone();
+    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
+        let account = String::from_utf8(d.key.clone().unwrap().to_vec()).unwrap();
+        let accounts_started = {
+            let mut log = seen.lock().unwrap();
+            let entry = log.entry(account.clone()).or_default();
+            if entry.1 {
+                overlap.store(true, Ordering::Relaxed);
+            }
+            entry.0.push(d.offset);
+            entry.1 = true;
+            log.len()
+        };
+        if accounts_started >= 4 {
+            started.send_replace(true);
+        }
+        let first_of_a = account == "acct-a" && d.offset == 0;
+        let mut wait = started.subscribe();
+        let fut = inner(d, lease);
+        let seen = seen.clone();
+        Box::pin(async move {
+            if first_of_a {
+                let _ = wait.wait_for(|s| *s).await;
+            }
+            let out = fut.await;
+            seen.lock().unwrap().get_mut(&account).unwrap().1 = false;
+            out
+        }) as HandlerFuture
+    };
+    let group = unique("g");
+    let config = broker
+        .config(&group, &topic)
+        .with_ordering(dedup_kafka::Ordering::PerKey)
+        .with_max_in_flight(64);
+    let run = Running::spawn_with(config, dedup, handler);
+    let stats = run.stats.clone();
+    eventually(60, "200 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed == 200 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.dead_lettered), (200, 0), "{s:?}");
+    assert!(
+        *all_started.borrow(),
+        "all four accounts started while acct-a's first was held"
+    );
+    assert!(
+        !overlapped.load(Ordering::Relaxed),
+        "two events of one account ran at once"
+    );
+    let log = log.lock().unwrap();
+    for (i, account) in accounts.iter().enumerate() {
+        let (offsets, _) = &log[*account];
+        // Account i's events are ids i, i+4, ...: on partition i % 2, at offsets i/2, i/2+2, ...
+        let expected: Vec<i64> = (0..50)
+            .map(|n| i64::try_from(i / 2 + 2 * n).unwrap())
+            .collect();
+        assert_eq!(offsets, &expected, "{account} ran out of offset order");
+    }
+    assert_one_row_per_key(&pool, (0..200).map(|i| format!("evt-{i}"))).await;
 }

@@ -48,7 +48,9 @@ async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
     assert!(matches!(early, ClaimOutcome::InFlight { .. }), "{early:?}");
 
     // A consumer waits out the dead lease, takes over, and runs the effect once.
-    let dedup = Dedup::new(store.clone()).with_in_flight_wait(Duration::from_secs(10));
+    let dedup = Dedup::new(store.clone())
+        .with_in_flight_wait(Duration::from_secs(10))
+        .unwrap();
     let run = |store: PgStore| {
         move |ctx: LeaseContext| async move {
             let result = Bytes::from_static(b"shipped");

@@ -23,7 +23,11 @@ async fn storm_in_transactional_mode_writes_one_effect_per_key(pool: PgPool) {
     // same transaction as its fenced completion.
     effects_table(&pool).await;
     let store = PgStore::new(pool.clone());
-    let dedup = Arc::new(Dedup::new(store.clone()).with_in_flight_wait(Duration::from_secs(60)));
+    let dedup = Arc::new(
+        Dedup::new(store.clone())
+            .with_in_flight_wait(Duration::from_secs(60))
+            .unwrap(),
+    );
     let mut tasks = Vec::new();
     for t in 0..32u32 {
         let (dedup, store) = (Arc::clone(&dedup), store.clone());

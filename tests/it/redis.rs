@@ -58,7 +58,11 @@ async fn storm_with(
     chaos: impl std::future::Future<Output = ()>,
 ) -> TierStats {
     effects_table(pool).await;
-    let dedup = Arc::new(Dedup::new(Arc::clone(&s)).with_in_flight_wait(Duration::from_secs(60)));
+    let dedup = Arc::new(
+        Dedup::new(Arc::clone(&s))
+            .with_in_flight_wait(Duration::from_secs(60))
+            .unwrap(),
+    );
     let mut tasks = Vec::new();
     for t in 0..16u32 {
         let (dedup, store) = (Arc::clone(&dedup), dedup_pg::PgStore::new(pool.clone()));
@@ -180,7 +184,9 @@ async fn a_stale_marker_holds_no_longer_than_its_ttl(pool: PgPool) {
         ClaimOutcome::InFlight { .. }
     ));
 
-    let dedup = Dedup::new(&s).with_in_flight_wait(Duration::from_secs(5));
+    let dedup = Dedup::new(&s)
+        .with_in_flight_wait(Duration::from_secs(5))
+        .unwrap();
     let done = dedup
         .process(&k, None, |_| async {
             Ok::<_, dedup_core::HandlerError<std::io::Error>>(dedup_core::Completion::store(

@@ -309,7 +309,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         Dedup::new(store)
             .with_policy(Policy::default().with_lease(Duration::from_secs(10)))
             .map_err(|e| CliError::Config(e.to_string()))?
-            .with_in_flight_wait(Duration::from_millis(200)),
+            .with_in_flight_wait(Duration::from_millis(200))
+            .map_err(|e| CliError::Config(e.to_string()))?,
     );
     let mut config = RunnerConfig::new(bootstrap.clone(), run_id.clone(), [topic.clone()])
         .with_ordering(Ordering::PerKey)
@@ -326,7 +327,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         let (pg, run) = (pg.clone(), ledger_run.clone());
         async move { book(&pg, &run, &d, lease).await }
     };
-    let runner = Runner::new(config, dedup.clone(), handler);
+    let runner =
+        Runner::new(config, dedup.clone(), handler).map_err(|e| CliError::Config(e.to_string()))?;
     let stats = runner.stats();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let consume_started = Instant::now();

@@ -114,15 +114,24 @@ impl<S: Store> Store for Batched<S> {
         let (res, tier) = match self.inner.answer_cached(req) {
             Some(answer) => (Ok(answer), "l1"),
             None => {
-                let res = self
+                let (res, orphans) = self
                     .claims
                     .call(req.clone(), |reqs| async move {
                         self.inner.claim_batch(&reqs).await
                     })
                     .instrument(span.clone())
-                    .await
-                    .unwrap_or_else(|| Err(abandoned(&req.key)));
-                (res, "batched")
+                    .await;
+                // Leases granted to callers that were cancelled while their batch was in flight:
+                // nobody holds them, so give them back (without spending an attempt) rather than
+                // leave the keys blocked for a lease.
+                for orphan in orphans {
+                    if let Ok(ClaimOutcome::Acquired(lease)) = orphan
+                        && let Err(e) = self.inner.withdraw(&lease).await
+                    {
+                        tracing::warn!(key = %lease.key, error = %e, "could not withdraw a cancelled caller's lease; it will expire");
+                    }
+                }
+                (res.unwrap_or_else(|| Err(abandoned(&req.key))), "batched")
             }
         };
         if let Ok(outcome) = &res {
@@ -132,13 +141,19 @@ impl<S: Store> Store for Batched<S> {
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
-        self.completions
+        // A completion whose caller went away still landed or not: either is a settled state.
+        let (res, _) = self
+            .completions
             .call(
                 (lease.clone(), Bytes::copy_from_slice(result)),
                 |items| async move { self.inner.complete_batch(&items).await },
             )
-            .await
-            .unwrap_or_else(|| Err(abandoned(&lease.key)))
+            .await;
+        res.unwrap_or_else(|| Err(abandoned(&lease.key)))
+    }
+
+    fn withdraw(&self, lease: &Lease) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.inner.withdraw(lease)
     }
 
     fn fail_retryable(
@@ -254,9 +269,11 @@ impl<Q: Send, R: Send> Lane<Q, R> {
         (q.calls, q.items)
     }
 
-    /// Takes the next batch if a flush slot is free.
+    /// Takes the next batch if a flush slot is free. Requests whose callers went away while they
+    /// queued (their receivers are dropped) are withdrawn here, before anything is sent.
     fn lead(&self) -> Option<Vec<(Q, oneshot::Sender<R>)>> {
         let mut q = self.lock();
+        q.waiting.retain(|(_, tx)| !tx.is_closed());
         if !Self::may_lead(&q, &self.config) {
             return None;
         }
@@ -269,27 +286,32 @@ impl<Q: Send, R: Send> Lane<Q, R> {
         Some(batch)
     }
 
-    /// Queues `item` and waits for its answer, leading batches when a slot is free. `None` when
-    /// the batch carrying it was abandoned (its leader was cancelled).
-    async fn call<F, Fut>(&self, item: Q, run: F) -> Option<R>
+    /// Queues `item` and waits for its answer, leading batches when a slot is free. The answer is
+    /// `None` when the batch carrying it was abandoned (its leader was cancelled). Beside it come
+    /// the answers this caller's flushes could not deliver, because their callers were cancelled
+    /// while the batch was in flight: the caller undoes what they granted.
+    async fn call<F, Fut>(&self, item: Q, run: F) -> (Option<R>, Vec<R>)
     where
         F: Fn(Vec<Q>) -> Fut,
         Fut: Future<Output = Vec<R>>,
     {
         let (tx, mut rx) = oneshot::channel();
         self.lock().waiting.push((item, tx));
+        let mut orphans = Vec::new();
         loop {
             if let Some(batch) = self.lead() {
                 let _slot = Slot(self);
                 let (items, senders): (Vec<Q>, Vec<oneshot::Sender<R>>) = batch.into_iter().unzip();
                 let answers = run(items).await;
                 for (sender, answer) in senders.into_iter().zip(answers) {
-                    let _ = sender.send(answer);
+                    if let Err(answer) = sender.send(answer) {
+                        orphans.push(answer);
+                    }
                 }
             }
             match rx.try_recv() {
-                Ok(answer) => return Some(answer),
-                Err(oneshot::error::TryRecvError::Closed) => return None,
+                Ok(answer) => return (Some(answer), orphans),
+                Err(oneshot::error::TryRecvError::Closed) => return (None, orphans),
                 Err(oneshot::error::TryRecvError::Empty) => {}
             }
             let flushed = self.flushed.notified();
@@ -300,7 +322,7 @@ impl<Q: Send, R: Send> Lane<Q, R> {
                 continue;
             }
             tokio::select! {
-                answer = &mut rx => return answer.ok(),
+                answer = &mut rx => return (answer.ok(), orphans),
                 () = flushed => {}
             }
         }

@@ -52,6 +52,14 @@ pub enum InputError {
     /// A policy that cannot work (a zero lease, zero attempts, a duration the store cannot hold).
     #[error("invalid policy: {0}")]
     Policy(&'static str),
+    /// A setting of [`Dedup`](crate::Dedup) that cannot work (a wait too long for the clock).
+    #[error("invalid setting {setting}: {problem}")]
+    Setting {
+        /// The setting, as its `with_` method names it.
+        setting: &'static str,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
 }
 
 /// An error from a [`Store`](crate::Store).

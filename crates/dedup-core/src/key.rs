@@ -41,7 +41,7 @@ impl Scope {
                 max: MAX_SCOPE_LEN,
             });
         }
-        if name.chars().any(char::is_control) {
+        if name.chars().any(|c| c.is_control() || is_invisible(c)) {
             return Err(InputError::ScopeNotPrintable);
         }
         Ok(Self(name.into()))
@@ -130,6 +130,8 @@ impl fmt::Display for IdempotencyKey {
             for c in chunk.valid().chars() {
                 if c.is_control() {
                     write!(f, "{}", c.escape_default())?;
+                } else if is_invisible(c) {
+                    write!(f, "{}", c.escape_unicode())?;
                 } else {
                     write!(f, "{c}")?;
                 }
@@ -187,6 +189,20 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
+/// Format characters (Unicode category Cf) and other invisible code points that change how text
+/// around them reads without showing themselves: bidirectional overrides, embeddings and isolates
+/// (U+202A-U+202E, U+2066-U+2069: "Trojan Source", CVE-2021-42574), marks, zero-width characters,
+/// the byte-order mark, tag characters. `Display` escapes them, so a log line shows what a key
+/// holds.
+fn is_invisible(c: char) -> bool {
+    matches!(c,
+        '\u{00AD}' | '\u{034F}' | '\u{061C}' | '\u{115F}' | '\u{1160}' | '\u{17B4}' | '\u{17B5}'
+        | '\u{180B}'..='\u{180F}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
+        | '\u{2060}'..='\u{206F}' | '\u{3164}' | '\u{FE00}'..='\u{FE0F}' | '\u{FEFF}'
+        | '\u{FFA0}' | '\u{FFF0}'..='\u{FFFB}' | '\u{1BCA0}'..='\u{1BCA3}'
+        | '\u{1D173}'..='\u{1D17A}' | '\u{E0000}'..='\u{E0FFF}')
+}
+
 fn hex(bytes: &[u8]) -> String {
     use fmt::Write;
     bytes
@@ -235,6 +251,37 @@ mod tests {
         let lossy = IdempotencyKey::new(scope(), "\u{fffd}ab\u{0}").expect("text key");
         assert_ne!(raw, lossy, "a lossy UTF-8 conversion must not merge keys");
         assert_eq!(raw.to_string(), "orders/\\xffab\\u{0}");
+    }
+
+    #[test]
+    fn bidirectional_and_invisible_characters_are_displayed_escaped() {
+        // "invoice-\u{202E}fdp.exe" would print as "invoice-exe.pdf" raw.
+        let key = IdempotencyKey::new(scope(), "invoice-\u{202E}fdp.exe").expect("key");
+        assert_eq!(key.to_string(), "orders/invoice-\\u{202e}fdp.exe");
+        for c in [
+            '\u{200B}',
+            '\u{200E}',
+            '\u{200F}',
+            '\u{202A}',
+            '\u{2066}',
+            '\u{2069}',
+            '\u{061C}',
+            '\u{FEFF}',
+            '\u{00AD}',
+            '\u{E0041}',
+        ] {
+            let key = IdempotencyKey::new(scope(), format!("a{c}b")).expect("key");
+            let shown = key.to_string();
+            assert!(!shown.contains(c), "{c:?} shown raw in {shown:?}");
+            assert!(shown.contains(&c.escape_unicode().to_string()), "{shown}");
+        }
+        // Ordinary non-ASCII text is still shown as text.
+        let key = IdempotencyKey::new(scope(), "zahlung-über-€5").expect("key");
+        assert_eq!(key.to_string(), "orders/zahlung-über-€5");
+        assert_eq!(
+            Scope::new("orders\u{202E}"),
+            Err(InputError::ScopeNotPrintable)
+        );
     }
 
     #[test]

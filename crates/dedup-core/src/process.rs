@@ -2,12 +2,14 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::process;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use tokio::time::{Instant, sleep};
 use tracing::{Instrument, debug, info_span, warn};
 
@@ -23,6 +25,13 @@ use crate::store::Store;
 /// read back and tried again before the error is passed up.
 const RESOLVE_TRIES: u32 = 5;
 
+/// The longest wait a [`Dedup`] setting may hold (a week): beyond any sensible value, and far
+/// inside what the clock can add without overflowing.
+pub const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The longest pause between two tries to record a completion.
+const COMPLETE_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
 /// Runs each key's effect once, and replays its result to every duplicate.
 ///
 /// `process` claims the key, runs the handler while a heartbeat extends the lease, and completes
@@ -34,6 +43,7 @@ pub struct Dedup<S> {
     store: S,
     policy: Policy,
     in_flight_wait: Duration,
+    completion_deadline: Option<Duration>,
     owner_prefix: Arc<str>,
     claims: AtomicU64,
 }
@@ -156,6 +166,17 @@ pub enum ProcessError<E> {
         /// Where the key stands now.
         after: AfterHandlerError,
     },
+    /// The handler panicked. The panic was caught and counted as a retryable failure (its attempt
+    /// counts); `after` says where that left the key.
+    #[error("handler panicked: {message} (on {key}, {after})")]
+    Panicked {
+        /// The key.
+        key: IdempotencyKey,
+        /// The panic's message.
+        message: String,
+        /// Where the key stands now.
+        after: AfterHandlerError,
+    },
     /// The lease was taken over before the completion: another holder owns the key now, and this
     /// call's completion was refused. A redelivery will replay the other holder's result.
     #[error("lease lost on {key} (token {token})")]
@@ -204,7 +225,9 @@ impl<E> ProcessError<E> {
         match self {
             Self::InFlight { .. } | Self::LeaseLost { .. } => true,
             Self::Failed { .. } | Self::PayloadMismatch { .. } => false,
-            Self::Handler { after, .. } => !matches!(after, AfterHandlerError::Failed { .. }),
+            Self::Handler { after, .. } | Self::Panicked { after, .. } => {
+                !matches!(after, AfterHandlerError::Failed { .. })
+            }
             Self::Store(e) => e.is_retryable(),
         }
     }
@@ -237,6 +260,7 @@ impl<S: Store> Dedup<S> {
             store,
             policy: Policy::default(),
             in_flight_wait: Duration::from_secs(5),
+            completion_deadline: None,
             owner_prefix: format!("pid{}-{:x}", process::id(), Timestamp::now().as_micros()).into(),
             claims: AtomicU64::new(0),
         }
@@ -250,10 +274,34 @@ impl<S: Store> Dedup<S> {
     }
 
     /// How long a duplicate waits for another holder's live lease before answering
-    /// [`ProcessError::InFlight`]. Zero answers at once.
-    pub fn with_in_flight_wait(mut self, wait: Duration) -> Self {
+    /// [`ProcessError::InFlight`]. Zero answers at once. Longer than [`MAX_WAIT`] is refused.
+    pub fn with_in_flight_wait(mut self, wait: Duration) -> Result<Self, InputError> {
+        if wait > MAX_WAIT {
+            return Err(InputError::Setting {
+                setting: "in_flight_wait",
+                problem: "longer than a week (MAX_WAIT)",
+            });
+        }
         self.in_flight_wait = wait;
-        self
+        Ok(self)
+    }
+
+    /// How long, at most, dedup keeps trying to record a completion after the handler returned.
+    ///
+    /// By default it keeps trying (with backoff, while the heartbeat keeps extending the lease)
+    /// until the lease is really lost (taken over: fenced) or the last end the store granted has
+    /// passed, since until then no one else can run the key. A shorter deadline gives up sooner,
+    /// and the effect may then run again after the lease lapses. Longer than [`MAX_WAIT`] is
+    /// refused.
+    pub fn with_completion_deadline(mut self, deadline: Duration) -> Result<Self, InputError> {
+        if deadline > MAX_WAIT {
+            return Err(InputError::Setting {
+                setting: "completion_deadline",
+                problem: "longer than a week (MAX_WAIT)",
+            });
+        }
+        self.completion_deadline = Some(deadline);
+        Ok(self)
     }
 
     /// Names this instance in owner ids (a host or pod name helps an operator); the default is the
@@ -295,21 +343,22 @@ impl<S: Store> Dedup<S> {
     {
         let span = info_span!("dedup.process", key = %key, outcome = tracing::field::Empty, token = tracing::field::Empty);
         async move {
-            let lease = match self.claim_waiting(key, fingerprint).await? {
-                Claimed::Lease(lease) => lease,
+            let (lease, sent) = match self.claim_waiting(key, fingerprint).await? {
+                Claimed::Lease(lease, sent) => (lease, sent),
                 Claimed::Replay(result) => {
                     tracing::Span::current().record("outcome", "replayed");
                     return Ok(Processed::Replayed { result });
                 }
             };
             tracing::Span::current().record("token", lease.token.get());
-            let out = self.run(lease, handler).await;
+            let out = self.run(lease, sent, handler).await;
             tracing::Span::current().record(
                 "outcome",
                 match &out {
                     Ok(_) => "executed",
                     Err(ProcessError::LeaseLost { .. }) => "lease_lost",
                     Err(ProcessError::Handler { .. }) => "handler_error",
+                    Err(ProcessError::Panicked { .. }) => "handler_panicked",
                     Err(_) => "error",
                 },
             );
@@ -330,12 +379,15 @@ impl<S: Store> Dedup<S> {
             let req = ClaimRequest::new(key.clone(), self.next_owner())
                 .with_fingerprint(fingerprint)
                 .with_policy(self.policy);
+            // The lease cannot have started before the request left: its end, counted from here
+            // on this process's clock, is never later than the store's.
+            let sent = Instant::now();
             match self
                 .claim_resolved(&req)
                 .await
                 .map_err(ProcessError::Store)?
             {
-                ClaimOutcome::Acquired(lease) => return Ok(Claimed::Lease(lease)),
+                ClaimOutcome::Acquired(lease) => return Ok(Claimed::Lease(lease, sent)),
                 ClaimOutcome::Completed { result, .. } => return Ok(Claimed::Replay(result)),
                 ClaimOutcome::Failed { reason, attempts } => {
                     return Err(ProcessError::Failed {
@@ -401,7 +453,12 @@ impl<S: Store> Dedup<S> {
         }
     }
 
-    async fn run<F, Fut, E>(&self, lease: Lease, handler: F) -> Result<Processed, ProcessError<E>>
+    async fn run<F, Fut, E>(
+        &self,
+        lease: Lease,
+        sent: Instant,
+        handler: F,
+    ) -> Result<Processed, ProcessError<E>>
     where
         F: FnOnce(LeaseContext) -> Fut,
         Fut: Future<Output = Result<Completion, HandlerError<E>>>,
@@ -412,10 +469,13 @@ impl<S: Store> Dedup<S> {
             lost: Arc::new(AtomicBool::new(false)),
         };
         let lost = Arc::clone(&ctx.lost);
+        let granted = Granted(Mutex::new(sent + lease.policy.lease));
+        let beat = self.heartbeat(&lease, &lost, &granted);
+        tokio::pin!(beat);
         let outcome = {
-            let work = handler(ctx);
-            let beat = self.heartbeat(&lease, &lost);
-            tokio::pin!(work, beat);
+            // A panicking handler must not leave its key held, nor stop its caller's loop.
+            let work = AssertUnwindSafe(async move { handler(ctx).await }).catch_unwind();
+            tokio::pin!(work);
             tokio::select! {
                 biased;
                 out = &mut work => out,
@@ -427,18 +487,34 @@ impl<S: Store> Dedup<S> {
             token: lease.token,
             attempts: lease.attempts,
         };
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(panic) => return Err(self.panicked(&lease, panic_message(&*panic)).await),
+        };
         match outcome {
-            Ok(Completion::Store(result)) => match self.complete_resolved(&lease, &result).await {
-                Ok(()) => Ok(executed(result)),
-                Err(StoreError::Input(e)) => {
-                    // The effect ran, but its result cannot be stored. Releasing the key would run
-                    // the effect again; FAILED keeps it at one and says why.
-                    let reason = format!("the effect ran but its result was refused: {e}");
-                    let _ = self.store.fail_permanent(&lease, &reason).await;
-                    Err(ProcessError::Store(StoreError::Input(e)))
+            Ok(Completion::Store(result)) => {
+                // The effect ran: keep the lease alive while the completion is recorded.
+                let done = {
+                    let done = self.complete_resolved(&lease, &result, &lost, &granted);
+                    tokio::pin!(done);
+                    tokio::select! {
+                        biased;
+                        done = &mut done => done,
+                        never = &mut beat => match never {},
+                    }
+                };
+                match done {
+                    Ok(()) => Ok(executed(result)),
+                    Err(StoreError::Input(e)) => {
+                        // The effect ran, but its result cannot be stored. Releasing the key
+                        // would run the effect again; FAILED keeps it at one and says why.
+                        let reason = format!("the effect ran but its result was refused: {e}");
+                        let _ = self.store.fail_permanent(&lease, &reason).await;
+                        Err(ProcessError::Store(StoreError::Input(e)))
+                    }
+                    Err(e) => Err(self.lease_error(&lease, e)),
                 }
-                Err(e) => Err(self.lease_error(&lease, e)),
-            },
+            }
             Ok(Completion::Committed(result)) => {
                 self.store.committed(&lease, &result).await;
                 Ok(executed(result))
@@ -503,6 +579,12 @@ impl<S: Store> Dedup<S> {
                 // Its transaction rolled back, and a retry would fail the same way.
                 let _ = self.store.fail_permanent(lease, &e.to_string()).await;
             }
+            _ if e.is_retryable() => {
+                // A passing error (a failover, a statement timeout) rolled its transaction back:
+                // nothing ran. Give the key back without spending an attempt, so that passing
+                // errors alone can never exhaust a healthy message into the dead-letter topic.
+                let _ = self.store.withdraw(lease).await;
+            }
             _ => {
                 // Its transaction rolled back: nothing ran. Release the key for a later delivery.
                 let _ = self.store.fail_retryable(lease, &e.to_string()).await;
@@ -535,16 +617,50 @@ impl<S: Store> Dedup<S> {
         }
     }
 
-    /// Completes; an unknown outcome is read back (COMPLETED under our token means it landed), and
-    /// a passing error is retried a few times, since the effect has already run.
-    async fn complete_resolved(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
-        let mut tries = 0;
+    /// Records a caught panic as a retryable failure of the handler.
+    async fn panicked<E>(&self, lease: &Lease, message: String) -> ProcessError<E> {
+        warn!(key = %lease.key, token = lease.token.get(), message, "handler panicked");
+        let after = match self
+            .store
+            .fail_retryable(lease, &format!("handler panicked: {message}"))
+            .await
+        {
+            Ok(AfterFailure::Released { attempts }) => AfterHandlerError::Released { attempts },
+            Ok(AfterFailure::Failed { attempts }) => AfterHandlerError::Failed { attempts },
+            Err(e) if e.is_lease_lost() => return self.lease_error(lease, e),
+            Err(e) => {
+                warn!(key = %lease.key, error = %e, "could not record the handler's panic");
+                AfterHandlerError::Unrecorded
+            }
+        };
+        ProcessError::Panicked {
+            key: lease.key.clone(),
+            message,
+            after,
+        }
+    }
+
+    /// Completes, after the handler ran. A passing error is retried with backoff (the heartbeat
+    /// keeps the lease alive meanwhile) until the completion lands, the lease is lost (fenced),
+    /// the last end the store granted has passed, or the caller's completion deadline has: until
+    /// then no one else can run the key, so giving up sooner would risk a second effect for
+    /// nothing. An unknown outcome is read back: COMPLETED under our token means it landed.
+    async fn complete_resolved(
+        &self,
+        lease: &Lease,
+        result: &[u8],
+        lost: &AtomicBool,
+        granted: &Granted,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        let mut tries = 0u32;
         loop {
             tries += 1;
             let err = match self.store.complete(lease, result).await {
                 Ok(()) => return Ok(()),
-                Err(e) if e.is_retryable() && tries < RESOLVE_TRIES => e,
-                Err(e) => return Err(e),
+                Err(e) if !e.is_retryable() => return Err(e),
+                Err(e) => e,
             };
             if err.is_outcome_unknown() {
                 warn!(key = %lease.key, error = %err, "completion outcome unknown; reading it back");
@@ -560,29 +676,86 @@ impl<S: Store> Dedup<S> {
                     }
                 }
             }
-            sleep(Duration::from_millis(20 * u64::from(tries))).await;
+            if lost.load(Ordering::Acquire) {
+                return Err(StoreError::LeaseLost {
+                    key: lease.key.clone(),
+                    token: lease.token,
+                });
+            }
+            let mut give_up = granted.until();
+            if let Some(d) = self.completion_deadline {
+                give_up = give_up.min(started + d);
+            }
+            let now = Instant::now();
+            if now + backoff >= give_up {
+                warn!(key = %lease.key, error = %err, tries, "completion not recorded before the lease ran out; giving up");
+                return Err(err);
+            }
+            warn!(key = %lease.key, error = %err, tries, "completion failed; retrying");
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(COMPLETE_BACKOFF_MAX);
         }
     }
 
-    /// Extends the lease every third of its length until it is lost; never returns.
-    async fn heartbeat(&self, lease: &Lease, lost: &AtomicBool) -> std::convert::Infallible {
+    /// Extends the lease every third of its length until it is lost; never returns. A failed
+    /// extension is tried again sooner, every twelfth of the lease.
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        lost: &AtomicBool,
+        granted: &Granted,
+    ) -> std::convert::Infallible {
         let every = (lease.policy.lease / 3).max(Duration::from_millis(1));
+        let mut wait = every;
         loop {
-            sleep(every).await;
+            sleep(wait).await;
+            let sent = Instant::now();
             match self.store.extend(lease).await {
-                Ok(until) => debug!(key = %lease.key, until = until.as_micros(), "lease extended"),
+                Ok(until) => {
+                    granted.extended(sent + lease.policy.lease);
+                    wait = every;
+                    debug!(key = %lease.key, until = until.as_micros(), "lease extended");
+                }
                 Err(e) if e.is_lease_lost() => {
                     warn!(key = %lease.key, token = lease.token.get(), "heartbeat found the lease taken over");
                     lost.store(true, Ordering::Release);
                     return std::future::pending().await;
                 }
-                Err(e) => warn!(key = %lease.key, error = %e, "heartbeat failed; retrying"),
+                Err(e) => {
+                    wait = (every / 4).max(Duration::from_millis(1));
+                    warn!(key = %lease.key, error = %e, "heartbeat failed; retrying");
+                }
             }
         }
     }
 }
 
 enum Claimed {
-    Lease(Lease),
+    /// A lease, and when the claim that granted it was sent.
+    Lease(Lease, Instant),
     Replay(Bytes),
+}
+
+/// The latest end of a lease that the store is known to have granted, on this process's clock
+/// (counted from when the granting request was sent, so never later than the store's end).
+struct Granted(Mutex<Instant>);
+
+impl Granted {
+    fn until(&self) -> Instant {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn extended(&self, until: Instant) {
+        let mut g = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        *g = (*g).max(until);
+    }
+}
+
+/// A panic's message, where it has one.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }

@@ -44,6 +44,20 @@ pub trait Store: Send + Sync {
         error: &str,
     ) -> impl Future<Output = Result<AfterFailure, StoreError>> + Send;
 
+    /// Gives back a lease that was granted but never used (its caller went away before it could
+    /// run anything): the key is released and the attempt its claim counted is returned, so the
+    /// next claim is granted at once and as the same attempt. Fenced like every other change.
+    ///
+    /// The default releases the key through [`fail_retryable`](Self::fail_retryable), which
+    /// keeps the attempt; a store that can give the attempt back overrides it.
+    fn withdraw(&self, lease: &Lease) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            self.fail_retryable(lease, "the claim was withdrawn: its caller was cancelled")
+                .await
+                .map(drop)
+        }
+    }
+
     /// Marks the key FAILED (poison).
     fn fail_permanent(
         &self,
@@ -185,6 +199,11 @@ impl Store for MemoryStore {
         }))
     }
 
+    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.fenced(lease, |cur, now| machine::withdraw(cur, lease, now))
+            .map(drop)
+    }
+
     async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
         self.fenced(lease, |cur, now| {
             machine::fail_permanent(cur, lease, reason, now)
@@ -234,6 +253,9 @@ macro_rules! forward_store {
             }
             fn fail_permanent(&self, lease: &Lease, reason: &str) -> impl Future<Output = Result<(), StoreError>> + Send {
                 (**self).fail_permanent(lease, reason)
+            }
+            fn withdraw(&self, lease: &Lease) -> impl Future<Output = Result<(), StoreError>> + Send {
+                (**self).withdraw(lease)
             }
             fn extend(&self, lease: &Lease) -> impl Future<Output = Result<Timestamp, StoreError>> + Send {
                 (**self).extend(lease)

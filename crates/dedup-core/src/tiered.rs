@@ -802,6 +802,15 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
         Ok(after)
     }
 
+    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
+        bump(&self.counters.authority_calls);
+        self.authority.withdraw(lease).await?;
+        let _ = self
+            .fast("release", &lease.key, self.fast.release(lease))
+            .await;
+        Ok(())
+    }
+
     async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
         bump(&self.counters.authority_calls);
         self.authority.fail_permanent(lease, reason).await?;

@@ -44,10 +44,52 @@ pub enum Ordering {
     /// concurrently.
     #[default]
     PerPartition,
-    /// Messages of one partition run concurrently when their keys differ; one key's messages run
-    /// in offset order. Offsets are committed up to the first message not yet settled.
+    /// Messages of one partition run concurrently when their *ordering keys* differ (an order, an
+    /// account: see [`OrderingKey`]); one ordering key's messages run in offset order. Messages
+    /// without an ordering key run in partition order. Offsets are committed up to the first
+    /// message not yet settled.
     PerKey,
 }
+
+/// Where a message's *ordering key* comes from: what [`Ordering::PerKey`] keeps in order. It is
+/// not the idempotency key, which is unique per event: two events of one account have two
+/// idempotency keys and one ordering key.
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+#[non_exhaustive]
+pub enum OrderingKey {
+    /// The Kafka message key (the default): what the producer partitioned by.
+    #[default]
+    MessageKey,
+    /// The value of this header.
+    Header(String),
+    /// The value at this JSON pointer (RFC 6901) in a JSON payload; a string as is, a number or
+    /// boolean as its JSON text.
+    JsonPointer(String),
+}
+
+/// A setting that cannot work, named.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[error("{setting}: {problem}")]
+#[non_exhaustive]
+pub struct ConfigError {
+    /// The setting, as its field is named in [`RunnerConfig`].
+    pub setting: &'static str,
+    /// What is wrong with it.
+    pub problem: String,
+}
+
+impl ConfigError {
+    fn new(setting: &'static str, problem: impl Into<String>) -> Self {
+        Self {
+            setting,
+            problem: problem.into(),
+        }
+    }
+}
+
+/// The longest wait a setting may hold: far beyond any sensible value, and far inside what a
+/// clock can add without overflowing.
+pub const MAX_SETTING_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Waits between retries of a message: doubling from `initial` up to `max`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -111,6 +153,8 @@ pub struct RunnerConfig {
     pub max_in_flight: usize,
     /// Which messages may run at the same time.
     pub ordering: Ordering,
+    /// What [`Ordering::PerKey`] keeps in order (default: the Kafka message key).
+    pub ordering_key: OrderingKey,
     /// Waits between retries.
     pub backoff: Backoff,
     /// How often settled offsets are committed (also on revocation and shutdown).
@@ -144,6 +188,7 @@ impl RunnerConfig {
             check_payload: true,
             max_in_flight: 1024,
             ordering: Ordering::default(),
+            ordering_key: OrderingKey::default(),
             backoff: Backoff::default(),
             commit_interval: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(30),
@@ -193,6 +238,12 @@ impl RunnerConfig {
         self
     }
 
+    /// Sets where [`Ordering::PerKey`]'s ordering key comes from.
+    pub fn with_ordering_key(mut self, key: OrderingKey) -> Self {
+        self.ordering_key = key;
+        self
+    }
+
     /// Sets the retry backoff.
     pub fn with_backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
@@ -215,5 +266,134 @@ impl RunnerConfig {
     pub fn with_client(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.client.push((key.into(), value.into()));
         self
+    }
+
+    /// Checks every setting that could fail at run time; [`Runner::new`](crate::Runner::new)
+    /// calls it. The error names the setting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bounded = |setting: &'static str, d: Duration| {
+            if d > MAX_SETTING_DURATION {
+                Err(ConfigError::new(
+                    setting,
+                    format!("{d:?} is longer than the limit of {MAX_SETTING_DURATION:?}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        if self.brokers.trim().is_empty() {
+            return Err(ConfigError::new("brokers", "no bootstrap servers given"));
+        }
+        if self.group_id.is_empty() {
+            return Err(ConfigError::new("group_id", "the group id is empty"));
+        }
+        if self.topics.is_empty() || self.topics.iter().any(String::is_empty) {
+            return Err(ConfigError::new(
+                "topics",
+                "no topics, or an empty topic name",
+            ));
+        }
+        if self.dead_letter_topic.is_empty() {
+            return Err(ConfigError::new(
+                "dead_letter_topic",
+                "the topic name is empty",
+            ));
+        }
+        if self.topics.contains(&self.dead_letter_topic) {
+            return Err(ConfigError::new(
+                "dead_letter_topic",
+                "it is also a consumed topic: dead letters would be consumed again",
+            ));
+        }
+        if self.max_in_flight == 0 {
+            return Err(ConfigError::new("max_in_flight", "must be at least 1"));
+        }
+        if self.commit_interval.is_zero() {
+            return Err(ConfigError::new(
+                "commit_interval",
+                "must be longer than zero",
+            ));
+        }
+        bounded("commit_interval", self.commit_interval)?;
+        bounded("drain_timeout", self.drain_timeout)?;
+        if self.backoff.initial.is_zero() {
+            return Err(ConfigError::new(
+                "backoff",
+                "the initial wait must be longer than zero",
+            ));
+        }
+        bounded("backoff", self.backoff.max)?;
+        match &self.key {
+            KeySource::Header(h) if h.is_empty() => {
+                return Err(ConfigError::new("key", "empty header name"));
+            }
+            KeySource::JsonPointer(p) if !p.is_empty() && !p.starts_with('/') => {
+                return Err(ConfigError::new(
+                    "key",
+                    format!("{p:?} is not a JSON pointer"),
+                ));
+            }
+            KeySource::Fields(f) if f.is_empty() => {
+                return Err(ConfigError::new("key", "no fields to digest"));
+            }
+            _ => {}
+        }
+        match &self.ordering_key {
+            OrderingKey::Header(h) if h.is_empty() => {
+                Err(ConfigError::new("ordering_key", "empty header name"))
+            }
+            OrderingKey::JsonPointer(p) if !p.is_empty() && !p.starts_with('/') => Err(
+                ConfigError::new("ordering_key", format!("{p:?} is not a JSON pointer")),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> RunnerConfig {
+        RunnerConfig::new("127.0.0.1:9092", "g", ["t"])
+    }
+
+    #[test]
+    fn settings_that_would_panic_at_run_time_are_refused_by_name() {
+        assert_eq!(config().validate(), Ok(()));
+        let cases = [
+            (
+                config().with_commit_interval(Duration::ZERO),
+                "commit_interval",
+            ),
+            (
+                config().with_commit_interval(Duration::MAX),
+                "commit_interval",
+            ),
+            (config().with_drain_timeout(Duration::MAX), "drain_timeout"),
+            (
+                config().with_backoff(Backoff::new(Duration::ZERO, Duration::ZERO)),
+                "backoff",
+            ),
+            (
+                config().with_backoff(Backoff::new(Duration::from_millis(1), Duration::MAX)),
+                "backoff",
+            ),
+            (config().with_max_in_flight(0), "max_in_flight"),
+            (config().with_dead_letter_topic("t"), "dead_letter_topic"),
+            (RunnerConfig::new("", "g", ["t"]), "brokers"),
+            (RunnerConfig::new("b", "", ["t"]), "group_id"),
+            (RunnerConfig::new("b", "g", Vec::<String>::new()), "topics"),
+            (config().with_key(KeySource::Header(String::new())), "key"),
+            (
+                config().with_ordering_key(OrderingKey::JsonPointer("account".into())),
+                "ordering_key",
+            ),
+        ];
+        for (config, setting) in cases {
+            let err = config.validate().expect_err(setting);
+            assert_eq!(err.setting, setting, "{err}");
+            assert!(err.to_string().starts_with(setting), "{err}");
+        }
     }
 }

@@ -5,7 +5,7 @@ use dedup_core::{Fingerprint, IdempotencyKey, InputError, Scope};
 use rdkafka::Message;
 use rdkafka::message::{BorrowedMessage, Headers};
 
-use crate::config::KeySource;
+use crate::config::{KeySource, OrderingKey};
 
 /// A message as the handler sees it: owned, with its coordinates.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -154,6 +154,24 @@ pub fn extract_key(
                 .collect();
             Ok(IdempotencyKey::new(scope.clone(), hex)?)
         }
+    }
+}
+
+/// Finds `delivery`'s ordering key: what [`Ordering::PerKey`](crate::Ordering::PerKey) keeps in
+/// order. `None` (no such key, no such header, nothing usable at the pointer, a payload that is not
+/// JSON) puts the message in its partition's own lane, behind every message of the partition that
+/// has no ordering key either.
+pub fn ordering_key(source: &OrderingKey, delivery: &Delivery) -> Option<Vec<u8>> {
+    match source {
+        OrderingKey::MessageKey => delivery.key.as_ref().map(|k| k.to_vec()),
+        OrderingKey::Header(name) => delivery.header(name).map(<[u8]>::to_vec),
+        OrderingKey::JsonPointer(pointer) => match parse(delivery).ok()?.pointer(pointer)? {
+            serde_json::Value::String(s) => Some(s.clone().into_bytes()),
+            v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_)) => {
+                Some(v.to_string().into_bytes())
+            }
+            _ => None,
+        },
     }
 }
 

@@ -46,7 +46,7 @@
 //! let runner = Runner::new(config, dedup, |d: Arc<Delivery>, _lease| async move {
 //!     // The effect, once per key. Its result is replayed to duplicates.
 //!     Ok::<_, HandlerError<String>>(Completion::store(d.payload.clone().unwrap_or_default()))
-//! });
+//! })?;
 //! let stats = runner.run(async { let _ = tokio::signal::ctrl_c().await; }).await?;
 //! println!("{stats:?}");
 //! # Ok(()) }
@@ -58,8 +58,11 @@ mod runner;
 mod stats;
 mod trace;
 
-pub use config::{Backoff, DEFAULT_KEY_HEADER, KeySource, MissingKey, Ordering, RunnerConfig};
-pub use delivery::{Delivery, KeyError, extract_key};
+pub use config::{
+    Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, MAX_SETTING_DURATION, MissingKey,
+    Ordering, OrderingKey, RunnerConfig,
+};
+pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
 pub use runner::{
     DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Handler, Runner, RunnerError,
 };

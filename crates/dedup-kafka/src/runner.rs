@@ -3,6 +3,7 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -22,8 +23,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::config::{MissingKey, Ordering, RunnerConfig};
-use crate::delivery::{Delivery, KeyError, extract_key};
+use futures_util::FutureExt;
+
+use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
+use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
 /// Dead-letter header: why the message was dead-lettered.
@@ -76,9 +79,9 @@ where
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunnerError {
-    /// The configuration is not usable (bad property, bad scope, no topics).
+    /// The configuration is not usable: the error names the setting.
     #[error("bad runner configuration: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
     /// The Kafka client failed to start or to subscribe.
     #[error("kafka: {0}")]
     Kafka(#[from] KafkaError),
@@ -96,6 +99,7 @@ impl RunnerError {
 #[derive(Debug)]
 pub struct Runner<S, H> {
     config: RunnerConfig,
+    scope: Scope,
     dedup: Arc<Dedup<S>>,
     handler: H,
     counters: Arc<Counters>,
@@ -239,7 +243,8 @@ impl ConsumerContext for RunnerContext {
     }
 }
 
-/// Which messages must wait for each other.
+/// Which messages must wait for each other: one partition (of one ownership), and with
+/// `Ordering::PerKey` one ordering key in it (`None`: the partition's messages without one).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 struct Lane {
     topic: String,
@@ -287,14 +292,33 @@ where
     S: Store + Send + Sync + 'static,
     H: Handler,
 {
-    /// A runner over `dedup` calling `handler`.
-    pub fn new(config: RunnerConfig, dedup: Arc<Dedup<S>>, handler: H) -> Self {
-        Self {
+    /// A runner over `dedup` calling `handler`. Every setting is checked here
+    /// ([`RunnerConfig::validate`]), so a configuration that could fail at run time is refused
+    /// now, with the setting named.
+    pub fn new(
+        config: RunnerConfig,
+        dedup: Arc<Dedup<S>>,
+        handler: H,
+    ) -> Result<Self, RunnerError> {
+        config.validate()?;
+        let scope =
+            Scope::new(config.scope.as_deref().unwrap_or(&config.group_id)).map_err(|e| {
+                ConfigError {
+                    setting: if config.scope.is_some() {
+                        "scope"
+                    } else {
+                        "group_id"
+                    },
+                    problem: format!("not usable as a dedup scope: {e}"),
+                }
+            })?;
+        Ok(Self {
             config,
+            scope,
             dedup,
             handler,
             counters: Arc::new(Counters::default()),
-        }
+        })
     }
 
     /// A handle to the runner's counters, readable while it runs.
@@ -313,22 +337,7 @@ where
 
     /// Consumes until `shutdown` completes, then drains, commits and leaves the group.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
-        if self.config.topics.is_empty() {
-            return Err(RunnerError::Config("no topics to consume".into()));
-        }
-        if self.config.max_in_flight == 0 {
-            return Err(RunnerError::Config(
-                "max_in_flight must be at least 1".into(),
-            ));
-        }
-        let scope = Scope::new(
-            self.config
-                .scope
-                .as_deref()
-                .unwrap_or(&self.config.group_id),
-        )
-        .map_err(|e| RunnerError::Config(format!("scope: {e}")))?;
-
+        let scope = self.scope.clone();
         let shared = Arc::new(Mutex::new(Shared::default()));
         let mut cc = self.client_config();
         cc.set("group.id", &self.config.group_id)
@@ -492,8 +501,8 @@ where
             topic: tp.0,
             partition: tp.1,
             generation,
-            key: match (&self.inner.config.ordering, &key) {
-                (Ordering::PerKey, Ok(k)) => Some(k.key_bytes().to_vec()),
+            key: match self.inner.config.ordering {
+                Ordering::PerKey => ordering_key(&self.inner.config.ordering_key, &delivery),
                 _ => None,
             },
         };
@@ -519,12 +528,21 @@ where
             return;
         };
         tokio::spawn(async move {
-            let lane = job.lane.clone();
-            let offset = job.delivery.offset;
-            let settled = inner.run_job(job).await;
+            // Handler panics are caught where the handler is called (and count as retryable
+            // failures); this catches a panic anywhere else in the job, so that the message is
+            // still settled (dead-lettered with the reason) and its partition moves on.
+            let settled = match AssertUnwindSafe(inner.run_job(&job)).catch_unwind().await {
+                Ok(settled) => settled,
+                Err(panic) => {
+                    inner.counters.panics.add(1);
+                    let reason = format!("the runner panicked: {}", panic_message(&*panic));
+                    warn!(offset = job.delivery.offset, reason, "dead-lettering");
+                    inner.dead_letter(&job, &reason, 0).await
+                }
+            };
             let _ = done_tx.send(Done {
-                lane,
-                offset,
+                lane: job.lane,
+                offset: job.delivery.offset,
                 settled,
             });
         });
@@ -677,7 +695,7 @@ where
         !self.abandoned(job)
     }
 
-    async fn run_job(&self, job: Job) -> Settled {
+    async fn run_job(&self, job: &Job) -> Settled {
         let d = &job.delivery;
         let span = info_span!(
             "dedup.kafka.message",
@@ -691,25 +709,25 @@ where
         let started = Instant::now();
         let settled = async {
             match &job.key {
-                Ok(key) => self.run_keyed(&job, key).await,
+                Ok(key) => self.run_keyed(job, key).await,
                 Err(KeyError::Missing(why)) => {
                     self.counters.missing_key.add(1);
                     match self.config.missing_key {
                         MissingKey::DeadLetter => {
                             warn!(topic = %d.topic, partition = d.partition, offset = d.offset, why, "message without an idempotency key: dead-lettered");
-                            self.dead_letter(&job, &format!("no idempotency key: {why}"), 0)
+                            self.dead_letter(job, &format!("no idempotency key: {why}"), 0)
                                 .await
                         }
                         MissingKey::ProcessWithoutDedup => {
                             warn!(topic = %d.topic, partition = d.partition, offset = d.offset, why, "message without an idempotency key: processed without dedup");
-                            self.run_unkeyed(&job).await
+                            self.run_unkeyed(job).await
                         }
                     }
                 }
                 Err(e) => {
                     self.counters.bad_key.add(1);
                     warn!(topic = %d.topic, partition = d.partition, offset = d.offset, error = %e, "bad idempotency key: dead-lettered");
-                    self.dead_letter(&job, &e.to_string(), 0).await
+                    self.dead_letter(job, &e.to_string(), 0).await
                 }
             }
         }
@@ -744,9 +762,17 @@ where
                 Ok(_) => return Settled::Executed,
                 Err(e) => e,
             };
+            if matches!(err, ProcessError::Panicked { .. }) {
+                self.counters.panics.add(1);
+            }
             if err.is_retryable() {
                 retry += 1;
-                debug!(key = %key, error = %err, retry, "retrying");
+                if let ProcessError::Store(e) = &err {
+                    self.counters.store_errors.add(1);
+                    warn!(key = %key, error = %e, retry, "store unavailable; retrying");
+                } else {
+                    debug!(key = %key, error = %err, retry, "retrying");
+                }
                 if !self.wait_retry(job, retry).await {
                     return Settled::Abandoned;
                 }
@@ -755,6 +781,10 @@ where
             let attempts = match &err {
                 ProcessError::Failed { attempts, .. } => *attempts,
                 ProcessError::Handler {
+                    after: AfterHandlerError::Failed { attempts },
+                    ..
+                }
+                | ProcessError::Panicked {
                     after: AfterHandlerError::Failed { attempts },
                     ..
                 } => *attempts,
@@ -770,7 +800,23 @@ where
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let reason = match self.handler.handle(job.delivery.clone(), None).await {
+            let call = AssertUnwindSafe(self.handler.handle(job.delivery.clone(), None));
+            let out = match call.catch_unwind().await {
+                Ok(out) => out,
+                Err(panic) => {
+                    self.counters.panics.add(1);
+                    let msg = format!("handler panicked: {}", panic_message(&*panic));
+                    if attempt >= max {
+                        return self.dead_letter(job, &msg, attempt).await;
+                    }
+                    warn!(attempt, msg, "retrying a keyless message");
+                    if !self.wait_retry(job, attempt).await {
+                        return Settled::Abandoned;
+                    }
+                    continue;
+                }
+            };
+            let reason = match out {
                 Ok(_) => return Settled::ProcessedWithoutDedup,
                 Err(HandlerError::Permanent(e)) => format!("the handler failed permanently: {e}"),
                 Err(HandlerError::Retryable(e)) if attempt >= max => {
@@ -840,6 +886,15 @@ where
             }
         }
     }
+}
+
+/// A panic's message, where it has one.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }
 
 struct DisplayHandlerError<'a, E>(&'a HandlerError<E>);

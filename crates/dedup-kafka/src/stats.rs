@@ -100,6 +100,8 @@ pub(crate) struct Counters {
     pub(crate) pauses: Counter,
     pub(crate) saturated: Counter,
     pub(crate) max_held: Counter,
+    pub(crate) panics: Counter,
+    pub(crate) store_errors: Counter,
 }
 
 /// A live view of a runner's counters.
@@ -129,6 +131,8 @@ impl StatsHandle {
             pauses: c.pauses.get(),
             saturated: c.saturated.get(),
             max_held: c.max_held.get(),
+            panics: c.panics.get(),
+            store_errors: c.store_errors.get(),
             latency_p50_us: c.latency.quantile(0.5),
             latency_p99_us: c.latency.quantile(0.99),
         }
@@ -175,6 +179,12 @@ pub struct RunnerStats {
     pub saturated: u64,
     /// The most messages held at once (the bound, plus any a stall pause let in).
     pub max_held: u64,
+    /// Handler calls (or runner tasks) that panicked. A panic counts as a retryable failure; past
+    /// the attempts the message is dead-lettered with the panic's message.
+    pub panics: u64,
+    /// Passing store errors (a failover, a statement timeout, a pool exhausted) that a message
+    /// was retried after; each is also logged as a warning.
+    pub store_errors: u64,
     /// Median time from a message's start to its settlement (dedup decision, handler, completion
     /// or dead letter), in microseconds (within 12.5%).
     pub latency_p50_us: u64,

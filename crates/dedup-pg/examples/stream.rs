@@ -149,7 +149,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
                     .with_lease(Duration::from_secs(10))
                     .with_max_attempts(3),
             )?
-            .with_in_flight_wait(Duration::from_secs(30)),
+            .with_in_flight_wait(Duration::from_secs(30))?,
     );
     let scope = Scope::new("demo-payments")?;
     let mut rng = Lcg(42);

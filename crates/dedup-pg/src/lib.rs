@@ -76,6 +76,13 @@ use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use sqlx::{Postgres, Row, Transaction};
 use tracing::{debug, warn};
 
+mod classify;
+mod sql;
+
+use classify::must_discard;
+pub use classify::{classify, is_passing, sqlstate};
+use sql::*;
+
 /// The embedded migrations (the workspace's top-level `migrations/`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
@@ -87,203 +94,6 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 /// How many times a claim that lost a race to a concurrent writer is re-run before giving up
 /// with [`StoreError::Unavailable`]. Each re-run sees the winner's committed row.
 const CLAIM_RACE_TRIES: u32 = 16;
-
-/// The record's columns, with times as microseconds since the epoch.
-macro_rules! record_cols {
-    ($t:literal) => {
-        concat!(
-            $t,
-            ".scope, ",
-            $t,
-            ".key, ",
-            $t,
-            ".state, ",
-            $t,
-            ".owner, ",
-            $t,
-            ".token, ",
-            "(extract(epoch FROM ",
-            $t,
-            ".lease_until) * 1000000)::int8 AS lease_until_us, ",
-            $t,
-            ".attempts, ",
-            $t,
-            ".fingerprint, ",
-            $t,
-            ".result, ",
-            $t,
-            ".failure, ",
-            "(extract(epoch FROM ",
-            $t,
-            ".created_at) * 1000000)::int8 AS created_us, ",
-            "(extract(epoch FROM ",
-            $t,
-            ".updated_at) * 1000000)::int8 AS updated_us, ",
-            "(extract(epoch FROM ",
-            $t,
-            ".expires_at) * 1000000)::int8 AS expires_us"
-        )
-    };
-}
-
-/// One round trip: read the row; insert it if absent, or take it over if its lease expired, it
-/// was released, or it is past its retention (a fresh claim); otherwise answer from what was read.
-/// A duplicate costs a plain read: no row lock, no WAL. `src` says which branch produced the row.
-///
-/// $1 scope, $2 key, $3 owner, $4 fingerprint, $5 lease (µs), $6 retention (µs), $7 max attempts.
-const CLAIM_SQL: &str = concat!(
-    "WITH clock AS (SELECT statement_timestamp() AS t), ",
-    "cur AS (SELECT r.* FROM dedup_records r WHERE r.scope = $1 AND r.key = $2), ",
-    "ins AS (",
-    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
-    "    fingerprint, created_at, updated_at, expires_at)",
-    "  SELECT $1, $2, 'in_progress', $3, nextval('dedup_token_seq'),",
-    "    c.t + $5::float8 * interval '1 microsecond', 1, $4, c.t, c.t,",
-    "    c.t + ($5 + $6)::float8 * interval '1 microsecond'",
-    "  FROM clock c WHERE NOT EXISTS (SELECT 1 FROM cur)",
-    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
-    "upd AS (",
-    "  UPDATE dedup_records AS r SET state = 'in_progress', owner = $3,",
-    "    token = nextval('dedup_token_seq'),",
-    "    lease_until = c.t + $5::float8 * interval '1 microsecond',",
-    "    attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,",
-    "    fingerprint = CASE WHEN r.expires_at <= c.t THEN $4 ELSE coalesce(r.fingerprint, $4) END,",
-    "    result = NULL,",
-    "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
-    "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
-    "    updated_at = c.t,",
-    "    expires_at = c.t + ($5 + $6)::float8 * interval '1 microsecond'",
-    "  FROM clock c",
-    "  WHERE r.scope = $1 AND r.key = $2 AND (r.expires_at <= c.t OR (r.attempts < $7",
-    "    AND ($4::bytea IS NULL OR r.fingerprint IS NULL OR r.fingerprint = $4)",
-    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
-    "  RETURNING r.*) ",
-    "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
-    record_cols!("ins"),
-    " FROM ins ",
-    "UNION ALL SELECT 'upd', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
-    record_cols!("upd"),
-    " FROM upd ",
-    "UNION ALL SELECT 'cur', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
-    record_cols!("cur"),
-    " FROM cur ",
-    "WHERE NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd)"
-);
-
-/// [`CLAIM_SQL`] for many keys at once (each key at most once), from parallel arrays: the same
-/// branches per key, one statement, one WAL flush. Keys whose row is missing from the answer lost
-/// a race with a concurrent writer and are claimed again one by one.
-///
-/// $1 scopes, $2 keys, $3 owners, $4 fingerprints, $5 leases (µs), $6 retentions (µs),
-/// $7 max attempts.
-const CLAIM_BATCH_SQL: &str = concat!(
-    "WITH clock AS (SELECT statement_timestamp() AS t), ",
-    "q AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
-    "  $6::int8[], $7::int4[]) AS q(scope, key, owner, fp, lease_us, ret_us, max_attempts)), ",
-    "cur AS (SELECT r.* FROM dedup_records r JOIN q ON r.scope = q.scope AND r.key = q.key), ",
-    "ins AS (",
-    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
-    "    fingerprint, created_at, updated_at, expires_at)",
-    "  SELECT q.scope, q.key, 'in_progress', q.owner, nextval('dedup_token_seq'),",
-    "    c.t + q.lease_us::float8 * interval '1 microsecond', 1, q.fp, c.t, c.t,",
-    "    c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
-    "  FROM q, clock c",
-    "  WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.scope = q.scope AND cur.key = q.key)",
-    // One lock order for every batch, so two batches never wait on each other in a cycle.
-    "  ORDER BY q.scope, q.key",
-    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
-    "upd AS (",
-    "  UPDATE dedup_records AS r SET state = 'in_progress', owner = q.owner,",
-    "    token = nextval('dedup_token_seq'),",
-    "    lease_until = c.t + q.lease_us::float8 * interval '1 microsecond',",
-    "    attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,",
-    "    fingerprint = CASE WHEN r.expires_at <= c.t THEN q.fp ELSE coalesce(r.fingerprint, q.fp) END,",
-    "    result = NULL,",
-    "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
-    "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
-    "    updated_at = c.t,",
-    "    expires_at = c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
-    "  FROM clock c, q",
-    "  WHERE r.scope = q.scope AND r.key = q.key AND (r.expires_at <= c.t OR (r.attempts < q.max_attempts",
-    "    AND (q.fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.fp)",
-    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
-    "  RETURNING r.*) ",
-    "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
-    record_cols!("ins"),
-    " FROM ins ",
-    "UNION ALL SELECT 'upd', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
-    record_cols!("upd"),
-    " FROM upd ",
-    "UNION ALL SELECT 'cur', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
-    record_cols!("cur"),
-    " FROM cur ",
-    "WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.scope = cur.scope AND ins.key = cur.key)",
-    " AND NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key)"
-);
-
-/// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
-/// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
-const COMPLETE_BATCH_SQL: &str = concat!(
-    "UPDATE dedup_records AS r SET state = 'completed', lease_until = NULL, result = q.result,",
-    " failure = NULL, updated_at = statement_timestamp(),",
-    " expires_at = statement_timestamp() + q.ret_us::float8 * interval '1 microsecond'",
-    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[])",
-    "   AS q(scope, key, token, result, ret_us)",
-    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
-    " RETURNING r.scope, r.key"
-);
-
-/// Reads many records. $1 scopes, $2 keys.
-const GET_MANY_SQL: &str = concat!(
-    "SELECT ",
-    record_cols!("r"),
-    " FROM dedup_records r JOIN unnest($1::text[], $2::bytea[]) AS q(scope, key)",
-    " ON r.scope = q.scope AND r.key = q.key"
-);
-
-/// A claim found the key out of attempts: mark it FAILED, fenced on what was read.
-/// $1 scope, $2 key, $3 token, $4 state read, $5 reason, $6 failed retention (µs), $7 max attempts.
-const EXHAUST_SQL: &str = concat!(
-    "UPDATE dedup_records SET state = 'failed', lease_until = NULL, failure = $5,",
-    " updated_at = statement_timestamp(),",
-    " expires_at = statement_timestamp() + $6::float8 * interval '1 microsecond'",
-    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = $4 AND attempts >= $7",
-    " AND expires_at > statement_timestamp()",
-    " AND (state = 'released' OR lease_until <= statement_timestamp())"
-);
-
-/// Every fenced end of a lease (complete, release, fail): applies only under the live token.
-/// $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention (µs).
-const FINISH_SQL: &str = concat!(
-    "UPDATE dedup_records SET state = $4, lease_until = NULL, result = $5, failure = $6,",
-    " updated_at = statement_timestamp(),",
-    " expires_at = statement_timestamp() + $7::float8 * interval '1 microsecond'",
-    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'"
-);
-
-/// The heartbeat. $1 scope, $2 key, $3 token, $4 lease (µs), $5 retention (µs).
-const EXTEND_SQL: &str = concat!(
-    "UPDATE dedup_records SET updated_at = statement_timestamp(),",
-    " lease_until = statement_timestamp() + $4::float8 * interval '1 microsecond',",
-    " expires_at = greatest(expires_at,",
-    "   statement_timestamp() + ($4 + $5)::float8 * interval '1 microsecond')",
-    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'",
-    " RETURNING (extract(epoch FROM lease_until) * 1000000)::int8"
-);
-
-const GET_SQL: &str = concat!(
-    "SELECT ",
-    record_cols!("r"),
-    " FROM dedup_records r WHERE r.scope = $1 AND r.key = $2"
-);
-
-/// Bounded retention purge; skips rows another transaction holds.
-const PURGE_SQL: &str = concat!(
-    "WITH doomed AS (SELECT scope, key FROM dedup_records",
-    "  WHERE expires_at <= statement_timestamp() ORDER BY expires_at LIMIT $1",
-    "  FOR UPDATE SKIP LOCKED) ",
-    "DELETE FROM dedup_records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"
-);
 
 /// The Postgres store. Cheap to clone (it holds a pool).
 #[derive(Clone, Debug)]
@@ -313,6 +123,14 @@ impl PgStore {
 
     fn count(&self, n: u64) {
         self.statements.fetch_add(n, Ordering::Relaxed);
+    }
+
+    async fn conn(&self) -> Result<Conn, StoreError> {
+        self.pool
+            .acquire()
+            .await
+            .map(Conn)
+            .map_err(|e| classify(e, false))
     }
 
     /// Completes many leases inside the caller's transaction, in one statement: the completions
@@ -364,12 +182,14 @@ impl PgStore {
         let keys: Vec<&IdempotencyKey> = keys.into_iter().collect();
         let scopes: Vec<&str> = keys.iter().map(|k| k.scope().as_str()).collect();
         let bytes: Vec<&[u8]> = keys.iter().map(|k| k.key_bytes()).collect();
+        let mut conn = self.conn().await?;
         let rows = sqlx::query(GET_MANY_SQL)
             .bind(&scopes)
             .bind(&bytes)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut **conn)
             .await
-            .map_err(|e| classify(e, false))?;
+            .map_err(|e| classify(e, false));
+        let rows = conn.checked(rows)?;
         let by_id: HashMap<(&str, &[u8]), &IdempotencyKey> = keys
             .iter()
             .map(|k| ((k.scope().as_str(), k.key_bytes()), *k))
@@ -450,11 +270,21 @@ impl PgStore {
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxBody<'c, E>,
     {
         let lease = lease.lease();
-        let mut tx = self.pool.begin().await.map_err(|e| classify(e, false))?;
-        let result = body(&mut tx).await?;
-        Self::complete_in(&mut tx, lease, &result).await?;
-        self.commit(tx, lease).await?;
-        Ok(Completion::committed(result))
+        let mut conn = self.conn().await?;
+        let out = async {
+            let mut tx = sqlx::Connection::begin(&mut **conn)
+                .await
+                .map_err(|e| classify(e, false))?;
+            let result = body(&mut tx).await?;
+            Self::complete_in(&mut tx, lease, &result).await?;
+            self.commit(tx, lease).await?;
+            Ok(Completion::committed(result))
+        }
+        .await;
+        if let Err(HandlerError::Store(e)) = &out {
+            conn.saw(e);
+        }
+        out
     }
 }
 
@@ -548,6 +378,12 @@ async fn claim_many(
         .await
         .map_err(|e| classify(e, true))?;
     let mut answers = Vec::with_capacity(n);
+    // The latest clock reading after the writes: when the claims took effect.
+    let mut done = Timestamp::from_micros(i64::MIN);
+    for row in &rows {
+        let at: i64 = row.try_get("done_us").map_err(|e| classify(e, false))?;
+        done = done.max(Timestamp::from_micros(at));
+    }
     for row in &rows {
         let scope: &str = row.try_get("scope").map_err(|e| classify(e, false))?;
         let key: &[u8] = row.try_get("key").map_err(|e| classify(e, false))?;
@@ -578,7 +414,97 @@ async fn claim_many(
         };
         answers.push((i, Ok(answer), Some((record, now))));
     }
+    // Leases granted from before a wait (the statement waited on a lock): re-grant them from now
+    // in one statement. A key taken over in between is left out and claimed again on its own.
+    let stale: Vec<usize> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, (i, answer, seen))| {
+            matches!(answer, Ok(ClaimOutcome::Acquired(_)))
+                && seen
+                    .as_ref()
+                    .is_some_and(|(_, now)| waited(*now, done, reqs[*i].policy.lease))
+        })
+        .map(|(a, _)| a)
+        .collect();
+    if !stale.is_empty() {
+        let leases: Vec<&Lease> = stale
+            .iter()
+            .filter_map(|&a| match &answers[a].1 {
+                Ok(ClaimOutcome::Acquired(lease)) => Some(lease),
+                _ => None,
+            })
+            .collect();
+        let ends = regrant(conn, &leases).await?;
+        let mut lost = Vec::new();
+        for (&a, end) in stale.iter().zip(ends) {
+            match (end, &mut answers[a]) {
+                (Some(until), (_, Ok(ClaimOutcome::Acquired(lease)), seen)) => {
+                    lease.lease_until = until;
+                    if let Some((record, _)) = seen {
+                        record.lease_until = Some(until);
+                    }
+                }
+                _ => lost.push(a),
+            }
+        }
+        for a in lost.into_iter().rev() {
+            let _lost = answers.remove(a);
+        }
+    }
     Ok(answers)
+}
+
+/// Whether a claim statement that started at `now` and finished its writes at `done` waited
+/// long enough (a tenth of the lease) that its leases must be re-granted from now.
+fn waited(now: Timestamp, done: Timestamp, lease: Duration) -> bool {
+    done.as_micros().saturating_sub(now.as_micros()) > micros(lease) / 10
+}
+
+/// Re-grants `leases` from now ([`REGRANT_SQL`]): each one's new end, or `None` where its token no
+/// longer holds the key (taken over in between).
+async fn regrant(
+    conn: &mut PgConnection,
+    leases: &[&Lease],
+) -> Result<Vec<Option<Timestamp>>, StoreError> {
+    let scopes: Vec<&str> = leases.iter().map(|l| l.key.scope().as_str()).collect();
+    let keys: Vec<&[u8]> = leases.iter().map(|l| l.key.key_bytes()).collect();
+    let tokens: Vec<i64> = leases.iter().map(|l| token_i64(l.token)).collect();
+    let lease_us: Vec<i64> = leases.iter().map(|l| micros(l.policy.lease)).collect();
+    let ret_us: Vec<i64> = leases.iter().map(|l| micros(l.policy.retention)).collect();
+    let rows = sqlx::query(REGRANT_SQL)
+        .bind(&scopes)
+        .bind(&keys)
+        .bind(&tokens)
+        .bind(&lease_us)
+        .bind(&ret_us)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| classify(e, true))?;
+    let mut ends: HashMap<(String, Vec<u8>), Timestamp> = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let scope: String = row.try_get("scope").map_err(|e| classify(e, false))?;
+        let key: Vec<u8> = row.try_get("key").map_err(|e| classify(e, false))?;
+        let until: i64 = row
+            .try_get("lease_until_us")
+            .map_err(|e| classify(e, false))?;
+        ends.insert((scope, key), Timestamp::from_micros(until));
+    }
+    debug!(
+        n = leases.len(),
+        held = ends.len(),
+        "re-granted leases after a waiting claim"
+    );
+    Ok(leases
+        .iter()
+        .map(|l| {
+            ends.get(&(
+                l.key.scope().as_str().to_owned(),
+                l.key.key_bytes().to_vec(),
+            ))
+            .copied()
+        })
+        .collect())
 }
 
 /// Runs [`COMPLETE_BATCH_SQL`] on `conn`, then completes each repeat of a key on its own. One
@@ -732,10 +658,20 @@ async fn claim_once(
     };
     let src: String = row.try_get("src").map_err(|e| classify(e, false))?;
     let now = Timestamp::from_micros(row.try_get("now_us").map_err(|e| classify(e, false))?);
+    let done = Timestamp::from_micros(row.try_get("done_us").map_err(|e| classify(e, false))?);
     let record = record_from_row(&req.key, &row)?;
     Ok(match (src.as_str(), record.state) {
         ("ins" | "upd", State::InProgress) => {
-            Some(ClaimOutcome::Acquired(Lease::granted(&record, req)))
+            let mut lease = Lease::granted(&record, req);
+            if waited(now, done, p.lease) {
+                // Granted from before a wait: the lease must run from now. Re-granted under its
+                // token; if someone took the key over in between, this claim is simply re-run.
+                match regrant(conn, &[&lease]).await?.pop().flatten() {
+                    Some(until) => lease.lease_until = until,
+                    None => return Ok(None),
+                }
+            }
+            Some(ClaimOutcome::Acquired(lease))
         }
         ("cur", _) => match machine::claim(Some(&record), req, now, || record.token) {
             ClaimStep::Answer(outcome) => Some(outcome),
@@ -804,27 +740,25 @@ async fn finish(
 
 impl Store for PgStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
+        let mut conn = self.conn().await?;
         let (outcome, statements) = claim_counted(&mut conn, req).await;
         self.count(statements);
-        outcome
+        conn.checked(outcome)
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
+        let mut conn = self.conn().await?;
         self.count(1);
-        Self::complete_in(&mut conn, lease, result).await
+        let done = Self::complete_in(&mut conn, lease, result).await;
+        conn.checked(done)
     }
 
     /// One statement for the batch's distinct keys; a key that lost a race to a concurrent writer
     /// (rare) and each repeat of a key are then claimed one by one, in order.
     async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome, StoreError>> {
-        let mut conn = match self.pool.acquire().await {
+        let mut conn = match self.conn().await {
             Ok(conn) => conn,
-            Err(e) => {
-                let e = classify(e, false);
-                return reqs.iter().map(|_| Err(echo(&e))).collect();
-            }
+            Err(e) => return reqs.iter().map(|_| Err(echo(&e))).collect(),
         };
         let mut out: Vec<Option<Result<ClaimOutcome, StoreError>>> = Vec::with_capacity(reqs.len());
         let mut first: HashMap<&IdempotencyKey, usize> = HashMap::with_capacity(reqs.len());
@@ -854,6 +788,14 @@ impl Store for PgStore {
                 }
                 // Not applied (deadlock, overload...): every key is claimed one by one below.
                 Err(e) if !e.is_outcome_unknown() => {
+                    conn.saw(&e);
+                    if must_discard(&e) {
+                        // This connection cannot claim: the fallback takes a fresh one.
+                        match self.conn().await {
+                            Ok(fresh) => conn = fresh,
+                            Err(e) => return reqs.iter().map(|_| Err(echo(&e))).collect(),
+                        }
+                    }
                     debug!(error = %e, "batch claim failed; claiming one by one");
                 }
                 // It may have applied: claim one by one too, each claim re-reading the row. A
@@ -884,24 +826,22 @@ impl Store for PgStore {
         }
         out.into_iter()
             .zip(reqs)
-            .map(|(answer, req)| answer.unwrap_or_else(|| Err(unanswered(&req.key))))
+            .map(|(answer, req)| conn.checked(answer.unwrap_or_else(|| Err(unanswered(&req.key)))))
             .collect()
     }
 
     /// One statement; an outcome that is unknown (a dropped connection) is read back.
     async fn complete_batch(&self, items: &[(Lease, Bytes)]) -> Vec<Result<(), StoreError>> {
-        let mut conn = match self.pool.acquire().await {
+        let mut conn = match self.conn().await {
             Ok(conn) => conn,
-            Err(e) => {
-                let e = classify(e, false);
-                return items.iter().map(|_| Err(echo(&e))).collect();
-            }
+            Err(e) => return items.iter().map(|_| Err(echo(&e))).collect(),
         };
         let (mut out, failed, statements) = complete_many(&mut conn, items).await;
         self.count(statements);
         let Some(err) = failed else {
             return out;
         };
+        conn.saw(&err);
         drop(conn);
         if !err.is_outcome_unknown() {
             return out;
@@ -933,45 +873,31 @@ impl Store for PgStore {
 
     async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
         self.count(1);
-        let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
+        let mut conn = self.conn().await?;
         // The token pins the attempt count: it changes only with a takeover, which changes the
         // token too. So the lease's count is the record's.
         let p = lease.policy;
-        if lease.attempts >= p.max_attempts {
+        let (state, failure, retention, after) = if lease.attempts >= p.max_attempts {
             let reason = machine::exhausted_reason(lease.attempts, p.max_attempts, Some(error));
-            finish(
-                &mut conn,
-                lease,
-                State::Failed,
-                None,
-                Some(&reason),
-                p.failed_retention,
-            )
-            .await?;
-            Ok(AfterFailure::Failed {
+            let after = AfterFailure::Failed {
                 attempts: lease.attempts,
-            })
+            };
+            (State::Failed, reason, p.failed_retention, after)
         } else {
-            finish(
-                &mut conn,
-                lease,
-                State::Released,
-                None,
-                Some(error),
-                p.retention,
-            )
-            .await?;
-            Ok(AfterFailure::Released {
+            let after = AfterFailure::Released {
                 attempts: lease.attempts,
-            })
-        }
+            };
+            (State::Released, error.to_owned(), p.retention, after)
+        };
+        let done = finish(&mut conn, lease, state, None, Some(&failure), retention).await;
+        conn.checked(done).map(|()| after)
     }
 
     async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
         self.count(1);
-        let mut conn = self.pool.acquire().await.map_err(|e| classify(e, false))?;
+        let mut conn = self.conn().await?;
         let retention = lease.policy.failed_retention;
-        finish(
+        let done = finish(
             &mut conn,
             lease,
             State::Failed,
@@ -979,47 +905,116 @@ impl Store for PgStore {
             Some(reason),
             retention,
         )
-        .await
+        .await;
+        conn.checked(done)
+    }
+
+    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.count(1);
+        let mut conn = self.conn().await?;
+        let done = sqlx::query(WITHDRAW_SQL)
+            .bind(lease.key.scope().as_str())
+            .bind(lease.key.key_bytes())
+            .bind(token_i64(lease.token))
+            .execute(&mut **conn)
+            .await
+            .map_err(|e| classify(e, true))
+            .and_then(|done| {
+                if done.rows_affected() == 1 {
+                    Ok(())
+                } else {
+                    Err(StoreError::LeaseLost {
+                        key: lease.key.clone(),
+                        token: lease.token,
+                    })
+                }
+            });
+        conn.checked(done)
     }
 
     async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
         self.count(1);
-        let until: Option<i64> = sqlx::query_scalar(EXTEND_SQL)
+        let mut conn = self.conn().await?;
+        let until = sqlx::query_scalar::<_, i64>(EXTEND_SQL)
             .bind(lease.key.scope().as_str())
             .bind(lease.key.key_bytes())
             .bind(token_i64(lease.token))
             .bind(micros(lease.policy.lease))
             .bind(micros(lease.policy.retention))
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut **conn)
             .await
-            .map_err(|e| classify(e, true))?;
-        until
-            .map(Timestamp::from_micros)
-            .ok_or_else(|| StoreError::LeaseLost {
-                key: lease.key.clone(),
-                token: lease.token,
-            })
+            .map_err(|e| classify(e, true))
+            .and_then(|until| {
+                until
+                    .map(Timestamp::from_micros)
+                    .ok_or_else(|| StoreError::LeaseLost {
+                        key: lease.key.clone(),
+                        token: lease.token,
+                    })
+            });
+        conn.checked(until)
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         self.count(1);
+        let mut conn = self.conn().await?;
         let row = sqlx::query(GET_SQL)
             .bind(key.scope().as_str())
             .bind(key.key_bytes())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut **conn)
             .await
-            .map_err(|e| classify(e, false))?;
-        row.map(|row| record_from_row(key, &row)).transpose()
+            .map_err(|e| classify(e, false));
+        conn.checked(row)?
+            .map(|row| record_from_row(key, &row))
+            .transpose()
     }
 
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
         self.count(1);
+        let mut conn = self.conn().await?;
         let done = sqlx::query(PURGE_SQL)
             .bind(i64::from(limit))
-            .execute(&self.pool)
+            .execute(&mut **conn)
             .await
-            .map_err(|e| classify(e, true))?;
-        Ok(done.rows_affected())
+            .map_err(|e| classify(e, true));
+        conn.checked(done).map(|d| d.rows_affected())
+    }
+}
+
+/// A pooled connection that is closed, instead of returned to the pool, once an error says it
+/// must not be reused: 25006 (it reaches a server that cannot write, such as a primary demoted in
+/// a failover), or a session the server ended. See [`classify`](mod@classify).
+struct Conn(sqlx::pool::PoolConnection<Postgres>);
+
+impl Conn {
+    /// Marks the connection for closing if `e` says it must not be reused.
+    fn saw(&mut self, e: &StoreError) {
+        if must_discard(e) {
+            warn!(error = %e, "closing a Postgres connection that must not be reused");
+            self.0.close_on_drop();
+        }
+    }
+
+    /// `r`, after [`saw`](Self::saw) its error.
+    fn checked<T>(&mut self, r: Result<T, StoreError>) -> Result<T, StoreError> {
+        if let Err(e) = &r {
+            self.saw(e);
+        }
+        r
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = sqlx::pool::PoolConnection<Postgres>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
     }
 }
 
@@ -1090,38 +1085,4 @@ fn record_from_row(key: &IdempotencyKey, row: &PgRow) -> Result<Record, StoreErr
         .map(Bytes::from);
     record.failure = row.try_get("failure").map_err(get_err)?;
     Ok(record)
-}
-
-/// Classifies a sqlx error. `write` says whether the statement may have changed data: a dropped
-/// connection after a write leaves its outcome unknown.
-pub fn classify(e: sqlx::Error, write: bool) -> StoreError {
-    match &e {
-        sqlx::Error::Database(db) => {
-            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            // 40: serialization failure, deadlock; 53: out of resources; 55P03: lock timeout;
-            // 57P01-03: server shutting down or starting; 08: connection exceptions.
-            // The server reported the failure, so the statement did not apply.
-            let passing = code.starts_with("40")
-                || code.starts_with("53")
-                || code.starts_with("08")
-                || matches!(code.as_str(), "55P03" | "57P01" | "57P02" | "57P03");
-            if passing {
-                StoreError::unavailable(e)
-            } else {
-                StoreError::backend(e)
-            }
-        }
-        sqlx::Error::Io(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::WorkerCrashed => {
-            if write {
-                StoreError::outcome_unknown(e)
-            } else {
-                StoreError::unavailable(e)
-            }
-        }
-        sqlx::Error::PoolTimedOut | sqlx::Error::BeginFailed => StoreError::unavailable(e),
-        _ => StoreError::backend(e),
-    }
 }

@@ -104,7 +104,8 @@ pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: 
         Dedup::new(Arc::clone(&s))
             .with_policy(policy)
             .unwrap()
-            .with_in_flight_wait(Duration::ZERO),
+            .with_in_flight_wait(Duration::ZERO)
+            .unwrap(),
     );
     let k = key("slow");
     let runs = Arc::new(AtomicU32::new(0));
@@ -136,7 +137,11 @@ pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: 
 }
 
 pub(crate) async fn process_waits_for_an_in_flight_duplicate<S: Store + 'static>(s: Arc<S>) {
-    let dedup = Arc::new(Dedup::new(s).with_in_flight_wait(Duration::from_secs(5)));
+    let dedup = Arc::new(
+        Dedup::new(s)
+            .with_in_flight_wait(Duration::from_secs(5))
+            .unwrap(),
+    );
     let k = key("k");
     let first = {
         let (dedup, k) = (Arc::clone(&dedup), k.clone());
@@ -232,7 +237,9 @@ pub(crate) async fn process_reads_back_an_unknown_claim<S: Store>(s: Arc<S>) {
     // The claim lands but its reply is lost: the record holds our owner id, so the lease is ours
     // and the handler runs (once) instead of waiting out our own lease.
     let flaky = LostReplies::new(Arc::clone(&s), 1, 0);
-    let dedup = Dedup::new(&flaky).with_in_flight_wait(Duration::ZERO);
+    let dedup = Dedup::new(&flaky)
+        .with_in_flight_wait(Duration::ZERO)
+        .unwrap();
     let k = key("k");
     let done = dedup
         .process(&k, None, |_| async { ok("done") })
@@ -252,7 +259,11 @@ pub(crate) async fn process_reads_back_an_unknown_claim<S: Store>(s: Arc<S>) {
 
 pub(crate) async fn process_storm_runs_each_key_once<S: Store + 'static>(s: Arc<S>) {
     // 32 tasks, 2,000 deliveries over 200 keys, duplicates racing each other.
-    let dedup = Arc::new(Dedup::new(s).with_in_flight_wait(Duration::from_secs(30)));
+    let dedup = Arc::new(
+        Dedup::new(s)
+            .with_in_flight_wait(Duration::from_secs(30))
+            .unwrap(),
+    );
     let effects: Arc<Mutex<HashMap<u32, u32>>> = Arc::default();
     let mut tasks = Vec::new();
     for t in 0..32u32 {
@@ -293,7 +304,9 @@ pub(crate) async fn process_adopts_its_own_claim_after_a_failed_read_back<S: Sto
     // The claim lands, its reply is lost, and the read-back fails too: the retried claim finds
     // our own owner id in flight and adopts that lease instead of waiting it out.
     let flaky = LostReplies::new(Arc::clone(&s), 1, 0).failing_gets(1);
-    let dedup = Dedup::new(&flaky).with_in_flight_wait(Duration::ZERO);
+    let dedup = Dedup::new(&flaky)
+        .with_in_flight_wait(Duration::ZERO)
+        .unwrap();
     let k = key("k");
     let done = dedup
         .process(&k, None, |_| async { ok("done") })

@@ -1,0 +1,236 @@
+//! Every statement the store sends, as a `const`: plain `sqlx::query` strings (not the
+//! compile-time checked macros), each exercised by the tests against a real server.
+//!
+//! Leases are granted from `statement_timestamp()`. A claim that waited on a lock (an
+//! uncommitted claim of the same key, a row lock) has values computed before the wait, so every
+//! claim also answers `clock_timestamp()` as `done_us`, read after its writes: a claim that took
+//! longer than a tenth of its lease re-grants its leases from then ([`REGRANT_SQL`]).
+
+/// The record's columns, with times as microseconds since the epoch.
+macro_rules! record_cols {
+    ($t:literal) => {
+        concat!(
+            $t,
+            ".scope, ",
+            $t,
+            ".key, ",
+            $t,
+            ".state, ",
+            $t,
+            ".owner, ",
+            $t,
+            ".token, ",
+            "(extract(epoch FROM ",
+            $t,
+            ".lease_until) * 1000000)::int8 AS lease_until_us, ",
+            $t,
+            ".attempts, ",
+            $t,
+            ".fingerprint, ",
+            $t,
+            ".result, ",
+            $t,
+            ".failure, ",
+            "(extract(epoch FROM ",
+            $t,
+            ".created_at) * 1000000)::int8 AS created_us, ",
+            "(extract(epoch FROM ",
+            $t,
+            ".updated_at) * 1000000)::int8 AS updated_us, ",
+            "(extract(epoch FROM ",
+            $t,
+            ".expires_at) * 1000000)::int8 AS expires_us"
+        )
+    };
+}
+
+/// One round trip: read the row; insert it if absent, or take it over if its lease expired, it
+/// was released, or it is past its retention (a fresh claim); otherwise answer from what was read.
+/// A duplicate costs a plain read: no row lock, no WAL. `src` says which branch produced the row.
+///
+/// $1 scope, $2 key, $3 owner, $4 fingerprint, $5 lease (µs), $6 retention (µs), $7 max attempts.
+pub(crate) const CLAIM_SQL: &str = concat!(
+    "WITH clock AS (SELECT statement_timestamp() AS t), ",
+    "cur AS (SELECT r.* FROM dedup_records r WHERE r.scope = $1 AND r.key = $2), ",
+    "ins AS (",
+    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "    fingerprint, created_at, updated_at, expires_at)",
+    "  SELECT $1, $2, 'in_progress', $3, nextval('dedup_token_seq'),",
+    "    c.t + $5::float8 * interval '1 microsecond', 1, $4, c.t, c.t,",
+    "    c.t + ($5 + $6)::float8 * interval '1 microsecond'",
+    "  FROM clock c WHERE NOT EXISTS (SELECT 1 FROM cur)",
+    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
+    "upd AS (",
+    "  UPDATE dedup_records AS r SET state = 'in_progress', owner = $3,",
+    "    token = nextval('dedup_token_seq'),",
+    "    lease_until = c.t + $5::float8 * interval '1 microsecond',",
+    "    attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,",
+    "    fingerprint = CASE WHEN r.expires_at <= c.t THEN $4 ELSE coalesce(r.fingerprint, $4) END,",
+    "    result = NULL,",
+    "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
+    "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
+    "    updated_at = c.t,",
+    "    expires_at = c.t + ($5 + $6)::float8 * interval '1 microsecond'",
+    "  FROM clock c",
+    "  WHERE r.scope = $1 AND r.key = $2 AND (r.expires_at <= c.t OR (r.attempts < $7",
+    "    AND ($4::bytea IS NULL OR r.fingerprint IS NULL OR r.fingerprint = $4)",
+    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
+    "  RETURNING r.*) ",
+    "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8 AS done_us, ",
+    record_cols!("ins"),
+    " FROM ins ",
+    "UNION ALL SELECT 'upd', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
+    record_cols!("upd"),
+    " FROM upd ",
+    "UNION ALL SELECT 'cur', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
+    record_cols!("cur"),
+    " FROM cur ",
+    "WHERE NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd)"
+);
+
+/// [`CLAIM_SQL`] for many keys at once (each key at most once), from parallel arrays: the same
+/// branches per key, one statement, one WAL flush. Keys whose row is missing from the answer lost
+/// a race with a concurrent writer and are claimed again one by one.
+///
+/// $1 scopes, $2 keys, $3 owners, $4 fingerprints, $5 leases (µs), $6 retentions (µs),
+/// $7 max attempts.
+pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
+    "WITH clock AS (SELECT statement_timestamp() AS t), ",
+    "q AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
+    "  $6::int8[], $7::int4[]) AS q(scope, key, owner, fp, lease_us, ret_us, max_attempts)), ",
+    "cur AS (SELECT r.* FROM dedup_records r JOIN q ON r.scope = q.scope AND r.key = q.key), ",
+    "ins AS (",
+    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "    fingerprint, created_at, updated_at, expires_at)",
+    "  SELECT q.scope, q.key, 'in_progress', q.owner, nextval('dedup_token_seq'),",
+    "    c.t + q.lease_us::float8 * interval '1 microsecond', 1, q.fp, c.t, c.t,",
+    "    c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
+    "  FROM q, clock c",
+    "  WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.scope = q.scope AND cur.key = q.key)",
+    // One lock order for every batch, so two batches never wait on each other in a cycle.
+    "  ORDER BY q.scope, q.key",
+    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
+    "upd AS (",
+    "  UPDATE dedup_records AS r SET state = 'in_progress', owner = q.owner,",
+    "    token = nextval('dedup_token_seq'),",
+    "    lease_until = c.t + q.lease_us::float8 * interval '1 microsecond',",
+    "    attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,",
+    "    fingerprint = CASE WHEN r.expires_at <= c.t THEN q.fp ELSE coalesce(r.fingerprint, q.fp) END,",
+    "    result = NULL,",
+    "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
+    "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
+    "    updated_at = c.t,",
+    "    expires_at = c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
+    "  FROM clock c, q",
+    "  WHERE r.scope = q.scope AND r.key = q.key AND (r.expires_at <= c.t OR (r.attempts < q.max_attempts",
+    "    AND (q.fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.fp)",
+    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
+    "  RETURNING r.*) ",
+    "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8 AS done_us, ",
+    record_cols!("ins"),
+    " FROM ins ",
+    "UNION ALL SELECT 'upd', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
+    record_cols!("upd"),
+    " FROM upd ",
+    "UNION ALL SELECT 'cur', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
+    record_cols!("cur"),
+    " FROM cur ",
+    "WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.scope = cur.scope AND ins.key = cur.key)",
+    " AND NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key)"
+);
+
+/// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
+/// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
+pub(crate) const COMPLETE_BATCH_SQL: &str = concat!(
+    "UPDATE dedup_records AS r SET state = 'completed', lease_until = NULL, result = q.result,",
+    " failure = NULL, updated_at = statement_timestamp(),",
+    " expires_at = statement_timestamp() + q.ret_us::float8 * interval '1 microsecond'",
+    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[])",
+    "   AS q(scope, key, token, result, ret_us)",
+    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
+    " RETURNING r.scope, r.key"
+);
+
+/// Reads many records. $1 scopes, $2 keys.
+pub(crate) const GET_MANY_SQL: &str = concat!(
+    "SELECT ",
+    record_cols!("r"),
+    " FROM dedup_records r JOIN unnest($1::text[], $2::bytea[]) AS q(scope, key)",
+    " ON r.scope = q.scope AND r.key = q.key"
+);
+
+/// A claim found the key out of attempts: mark it FAILED, fenced on what was read.
+/// $1 scope, $2 key, $3 token, $4 state read, $5 reason, $6 failed retention (µs), $7 max attempts.
+pub(crate) const EXHAUST_SQL: &str = concat!(
+    "UPDATE dedup_records SET state = 'failed', lease_until = NULL, failure = $5,",
+    " updated_at = statement_timestamp(),",
+    " expires_at = statement_timestamp() + $6::float8 * interval '1 microsecond'",
+    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = $4 AND attempts >= $7",
+    " AND expires_at > statement_timestamp()",
+    " AND (state = 'released' OR lease_until <= statement_timestamp())"
+);
+
+/// Every fenced end of a lease (complete, release, fail): applies only under the live token.
+/// $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention (µs).
+pub(crate) const FINISH_SQL: &str = concat!(
+    "UPDATE dedup_records SET state = $4, lease_until = NULL, result = $5, failure = $6,",
+    " updated_at = statement_timestamp(),",
+    " expires_at = statement_timestamp() + $7::float8 * interval '1 microsecond'",
+    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'"
+);
+
+/// The heartbeat. $1 scope, $2 key, $3 token, $4 lease (µs), $5 retention (µs).
+pub(crate) const EXTEND_SQL: &str = concat!(
+    "UPDATE dedup_records SET updated_at = statement_timestamp(),",
+    " lease_until = statement_timestamp() + $4::float8 * interval '1 microsecond',",
+    " expires_at = greatest(expires_at,",
+    "   statement_timestamp() + ($4 + $5)::float8 * interval '1 microsecond')",
+    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'",
+    " RETURNING (extract(epoch FROM lease_until) * 1000000)::int8"
+);
+
+pub(crate) const GET_SQL: &str = concat!(
+    "SELECT ",
+    record_cols!("r"),
+    " FROM dedup_records r WHERE r.scope = $1 AND r.key = $2"
+);
+
+/// Bounded retention purge; skips rows another transaction holds.
+pub(crate) const PURGE_SQL: &str = concat!(
+    "WITH doomed AS (SELECT scope, key FROM dedup_records",
+    "  WHERE expires_at <= statement_timestamp() ORDER BY expires_at LIMIT $1",
+    "  FOR UPDATE SKIP LOCKED) ",
+    "DELETE FROM dedup_records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"
+);
+
+/// Re-grants leases from now, after a claim that waited: each lease runs its full length from
+/// when the claim took effect, not from when its statement arrived. Fenced on the token, like
+/// every change to a claimed record. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
+/// $5 retentions (µs).
+pub(crate) const REGRANT_SQL: &str = concat!(
+    "UPDATE dedup_records AS r SET",
+    " lease_until = clock_timestamp() + q.lease_us::float8 * interval '1 microsecond',",
+    " updated_at = clock_timestamp(),",
+    " expires_at = greatest(r.expires_at,",
+    "   clock_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond')",
+    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[])",
+    "   AS q(scope, key, token, lease_us, ret_us)",
+    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
+    " RETURNING r.scope, r.key, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us"
+);
+
+/// Gives back a lease that was never used: released, and the attempt its claim counted returned
+/// (with no attempt left, the fingerprint it wrote goes too). $1 scope, $2 key, $3 token.
+pub(crate) const WITHDRAW_SQL: &str = concat!(
+    "UPDATE dedup_records SET state = 'released', lease_until = NULL,",
+    " attempts = greatest(attempts - 1, 0),",
+    " fingerprint = CASE WHEN attempts <= 1 THEN NULL ELSE fingerprint END,",
+    " updated_at = statement_timestamp()",
+    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'"
+);
