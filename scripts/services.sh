@@ -3,6 +3,7 @@
 # demo need, on loopback, in private data directories, and exports their URLs.
 #
 #   ensure_postgres   -> DATABASE_URL (superuser on a private cluster; tests create a database each)
+#                        and PG_BINDIR (tests start throwaway servers of their own from it)
 #   ensure_redis      -> REDIS_URL (a private redis-server) and REDIS_SERVER_BIN (tests spawn
 #                        servers of their own from it)
 #   ensure_redis_cluster -> REDIS_CLUSTER_URLS (three masters on loopback, comma-separated;
@@ -105,6 +106,8 @@ CONF
       || { tail -n 20 "$DEDUP_PG_DIR/server.log" >&2 || true; die "postgres did not start"; }
   fi
   export DATABASE_URL="postgres://postgres@127.0.0.1:$DEDUP_PG_PORT/postgres"
+  # Tests that crash and restart a Postgres of their own (pg_ctl -m immediate) start it from here.
+  export PG_BINDIR="$bin"
   log "DATABASE_URL=$DATABASE_URL"
 }
 

@@ -12,4 +12,5 @@ mod conformance;
 mod kafka;
 mod kill;
 mod pg;
+mod pg_faults;
 mod redis;

@@ -117,6 +117,67 @@ impl<S: Store> Store for LostReplies<S> {
     }
 }
 
+/// A real store whose completions are refused as [`StoreError::Unavailable`] (not applied: a
+/// server that is down) `n` times before they reach it. Everything else goes straight through.
+#[derive(Debug)]
+pub(crate) struct RefusedCompletions<S> {
+    pub(crate) inner: S,
+    pub(crate) refusals: AtomicU32,
+    pub(crate) tries: AtomicU32,
+}
+
+impl<S> RefusedCompletions<S> {
+    pub(crate) fn new(inner: S, n: u32) -> Self {
+        Self {
+            inner,
+            refusals: AtomicU32::new(n),
+            tries: AtomicU32::new(0),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Down;
+
+impl std::fmt::Display for Down {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the server is down (injected)")
+    }
+}
+
+impl std::error::Error for Down {}
+
+impl<S: Store> Store for RefusedCompletions<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.inner.claim(req).await
+    }
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
+        self.tries.fetch_add(1, Ordering::SeqCst);
+        if take(&self.refusals) {
+            return Err(StoreError::unavailable(Down));
+        }
+        self.inner.complete(lease, result).await
+    }
+    async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
+        self.inner.fail_retryable(lease, error).await
+    }
+    async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
+        self.inner.fail_permanent(lease, reason).await
+    }
+    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.inner.withdraw(lease).await
+    }
+    async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
+        self.inner.extend(lease).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
+        self.inner.purge(limit).await
+    }
+}
+
 /// The handler error type tests use.
 #[derive(Debug)]
 pub(crate) struct Boom(pub(crate) &'static str);
@@ -455,4 +516,131 @@ pub(crate) fn url_of(pool: &sqlx::PgPool) -> String {
         .rsplit_once('/')
         .expect("DATABASE_URL has a database path");
     format!("{server}/{db}")
+}
+
+/// A Postgres server of a test's own, in a fresh data directory on a free loopback port, for the
+/// tests that crash it (`pg_ctl stop -m immediate`) and start it again. Durability on, as always.
+pub(crate) struct PgServer {
+    bin: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl PgServer {
+    pub(crate) fn start() -> Self {
+        let bin = std::env::var_os("PG_BINDIR")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                let mut dirs: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+                    .ok()?
+                    .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+                    .collect();
+                dirs.sort();
+                dirs.pop()
+            })
+            .expect("PG_BINDIR is set by scripts/test");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("dedup-test-pg-{port}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let server = Self { bin, dir, port };
+        if is_root() {
+            run(std::process::Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(&server.dir));
+        }
+        run(server.as_owner("initdb").arg("-D").arg(&server.dir).args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+        ]));
+        let conf = format!(
+            "listen_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{}'\n\
+             max_connections = 40\nshared_buffers = 32MB\nfsync = on\nsynchronous_commit = on\n",
+            server.dir.display()
+        );
+        let path = server.dir.join("postgresql.conf");
+        let mut all = std::fs::read_to_string(&path).unwrap();
+        all.push_str(&conf);
+        std::fs::write(&path, all).unwrap();
+        server.start_again();
+        server
+    }
+
+    fn as_owner(&self, tool: &str) -> std::process::Command {
+        let path = self.bin.join(tool);
+        if is_root() {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            std::process::Command::new(path)
+        }
+    }
+
+    pub(crate) fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Kills the server the way a crash would: `pg_ctl stop -m immediate` (no checkpoint; the
+    /// next start replays the WAL). Returns once it is down.
+    pub(crate) fn crash(&self) {
+        run(self.as_owner("pg_ctl").arg("-D").arg(&self.dir).args([
+            "-m",
+            "immediate",
+            "-w",
+            "stop",
+        ]));
+    }
+
+    /// Starts it (again), waiting until it accepts connections.
+    pub(crate) fn start_again(&self) {
+        run(self
+            .as_owner("pg_ctl")
+            .arg("-D")
+            .arg(&self.dir)
+            .arg("-l")
+            .arg(self.dir.join("server.log"))
+            .args(["-w", "-t", "60", "start"]));
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = self
+            .as_owner("pg_ctl")
+            .arg("-D")
+            .arg(&self.dir)
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn is_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+}
+
+fn run(cmd: &mut std::process::Command) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

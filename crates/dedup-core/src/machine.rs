@@ -263,24 +263,26 @@ pub fn fail_permanent(
     })
 }
 
-/// `withdraw(token)`: a lease granted but never used. IN_PROGRESS -> released, and the attempt
-/// the claim counted is given back; where that leaves no attempt at all, the fingerprint the claim
-/// wrote goes too, so the key stands as if it had never been claimed.
+/// `withdraw(token)`: a lease granted but never used, given back with the attempt its claim
+/// counted. A first attempt leaves no record at all (`None`: the key stands as if it had never
+/// been claimed, fingerprint included); a later one leaves the key released with one attempt
+/// fewer.
 pub fn withdraw(
     current: Option<&Record>,
     lease: &Lease,
     now: Timestamp,
-) -> Result<Record, StoreError> {
+) -> Result<Option<Record>, StoreError> {
     let cur = check_fence(current, lease)?;
-    let attempts = cur.attempts.saturating_sub(1);
-    Ok(Record {
+    if cur.attempts <= 1 {
+        return Ok(None);
+    }
+    Ok(Some(Record {
         state: State::Released,
         lease_until: None,
-        attempts,
-        fingerprint: if attempts == 0 { None } else { cur.fingerprint },
+        attempts: cur.attempts - 1,
         updated_at: now,
         ..cur.clone()
-    })
+    }))
 }
 
 /// `extend(token)`: the heartbeat; the lease runs `policy.lease` from `now`.

@@ -687,12 +687,12 @@ impl<S: Store> Dedup<S> {
                 give_up = give_up.min(started + d);
             }
             let now = Instant::now();
-            if now + backoff >= give_up {
+            if now >= give_up {
                 warn!(key = %lease.key, error = %err, tries, "completion not recorded before the lease ran out; giving up");
                 return Err(err);
             }
             warn!(key = %lease.key, error = %err, tries, "completion failed; retrying");
-            sleep(backoff).await;
+            sleep(backoff.min(give_up - now)).await;
             backoff = (backoff * 2).min(COMPLETE_BACKOFF_MAX);
         }
     }

@@ -45,8 +45,9 @@ pub trait Store: Send + Sync {
     ) -> impl Future<Output = Result<AfterFailure, StoreError>> + Send;
 
     /// Gives back a lease that was granted but never used (its caller went away before it could
-    /// run anything): the key is released and the attempt its claim counted is returned, so the
-    /// next claim is granted at once and as the same attempt. Fenced like every other change.
+    /// run anything), with the attempt its claim counted: a first attempt's record goes (the key
+    /// stands as if never claimed), a later one's key is released with one attempt fewer. The
+    /// next claim is granted at once, as the same attempt. Fenced like every other change.
     ///
     /// The default releases the key through [`fail_retryable`](Self::fail_retryable), which
     /// keeps the attempt; a store that can give the attempt back overrides it.
@@ -200,8 +201,14 @@ impl Store for MemoryStore {
     }
 
     async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.fenced(lease, |cur, now| machine::withdraw(cur, lease, now))
-            .map(drop)
+        let now = Timestamp::now();
+        self.with(|map| {
+            match machine::withdraw(map.get(&lease.key), lease, now)? {
+                Some(record) => map.insert(lease.key.clone(), record),
+                None => map.remove(&lease.key),
+            };
+            Ok(())
+        })
     }
 
     async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {

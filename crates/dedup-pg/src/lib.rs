@@ -912,15 +912,15 @@ impl Store for PgStore {
     async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
         self.count(1);
         let mut conn = self.conn().await?;
-        let done = sqlx::query(WITHDRAW_SQL)
+        let done = sqlx::query_scalar::<_, i64>(WITHDRAW_SQL)
             .bind(lease.key.scope().as_str())
             .bind(lease.key.key_bytes())
             .bind(token_i64(lease.token))
-            .execute(&mut **conn)
+            .fetch_one(&mut **conn)
             .await
             .map_err(|e| classify(e, true))
-            .and_then(|done| {
-                if done.rows_affected() == 1 {
+            .and_then(|changed| {
+                if changed == 1 {
                     Ok(())
                 } else {
                     Err(StoreError::LeaseLost {

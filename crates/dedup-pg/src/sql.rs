@@ -225,12 +225,16 @@ pub(crate) const REGRANT_SQL: &str = concat!(
     " RETURNING r.scope, r.key, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us"
 );
 
-/// Gives back a lease that was never used: released, and the attempt its claim counted returned
-/// (with no attempt left, the fingerprint it wrote goes too). $1 scope, $2 key, $3 token.
+/// Gives back a lease that was never used, with the attempt its claim counted: a first
+/// attempt's row is deleted (as if never claimed), a later one is released with one attempt
+/// fewer. Answers how many rows it changed (1, or 0 where the token no longer holds the key).
+/// $1 scope, $2 key, $3 token.
 pub(crate) const WITHDRAW_SQL: &str = concat!(
-    "UPDATE dedup_records SET state = 'released', lease_until = NULL,",
-    " attempts = greatest(attempts - 1, 0),",
-    " fingerprint = CASE WHEN attempts <= 1 THEN NULL ELSE fingerprint END,",
-    " updated_at = statement_timestamp()",
-    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'"
+    "WITH d AS (DELETE FROM dedup_records WHERE scope = $1 AND key = $2 AND token = $3",
+    "  AND state = 'in_progress' AND attempts <= 1 RETURNING 1), ",
+    "u AS (UPDATE dedup_records SET state = 'released', lease_until = NULL,",
+    "  attempts = attempts - 1, updated_at = statement_timestamp()",
+    "  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND attempts > 1",
+    "  RETURNING 1) ",
+    "SELECT (SELECT count(*) FROM d) + (SELECT count(*) FROM u)"
 );

@@ -640,3 +640,52 @@ pub(crate) async fn concurrent_batches_grant_each_key_once<S: Store + 'static>(s
         granted.into_iter().map(|l| (l, bytes("done"))).collect();
     assert!(s.complete_batch(&items).await.iter().all(Result::is_ok));
 }
+
+/// A lease granted but never used is given back with its attempt: a first attempt's record goes
+/// (fingerprint included), a later one's key is released with one attempt fewer. Fenced.
+pub(crate) async fn withdraw_gives_the_attempt_back<S: Store>(s: Arc<S>) {
+    let k = key("k");
+    let fp = Fingerprint::of(b"one");
+    let lease = acquired(
+        s.claim(&req(&k, "a").with_fingerprint(Some(fp)))
+            .await
+            .unwrap(),
+    );
+    s.withdraw(&lease).await.unwrap();
+    assert_eq!(s.get(&k).await.unwrap(), None, "as if never claimed");
+    assert!(matches!(
+        s.withdraw(&lease).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    // Claimed again, even with another payload: nothing ran under the withdrawn claim.
+    let other = Fingerprint::of(b"two");
+    let again = acquired(
+        s.claim(&req(&k, "b").with_fingerprint(Some(other)))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(again.attempts, 1);
+    assert!(again.token > lease.token);
+    // A withdrawal after a real failure keeps that failure's attempt.
+    s.fail_retryable(&again, "503").await.unwrap();
+    let third = acquired(
+        s.claim(&req(&k, "c").with_fingerprint(Some(other)))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(third.attempts, 2);
+    s.withdraw(&third).await.unwrap();
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::Released, 1));
+    assert_eq!(rec.fingerprint, Some(other));
+    assert!(matches!(
+        s.withdraw(&third).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    let fourth = acquired(
+        s.claim(&req(&k, "d").with_fingerprint(Some(other)))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(fourth.attempts, 2);
+}

@@ -91,6 +91,7 @@ conformance!(
     batch_claim_answers_like_single_claims,
     batch_completion_is_fenced_per_item,
     concurrent_batches_grant_each_key_once,
+    withdraw_gives_the_attempt_back,
     // the consumer API on top of the store
     process_executes_once_and_replays,
     process_releases_on_a_retryable_error,
@@ -102,4 +103,7 @@ conformance!(
     process_reads_back_an_unknown_claim,
     process_adopts_its_own_claim_after_a_failed_read_back,
     process_storm_runs_each_key_once,
+    process_keeps_completing_while_the_lease_holds,
+    process_gives_up_completing_at_the_callers_deadline,
+    process_catches_a_panicking_handler,
 );

@@ -11,7 +11,7 @@ use dedup_core::{
 };
 use tokio::time::sleep;
 
-use crate::support::{Boom, LostReplies, bytes, key, ms};
+use crate::support::{Boom, LostReplies, RefusedCompletions, bytes, key, ms};
 
 type Res = Result<Completion, HandlerError<Boom>>;
 
@@ -327,4 +327,102 @@ pub(crate) async fn process_adopts_its_own_claim_after_a_failed_read_back<S: Sto
         "the failed read was injected"
     );
     assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::Completed);
+}
+
+/// The store refuses the completion eight times (about 1.3 s of backoff: far longer than the
+/// five tries over 200 ms that gave up before); dedup keeps the lease and keeps trying, and the
+/// effect runs once.
+pub(crate) async fn process_keeps_completing_while_the_lease_holds<S: Store>(s: Arc<S>) {
+    let down = RefusedCompletions::new(Arc::clone(&s), 8);
+    let dedup = Dedup::new(&down)
+        .with_policy(Policy::default().with_lease(Duration::from_secs(10)))
+        .unwrap();
+    let k = key("k");
+    let runs = AtomicU32::new(0);
+    let done = dedup
+        .process(&k, None, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ok("booked")
+        })
+        .await
+        .unwrap();
+    assert!(done.executed());
+    assert_eq!(
+        down.tries.load(Ordering::SeqCst),
+        9,
+        "8 refusals, then it landed"
+    );
+    let again = dedup
+        .process(&k, None, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ok("again")
+        })
+        .await
+        .unwrap();
+    assert_eq!(again.result(), &bytes("booked"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::Completed);
+}
+
+/// With a completion deadline shorter than the lease, dedup gives up at that deadline (the error
+/// says a retry may help) and leaves the key in flight under its lease; it does not release it,
+/// since the effect ran.
+pub(crate) async fn process_gives_up_completing_at_the_callers_deadline<S: Store>(s: Arc<S>) {
+    let down = RefusedCompletions::new(Arc::clone(&s), u32::MAX);
+    let dedup = Dedup::new(&down)
+        .with_policy(Policy::default().with_lease(Duration::from_secs(30)))
+        .unwrap()
+        .with_completion_deadline(ms(300))
+        .unwrap();
+    let k = key("k");
+    let started = tokio::time::Instant::now();
+    let err = dedup
+        .process(&k, None, |_| async { ok("booked") })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ProcessError::Store(e) if e.is_retryable()),
+        "{err:?}"
+    );
+    assert!(started.elapsed() >= ms(300), "gave up before the deadline");
+    assert!(down.tries.load(Ordering::SeqCst) >= 2);
+    assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::InProgress);
+}
+
+/// A handler that panics: the panic is caught, the key released with the attempt counted, and the
+/// next delivery runs it as attempt 2.
+pub(crate) async fn process_catches_a_panicking_handler<S: Store>(s: Arc<S>) {
+    let dedup = Dedup::new(Arc::clone(&s));
+    let k = key("k");
+    let err = dedup
+        .process(&k, None, |_| async {
+            if k.key_bytes() == b"k" {
+                panic!("handler bug");
+            }
+            ok("unreachable")
+        })
+        .await
+        .unwrap_err();
+    match &err {
+        ProcessError::Panicked { message, after, .. } => {
+            assert_eq!(message, "handler bug");
+            assert_eq!(*after, AfterHandlerError::Released { attempts: 1 });
+        }
+        other => panic!("expected Panicked, got {other:?}"),
+    }
+    assert!(err.is_retryable());
+    assert!(
+        err.to_string().starts_with("handler panicked: handler bug"),
+        "{err}"
+    );
+    let rec = s.get(&k).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::Released, 1));
+    let done = dedup
+        .process(&k, None, |_| async { ok("fixed") })
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, Processed::Executed { attempts: 2, .. }),
+        "{done:?}"
+    );
 }
