@@ -844,9 +844,12 @@ async fn a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served
     let events: Vec<Event> = (0..20).map(|i| event(i, 2)).collect();
     produce(broker, &topic, &events).await;
     let group = unique("g");
-    // Each handler takes 1.5 s, longer than the stall limit, with two messages in flight.
-    let slow = {
-        let inner = ledger_handler(
+    // The first member's handlers hold at a gate: with two messages in flight and none settling,
+    // it stalls past the limit and pauses, for as long as the test needs, on any machine.
+    let (gate, _) = Gate::new();
+    let slow = gate.after(
+        0,
+        ledger_handler(
             engine(&pool, &redis)
                 .await
                 .store()
@@ -854,21 +857,14 @@ async fn a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served
                 .authority()
                 .clone(),
             "slow",
-        );
-        move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
-            let fut = inner(d, lease);
-            async move {
-                sleep(Duration::from_millis(1500)).await;
-                fut.await
-            }
-        }
-    };
+        ),
+    );
     let config = broker.config(&group, &topic).with_max_in_flight(2);
     let a = Running::spawn_with(config, engine(&pool, &redis).await, slow);
     let a_stats = a.stats.clone();
     eventually(60, "a pause for the stall", || {
         let s = a_stats.snapshot();
-        async move { s.pauses > 0 && s.executed > 0 }
+        async move { s.pauses > 0 }
     })
     .await;
     // A second member joins while the first is stalled: the first still serves the rebalance
@@ -878,6 +874,13 @@ async fn a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served
         engine(&pool, &redis).await,
         "b",
     );
+    let b_stats = b.stats.clone();
+    eventually(90, "the rebalance served during the stall", || {
+        let (sa, sb) = (a_stats.snapshot(), b_stats.snapshot());
+        async move { sa.revoked > 0 && sb.assigned > 0 }
+    })
+    .await;
+    gate.open();
     eventually(90, "every key booked", || {
         let pool = pool.clone();
         async move { ledger_count(&pool).await >= 20 }
@@ -1202,7 +1205,7 @@ async fn per_key_order_follows_the_ordering_key_not_the_idempotency_key(
         !overlapped.load(Ordering::Relaxed),
         "two events of one account ran at once"
     );
-    let log = log.lock().unwrap();
+    let log = log.lock().unwrap().clone();
     for (i, account) in accounts.iter().enumerate() {
         let (offsets, _) = &log[*account];
         // Account i's events are ids i, i+4, ...: on partition i % 2, at offsets i/2, i/2+2, ...

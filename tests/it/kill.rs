@@ -16,7 +16,9 @@ use crate::support::{effect_in_tx, effect_rows, effects_table, key, req, url_of}
 async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
     effects_table(&pool).await;
     let mut child = Command::new(env!("CARGO_BIN_EXE_dedup-claim-and-hang"))
-        .args([url_of(&pool).as_str(), "test", "order-7", "2000"])
+        // An 8 s lease: long enough that the check right after the kill sees it standing on a
+        // machine of any speed (one core included), short enough to wait out below.
+        .args([url_of(&pool).as_str(), "test", "order-7", "8000"])
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -49,7 +51,7 @@ async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
 
     // A consumer waits out the dead lease, takes over, and runs the effect once.
     let dedup = Dedup::new(store.clone())
-        .with_in_flight_wait(Duration::from_secs(10))
+        .with_in_flight_wait(Duration::from_secs(30))
         .unwrap();
     let run = |store: PgStore| {
         move |ctx: LeaseContext| async move {

@@ -2,7 +2,7 @@
 //! to Redis causes a second effect.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,7 +13,7 @@ use tokio::time::sleep;
 
 use crate::support::{
     RedisServer, Tiered, acquired, effect_in_tx, effect_rows, effects_table, key, ms, req,
-    short_lease, tiered,
+    short_lease, tiered, tiered_with,
 };
 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
@@ -50,11 +50,58 @@ async fn duplicates_are_answered_without_the_authority(pool: PgPool) {
     );
 }
 
+/// Lets a storm's chaos happen while handlers are certainly in flight, whatever the machine's
+/// speed: after `hold_after` effects, handlers wait at the gate until the chaos opens it.
+struct StormGate {
+    executed: AtomicU32,
+    hold_after: u32,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+impl StormGate {
+    fn new(hold_after: u32) -> Arc<Self> {
+        Arc::new(Self {
+            executed: AtomicU32::new(0),
+            hold_after,
+            open: tokio::sync::watch::channel(false).0,
+        })
+    }
+
+    /// A gate that holds nobody.
+    fn open() -> Arc<Self> {
+        Self::new(u32::MAX)
+    }
+
+    /// Waits until the storm has run `hold_after` effects (the rest are held).
+    async fn held(&self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while self.executed.load(Ordering::SeqCst) < self.hold_after {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the storm never got going"
+            );
+            sleep(ms(5)).await;
+        }
+    }
+
+    fn release(&self) {
+        self.open.send_replace(true);
+    }
+
+    async fn pass(&self) {
+        if self.executed.fetch_add(1, Ordering::SeqCst) >= self.hold_after {
+            let _ = self.open.subscribe().wait_for(|o| *o).await;
+        }
+    }
+}
+
 /// A storm through `Dedup` on the tiered store, with effect rows written in the completion's
-/// transaction, while `chaos` runs against Redis. Returns the stats.
+/// transaction, while `chaos` runs against Redis (holding handlers at `gate` as it chooses).
+/// Returns the stats.
 async fn storm_with(
     pool: &PgPool,
     s: Arc<Tiered>,
+    gate: Arc<StormGate>,
     chaos: impl std::future::Future<Output = ()>,
 ) -> TierStats {
     effects_table(pool).await;
@@ -66,13 +113,15 @@ async fn storm_with(
     let mut tasks = Vec::new();
     for t in 0..16u32 {
         let (dedup, store) = (Arc::clone(&dedup), dedup_pg::PgStore::new(pool.clone()));
+        let gate = Arc::clone(&gate);
         tasks.push(tokio::spawn(async move {
             for d in (t..1600).step_by(16) {
                 let name = format!("storm-{}", (d * 7919) % 200);
                 let done = dedup
                     .process(&key(&name), None, |ctx| {
-                        let (store, name) = (store.clone(), name.clone());
+                        let (store, name, gate) = (store.clone(), name.clone(), Arc::clone(&gate));
                         async move {
+                            gate.pass().await;
                             let result = Bytes::from(format!("r-{name}"));
                             effect_in_tx(&store, &ctx, name, format!("t{t}"), result).await
                         }
@@ -116,7 +165,7 @@ async fn flushall_in_the_middle_of_a_run_causes_no_duplicate_effect(pool: PgPool
         }
         done.store(true, Ordering::SeqCst);
     };
-    let st = storm_with(&pool, Arc::clone(&s), chaos).await;
+    let st = storm_with(&pool, Arc::clone(&s), StormGate::open(), chaos).await;
     assert!(done.load(Ordering::SeqCst));
     assert!(st.l2_hits + st.l1_hits > 0, "{st:?}");
     eprintln!("flushall storm: {st:?}");
@@ -125,15 +174,26 @@ async fn flushall_in_the_middle_of_a_run_causes_no_duplicate_effect(pool: PgPool
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn redis_killed_and_restarted_mid_run_causes_no_duplicate_effect(pool: PgPool) {
     let mut redis = RedisServer::start();
-    let s = Arc::new(tiered(pool.clone(), &redis).await);
+    let config = dedup_core::TieredConfig::default();
+    let s = Arc::new(tiered_with(pool.clone(), &redis, config).await);
     let redis_ref = &mut redis;
-    let chaos = async move {
-        sleep(ms(100)).await;
-        redis_ref.kill();
-        sleep(ms(400)).await;
-        redis_ref.restart();
+    let gate = StormGate::new(50);
+    let chaos = {
+        let (gate, s) = (Arc::clone(&gate), Arc::clone(&s));
+        async move {
+            // Redis dies while handlers are in flight (held at the gate), and a claim of our own
+            // meets the dead fast path, so the outage is felt however fast the storm would be.
+            gate.held().await;
+            redis_ref.kill();
+            s.claim(&req(&key("probe-while-down"), "probe"))
+                .await
+                .unwrap();
+            gate.release();
+            sleep(ms(400)).await;
+            redis_ref.restart();
+        }
     };
-    let during = storm_with(&pool, Arc::clone(&s), chaos).await;
+    let during = storm_with(&pool, Arc::clone(&s), gate, chaos).await;
     assert!(
         during.l2_errors + during.l2_timeouts > 0,
         "the outage must be felt: {during:?}"
@@ -174,8 +234,10 @@ async fn a_stale_marker_holds_no_longer_than_its_ttl(pool: PgPool) {
             .await
             .unwrap(),
     );
+    // The marker outlives the lease (a minute): while it is there, a duplicate is told InFlight
+    // by Redis, however slow the machine is.
     s.fast_path()
-        .store(&k, &Cached::in_progress(&dead), ms(700))
+        .store(&k, &Cached::in_progress(&dead), Duration::from_secs(60))
         .await
         .unwrap();
     sleep(ms(200)).await;
@@ -183,6 +245,11 @@ async fn a_stale_marker_holds_no_longer_than_its_ttl(pool: PgPool) {
         s.claim(&req(&k, "early")).await.unwrap(),
         ClaimOutcome::InFlight { .. }
     ));
+    // Then it runs out (rewritten with a short TTL), and the authority decides.
+    s.fast_path()
+        .store(&k, &Cached::in_progress(&dead), ms(300))
+        .await
+        .unwrap();
 
     let dedup = Dedup::new(&s)
         .with_in_flight_wait(Duration::from_secs(5))
@@ -303,22 +370,40 @@ async fn a_slow_redis_times_out_into_the_authority(pool: PgPool) {
     // Redis stops answering (CLIENT PAUSE) for 300 ms at a time: each fast-path call gives up
     // after its timeout and the authority decides. Slower, never a second effect.
     let redis = RedisServer::start();
-    let s = Arc::new(tiered(pool.clone(), &redis).await);
+    let config = dedup_core::TieredConfig::default();
+    assert_eq!(
+        config.l2_timeout,
+        ms(50),
+        "the production default times out here"
+    );
+    let s = Arc::new(tiered_with(pool.clone(), &redis, config).await);
     let mut conn = redis.client().await;
-    let chaos = async {
-        for _ in 0..3 {
-            sleep(ms(100)).await;
-            let _: () = dedup_redis::redis::cmd("CLIENT")
-                .arg("PAUSE")
-                .arg(300)
-                .arg("ALL")
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            sleep(ms(300)).await;
+    let gate = StormGate::new(50);
+    let chaos = {
+        let (gate, s) = (Arc::clone(&gate), Arc::clone(&s));
+        async move {
+            gate.held().await;
+            for round in 0..3 {
+                let _: () = dedup_redis::redis::cmd("CLIENT")
+                    .arg("PAUSE")
+                    .arg(300)
+                    .arg("ALL")
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                if round == 0 {
+                    // A claim of our own inside the pause times out (50 ms against 300 ms),
+                    // however fast the storm is; then the held handlers go on.
+                    s.claim(&req(&key("probe-while-paused"), "probe"))
+                        .await
+                        .unwrap();
+                    gate.release();
+                }
+                sleep(ms(300)).await;
+            }
         }
     };
-    let st = storm_with(&pool, Arc::clone(&s), chaos).await;
+    let st = storm_with(&pool, Arc::clone(&s), gate, chaos).await;
     assert!(st.l2_timeouts > 0, "the pause must be felt: {st:?}");
     eprintln!("slow redis storm: {st:?}");
 }
@@ -387,7 +472,7 @@ async fn acl_credentials_come_from_the_url_and_never_show(pool: PgPool) {
     let s = dedup_core::TieredStore::new(
         dedup_pg::PgStore::new(pool),
         fast,
-        dedup_core::TieredConfig::default(),
+        crate::support::test_config(),
     );
     let lease = acquired(s.claim(&req(&key("k"), "a")).await.unwrap());
     s.complete(&lease, b"ok").await.unwrap();
@@ -515,7 +600,7 @@ async fn tls_connections_carry_the_fast_path(pool: PgPool) {
     let s = dedup_core::TieredStore::new(
         dedup_pg::PgStore::new(pool),
         fast,
-        dedup_core::TieredConfig::default(),
+        crate::support::test_config(),
     );
     let k = key("k");
     let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());

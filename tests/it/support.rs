@@ -178,6 +178,70 @@ impl<S: Store> Store for RefusedCompletions<S> {
     }
 }
 
+/// A real store that counts the InFlight answers its claims gave: a test waits for one instead of
+/// sleeping and hoping a duplicate has asked by then.
+#[derive(Debug)]
+pub(crate) struct CountsInFlight<S> {
+    pub(crate) inner: S,
+    pub(crate) in_flight: AtomicU32,
+}
+
+impl<S> CountsInFlight<S> {
+    pub(crate) fn new(inner: S) -> Self {
+        Self {
+            inner,
+            in_flight: AtomicU32::new(0),
+        }
+    }
+}
+
+impl<S: Store> Store for CountsInFlight<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let out = self.inner.claim(req).await;
+        if let Ok(ClaimOutcome::InFlight { .. }) = &out {
+            self.in_flight.fetch_add(1, Ordering::SeqCst);
+        }
+        out
+    }
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
+        self.inner.complete(lease, result).await
+    }
+    async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
+        self.inner.fail_retryable(lease, error).await
+    }
+    async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
+        self.inner.fail_permanent(lease, reason).await
+    }
+    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.inner.withdraw(lease).await
+    }
+    async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
+        self.inner.extend(lease).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
+        self.inner.purge(limit).await
+    }
+}
+
+/// Polls `done` every 10 ms until it holds; fails the test after 30 s.
+pub(crate) async fn until<F, Fut>(what: &str, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !done().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// The handler error type tests use.
 #[derive(Debug)]
 pub(crate) struct Boom(pub(crate) &'static str);
@@ -360,14 +424,27 @@ impl Drop for RedisServer {
 pub(crate) type Tiered = dedup_core::TieredStore<dedup_pg::PgStore, dedup_redis::RedisFastPath>;
 
 pub(crate) async fn tiered(pool: sqlx::PgPool, redis: &RedisServer) -> Tiered {
+    tiered_with(pool, redis, test_config()).await
+}
+
+/// The tiered store with `config` (the production default's 50 ms fast-path timeout, say, for a
+/// test of what a slow Redis does).
+pub(crate) async fn tiered_with(
+    pool: sqlx::PgPool,
+    redis: &RedisServer,
+    config: dedup_core::TieredConfig,
+) -> Tiered {
     let fast = dedup_redis::RedisFastPath::connect(&redis.url())
         .await
         .unwrap();
-    dedup_core::TieredStore::new(
-        dedup_pg::PgStore::new(pool),
-        fast,
-        dedup_core::TieredConfig::default(),
-    )
+    dedup_core::TieredStore::new(dedup_pg::PgStore::new(pool), fast, config)
+}
+
+/// The tests' tier configuration: the defaults, but a fast-path timeout of 2 s instead of 50 ms,
+/// so that a test counting which tier answered does not depend on Redis answering within 50 ms
+/// on a loaded machine (one core, under `taskset`). Tests of timeouts use `tiered_with`.
+pub(crate) fn test_config() -> dedup_core::TieredConfig {
+    dedup_core::TieredConfig::default().with_l2_timeout(Duration::from_secs(2))
 }
 
 /// The tiered store on the 3-master cluster `scripts/test` starts (`REDIS_CLUSTER_URLS`), under a
@@ -392,11 +469,7 @@ pub(crate) async fn tiered_cluster(pool: sqlx::PgPool) -> TieredCluster {
         .await
         .unwrap()
         .with_prefix(prefix);
-    dedup_core::TieredStore::new(
-        dedup_pg::PgStore::new(pool),
-        fast,
-        dedup_core::TieredConfig::default(),
-    )
+    dedup_core::TieredStore::new(dedup_pg::PgStore::new(pool), fast, test_config())
 }
 
 /// A nisshi broker (a Kafka-compatible broker, in its own process) on a free loopback port,

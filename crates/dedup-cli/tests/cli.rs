@@ -21,6 +21,15 @@ fn dedup() -> Command {
     c
 }
 
+/// `psql` on the test server (from `PG_BINDIR`, which `scripts/test` sets, or the PATH).
+fn psql() -> Command {
+    let bin = std::env::var("PG_BINDIR").map_or_else(|_| "psql".into(), |d| format!("{d}/psql"));
+    let mut c = Command::new(bin);
+    c.arg(env("DATABASE_URL"))
+        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"]);
+    c
+}
+
 fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by scripts/test"))
 }
@@ -126,6 +135,9 @@ fn the_demo_books_every_key_once_and_its_spans_reach_an_otlp_receiver() {
         .env("DATABASE_URL", env("DATABASE_URL"))
         .env("REDIS_URL", env("REDIS_URL"))
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        // Room for every span of the run, however fast it makes them: the batch processor drops
+        // spans past its queue (2,048 by default), and this run makes about 2,000.
+        .env("OTEL_BSP_MAX_QUEUE_SIZE", "65536")
         .output()
         .unwrap();
     let (stdout, stderr) = text(&out);
@@ -335,8 +347,36 @@ fn sigterm_drains_commits_and_exits() {
     let mut first = String::new();
     stdout.read_line(&mut first).unwrap();
     assert!(first.starts_with("dedup demo:"), "{first}");
-    // Producing 100,000 events takes a few seconds; consuming them far longer.
-    std::thread::sleep(std::time::Duration::from_secs(8));
+    // The run must still be going when the signal comes, on a machine of any speed: a session of
+    // ours locks the ledger (the demo created it before its first line), so handlers wait on it;
+    // the signal is sent once one does, and the lock is let go after it.
+    let mut locker = psql()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut hold = locker.stdin.take().unwrap();
+    writeln!(hold, "BEGIN; LOCK TABLE dedup_demo_ledger IN SHARE MODE;").unwrap();
+    hold.flush().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let waiting = psql()
+            .args([
+                "-tAc",
+                "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+                 WHERE c.relname = 'dedup_demo_ledger' AND NOT l.granted",
+            ])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&waiting.stdout).trim() != "0" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no handler ever waited on the ledger lock"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let pid = child.id().to_string();
     assert!(
         Command::new("kill")
@@ -345,6 +385,9 @@ fn sigterm_drains_commits_and_exits() {
             .unwrap()
             .success()
     );
+    writeln!(hold, "ROLLBACK;").unwrap();
+    drop(hold);
+    assert!(locker.wait().unwrap().success());
     let mut rest = String::new();
     stdout.read_to_string(&mut rest).unwrap();
     let status = child.wait().unwrap();

@@ -11,7 +11,9 @@ use dedup_core::{
 };
 use tokio::time::sleep;
 
-use crate::support::{Boom, LostReplies, RefusedCompletions, bytes, key, ms};
+use crate::support::{
+    Boom, CountsInFlight, LostReplies, RefusedCompletions, bytes, key, ms, until,
+};
 
 type Res = Result<Completion, HandlerError<Boom>>;
 
@@ -97,9 +99,11 @@ pub(crate) async fn process_poisons_on_a_permanent_error<S: Store>(s: Arc<S>) {
 }
 
 pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: Arc<S>) {
-    // The handler runs 4 leases long; the heartbeat keeps the key ours, so a duplicate that comes
-    // meanwhile is told InFlight instead of taking it over.
-    let policy = Policy::default().with_lease(ms(300));
+    // The handler runs until the heartbeat has carried its lease well past two lease lengths; a
+    // duplicate that comes then is told InFlight instead of taking the key over. The handler
+    // waits at a gate, not a timer, so no machine is too fast or too slow for it.
+    let lease = Duration::from_secs(1);
+    let policy = Policy::default().with_lease(lease);
     let dedup = Arc::new(
         Dedup::new(Arc::clone(&s))
             .with_policy(policy)
@@ -109,20 +113,35 @@ pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: 
     );
     let k = key("slow");
     let runs = Arc::new(AtomicU32::new(0));
+    let (open, gate) = tokio::sync::oneshot::channel::<()>();
     let slow = {
         let (dedup, k, runs) = (Arc::clone(&dedup), k.clone(), Arc::clone(&runs));
         tokio::spawn(async move {
             dedup
                 .process(&k, None, |ctx| async move {
                     runs.fetch_add(1, Ordering::SeqCst);
-                    sleep(ms(1200)).await;
+                    let _ = gate.await;
                     assert!(!ctx.is_lost());
                     ok("slow result")
                 })
                 .await
         })
     };
-    sleep(ms(700)).await;
+    // The first lease's end, once the claim is in.
+    let first = loop {
+        if let Some(until) = s.get(&k).await.unwrap().and_then(|r| r.lease_until) {
+            break until;
+        }
+        sleep(ms(10)).await;
+    };
+    until("the heartbeat to carry the lease past two lengths", || {
+        let (s, k) = (Arc::clone(&s), k.clone());
+        async move {
+            let rec = s.get(&k).await.unwrap().unwrap();
+            rec.lease_until.is_some_and(|u| u > first.plus(lease * 2))
+        }
+    })
+    .await;
     let dup = dedup
         .process(&k, None, |_| async {
             runs.fetch_add(1, Ordering::SeqCst);
@@ -130,6 +149,7 @@ pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: 
         })
         .await;
     assert!(matches!(dup, Err(ProcessError::InFlight { .. })), "{dup:?}");
+    open.send(()).unwrap();
     let done = slow.await.unwrap().unwrap();
     assert!(done.executed());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -137,30 +157,42 @@ pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: 
 }
 
 pub(crate) async fn process_waits_for_an_in_flight_duplicate<S: Store + 'static>(s: Arc<S>) {
+    // The first holder runs until the duplicate has been told InFlight (counted by the store);
+    // the duplicate waits for it and replays its result.
+    let s = Arc::new(CountsInFlight::new(s));
     let dedup = Arc::new(
-        Dedup::new(s)
-            .with_in_flight_wait(Duration::from_secs(5))
+        Dedup::new(Arc::clone(&s))
+            .with_in_flight_wait(Duration::from_secs(30))
             .unwrap(),
     );
     let k = key("k");
+    let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+    let (open, gate) = tokio::sync::oneshot::channel::<()>();
     let first = {
         let (dedup, k) = (Arc::clone(&dedup), k.clone());
         tokio::spawn(async move {
             dedup
                 .process(&k, None, |_| async {
-                    sleep(ms(300)).await;
+                    let _ = started_tx.send(());
+                    let _ = gate.await;
                     ok("first")
                 })
                 .await
         })
     };
-    sleep(ms(50)).await;
-    let dup = dedup
-        .process(&k, None, |_| async { ok("second") })
-        .await
-        .unwrap();
+    started.await.unwrap();
+    let dup = {
+        let (dedup, k) = (Arc::clone(&dedup), k.clone());
+        tokio::spawn(async move { dedup.process(&k, None, |_| async { ok("second") }).await })
+    };
+    until("the duplicate told InFlight", || {
+        let n = s.in_flight.load(Ordering::SeqCst);
+        async move { n > 0 }
+    })
+    .await;
+    open.send(()).unwrap();
     assert_eq!(
-        dup,
+        dup.await.unwrap().unwrap(),
         Processed::Replayed {
             result: bytes("first")
         }
