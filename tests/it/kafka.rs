@@ -767,6 +767,8 @@ async fn per_key_concurrency_with_a_small_in_flight_bound_keeps_the_ledger_exact
         .map(|i| {
             let mut e = event(i % 60, 2);
             e.partition = i32::try_from(i).unwrap() % 2;
+            // One order per key: the ordering key is the message key.
+            e.message_key = e.key.clone();
             e
         })
         .collect();

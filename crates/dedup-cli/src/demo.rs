@@ -283,8 +283,10 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
                 value: Some(v.as_bytes()),
             });
         }
+        // The order is also the message key: what the runner's per-key lanes keep in order.
         let record = FutureRecord::<str, str>::to(&topic)
             .partition(partition)
+            .key(&key)
             .payload(&e.payload)
             .headers(headers);
         let ack = producer

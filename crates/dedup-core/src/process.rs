@@ -759,3 +759,38 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    #[test]
+    fn waits_too_long_for_the_clock_are_refused_by_name() {
+        let too_long = MAX_WAIT + Duration::from_secs(1);
+        for (setting, result) in [
+            (
+                "in_flight_wait",
+                Dedup::new(MemoryStore::new()).with_in_flight_wait(too_long),
+            ),
+            (
+                "in_flight_wait",
+                Dedup::new(MemoryStore::new()).with_in_flight_wait(Duration::MAX),
+            ),
+            (
+                "completion_deadline",
+                Dedup::new(MemoryStore::new()).with_completion_deadline(Duration::MAX),
+            ),
+        ] {
+            match result {
+                Err(InputError::Setting { setting: named, .. }) => assert_eq!(named, setting),
+                other => panic!("{setting}: expected a Setting error, got {other:?}"),
+            }
+        }
+        assert!(
+            Dedup::new(MemoryStore::new())
+                .with_in_flight_wait(MAX_WAIT)
+                .is_ok()
+        );
+    }
+}

@@ -181,3 +181,36 @@ fn parse(delivery: &Delivery) -> Result<serde_json::Value, KeyError> {
         Some(p) => serde_json::from_slice(p).map_err(|e| KeyError::NotJson(e.to_string())),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ordering_keys_come_from_the_message_key_a_header_or_a_json_pointer() {
+        let mut d = Delivery::new("t", 0, 1)
+            .with_header("account", "acct-7")
+            .with_payload(r#"{"order":{"id":42},"flag":true,"list":[1]}"#);
+        assert_eq!(ordering_key(&OrderingKey::MessageKey, &d), None);
+        d.key = Some(Bytes::from_static(b"acct-1"));
+        assert_eq!(
+            ordering_key(&OrderingKey::MessageKey, &d).as_deref(),
+            Some(b"acct-1".as_slice())
+        );
+        assert_eq!(
+            ordering_key(&OrderingKey::Header("account".into()), &d).as_deref(),
+            Some(b"acct-7".as_slice())
+        );
+        assert_eq!(ordering_key(&OrderingKey::Header("nope".into()), &d), None);
+        let pointer = |p: &str| ordering_key(&OrderingKey::JsonPointer(p.into()), &d);
+        assert_eq!(pointer("/order/id").as_deref(), Some(b"42".as_slice()));
+        assert_eq!(pointer("/flag").as_deref(), Some(b"true".as_slice()));
+        assert_eq!(pointer("/list"), None, "not a scalar: partition order");
+        assert_eq!(pointer("/missing"), None);
+        let not_json = Delivery::new("t", 0, 2).with_payload("plain text");
+        assert_eq!(
+            ordering_key(&OrderingKey::JsonPointer("/a".into()), &not_json),
+            None
+        );
+    }
+}

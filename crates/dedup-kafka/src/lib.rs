@@ -11,11 +11,16 @@
 //!   every [`RunnerConfig::commit_interval`], on revocation and on shutdown, and only for
 //!   partitions this member owns at that moment.
 //! - **Order.** One message at a time per partition, partitions concurrently; or, with
-//!   [`Ordering::PerKey`], different keys of one partition concurrently. At most
+//!   [`Ordering::PerKey`], different *ordering keys* of one partition concurrently, each ordering
+//!   key's messages in offset order. The ordering key is the Kafka message key by default (an
+//!   order, an account: [`OrderingKey`]), never the idempotency key, which is unique per event;
+//!   messages without one run in partition order. At most
 //!   [`RunnerConfig::max_in_flight`] messages are held: at the bound the runner stops taking
 //!   messages until one settles (without pausing, so nothing is refetched); if none settles for a
 //!   second it pauses its partitions and keeps polling, so rebalances are served during a stall.
 //! - **Failures.** Retryable errors are retried with [`Backoff`] up to the policy's attempt limit;
+//!   a handler that panics counts as a retryable failure (caught, counted in
+//!   [`RunnerStats::panics`], dead-lettered as "handler panicked: ..." past the attempts);
 //!   poison messages, permanent errors, exhausted attempts, payload mismatches and unusable keys
 //!   go to the dead-letter topic with headers [`DLQ_REASON`], [`DLQ_ATTEMPTS`], [`DLQ_TOPIC`],
 //!   [`DLQ_PARTITION`], [`DLQ_OFFSET`], and then the offset moves on. A store that is down is
@@ -24,6 +29,8 @@
 //!   messages finish on their own (their dedup state is fenced and durable; the new owner replays
 //!   or waits for them), drops queued ones, and commits what is settled. Every assignment resumes
 //!   or re-pauses its partitions explicitly.
+//! - **Configuration** is checked by [`Runner::new`] ([`RunnerConfig::validate`]): a setting that
+//!   would fail at run time is a [`ConfigError`] that names it.
 //! - **Shutdown.** `run` takes a future (SIGINT/SIGTERM in the binary): it stops taking messages,
 //!   waits up to [`RunnerConfig::drain_timeout`] for running ones, commits and leaves the group.
 //! - **Batching.** Every message in flight makes its claim (and its completion) at once; put the
