@@ -442,7 +442,22 @@ impl<S: Store> Dedup<S> {
                 Ok(Some(r))
                     if r.state == State::InProgress && r.owner.as_ref() == Some(&req.owner) =>
                 {
-                    return Ok(ClaimOutcome::Acquired(Lease::granted(&r, req)));
+                    // Ours. Its lease may have been granted a while ago (the lost reply, a wait on
+                    // a lock), so it is extended from now before it is used: the fence says
+                    // whether it is still ours at all.
+                    let mut lease = Lease::granted(&r, req);
+                    match self.store.extend(&lease).await {
+                        Ok(until) => {
+                            lease.lease_until = until;
+                            return Ok(ClaimOutcome::Acquired(lease));
+                        }
+                        // Taken over meanwhile: claim again, which answers from the new holder.
+                        Err(e) if e.is_lease_lost() => unknown = false,
+                        Err(e) if e.is_retryable() && tries < RESOLVE_TRIES => {
+                            sleep(Duration::from_millis(20 * u64::from(tries))).await;
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
                 Ok(_) => {}
                 Err(e) if e.is_retryable() && tries < RESOLVE_TRIES => {
