@@ -37,31 +37,60 @@ pub(crate) fn short_lease(ms_: u64) -> Policy {
     Policy::default().with_lease(ms(ms_))
 }
 
-/// A real store with injected faults: a call that **was applied** by the inner store is reported
-/// as [`StoreError::OutcomeUnknown`], as a dropped connection after COMMIT would be, and a read
-/// can be refused as [`StoreError::Unavailable`] before it reaches the store. It does not fake any
-/// answer: the inner store's state is the truth the caller must read back.
+/// A real store with injected faults. It never fakes an answer: the inner store's state is the
+/// truth the caller must read back.
+/// - a lost reply: a claim or completion that **was applied** by the inner store is reported as
+///   [`StoreError::OutcomeUnknown`], as a dropped connection after COMMIT would be;
+/// - a refusal: a read or a completion is refused as [`StoreError::Unavailable`] (not applied: a
+///   server that is down) before it reaches the store;
+/// - counters: the completions tried, and the InFlight answers claims gave (a test waits for one
+///   instead of sleeping and hoping a duplicate has asked by then).
 #[derive(Debug)]
-pub(crate) struct LostReplies<S> {
+pub(crate) struct Faults<S> {
     pub(crate) inner: S,
-    pub(crate) claims: AtomicU32,
-    pub(crate) completes: AtomicU32,
-    pub(crate) gets: AtomicU32,
+    pub(crate) lost_claims: AtomicU32,
+    pub(crate) lost_completes: AtomicU32,
+    pub(crate) refused_gets: AtomicU32,
+    pub(crate) refused_completes: AtomicU32,
+    pub(crate) complete_tries: AtomicU32,
+    pub(crate) in_flight: AtomicU32,
 }
 
-impl<S> LostReplies<S> {
-    pub(crate) fn new(inner: S, claims: u32, completes: u32) -> Self {
+impl<S> Faults<S> {
+    /// No faults yet.
+    pub(crate) fn new(inner: S) -> Self {
         Self {
             inner,
-            claims: AtomicU32::new(claims),
-            completes: AtomicU32::new(completes),
-            gets: AtomicU32::new(0),
+            lost_claims: AtomicU32::new(0),
+            lost_completes: AtomicU32::new(0),
+            refused_gets: AtomicU32::new(0),
+            refused_completes: AtomicU32::new(0),
+            complete_tries: AtomicU32::new(0),
+            in_flight: AtomicU32::new(0),
         }
     }
 
-    /// Also refuses the next `n` reads as unavailable.
-    pub(crate) fn failing_gets(self, n: u32) -> Self {
-        self.gets.store(n, Ordering::SeqCst);
+    /// Loses the replies of the next `n` claims (after they applied).
+    pub(crate) fn losing_claims(self, n: u32) -> Self {
+        self.lost_claims.store(n, Ordering::SeqCst);
+        self
+    }
+
+    /// Loses the replies of the next `n` completions (after they applied).
+    pub(crate) fn losing_completions(self, n: u32) -> Self {
+        self.lost_completes.store(n, Ordering::SeqCst);
+        self
+    }
+
+    /// Refuses the next `n` reads as unavailable.
+    pub(crate) fn refusing_gets(self, n: u32) -> Self {
+        self.refused_gets.store(n, Ordering::SeqCst);
+        self
+    }
+
+    /// Refuses the next `n` completions as unavailable.
+    pub(crate) fn refusing_completions(self, n: u32) -> Self {
+        self.refused_completes.store(n, Ordering::SeqCst);
         self
     }
 }
@@ -82,17 +111,24 @@ impl std::fmt::Display for ReplyLost {
 
 impl std::error::Error for ReplyLost {}
 
-impl<S: Store> Store for LostReplies<S> {
+impl<S: Store> Store for Faults<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let out = self.inner.claim(req).await?;
-        if take(&self.claims) {
+        if take(&self.lost_claims) {
             return Err(StoreError::outcome_unknown(ReplyLost));
+        }
+        if let ClaimOutcome::InFlight { .. } = &out {
+            self.in_flight.fetch_add(1, Ordering::SeqCst);
         }
         Ok(out)
     }
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
+        self.complete_tries.fetch_add(1, Ordering::SeqCst);
+        if take(&self.refused_completes) {
+            return Err(StoreError::unavailable(ReplyLost));
+        }
         self.inner.complete(lease, result).await?;
-        if take(&self.completes) {
+        if take(&self.lost_completes) {
             return Err(StoreError::outcome_unknown(ReplyLost));
         }
         Ok(())
@@ -103,122 +139,16 @@ impl<S: Store> Store for LostReplies<S> {
     async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
         self.inner.fail_permanent(lease, reason).await
     }
+    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.inner.withdraw(lease).await
+    }
     async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
         self.inner.extend(lease).await
     }
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        if take(&self.gets) {
+        if take(&self.refused_gets) {
             return Err(StoreError::unavailable(ReplyLost));
         }
-        self.inner.get(key).await
-    }
-    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
-        self.inner.purge(limit).await
-    }
-}
-
-/// A real store whose completions are refused as [`StoreError::Unavailable`] (not applied: a
-/// server that is down) `n` times before they reach it. Everything else goes straight through.
-#[derive(Debug)]
-pub(crate) struct RefusedCompletions<S> {
-    pub(crate) inner: S,
-    pub(crate) refusals: AtomicU32,
-    pub(crate) tries: AtomicU32,
-}
-
-impl<S> RefusedCompletions<S> {
-    pub(crate) fn new(inner: S, n: u32) -> Self {
-        Self {
-            inner,
-            refusals: AtomicU32::new(n),
-            tries: AtomicU32::new(0),
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Down;
-
-impl std::fmt::Display for Down {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the server is down (injected)")
-    }
-}
-
-impl std::error::Error for Down {}
-
-impl<S: Store> Store for RefusedCompletions<S> {
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.inner.claim(req).await
-    }
-    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
-        self.tries.fetch_add(1, Ordering::SeqCst);
-        if take(&self.refusals) {
-            return Err(StoreError::unavailable(Down));
-        }
-        self.inner.complete(lease, result).await
-    }
-    async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
-        self.inner.fail_retryable(lease, error).await
-    }
-    async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
-        self.inner.fail_permanent(lease, reason).await
-    }
-    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.inner.withdraw(lease).await
-    }
-    async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
-        self.inner.extend(lease).await
-    }
-    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
-        self.inner.purge(limit).await
-    }
-}
-
-/// A real store that counts the InFlight answers its claims gave: a test waits for one instead of
-/// sleeping and hoping a duplicate has asked by then.
-#[derive(Debug)]
-pub(crate) struct CountsInFlight<S> {
-    pub(crate) inner: S,
-    pub(crate) in_flight: AtomicU32,
-}
-
-impl<S> CountsInFlight<S> {
-    pub(crate) fn new(inner: S) -> Self {
-        Self {
-            inner,
-            in_flight: AtomicU32::new(0),
-        }
-    }
-}
-
-impl<S: Store> Store for CountsInFlight<S> {
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let out = self.inner.claim(req).await;
-        if let Ok(ClaimOutcome::InFlight { .. }) = &out {
-            self.in_flight.fetch_add(1, Ordering::SeqCst);
-        }
-        out
-    }
-    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
-        self.inner.complete(lease, result).await
-    }
-    async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
-        self.inner.fail_retryable(lease, error).await
-    }
-    async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
-        self.inner.fail_permanent(lease, reason).await
-    }
-    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.inner.withdraw(lease).await
-    }
-    async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
-        self.inner.extend(lease).await
-    }
-    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         self.inner.get(key).await
     }
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {

@@ -11,9 +11,7 @@ use dedup_core::{
 };
 use tokio::time::sleep;
 
-use crate::support::{
-    Boom, CountsInFlight, LostReplies, RefusedCompletions, bytes, key, ms, until,
-};
+use crate::support::{Boom, Faults, bytes, key, ms, until};
 
 type Res = Result<Completion, HandlerError<Boom>>;
 
@@ -159,7 +157,7 @@ pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: 
 pub(crate) async fn process_waits_for_an_in_flight_duplicate<S: Store + 'static>(s: Arc<S>) {
     // The first holder runs until the duplicate has been told InFlight (counted by the store);
     // the duplicate waits for it and replays its result.
-    let s = Arc::new(CountsInFlight::new(s));
+    let s = Arc::new(Faults::new(s));
     let dedup = Arc::new(
         Dedup::new(Arc::clone(&s))
             .with_in_flight_wait(Duration::from_secs(30))
@@ -235,7 +233,7 @@ pub(crate) async fn process_fails_a_key_whose_result_is_too_large<S: Store>(s: A
 pub(crate) async fn process_reads_back_an_unknown_completion<S: Store>(s: Arc<S>) {
     // The completion lands but its reply is lost: process reads the record back and reports the
     // truth (executed), instead of failing or running the handler again.
-    let flaky = LostReplies::new(Arc::clone(&s), 0, 1);
+    let flaky = Faults::new(Arc::clone(&s)).losing_completions(1);
     let dedup = Dedup::new(&flaky);
     let k = key("k");
     let runs = AtomicU32::new(0);
@@ -248,7 +246,7 @@ pub(crate) async fn process_reads_back_an_unknown_completion<S: Store>(s: Arc<S>
         .unwrap();
     assert!(done.executed());
     assert_eq!(
-        flaky.completes.load(Ordering::SeqCst),
+        flaky.lost_completes.load(Ordering::SeqCst),
         0,
         "the fault was injected"
     );
@@ -268,7 +266,7 @@ pub(crate) async fn process_reads_back_an_unknown_completion<S: Store>(s: Arc<S>
 pub(crate) async fn process_reads_back_an_unknown_claim<S: Store>(s: Arc<S>) {
     // The claim lands but its reply is lost: the record holds our owner id, so the lease is ours
     // and the handler runs (once) instead of waiting out our own lease.
-    let flaky = LostReplies::new(Arc::clone(&s), 1, 0);
+    let flaky = Faults::new(Arc::clone(&s)).losing_claims(1);
     let dedup = Dedup::new(&flaky)
         .with_in_flight_wait(Duration::ZERO)
         .unwrap();
@@ -282,7 +280,7 @@ pub(crate) async fn process_reads_back_an_unknown_claim<S: Store>(s: Arc<S>) {
         "{done:?}"
     );
     assert_eq!(
-        flaky.claims.load(Ordering::SeqCst),
+        flaky.lost_claims.load(Ordering::SeqCst),
         0,
         "the fault was injected"
     );
@@ -335,7 +333,9 @@ pub(crate) async fn process_storm_runs_each_key_once<S: Store + 'static>(s: Arc<
 pub(crate) async fn process_adopts_its_own_claim_after_a_failed_read_back<S: Store>(s: Arc<S>) {
     // The claim lands, its reply is lost, and the read-back fails too: the retried claim finds
     // our own owner id in flight and adopts that lease instead of waiting it out.
-    let flaky = LostReplies::new(Arc::clone(&s), 1, 0).failing_gets(1);
+    let flaky = Faults::new(Arc::clone(&s))
+        .losing_claims(1)
+        .refusing_gets(1);
     let dedup = Dedup::new(&flaky)
         .with_in_flight_wait(Duration::ZERO)
         .unwrap();
@@ -349,12 +349,12 @@ pub(crate) async fn process_adopts_its_own_claim_after_a_failed_read_back<S: Sto
         "{done:?}"
     );
     assert_eq!(
-        flaky.claims.load(Ordering::SeqCst),
+        flaky.lost_claims.load(Ordering::SeqCst),
         0,
         "the lost reply was injected"
     );
     assert_eq!(
-        flaky.gets.load(Ordering::SeqCst),
+        flaky.refused_gets.load(Ordering::SeqCst),
         0,
         "the failed read was injected"
     );
@@ -365,7 +365,7 @@ pub(crate) async fn process_adopts_its_own_claim_after_a_failed_read_back<S: Sto
 /// five tries over 200 ms that gave up before); dedup keeps the lease and keeps trying, and the
 /// effect runs once.
 pub(crate) async fn process_keeps_completing_while_the_lease_holds<S: Store>(s: Arc<S>) {
-    let down = RefusedCompletions::new(Arc::clone(&s), 8);
+    let down = Faults::new(Arc::clone(&s)).refusing_completions(8);
     let dedup = Dedup::new(&down)
         .with_policy(Policy::default().with_lease(Duration::from_secs(10)))
         .unwrap();
@@ -380,7 +380,7 @@ pub(crate) async fn process_keeps_completing_while_the_lease_holds<S: Store>(s: 
         .unwrap();
     assert!(done.executed());
     assert_eq!(
-        down.tries.load(Ordering::SeqCst),
+        down.complete_tries.load(Ordering::SeqCst),
         9,
         "8 refusals, then it landed"
     );
@@ -400,7 +400,7 @@ pub(crate) async fn process_keeps_completing_while_the_lease_holds<S: Store>(s: 
 /// says a retry may help) and leaves the key in flight under its lease; it does not release it,
 /// since the effect ran.
 pub(crate) async fn process_gives_up_completing_at_the_callers_deadline<S: Store>(s: Arc<S>) {
-    let down = RefusedCompletions::new(Arc::clone(&s), u32::MAX);
+    let down = Faults::new(Arc::clone(&s)).refusing_completions(u32::MAX);
     let dedup = Dedup::new(&down)
         .with_policy(Policy::default().with_lease(Duration::from_secs(30)))
         .unwrap()
@@ -417,7 +417,7 @@ pub(crate) async fn process_gives_up_completing_at_the_callers_deadline<S: Store
         "{err:?}"
     );
     assert!(started.elapsed() >= ms(300), "gave up before the deadline");
-    assert!(down.tries.load(Ordering::SeqCst) >= 2);
+    assert!(down.complete_tries.load(Ordering::SeqCst) >= 2);
     assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::InProgress);
 }
 
