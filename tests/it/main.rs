@@ -12,5 +12,6 @@ mod conformance;
 mod kafka;
 mod kill;
 mod pg;
+mod pg_batch;
 mod pg_faults;
 mod redis;

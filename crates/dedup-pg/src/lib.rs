@@ -76,8 +76,11 @@ use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use sqlx::{Postgres, Row, Transaction};
 use tracing::{debug, warn};
 
+mod batch_tx;
 mod classify;
 mod sql;
+
+pub use batch_tx::{BatchAnswer, BatchBody, ItemResult, TxBatchConfig};
 
 use classify::must_discard;
 pub use classify::{classify, is_passing, sqlstate};

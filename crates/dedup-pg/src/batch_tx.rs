@@ -1,0 +1,566 @@
+//! Transaction mode by the batch: a whole batch of messages in one Postgres transaction.
+//!
+//! ```text
+//! BEGIN
+//!   try-lock every key (pg_try_advisory_xact_lock): a key another transaction holds answers
+//!   InFlight at once, so no batch ever waits on another's uncommitted claims
+//!   claim the locked keys in one statement            (the uncommitted rows are the locks)
+//!   the handler: every acquired message at once, on this transaction
+//!   complete every success in one statement
+//! COMMIT                                              (one WAL flush for the batch)
+//! ```
+//!
+//! On the happy path there is no savepoint. When the handler fails as a whole, or reports
+//! messages as failed, the transaction is rolled back and the batch runs again with a savepoint
+//! per part: the successes together, each failed message alone, and a part that fails as a whole
+//! split in halves until the message at fault stands alone. A poisoned message is then released or
+//! FAILED on its own and its neighbours commit.
+//!
+//! Keys are try-locked with transaction-scoped advisory locks on a hash of scope and key; every
+//! single claim (`claim`, `claim_in`) takes the same lock, waiting, so a batch never waits on a
+//! `claim_in` transaction either (a hash collision only makes a key answer InFlight once more).
+//! Each lock is a slot of Postgres's shared lock table, which holds `max_locks_per_transaction`
+//! × `max_connections` entries (6,400 with the defaults): size it for the batches that run at
+//! once. A full table is SQLSTATE 53200, a passing error: the batch is retried.
+//!
+//! Caches are not involved yet: this is the authority's half of the batch path (the runner and
+//! the tiered store build on it).
+//!
+//! A client that stops mid-batch (SIGSTOP, a long GC pause) holds its keys only until
+//! `idle_in_transaction_session_timeout` ([`TxBatchConfig::idle_timeout`]) ends its session: the
+//! batch rolls back whole, and nothing it wrote survives.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{
+    AfterHandlerError, ClaimOutcome, ClaimRequest, FencingToken, HandlerError, Lease, State,
+    StoreError, machine,
+};
+use futures_util::FutureExt;
+use sqlx::postgres::PgConnection;
+use tracing::debug;
+
+use crate::classify::classify;
+use crate::sql::TRY_LOCK_SQL;
+use crate::{PgStore, claim_counted, claim_many, complete_many, finish, token_i64};
+
+/// How a batch transaction is run.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct TxBatchConfig {
+    /// How long the batch's session may sit idle inside its transaction (its client stopped)
+    /// before Postgres ends it and rolls the batch back: the bound on how long a stopped consumer
+    /// holds its keys. Default 10 s.
+    pub idle_timeout: Duration,
+}
+
+impl Default for TxBatchConfig {
+    fn default() -> Self {
+        Self {
+            idle_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl TxBatchConfig {
+    /// Sets the idle-in-transaction bound (at least 1 ms).
+    pub fn with_idle_timeout(mut self, t: Duration) -> Self {
+        self.idle_timeout = t.max(Duration::from_millis(1));
+        self
+    }
+}
+
+/// What a batch handler answers for each message it was given: its result, or why it failed.
+pub type ItemResult<E> = Result<Bytes, HandlerError<E>>;
+
+/// The body of a batch handler: the business writes of every message in `leases`, on the batch's
+/// transaction, in as few statements as it likes; one answer per lease, in order. An error for
+/// the whole call fails every message in it (the batch is then retried in parts).
+pub type BatchBody<'c, E> =
+    Pin<Box<dyn Future<Output = Result<Vec<ItemResult<E>>, HandlerError<E>>> + Send + 'c>>;
+
+/// What became of one message of a batch.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum BatchAnswer<E> {
+    /// The handler ran and its writes committed with the completion.
+    Executed {
+        /// The handler's result.
+        result: Bytes,
+        /// The token it ran under.
+        token: FencingToken,
+        /// Which attempt it was.
+        attempts: u32,
+    },
+    /// The key was done before (or earlier in this batch): the stored result.
+    Replayed {
+        /// The stored result.
+        result: Bytes,
+    },
+    /// Another holder has the key (a live lease, or another transaction's uncommitted claim).
+    /// Retry later.
+    InFlight,
+    /// The key is poison: dead-letter the message.
+    Failed {
+        /// Why.
+        reason: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The key was used before with a different payload.
+    PayloadMismatch,
+    /// The handler failed on this message; `after` says where that left the key.
+    Handler {
+        /// The handler's error.
+        error: HandlerError<E>,
+        /// Where the key stands.
+        after: AfterHandlerError,
+    },
+}
+
+impl<E> BatchAnswer<E> {
+    /// Whether delivering the message again later can lead to a result.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::InFlight => true,
+            Self::Executed { .. } | Self::Replayed { .. } => false,
+            Self::Failed { .. } | Self::PayloadMismatch => false,
+            Self::Handler { after, .. } => !matches!(after, AfterHandlerError::Failed { .. }),
+        }
+    }
+}
+
+/// A part of the acquired messages, run under one savepoint in the second pass.
+type Part = Vec<usize>;
+
+impl PgStore {
+    /// Runs a batch in one transaction (see the [module docs](self)): claims, the handler's
+    /// writes for every acquired message, and the completions commit together, with one WAL
+    /// flush. One answer per request, in order; a key that appears twice is answered after the
+    /// commit as the duplicate of its first appearance.
+    ///
+    /// `handler` may be called more than once (the retry in parts after a failure), each time on
+    /// a subset of the acquired messages, and only ever sees writes of the current attempt. An
+    /// error for the whole batch (the connection, BEGIN, the claim statement, the COMMIT) is
+    /// returned as it is: nothing committed, except where it [is an unknown
+    /// outcome](StoreError::is_outcome_unknown) that could not be read back.
+    pub async fn transact_batch<E, H>(
+        &self,
+        reqs: &[ClaimRequest],
+        config: TxBatchConfig,
+        mut handler: H,
+    ) -> Result<Vec<BatchAnswer<E>>, StoreError>
+    where
+        E: std::fmt::Display + Send,
+        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+    {
+        for req in reqs {
+            req.policy.validate()?;
+        }
+        // First appearances go to the store; repeats are answered after the commit.
+        let mut first: HashMap<&dedup_core::IdempotencyKey, usize> = HashMap::new();
+        let mut distinct = Vec::with_capacity(reqs.len());
+        for (i, req) in reqs.iter().enumerate() {
+            if let std::collections::hash_map::Entry::Vacant(e) = first.entry(&req.key) {
+                e.insert(i);
+                distinct.push(i);
+            }
+        }
+        let mut failed_before: Vec<usize> = Vec::new();
+        let mut answers = None;
+        // The happy path runs once; a failure in it runs the batch again, in parts.
+        for pass in 0..2 {
+            let parts = (pass == 1).then(|| failed_before.clone());
+            match self
+                .run_once(reqs, &distinct, config, &mut handler, parts)
+                .await?
+            {
+                Pass::Done(a) => {
+                    answers = Some(a);
+                    break;
+                }
+                Pass::Retry(failed) => failed_before = failed,
+            }
+        }
+        let mut answers = answers.ok_or_else(|| {
+            StoreError::unavailable(BatchRetried("the batch failed in parts and as a whole"))
+        })?;
+        // Repeats: the duplicate of their first appearance, now that it has committed.
+        let mut out: Vec<Option<BatchAnswer<E>>> = (0..reqs.len()).map(|_| None).collect();
+        for (n, &i) in distinct.iter().enumerate() {
+            out[i] = answers[n].take();
+        }
+        for (i, req) in reqs.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            let f = first[&req.key];
+            let repeat = match &out[f] {
+                _ if req.fingerprint.is_some()
+                    && reqs[f].fingerprint.is_some()
+                    && req.fingerprint != reqs[f].fingerprint =>
+                {
+                    BatchAnswer::PayloadMismatch
+                }
+                Some(BatchAnswer::Executed { result, .. } | BatchAnswer::Replayed { result }) => {
+                    BatchAnswer::Replayed {
+                        result: result.clone(),
+                    }
+                }
+                Some(BatchAnswer::Failed { reason, attempts }) => BatchAnswer::Failed {
+                    reason: reason.clone(),
+                    attempts: *attempts,
+                },
+                Some(BatchAnswer::Handler {
+                    after: AfterHandlerError::Failed { attempts },
+                    error,
+                }) => BatchAnswer::Failed {
+                    reason: handler_reason(error),
+                    attempts: *attempts,
+                },
+                Some(BatchAnswer::PayloadMismatch) => BatchAnswer::PayloadMismatch,
+                _ => BatchAnswer::InFlight,
+            };
+            out[i] = Some(repeat);
+        }
+        Ok(out
+            .into_iter()
+            .map(|a| a.unwrap_or(BatchAnswer::InFlight))
+            .collect())
+    }
+
+    /// One transaction over the distinct requests. `parts`: `None` on the happy path (no
+    /// savepoint); in the second pass, the messages that failed in the first, each to be run
+    /// alone.
+    async fn run_once<E, H>(
+        &self,
+        reqs: &[ClaimRequest],
+        distinct: &[usize],
+        config: TxBatchConfig,
+        handler: &mut H,
+        alone: Option<Vec<usize>>,
+    ) -> Result<Pass<E>, StoreError>
+    where
+        E: std::fmt::Display + Send,
+        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+    {
+        let mut conn = self.conn().await?;
+        let out = async {
+            let mut tx = sqlx::Connection::begin(&mut **conn)
+                .await
+                .map_err(|e| classify(e, false))?;
+            self.count(1);
+            // Lock what can be locked at once; the rest is InFlight.
+            let scopes: Vec<&str> = distinct.iter().map(|&i| reqs[i].key.scope().as_str()).collect();
+            let keys: Vec<&[u8]> = distinct.iter().map(|&i| reqs[i].key.key_bytes()).collect();
+            let idle = format!("{}ms", config.idle_timeout.as_millis().max(1));
+            let got: Vec<bool> = sqlx::query_scalar(TRY_LOCK_SQL)
+                .bind(&scopes)
+                .bind(&keys)
+                .bind(&idle)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| classify(e, false))?;
+            self.count(1);
+            let mut answers: Vec<Option<BatchAnswer<E>>> = distinct.iter().map(|_| None).collect();
+            let mut locked = Vec::with_capacity(distinct.len());
+            for (n, ok) in got.into_iter().enumerate() {
+                if ok {
+                    locked.push(distinct[n]);
+                } else {
+                    answers[n] = Some(BatchAnswer::InFlight);
+                }
+            }
+            let index: HashMap<usize, usize> =
+                distinct.iter().enumerate().map(|(n, &i)| (i, n)).collect();
+            // Claim every locked key in one statement; what it leaves out, one by one.
+            let mut outcomes: HashMap<usize, ClaimOutcome> = HashMap::new();
+            if !locked.is_empty() {
+                self.count(1);
+                for (i, answer, _) in claim_many(&mut tx, reqs, &locked).await? {
+                    outcomes.insert(i, answer?);
+                }
+                // Left out: a lost race, or a key out of attempts (the single claim marks it).
+                let left: Vec<usize> = locked
+                    .iter()
+                    .copied()
+                    .filter(|i| !outcomes.contains_key(i))
+                    .collect();
+                for i in left {
+                    let (answer, statements) = claim_counted(&mut tx, &reqs[i]).await;
+                    self.count(statements);
+                    outcomes.insert(i, answer?);
+                }
+            }
+            let mut leases: Vec<(usize, Lease)> = Vec::new();
+            for (i, outcome) in outcomes {
+                let n = index[&i];
+                answers[n] = Some(match outcome {
+                    ClaimOutcome::Acquired(lease) => {
+                        leases.push((n, lease));
+                        continue;
+                    }
+                    ClaimOutcome::Completed { result, .. } => BatchAnswer::Replayed { result },
+                    ClaimOutcome::InFlight { .. } => BatchAnswer::InFlight,
+                    ClaimOutcome::Failed { reason, attempts } => {
+                        BatchAnswer::Failed { reason, attempts }
+                    }
+                    ClaimOutcome::PayloadMismatch => BatchAnswer::PayloadMismatch,
+                    _ => BatchAnswer::InFlight,
+                });
+            }
+            leases.sort_by_key(|(n, _)| *n);
+            let (positions, leases): (Vec<usize>, Vec<Lease>) = leases.into_iter().unzip();
+            // The handler: the whole batch at once, or in parts under savepoints.
+            let results: Vec<Option<ItemResult<E>>> = match &alone {
+                None => {
+                    let whole = call(handler, &mut tx, &leases).await;
+                    match whole {
+                        Ok(results) if results.iter().all(Result::is_ok) => {
+                            results.into_iter().map(Some).collect()
+                        }
+                        Ok(results) => {
+                            let failed = results
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, r)| r.is_err())
+                                .map(|(k, _)| reqs_index(&positions, distinct, k))
+                                .collect();
+                            debug!("batch handler reported failures; running again in parts");
+                            return Ok(Pass::Retry(failed));
+                        }
+                        Err(e) => {
+                            debug!(error = %handler_reason(&e), "batch handler failed; running again in parts");
+                            return Ok(Pass::Retry(Vec::new()));
+                        }
+                    }
+                }
+                Some(alone) => {
+                    let alone: Vec<usize> = (0..leases.len())
+                        .filter(|&k| alone.contains(&reqs_index(&positions, distinct, k)))
+                        .collect();
+                    let rest: Vec<usize> =
+                        (0..leases.len()).filter(|k| !alone.contains(k)).collect();
+                    let mut parts: Vec<Part> = alone.into_iter().map(|k| vec![k]).collect();
+                    if !rest.is_empty() {
+                        parts.insert(0, rest);
+                    }
+                    let mut results: Vec<Option<ItemResult<E>>> =
+                        (0..leases.len()).map(|_| None).collect();
+                    while let Some(part) = parts.pop() {
+                        let sub: Vec<Lease> = part.iter().map(|&k| leases[k].clone()).collect();
+                        sqlx::query("SAVEPOINT dedup_part")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| classify(e, false))?;
+                        self.count(1);
+                        let out = call(handler, &mut tx, &sub).await;
+                        let all_ok = matches!(&out, Ok(r) if r.iter().all(Result::is_ok));
+                        if all_ok {
+                            sqlx::query("RELEASE SAVEPOINT dedup_part")
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(|e| classify(e, false))?;
+                            self.count(1);
+                            if let Ok(r) = out {
+                                for (&k, r) in part.iter().zip(r) {
+                                    results[k] = Some(r);
+                                }
+                            }
+                            continue;
+                        }
+                        sqlx::query("ROLLBACK TO SAVEPOINT dedup_part")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| classify(e, false))?;
+                        self.count(1);
+                        match out {
+                            Ok(mut r) if part.len() == 1 => {
+                                results[part[0]] = r.pop();
+                            }
+                            Err(e) if part.len() == 1 => results[part[0]] = Some(Err(e)),
+                            // The handler said which failed: those alone, the rest together.
+                            Ok(r) => {
+                                let (ok, bad): (Vec<_>, Vec<_>) =
+                                    part.iter().zip(&r).partition(|(_, r)| r.is_ok());
+                                parts.extend(bad.into_iter().map(|(&k, _)| vec![k]));
+                                if !ok.is_empty() {
+                                    parts.push(ok.into_iter().map(|(&k, _)| k).collect());
+                                }
+                            }
+                            // Failed as a whole: halves, until the message at fault is alone.
+                            Err(_) => {
+                                let mid = part.len() / 2;
+                                parts.push(part[mid..].to_vec());
+                                parts.push(part[..mid].to_vec());
+                            }
+                        }
+                    }
+                    results
+                }
+            };
+            // Record: successes completed in one statement; each failure on its own.
+            let mut done = Vec::new();
+            let mut done_at = Vec::new();
+            for (k, r) in results.into_iter().enumerate() {
+                let n = positions[k];
+                let lease = &leases[k];
+                match r {
+                    Some(Ok(result)) => {
+                        done.push((lease.clone(), result));
+                        done_at.push(k);
+                    }
+                    Some(Err(error)) => {
+                        answers[n] = Some(record_failure(&mut tx, lease, error).await?);
+                        self.count(1);
+                    }
+                    None => answers[n] = Some(BatchAnswer::InFlight),
+                }
+            }
+            if !done.is_empty() {
+                let (completed, failed, statements) = complete_many(&mut tx, &done).await;
+                self.count(statements);
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                for ((k, r), (lease, result)) in done_at.iter().zip(completed).zip(&done) {
+                    // Our own uncommitted claims: only an oversized result can refuse here,
+                    // and that fails the whole batch before anything is recorded wrongly.
+                    r?;
+                    answers[positions[*k]] = Some(BatchAnswer::Executed {
+                        result: result.clone(),
+                        token: lease.token,
+                        attempts: lease.attempts,
+                    });
+                }
+            }
+            // A commit whose reply is lost is read back through one completed lease: a
+            // transaction commits whole.
+            self.count(1);
+            let completed: Vec<Lease> = done.into_iter().map(|(lease, _)| lease).collect();
+            self.commit_batch(tx, &completed).await?;
+            Ok(Pass::Done(answers))
+        }
+        .await;
+        if let Err(e) = &out {
+            conn.saw(e);
+        }
+        out
+    }
+}
+
+/// The outcome of one transaction over the batch.
+enum Pass<E> {
+    Done(Vec<Option<BatchAnswer<E>>>),
+    /// Rolled back after a handler failure; these requests (indices into `reqs`) failed alone.
+    Retry(Vec<usize>),
+}
+
+fn reqs_index(positions: &[usize], distinct: &[usize], k: usize) -> usize {
+    distinct[positions[k]]
+}
+
+/// Calls the handler, catching a panic as a failure of the whole call.
+async fn call<E, H>(
+    handler: &mut H,
+    conn: &mut PgConnection,
+    leases: &[Lease],
+) -> Result<Vec<ItemResult<E>>, HandlerError<E>>
+where
+    H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+{
+    let fut = handler(conn, leases);
+    match AssertUnwindSafe(fut).catch_unwind().await {
+        Ok(Ok(results)) if results.len() == leases.len() => Ok(results),
+        Ok(Ok(results)) => Err(HandlerError::Store(StoreError::backend(BatchRetried(
+            if results.len() < leases.len() {
+                "the batch handler answered fewer messages than it was given"
+            } else {
+                "the batch handler answered more messages than it was given"
+            },
+        )))),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(HandlerError::Store(StoreError::backend(BatchRetried(
+            "the batch handler panicked",
+        )))),
+    }
+}
+
+/// Records a message's failure inside the batch's transaction: released (attempts kept) or
+/// FAILED, fenced like every change; a passing store error gives the key back unspent.
+async fn record_failure<E: std::fmt::Display>(
+    conn: &mut PgConnection,
+    lease: &Lease,
+    error: HandlerError<E>,
+) -> Result<BatchAnswer<E>, StoreError> {
+    let p = lease.policy;
+    let reason = handler_reason(&error);
+    let (state, failure, retention, after) = match &error {
+        HandlerError::Permanent(_) => (
+            State::Failed,
+            reason,
+            p.failed_retention,
+            AfterHandlerError::Failed {
+                attempts: lease.attempts,
+            },
+        ),
+        HandlerError::Store(e) if e.is_retryable() => {
+            sqlx::query(crate::sql::WITHDRAW_SQL)
+                .bind(lease.key.scope().as_str())
+                .bind(lease.key.key_bytes())
+                .bind(token_i64(lease.token))
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| classify(e, true))?;
+            return Ok(BatchAnswer::Handler {
+                error,
+                after: AfterHandlerError::Released {
+                    attempts: lease.attempts.saturating_sub(1),
+                },
+            });
+        }
+        _ if lease.attempts >= p.max_attempts => (
+            State::Failed,
+            machine::exhausted_reason(lease.attempts, p.max_attempts, Some(&reason)),
+            p.failed_retention,
+            AfterHandlerError::Failed {
+                attempts: lease.attempts,
+            },
+        ),
+        _ => (
+            State::Released,
+            reason,
+            p.retention,
+            AfterHandlerError::Released {
+                attempts: lease.attempts,
+            },
+        ),
+    };
+    finish(conn, lease, state, None, Some(&failure), retention).await?;
+    Ok(BatchAnswer::Handler { error, after })
+}
+
+fn handler_reason<E: std::fmt::Display>(e: &HandlerError<E>) -> String {
+    match e {
+        HandlerError::Retryable(e) => e.to_string(),
+        HandlerError::Permanent(e) => e.to_string(),
+        HandlerError::Store(e) => format!("the handler's store call failed: {e}"),
+        _ => "the handler failed".to_owned(),
+    }
+}
+
+#[derive(Debug)]
+struct BatchRetried(&'static str);
+
+impl std::fmt::Display for BatchRetried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for BatchRetried {}

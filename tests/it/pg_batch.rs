@@ -1,0 +1,360 @@
+//! Transaction mode by the batch (`PgStore::transact_batch`): claims, the handler's writes for
+//! the whole batch and the completions in one transaction.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{AfterHandlerError, ClaimRequest, Fingerprint, HandlerError, Lease, State, Store};
+use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxBatchConfig};
+use sqlx::{PgConnection, PgPool};
+use tokio::time::Instant;
+
+use crate::support::{Boom, acquired, effect_rows, effects_table, key, req};
+
+/// The batch handler the tests use: one statement writes every message's effect row; a key named
+/// in `poison` fails the whole call (as a constraint violation would), and one named in `refuse`
+/// is answered as failed on its own.
+fn ledger(
+    calls: Arc<AtomicU32>,
+    poison: &'static [&'static str],
+    refuse: &'static [&'static str],
+) -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, Boom> + Send {
+    move |tx, leases| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            let names: Vec<String> = leases
+                .iter()
+                .map(|l| String::from_utf8(l.key.key_bytes().to_vec()).unwrap())
+                .collect();
+            if names.iter().any(|n| poison.contains(&n.as_str())) {
+                return Err(HandlerError::Permanent(Boom("poisoned batch")));
+            }
+            let tokens: Vec<i64> = leases
+                .iter()
+                .map(|l| i64::try_from(l.token.get()).unwrap())
+                .collect();
+            sqlx::query(
+                "INSERT INTO effects SELECT k, t, 'batch' FROM unnest($1::text[], $2::int8[]) AS u(k, t)",
+            )
+            .bind(&names)
+            .bind(&tokens)
+            .execute(&mut *tx)
+            .await
+            .map_err(|_| HandlerError::Retryable(Boom("insert failed")))?;
+            Ok(names
+                .iter()
+                .map(|n| -> ItemResult<Boom> {
+                    if refuse.contains(&n.as_str()) {
+                        Err(HandlerError::Retryable(Boom("refused")))
+                    } else {
+                        Ok(Bytes::from(format!("booked {n}")))
+                    }
+                })
+                .collect())
+        })
+    }
+}
+
+fn reqs(names: &[&str]) -> Vec<ClaimRequest> {
+    names
+        .iter()
+        .map(|n| req(&key(n), "batch").with_fingerprint(Some(Fingerprint::of(n.as_bytes()))))
+        .collect()
+}
+
+/// A batch of new keys, repeats, keys done before and a key used with another payload: one
+/// transaction, the handler called once, every effect once, repeats answered after the commit.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_batch_commits_claims_effects_and_completions_together(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    // "done" was completed before; "other" was used with another payload.
+    let done = acquired(store.claim(&reqs(&["done"])[0]).await.unwrap());
+    store.complete(&done, b"old result").await.unwrap();
+    let other = acquired(
+        store
+            .claim(&req(&key("other"), "x").with_fingerprint(Some(Fingerprint::of(b"x"))))
+            .await
+            .unwrap(),
+    );
+    store.complete(&other, b"x").await.unwrap();
+    let names: Vec<String> = (0..100).map(|i| format!("k{i}")).collect();
+    let mut batch: Vec<&str> = names.iter().map(String::as_str).collect();
+    batch.extend(["k1", "k2", "done", "other", "k3"]);
+    let calls = Arc::new(AtomicU32::new(0));
+    let before = store.statements();
+    let answers = store
+        .transact_batch(
+            &reqs(&batch),
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    let statements = store.statements() - before;
+    assert!(
+        statements <= 6,
+        "BEGIN, lock, claim, complete, COMMIT: {statements}"
+    );
+    for (i, a) in answers.iter().enumerate().take(100) {
+        match a {
+            BatchAnswer::Executed {
+                result, attempts, ..
+            } => {
+                assert_eq!(result, &Bytes::from(format!("booked k{i}")));
+                assert_eq!(*attempts, 1);
+            }
+            other => panic!("k{i}: {other:?}"),
+        }
+    }
+    assert!(
+        matches!(&answers[100], BatchAnswer::Replayed { result } if result == "booked k1"),
+        "{:?}",
+        answers[100]
+    );
+    assert!(matches!(&answers[101], BatchAnswer::Replayed { .. }));
+    assert!(
+        matches!(&answers[102], BatchAnswer::Replayed { result } if result == "old result"),
+        "{:?}",
+        answers[102]
+    );
+    assert!(matches!(&answers[103], BatchAnswer::PayloadMismatch));
+    assert!(matches!(&answers[104], BatchAnswer::Replayed { .. }));
+    let rows = effect_rows(&pool).await;
+    assert_eq!(rows.len(), 100, "one effect per new key");
+    for n in ["k0", "k50", "k99"] {
+        let rec = store.get(&key(n)).await.unwrap().unwrap();
+        assert_eq!(rec.state, State::Completed);
+    }
+    // The same batch again: all replays, no handler call, no effect.
+    let again = store
+        .transact_batch(
+            &reqs(&batch[..100]),
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        again
+            .iter()
+            .all(|a| matches!(a, BatchAnswer::Replayed { .. }))
+    );
+    assert_eq!(effect_rows(&pool).await.len(), 100);
+}
+
+/// A handler that fails as a whole because of one message, and one that reports a message as
+/// failed: the batch runs again in parts under savepoints, the message at fault is handled alone
+/// (FAILED, or released with its attempt counted), and its neighbours commit.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_poisoned_message_fails_alone_and_its_neighbours_commit(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let names: Vec<String> = (0..32).map(|i| format!("m{i}")).collect();
+    let batch: Vec<&str> = names.iter().map(String::as_str).collect();
+    let calls = Arc::new(AtomicU32::new(0));
+    let answers = store
+        .transact_batch(
+            &reqs(&batch),
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &["m13"], &["m20"]),
+        )
+        .await
+        .unwrap();
+    for (i, a) in answers.iter().enumerate() {
+        match (i, a) {
+            (
+                13,
+                BatchAnswer::Handler {
+                    error: HandlerError::Permanent(e),
+                    after: AfterHandlerError::Failed { attempts: 1 },
+                },
+            ) => assert_eq!(e.0, "poisoned batch"),
+            (
+                20,
+                BatchAnswer::Handler {
+                    error: HandlerError::Retryable(e),
+                    after: AfterHandlerError::Released { attempts: 1 },
+                },
+            ) => assert_eq!(e.0, "refused"),
+            (13 | 20, other) => panic!("m{i}: {other:?}"),
+            (_, BatchAnswer::Executed { .. }) => {}
+            (_, other) => panic!("m{i}: {other:?}"),
+        }
+    }
+    // First call failed whole; then halves down to m13 alone: a handful of calls, not 32.
+    let n = calls.load(Ordering::SeqCst);
+    assert!((3..=16).contains(&n), "{n} handler calls");
+    let rows = effect_rows(&pool).await;
+    assert_eq!(rows.len(), 30, "every neighbour committed once: {rows:?}");
+    assert!(rows.iter().all(|(k, _, _)| k != "m13" && k != "m20"));
+    let m13 = store.get(&key("m13")).await.unwrap().unwrap();
+    assert_eq!(m13.state, State::Failed);
+    let m20 = store.get(&key("m20")).await.unwrap().unwrap();
+    assert_eq!((m20.state, m20.attempts), (State::Released, 1));
+    // The released one runs in a later batch as attempt 2.
+    let later = store
+        .transact_batch(
+            &reqs(&["m20", "m13"]),
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        later[0],
+        BatchAnswer::Executed { attempts: 2, .. }
+    ));
+    assert!(matches!(later[1], BatchAnswer::Failed { .. }));
+}
+
+/// A key another transaction holds uncommitted (another batch, or a `claim_in` transaction) does
+/// not hold this batch: it answers InFlight at once and the other keys commit.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_key_held_by_another_transaction_answers_in_flight_without_waiting(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let mut other = pool.begin().await.unwrap();
+    acquired(
+        PgStore::claim_in(&mut other, &reqs(&["held"])[0])
+            .await
+            .unwrap(),
+    );
+    let calls = Arc::new(AtomicU32::new(0));
+    let started = Instant::now();
+    let answers = store
+        .transact_batch(
+            &reqs(&["a", "held", "b"]),
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "it did not wait for the other transaction"
+    );
+    assert!(matches!(answers[0], BatchAnswer::Executed { .. }));
+    assert!(
+        matches!(answers[1], BatchAnswer::InFlight),
+        "{:?}",
+        answers[1]
+    );
+    assert!(answers[1].is_retryable());
+    assert!(matches!(answers[2], BatchAnswer::Executed { .. }));
+    other.rollback().await.unwrap();
+    let retried = store
+        .transact_batch(
+            &reqs(&["held"]),
+            TxBatchConfig::default(),
+            ledger(calls, &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(retried[0], BatchAnswer::Executed { .. }));
+    assert_eq!(effect_rows(&pool).await.len(), 3);
+}
+
+/// A batch whose client stops inside the transaction (here: a handler that never returns in
+/// time) holds its keys only until `idle_in_transaction_session_timeout` ends the session; the
+/// batch rolls back whole, and a later batch runs every key once.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_batch_stuck_in_its_transaction_is_rolled_back_by_the_server(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let stuck = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .transact_batch(
+                    &reqs(&["s1", "s2"]),
+                    TxBatchConfig::default().with_idle_timeout(Duration::from_millis(300)),
+                    |tx: &mut PgConnection, leases: &[Lease]| -> BatchBody<'_, Boom> {
+                        Box::pin(async move {
+                            sqlx::query("INSERT INTO effects VALUES ('s1', 0, 'stuck')")
+                                .execute(&mut *tx)
+                                .await
+                                .unwrap();
+                            // Idle in the transaction far past its bound.
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                            Ok(leases.iter().map(|_| Ok(Bytes::from("late"))).collect())
+                        })
+                    },
+                )
+                .await
+        })
+    };
+    let out = stuck.await.unwrap();
+    let err = out.expect_err("the server ended the session: the commit cannot succeed");
+    assert!(err.is_retryable(), "{err:?}");
+    assert!(effect_rows(&pool).await.is_empty(), "rolled back whole");
+    let calls = Arc::new(AtomicU32::new(0));
+    let answers = store
+        .transact_batch(
+            &reqs(&["s1", "s2"]),
+            TxBatchConfig::default(),
+            ledger(calls, &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, BatchAnswer::Executed { attempts: 1, .. }))
+    );
+    assert_eq!(effect_rows(&pool).await.len(), 2);
+}
+
+/// Concurrent batches over overlapping keys in opposite orders: no deadlock, each key's effect
+/// once; what one batch found held, a later round runs.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn concurrent_batches_run_each_key_once(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let names: Vec<String> = (0..60).map(|i| format!("c{i}")).collect();
+    let mut tasks = Vec::new();
+    for t in 0..6 {
+        let store = store.clone();
+        let mut mine: Vec<String> = names.clone();
+        if t % 2 == 1 {
+            mine.reverse();
+        }
+        tasks.push(tokio::spawn(async move {
+            let calls = Arc::new(AtomicU32::new(0));
+            let mut pending: Vec<String> = mine;
+            for _ in 0..200 {
+                if pending.is_empty() {
+                    return;
+                }
+                let batch: Vec<&str> = pending.iter().map(String::as_str).collect();
+                let answers = store
+                    .transact_batch(
+                        &reqs(&batch),
+                        TxBatchConfig::default(),
+                        ledger(calls.clone(), &[], &[]),
+                    )
+                    .await
+                    .unwrap();
+                pending = pending
+                    .iter()
+                    .zip(answers)
+                    .filter(|(_, a)| a.is_retryable())
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                tokio::task::yield_now().await;
+            }
+            panic!("keys never settled: {pending:?}");
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let rows = effect_rows(&pool).await;
+    assert_eq!(rows.len(), 60, "one effect per key");
+    let mut keys: Vec<_> = rows.iter().map(|r| r.0.clone()).collect();
+    keys.dedup();
+    assert_eq!(keys.len(), 60);
+}
