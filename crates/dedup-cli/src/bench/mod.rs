@@ -1,0 +1,294 @@
+//! `dedup bench`: one workload, four ways of making its consumer idempotent, side by side.
+//!
+//! (a) the usual Postgres pattern (per message: BEGIN, SELECT ... FOR UPDATE, INSERT, UPDATE,
+//! COMMIT); (b) the usual Redis pattern (per message: a Lua acquire and a Lua complete; not
+//! durable); (c) dedup's tiered store, one call per message; (d) dedup's tiered store behind
+//! `Batched` (group commit). The same events, the same concurrency, the same servers; each
+//! contender in its own key space, with a cold L1. Every contender's effects are counted and must
+//! equal the unique keys.
+
+use std::future::Future;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use dedup_core::BatchConfig;
+use sqlx::PgPool;
+
+use crate::PgArgs;
+use crate::connect::{CliError, connect_pg};
+use crate::workload::zipf_stream;
+
+mod engine;
+mod report;
+mod usual;
+
+use engine::tiered;
+use report::Report;
+use usual::{usual_postgres, usual_redis};
+
+/// Compare dedup with the usual Postgres and Redis patterns on one workload.
+#[derive(Args, Debug)]
+pub(crate) struct BenchArgs {
+    #[command(flatten)]
+    pg: PgArgs,
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    redis_url: String,
+    /// Events in the stream.
+    #[arg(long, default_value_t = 200_000)]
+    events: u64,
+    /// The share of events that repeat an earlier key.
+    #[arg(long, default_value_t = 0.3)]
+    duplicates: f64,
+    /// The Zipf exponent of the duplicates' keys (higher: hotter hot keys).
+    #[arg(long, default_value_t = 1.1)]
+    zipf: f64,
+    /// Events processed at once, the same for every contender.
+    #[arg(long, default_value_t = 256)]
+    concurrency: usize,
+    /// Postgres connections, the same pool for every contender that uses Postgres.
+    #[arg(long, default_value_t = 64)]
+    pg_connections: u32,
+    /// Contenders to run, among a, b, c, d.
+    #[arg(long, default_value = "a,b,c,d", value_delimiter = ',')]
+    only: Vec<char>,
+    /// (d): the most requests in one batch call.
+    #[arg(long, default_value_t = 512)]
+    batch_max: usize,
+    /// (d): batch calls of one kind in flight at once.
+    #[arg(long, default_value_t = 2)]
+    batch_flushes: usize,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What one contender did.
+#[derive(Debug)]
+struct Outcome {
+    name: &'static str,
+    label: &'static str,
+    durable: bool,
+    elapsed: Duration,
+    latencies_us: Vec<u64>,
+    effects: u64,
+    errors: u64,
+    /// Postgres round trips, where Postgres is used.
+    pg_trips: Option<u64>,
+    /// Claims answered by L1, by L2, and by the authority.
+    tiers: (u64, u64, u64),
+    batches: Option<(u64, u64, u64, u64)>,
+}
+
+impl Outcome {
+    fn rate(&self, events: u64) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let n = events as f64;
+        n / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    fn percentile_ms(&self, p: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return 0.0;
+        }
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let i = (((self.latencies_us.len() - 1) as f64) * p).round() as usize;
+        #[allow(clippy::cast_precision_loss)]
+        let ms = self.latencies_us[i] as f64 / 1000.0;
+        ms
+    }
+
+    fn trips_per_unique(&self, unique: u64) -> Option<f64> {
+        #[allow(clippy::cast_precision_loss)]
+        self.pg_trips.map(|t| t as f64 / unique.max(1) as f64)
+    }
+
+    fn tier_shares(&self) -> (f64, f64, f64) {
+        let (l1, l2, auth) = self.tiers;
+        #[allow(clippy::cast_precision_loss)]
+        let total = (l1 + l2 + auth).max(1) as f64;
+        #[allow(clippy::cast_precision_loss)]
+        let shares = (l1 as f64 / total, l2 as f64 / total, auth as f64 / total);
+        shares
+    }
+}
+
+pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
+    if !(0.0..1.0).contains(&args.duplicates) || args.events == 0 || args.concurrency == 0 {
+        return Err(CliError::Config(
+            "--duplicates must be in [0, 1), --events and --concurrency above 0".into(),
+        ));
+    }
+    if let Some(c) = args.only.iter().find(|c| !"abcd".contains(**c)) {
+        return Err(CliError::Config(format!(
+            "--only: unknown contender {c:?} (a, b, c or d)"
+        )));
+    }
+    let pool = connect_pg(&args.pg.database_url, args.pg_connections.max(2)).await?;
+    dedup_pg::migrate(&pool)
+        .await
+        .map_err(|e| CliError::Failed(format!("migrations: {e}")))?;
+    let sync: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| CliError::Failed(format!("reading synchronous_commit: {e}")))?;
+    let (stream, unique) = zipf_stream(args.events, args.duplicates, args.zipf, 0xbe7c);
+    let stream = Arc::new(stream);
+    let run_id = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    );
+    let ctx = Ctx {
+        batch: BatchConfig::default()
+            .with_max_batch(args.batch_max)
+            .with_max_flushes(args.batch_flushes),
+        stream,
+        concurrency: args.concurrency,
+        run_id,
+        quiet: args.json,
+    };
+
+    let mut outcomes = Vec::new();
+    for c in ['a', 'b', 'c', 'd'] {
+        if !args.only.contains(&c) {
+            continue;
+        }
+        let outcome = match c {
+            'a' => usual_postgres(&ctx, &pool).await?,
+            'b' => usual_redis(&ctx, &args.redis_url).await?,
+            'c' => tiered(&ctx, &pool, &args.redis_url, false).await?,
+            _ => tiered(&ctx, &pool, &args.redis_url, true).await?,
+        };
+        outcomes.push(outcome);
+    }
+    // Rows are deleted only now: deleting between contenders would set autovacuum to work
+    // while the next one is timed.
+    ctx.note("deleting the bench's rows");
+    cleanup(&pool, &ctx.run_id).await;
+    let wrong: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|o| o.effects != unique || o.errors > 0)
+        .collect();
+    let report = Report {
+        args: &args,
+        unique,
+        sync: &sync,
+        outcomes: &outcomes,
+    };
+    if args.json {
+        println!("{}", report.json());
+    } else {
+        report.table();
+    }
+    if wrong.is_empty() {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        for o in wrong {
+            eprintln!(
+                "dedup bench: {} ran {} effects for {unique} unique keys, with {} errors",
+                o.name, o.effects, o.errors
+            );
+        }
+        Ok(ExitCode::from(1))
+    }
+}
+
+struct Ctx {
+    batch: BatchConfig,
+    stream: Arc<Vec<u64>>,
+    concurrency: usize,
+    run_id: String,
+    quiet: bool,
+}
+
+impl Ctx {
+    fn note(&self, what: &str) {
+        if !self.quiet {
+            eprintln!("[bench] {what}");
+        }
+    }
+}
+
+/// Runs `one` on every event of the stream from `concurrency` tasks; answers the time taken, each
+/// event's latency (sorted, µs) and the number of errors.
+async fn drive<F, Fut>(ctx: &Ctx, one: F) -> (Duration, Vec<u64>, u64)
+where
+    F: Fn(u64) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), String>> + Send,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..ctx.concurrency {
+        let (stream, next, errors, one) = (
+            Arc::clone(&ctx.stream),
+            Arc::clone(&next),
+            Arc::clone(&errors),
+            one.clone(),
+        );
+        tasks.spawn(async move {
+            let mut latencies = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&id) = stream.get(i) else { break };
+                let t = Instant::now();
+                if let Err(e) = one(id).await
+                    && errors.fetch_add(1, Ordering::Relaxed) < 5
+                {
+                    eprintln!("[bench] event {id}: {e}");
+                }
+                latencies.push(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));
+            }
+            latencies
+        });
+    }
+    let mut latencies = Vec::with_capacity(ctx.stream.len());
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(l) => latencies.extend(l),
+            Err(_) => {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    latencies.sort_unstable();
+    (elapsed, latencies, errors.load(Ordering::Relaxed))
+}
+
+fn result_of(id: u64) -> String {
+    format!("done:{id}")
+}
+
+/// Deletes a run's rows (records under its scopes, rows of (a)) in bounded batches.
+async fn cleanup(pool: &PgPool, run_id: &str) {
+    for (sql, pattern) in [
+        (
+            "DELETE FROM dedup_records WHERE ctid IN (SELECT ctid FROM dedup_records \
+             WHERE scope IN ('bench-c-' || $1, 'bench-d-' || $1) LIMIT 10000)",
+            run_id.to_owned(),
+        ),
+        (
+            "DELETE FROM dedup_bench_usual WHERE ctid IN (SELECT ctid FROM dedup_bench_usual \
+             WHERE starts_with(key, $1) LIMIT 10000)",
+            format!("{run_id}:"),
+        ),
+    ] {
+        loop {
+            match sqlx::query(sql).bind(&pattern).execute(pool).await {
+                Ok(d) if d.rows_affected() > 0 => {}
+                _ => break,
+            }
+        }
+    }
+}

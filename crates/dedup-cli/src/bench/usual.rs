@@ -1,0 +1,176 @@
+//! The usual patterns dedup is measured against: a Postgres transaction with
+//! `SELECT ... FOR UPDATE` per message, and a Redis Lua acquire and complete per message.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use dedup_redis::redis::{self, Script};
+use sqlx::PgPool;
+
+use super::{Ctx, Outcome, drive, result_of};
+use crate::connect::{CliError, connect_redis};
+
+pub(super) fn failed(what: &str) -> impl Fn(sqlx::Error) -> CliError + '_ {
+    move |e| CliError::Failed(format!("{what}: {e}"))
+}
+
+/// (a) Per message, one transaction: BEGIN, SELECT ... FOR UPDATE; a new key is INSERTed, its
+/// effect run and its row UPDATEd to completed; COMMIT. A duplicate reads the row and commits.
+pub(super) async fn usual_postgres(ctx: &Ctx, pool: &PgPool) -> Result<Outcome, CliError> {
+    ctx.note("(a) postgres: a transaction with SELECT ... FOR UPDATE per message");
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS dedup_bench_usual \
+         (key text PRIMARY KEY, state text NOT NULL, result bytea)",
+    )
+    .execute(pool)
+    .await
+    .map_err(failed("creating the bench table"))?;
+    let prefix = Arc::new(format!("{}:", ctx.run_id));
+    let effects = Arc::new(AtomicU64::new(0));
+    let trips = Arc::new(AtomicU64::new(0));
+    let one = {
+        let (pool, effects, trips, prefix) = (
+            pool.clone(),
+            Arc::clone(&effects),
+            Arc::clone(&trips),
+            Arc::clone(&prefix),
+        );
+        move |id: u64| {
+            let (pool, effects, trips, prefix) = (
+                pool.clone(),
+                Arc::clone(&effects),
+                Arc::clone(&trips),
+                Arc::clone(&prefix),
+            );
+            async move {
+                let key = format!("{prefix}e{id}");
+                let e = |e: sqlx::Error| e.to_string();
+                let mut tx = pool.begin().await.map_err(e)?;
+                let row: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+                    "SELECT state, result FROM dedup_bench_usual WHERE key = $1 FOR UPDATE",
+                )
+                .bind(&key)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(e)?;
+                if row.is_some() {
+                    tx.commit().await.map_err(e)?;
+                    trips.fetch_add(3, Ordering::Relaxed);
+                    return Ok(());
+                }
+                let inserted = sqlx::query(
+                    "INSERT INTO dedup_bench_usual (key, state) VALUES ($1, 'in_progress') \
+                     ON CONFLICT DO NOTHING",
+                )
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .map_err(e)?;
+                if inserted.rows_affected() == 0 {
+                    // A concurrent duplicate inserted and committed it first.
+                    tx.rollback().await.map_err(e)?;
+                    trips.fetch_add(4, Ordering::Relaxed);
+                    return Ok(());
+                }
+                effects.fetch_add(1, Ordering::Relaxed);
+                sqlx::query(
+                    "UPDATE dedup_bench_usual SET state = 'completed', result = $2 WHERE key = $1",
+                )
+                .bind(&key)
+                .bind(result_of(id).as_bytes())
+                .execute(&mut *tx)
+                .await
+                .map_err(e)?;
+                tx.commit().await.map_err(e)?;
+                trips.fetch_add(5, Ordering::Relaxed);
+                Ok(())
+            }
+        }
+    };
+    let (elapsed, latencies_us, errors) = drive(ctx, one).await;
+    let unique_calls = trips.load(Ordering::Relaxed);
+    Ok(Outcome {
+        name: "(a)",
+        label: "postgres: SELECT FOR UPDATE per message",
+        durable: true,
+        elapsed,
+        latencies_us,
+        effects: effects.load(Ordering::Relaxed),
+        errors,
+        pg_trips: Some(unique_calls),
+        tiers: (0, 0, ctx.stream.len() as u64),
+        batches: None,
+    })
+}
+
+/// The usual Redis acquire: the key's state if it has one, else take it for the lease.
+const ACQUIRE_LUA: &str = r"
+local v = redis.call('HGET', KEYS[1], 's')
+if v then return v end
+redis.call('HSET', KEYS[1], 's', 'in_progress')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return false
+";
+
+/// The usual Redis complete: store the result if the key is still in progress.
+const COMPLETE_LUA: &str = r"
+if redis.call('HGET', KEYS[1], 's') ~= 'in_progress' then return 0 end
+redis.call('HSET', KEYS[1], 's', 'completed', 'r', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+";
+
+/// (b) Per message, a Lua acquire and a Lua complete. Not durable: a Redis restart or failover
+/// forgets keys, and their effects run again. A key found in progress counts as a duplicate.
+pub(super) async fn usual_redis(ctx: &Ctx, url: &str) -> Result<Outcome, CliError> {
+    ctx.note("(b) redis: a Lua acquire and a Lua complete per message");
+    let fast = connect_redis(url, "unused").await?;
+    let conn = fast.connection().clone();
+    let prefix = format!("dedup-bench-usual-{}", ctx.run_id);
+    let scripts = Arc::new((Script::new(ACQUIRE_LUA), Script::new(COMPLETE_LUA)));
+    let effects = Arc::new(AtomicU64::new(0));
+    let one = {
+        let effects = Arc::clone(&effects);
+        move |id: u64| {
+            let (mut conn, scripts, effects) =
+                (conn.clone(), Arc::clone(&scripts), Arc::clone(&effects));
+            let key = format!("{prefix}:{{e{id}}}");
+            async move {
+                let e = |e: redis::RedisError| e.to_string();
+                let state: Option<String> = scripts
+                    .0
+                    .key(&key)
+                    .arg(30_000)
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(e)?;
+                if state.is_some() {
+                    return Ok(());
+                }
+                effects.fetch_add(1, Ordering::Relaxed);
+                let _: i64 = scripts
+                    .1
+                    .key(&key)
+                    .arg(result_of(id))
+                    .arg(600_000)
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(e)?;
+                Ok(())
+            }
+        }
+    };
+    let (elapsed, latencies_us, errors) = drive(ctx, one).await;
+    Ok(Outcome {
+        name: "(b)",
+        label: "redis: Lua acquire + complete per message",
+        durable: false,
+        elapsed,
+        latencies_us,
+        effects: effects.load(Ordering::Relaxed),
+        errors,
+        pg_trips: None,
+        tiers: (0, ctx.stream.len() as u64, 0),
+        batches: None,
+    })
+}
