@@ -398,7 +398,8 @@ fn sigterm_drains_commits_and_exits() {
     assert!(rest.contains("(failed 0)"), "{rest}");
 }
 
-/// `dedup bench` in a quick mode (so that it cannot rot): every contender runs the same stream,
+/// `dedup bench` in a quick mode (so that it cannot rot): every contender of both workloads runs
+/// the same stream, and the ceiling is measured;
 /// each runs every unique key's effect exactly once, and the JSON carries what the table shows.
 #[test]
 fn the_bench_runs_every_contender_on_the_same_stream() {
@@ -420,7 +421,10 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         .iter()
         .map(|c| c["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["(a)", "(b)", "(c)", "(d)"]);
+    assert_eq!(
+        names,
+        ["(a)", "(b)", "(c)", "(d)", "(e)", "(a')", "(b')", "(e')"]
+    );
     for c in contenders {
         assert_eq!(c["effects"], 420, "{c}");
         assert_eq!(c["errors"], 0, "{c}");
@@ -428,6 +432,7 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         assert!(c["p99_ms"].as_f64().unwrap() >= c["p50_ms"].as_f64().unwrap());
     }
     assert_eq!(contenders[1]["durable"], false);
+    assert_eq!(contenders[6]["durable"], false);
     // dedup's duplicates never reach Postgres when L1 holds them: fewer trips than (a).
     let trips = |i: usize| {
         contenders[i]["pg_round_trips_per_unique_key"]
@@ -437,6 +442,15 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     assert!(trips(3) < trips(2) && trips(2) < trips(0), "{report}");
     assert!(contenders[3]["batches"]["claims"].as_u64().unwrap() > 0);
     assert!(report["ratios"]["d_over_a"].as_f64().unwrap() > 0.0);
+    for ratio in ["d/a", "d/b", "e'/a'", "e'/b'", "ceiling_share"] {
+        assert!(
+            report["ratios"][ratio].as_f64().unwrap() > 0.0,
+            "{ratio}: {report}"
+        );
+    }
+    assert!(report["ceiling_rows_per_s"].as_f64().unwrap() > 0.0);
+    // Transaction mode by the batch: a handful of statements per batch, not per message.
+    assert!(trips(4) < trips(0) && trips(7) < trips(5), "{report}");
 
     // A bad argument is a configuration error (exit 2), named.
     let bad = dedup()

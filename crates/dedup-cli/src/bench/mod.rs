@@ -1,11 +1,20 @@
-//! `dedup bench`: one workload, four ways of making its consumer idempotent, side by side.
+//! `dedup bench`: one stream of events, the ways of making its consumer idempotent, side by side.
 //!
-//! (a) the usual Postgres pattern (per message: BEGIN, SELECT ... FOR UPDATE, INSERT, UPDATE,
-//! COMMIT); (b) the usual Redis pattern (per message: a Lua acquire and a Lua complete; not
-//! durable); (c) dedup's tiered store, one call per message; (d) dedup's tiered store behind
-//! `Batched` (group commit). The same events, the same concurrency, the same servers; each
-//! contender in its own key space, with a cold L1. Every contender's effects are counted and must
-//! equal the unique keys.
+//! Effects outside the database: (a) the usual Postgres pattern (per message: BEGIN, SELECT ...
+//! FOR UPDATE, INSERT, UPDATE, COMMIT); (b) the usual Redis pattern (per message: a Lua acquire
+//! and a Lua complete; not durable); (c) dedup's tiered store, one call per message; (d) dedup's
+//! tiered store behind `Batched` (group commit); (e) dedup in transaction mode by the batch.
+//!
+//! Effects in the database (a ledger row per unique key in the same Postgres): (a') the usual
+//! Postgres pattern with the ledger row in its transaction; (b') the usual Redis pattern and the
+//! ledger row in a transaction of its own; (e') dedup in transaction mode, the batch's ledger rows
+//! written in the batch's transaction.
+//!
+//! And the ceiling: the same Postgres taking 500-row INSERTs into a copy of `dedup_records`.
+//!
+//! The same events, the same concurrency (events in flight), the same servers; each contender in
+//! its own key space, with a cold L1. Every contender's effects are counted and must equal the
+//! unique keys.
 
 use std::future::Future;
 use std::process::ExitCode;
@@ -23,6 +32,7 @@ use crate::workload::zipf_stream;
 
 mod engine;
 mod report;
+mod txmode;
 mod usual;
 
 use engine::tiered;
@@ -51,9 +61,17 @@ pub(crate) struct BenchArgs {
     /// Postgres connections, the same pool for every contender that uses Postgres.
     #[arg(long, default_value_t = 64)]
     pg_connections: u32,
-    /// Contenders to run, among a, b, c, d.
-    #[arg(long, default_value = "a,b,c,d", value_delimiter = ',')]
-    only: Vec<char>,
+    /// Contenders to run, among a, b, c, d, e, a', b', e' and ceiling.
+    #[arg(
+        long,
+        default_value = "a,b,c,d,e,a',b',e',ceiling",
+        value_delimiter = ','
+    )]
+    only: Vec<String>,
+    /// (e), (e'): batch transactions at once; the events in flight (`--concurrency`) are split
+    /// among them.
+    #[arg(long, default_value_t = 2)]
+    tx_workers: usize,
     /// (d): the most requests in one batch call.
     #[arg(long, default_value_t = 512)]
     batch_max: usize,
@@ -125,9 +143,10 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             "--duplicates must be in [0, 1), --events and --concurrency above 0".into(),
         ));
     }
-    if let Some(c) = args.only.iter().find(|c| !"abcd".contains(**c)) {
+    if let Some(c) = args.only.iter().find(|c| !CONTENDERS.contains(&c.as_str())) {
         return Err(CliError::Config(format!(
-            "--only: unknown contender {c:?} (a, b, c or d)"
+            "--only: unknown contender {c:?} (one of {})",
+            CONTENDERS.join(", ")
         )));
     }
     let pool = connect_pg(&args.pg.database_url, args.pg_connections.max(2)).await?;
@@ -153,20 +172,31 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             .with_max_flushes(args.batch_flushes),
         stream,
         concurrency: args.concurrency,
+        tx_workers: args.tx_workers,
         run_id,
         quiet: args.json,
     };
 
     let mut outcomes = Vec::new();
-    for c in ['a', 'b', 'c', 'd'] {
-        if !args.only.contains(&c) {
+    let mut ceiling_rate = None;
+    txmode::ledger_table(&pool).await?;
+    for c in CONTENDERS {
+        if !args.only.iter().any(|o| o == c) {
             continue;
         }
         let outcome = match c {
-            'a' => usual_postgres(&ctx, &pool).await?,
-            'b' => usual_redis(&ctx, &args.redis_url).await?,
-            'c' => tiered(&ctx, &pool, &args.redis_url, false).await?,
-            _ => tiered(&ctx, &pool, &args.redis_url, true).await?,
+            "a" => usual_postgres(&ctx, &pool, false).await?,
+            "b" => usual_redis(&ctx, &args.redis_url, None).await?,
+            "c" => tiered(&ctx, &pool, &args.redis_url, false).await?,
+            "d" => tiered(&ctx, &pool, &args.redis_url, true).await?,
+            "e" => txmode::transaction_mode(&ctx, &pool, false).await?,
+            "a'" => usual_postgres(&ctx, &pool, true).await?,
+            "b'" => usual_redis(&ctx, &args.redis_url, Some(&pool)).await?,
+            "e'" => txmode::transaction_mode(&ctx, &pool, true).await?,
+            _ => {
+                ceiling_rate = Some(txmode::ceiling(&ctx, &pool, unique).await?);
+                continue;
+            }
         };
         outcomes.push(outcome);
     }
@@ -183,6 +213,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         unique,
         sync: &sync,
         outcomes: &outcomes,
+        ceiling: ceiling_rate,
     };
     if args.json {
         println!("{}", report.json());
@@ -202,10 +233,14 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     }
 }
 
+/// Every contender, in the order they run.
+const CONTENDERS: [&str; 9] = ["a", "b", "c", "d", "e", "a'", "b'", "e'", "ceiling"];
+
 struct Ctx {
     batch: BatchConfig,
     stream: Arc<Vec<u64>>,
     concurrency: usize,
+    tx_workers: usize,
     run_id: String,
     quiet: bool,
 }
@@ -270,12 +305,19 @@ fn result_of(id: u64) -> String {
     format!("done:{id}")
 }
 
-/// Deletes a run's rows (records under its scopes, rows of (a)) in bounded batches.
+/// Deletes a run's rows (records under its scopes, rows of (a) and (a'), ledger rows) in
+/// bounded batches.
 async fn cleanup(pool: &PgPool, run_id: &str) {
     for (sql, pattern) in [
         (
             "DELETE FROM dedup_records WHERE ctid IN (SELECT ctid FROM dedup_records \
-             WHERE scope IN ('bench-c-' || $1, 'bench-d-' || $1) LIMIT 10000)",
+             WHERE scope IN ('bench-c-' || $1, 'bench-d-' || $1, 'bench-e-' || $1, \
+             'bench-e2-' || $1) LIMIT 10000)",
+            run_id.to_owned(),
+        ),
+        (
+            "DELETE FROM dedup_bench_ledger WHERE ctid IN (SELECT ctid FROM dedup_bench_ledger \
+             WHERE run = $1 LIMIT 10000)",
             run_id.to_owned(),
         ),
         (

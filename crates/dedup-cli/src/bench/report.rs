@@ -7,6 +7,8 @@ pub(super) struct Report<'a> {
     pub(super) unique: u64,
     pub(super) sync: &'a str,
     pub(super) outcomes: &'a [Outcome],
+    /// The ceiling's rows per second, when it was measured.
+    pub(super) ceiling: Option<f64>,
 }
 
 impl Report<'_> {
@@ -20,6 +22,38 @@ impl Report<'_> {
     fn ratio(&self, a: &str, b: &str) -> Option<f64> {
         Some(self.rate_of(a)? / self.rate_of(b)?)
     }
+
+    /// The unique keys per second a contender recorded.
+    fn unique_rate(&self, o: &Outcome) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let n = self.unique as f64;
+        n / o.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// A durable contender's unique keys per second over the ceiling's rows per second.
+    fn ceiling_share_of(&self, o: &Outcome) -> Option<f64> {
+        (o.durable && o.effects == self.unique)
+            .then(|| self.ceiling.map(|c| self.unique_rate(o) / c))
+            .flatten()
+    }
+
+    /// The best durable contender's share of the ceiling.
+    fn ceiling_share(&self) -> Option<f64> {
+        self.outcomes
+            .iter()
+            .filter_map(|o| self.ceiling_share_of(o))
+            .reduce(f64::max)
+    }
+
+    /// The ratios the targets are stated in, with the contenders' absolute rates.
+    const RATIOS: [(&'static str, &'static str, &'static str); 6] = [
+        ("d/a", "(d)", "(a)"),
+        ("d/b", "(d)", "(b)"),
+        ("c/a", "(c)", "(a)"),
+        ("e/a", "(e)", "(a)"),
+        ("e'/a'", "(e')", "(a')"),
+        ("e'/b'", "(e')", "(b')"),
+    ];
 
     pub(super) fn table(&self) {
         let a = self.args;
@@ -85,9 +119,27 @@ impl Report<'_> {
                 );
             }
         }
-        for (x, y) in [("(d)", "(a)"), ("(d)", "(b)"), ("(c)", "(a)")] {
-            if let Some(r) = self.ratio(x, y) {
-                println!("{x}/{y} = {r:.2}x");
+        for (_, x, y) in Self::RATIOS {
+            if let (Some(r), Some(rx), Some(ry)) =
+                (self.ratio(x, y), self.rate_of(x), self.rate_of(y))
+            {
+                println!("{x}/{y} = {r:.2}x   ({rx:.0} / {ry:.0} events/s)");
+            }
+        }
+        if let Some(c) = self.ceiling {
+            println!();
+            println!(
+                "ceiling: {c:.0} rows/s (500-row INSERTs into a copy of dedup_records, 2 clients)"
+            );
+            for o in self.outcomes {
+                if let Some(share) = self.ceiling_share_of(o) {
+                    println!(
+                        "{:<5} {:>8.0} unique keys/s = {:.3} of the ceiling",
+                        o.name,
+                        self.unique_rate(o),
+                        share
+                    );
+                }
             }
         }
     }
@@ -111,6 +163,8 @@ impl Report<'_> {
                     "effects": o.effects,
                     "errors": o.errors,
                     "elapsed_s": o.elapsed.as_secs_f64(),
+                    "unique_keys_per_s": self.unique_rate(o),
+                    "ceiling_share": self.ceiling_share_of(o),
                     "batches": o.batches.map(|(calls, claims, ccalls, completions)| serde_json::json!({
                         "claim_calls": calls, "claims": claims,
                         "completion_calls": ccalls, "completions": completions,
@@ -127,10 +181,29 @@ impl Report<'_> {
             "pg_connections": a.pg_connections,
             "synchronous_commit": self.sync,
             "contenders": contenders,
-            "ratios": {
-                "d_over_a": self.ratio("(d)", "(a)"),
-                "d_over_b": self.ratio("(d)", "(b)"),
-            },
+            "ceiling_rows_per_s": self.ceiling,
+            "ratios": self.ratios_json(),
         })
+    }
+
+    fn ratios_json(&self) -> serde_json::Value {
+        let mut ratios = serde_json::Map::new();
+        for (key, x, y) in Self::RATIOS {
+            ratios.insert(key.to_owned(), serde_json::json!(self.ratio(x, y)));
+        }
+        ratios.insert(
+            "ceiling_share".to_owned(),
+            serde_json::json!(self.ceiling_share()),
+        );
+        // The names of earlier releases.
+        ratios.insert(
+            "d_over_a".to_owned(),
+            serde_json::json!(self.ratio("(d)", "(a)")),
+        );
+        ratios.insert(
+            "d_over_b".to_owned(),
+            serde_json::json!(self.ratio("(d)", "(b)")),
+        );
+        serde_json::Value::Object(ratios)
     }
 }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dedup_redis::redis::{self, Script};
 use sqlx::PgPool;
 
+use super::txmode::ledger_rows;
 use super::{Ctx, Outcome, drive, result_of};
 use crate::connect::{CliError, connect_redis};
 
@@ -16,8 +17,16 @@ pub(super) fn failed(what: &str) -> impl Fn(sqlx::Error) -> CliError + '_ {
 
 /// (a) Per message, one transaction: BEGIN, SELECT ... FOR UPDATE; a new key is INSERTed, its
 /// effect run and its row UPDATEd to completed; COMMIT. A duplicate reads the row and commits.
-pub(super) async fn usual_postgres(ctx: &Ctx, pool: &PgPool) -> Result<Outcome, CliError> {
-    ctx.note("(a) postgres: a transaction with SELECT ... FOR UPDATE per message");
+pub(super) async fn usual_postgres(
+    ctx: &Ctx,
+    pool: &PgPool,
+    ledger: bool,
+) -> Result<Outcome, CliError> {
+    let name = if ledger { "(a')" } else { "(a)" };
+    ctx.note(&format!(
+        "{name} postgres: a transaction with SELECT ... FOR UPDATE per message{}",
+        if ledger { ", the ledger row in it" } else { "" }
+    ));
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS dedup_bench_usual \
          (key text PRIMARY KEY, state text NOT NULL, result bytea)",
@@ -25,22 +34,25 @@ pub(super) async fn usual_postgres(ctx: &Ctx, pool: &PgPool) -> Result<Outcome, 
     .execute(pool)
     .await
     .map_err(failed("creating the bench table"))?;
-    let prefix = Arc::new(format!("{}:", ctx.run_id));
+    let prefix = Arc::new(format!("{}:{}", ctx.run_id, if ledger { "l:" } else { "" }));
+    let run = Arc::new(ctx.run_id.clone());
     let effects = Arc::new(AtomicU64::new(0));
     let trips = Arc::new(AtomicU64::new(0));
     let one = {
-        let (pool, effects, trips, prefix) = (
+        let (pool, effects, trips, prefix, run) = (
             pool.clone(),
             Arc::clone(&effects),
             Arc::clone(&trips),
             Arc::clone(&prefix),
+            Arc::clone(&run),
         );
         move |id: u64| {
-            let (pool, effects, trips, prefix) = (
+            let (pool, effects, trips, prefix, run) = (
                 pool.clone(),
                 Arc::clone(&effects),
                 Arc::clone(&trips),
                 Arc::clone(&prefix),
+                Arc::clone(&run),
             );
             async move {
                 let key = format!("{prefix}e{id}");
@@ -73,6 +85,19 @@ pub(super) async fn usual_postgres(ctx: &Ctx, pool: &PgPool) -> Result<Outcome, 
                     return Ok(());
                 }
                 effects.fetch_add(1, Ordering::Relaxed);
+                if ledger {
+                    sqlx::query(
+                        "INSERT INTO dedup_bench_ledger (run, contender, key, amount) \
+                         VALUES ($1, $2, $3, 1)",
+                    )
+                    .bind(run.as_str())
+                    .bind(name)
+                    .bind(&key)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(e)?;
+                    trips.fetch_add(1, Ordering::Relaxed);
+                }
                 sqlx::query(
                     "UPDATE dedup_bench_usual SET state = 'completed', result = $2 WHERE key = $1",
                 )
@@ -89,13 +114,22 @@ pub(super) async fn usual_postgres(ctx: &Ctx, pool: &PgPool) -> Result<Outcome, 
     };
     let (elapsed, latencies_us, errors) = drive(ctx, one).await;
     let unique_calls = trips.load(Ordering::Relaxed);
+    let effects = if ledger {
+        ledger_rows(pool, &ctx.run_id, name).await?
+    } else {
+        effects.load(Ordering::Relaxed)
+    };
     Ok(Outcome {
-        name: "(a)",
-        label: "postgres: SELECT FOR UPDATE per message",
+        name,
+        label: if ledger {
+            "postgres: SELECT FOR UPDATE + ledger row"
+        } else {
+            "postgres: SELECT FOR UPDATE per message"
+        },
         durable: true,
         elapsed,
         latencies_us,
-        effects: effects.load(Ordering::Relaxed),
+        effects,
         errors,
         pg_trips: Some(unique_calls),
         tiers: (0, 0, ctx.stream.len() as u64),
@@ -122,11 +156,29 @@ return 1
 
 /// (b) Per message, a Lua acquire and a Lua complete. Not durable: a Redis restart or failover
 /// forgets keys, and their effects run again. A key found in progress counts as a duplicate.
-pub(super) async fn usual_redis(ctx: &Ctx, url: &str) -> Result<Outcome, CliError> {
-    ctx.note("(b) redis: a Lua acquire and a Lua complete per message");
+pub(super) async fn usual_redis(
+    ctx: &Ctx,
+    url: &str,
+    ledger: Option<&PgPool>,
+) -> Result<Outcome, CliError> {
+    let name = if ledger.is_some() { "(b')" } else { "(b)" };
+    ctx.note(&format!(
+        "{name} redis: a Lua acquire and a Lua complete per message{}",
+        if ledger.is_some() {
+            ", the ledger row in a transaction of its own"
+        } else {
+            ""
+        }
+    ));
     let fast = connect_redis(url, "unused").await?;
     let conn = fast.connection().clone();
-    let prefix = format!("dedup-bench-usual-{}", ctx.run_id);
+    let prefix = format!(
+        "dedup-bench-usual{}-{}",
+        if ledger.is_some() { "-l" } else { "" },
+        ctx.run_id
+    );
+    let pool = ledger.cloned();
+    let run = Arc::new(ctx.run_id.clone());
     let scripts = Arc::new((Script::new(ACQUIRE_LUA), Script::new(COMPLETE_LUA)));
     let effects = Arc::new(AtomicU64::new(0));
     let one = {
@@ -134,6 +186,7 @@ pub(super) async fn usual_redis(ctx: &Ctx, url: &str) -> Result<Outcome, CliErro
         move |id: u64| {
             let (mut conn, scripts, effects) =
                 (conn.clone(), Arc::clone(&scripts), Arc::clone(&effects));
+            let (pool, run) = (pool.clone(), Arc::clone(&run));
             let key = format!("{prefix}:{{e{id}}}");
             async move {
                 let e = |e: redis::RedisError| e.to_string();
@@ -148,6 +201,18 @@ pub(super) async fn usual_redis(ctx: &Ctx, url: &str) -> Result<Outcome, CliErro
                     return Ok(());
                 }
                 effects.fetch_add(1, Ordering::Relaxed);
+                if let Some(pool) = &pool {
+                    sqlx::query(
+                        "INSERT INTO dedup_bench_ledger (run, contender, key, amount) \
+                         VALUES ($1, $2, $3, 1)",
+                    )
+                    .bind(run.as_str())
+                    .bind(name)
+                    .bind(&key)
+                    .execute(pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                }
                 let _: i64 = scripts
                     .1
                     .key(&key)
@@ -161,13 +226,21 @@ pub(super) async fn usual_redis(ctx: &Ctx, url: &str) -> Result<Outcome, CliErro
         }
     };
     let (elapsed, latencies_us, errors) = drive(ctx, one).await;
+    let effects = match ledger {
+        Some(pool) => ledger_rows(pool, &ctx.run_id, name).await?,
+        None => effects.load(Ordering::Relaxed),
+    };
     Ok(Outcome {
-        name: "(b)",
-        label: "redis: Lua acquire + complete per message",
+        name,
+        label: if ledger.is_some() {
+            "redis: Lua acquire + complete + ledger row"
+        } else {
+            "redis: Lua acquire + complete per message"
+        },
         durable: false,
         elapsed,
         latencies_us,
-        effects: effects.load(Ordering::Relaxed),
+        effects,
         errors,
         pg_trips: None,
         tiers: (0, ctx.stream.len() as u64, 0),

@@ -1,0 +1,274 @@
+//! (e) and (e'): dedup in transaction mode by the batch (`PgStore::transact_batch`): each batch of
+//! the stream in one Postgres transaction, its effects (a counter for (e), a ledger row per key
+//! for (e')) written by one batch handler, its completions in one statement, one commit.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dedup_core::{ClaimRequest, IdempotencyKey, Lease, OwnerId, Scope};
+use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxBatchConfig};
+use sqlx::{PgConnection, PgPool};
+
+use super::{Ctx, Outcome, result_of};
+use crate::connect::CliError;
+
+/// (e) with `ledger` false: the effect is outside the database (counted once the batch commits,
+/// as a consumer would act after its commit). (e') with `ledger` true: the effect is a row of
+/// `dedup_bench_ledger`, written by the batch handler in the batch's transaction.
+pub(super) async fn transaction_mode(
+    ctx: &Ctx,
+    pool: &PgPool,
+    ledger: bool,
+) -> Result<Outcome, CliError> {
+    let (name, label, tag) = if ledger {
+        ("(e')", "dedup: transaction mode, batched + ledger", "e2")
+    } else {
+        ("(e)", "dedup: transaction mode, batched", "e")
+    };
+    let workers = ctx.tx_workers.max(1);
+    let size = (ctx.concurrency / workers).max(1);
+    ctx.note(&format!(
+        "{name} dedup: transaction mode, {workers} batch transactions of up to {size} at once"
+    ));
+    let store = PgStore::new(pool.clone());
+    let scope = Scope::new(format!("bench-{tag}-{}", ctx.run_id))
+        .map_err(|e| CliError::Config(format!("scope: {e}")))?;
+    let contender = Arc::new(name.to_owned());
+    let run = Arc::new(ctx.run_id.clone());
+    let executed = Arc::new(AtomicU64::new(0));
+    let next = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..workers {
+        let (store, scope, stream, next) = (
+            store.clone(),
+            scope.clone(),
+            Arc::clone(&ctx.stream),
+            Arc::clone(&next),
+        );
+        let (executed, errors, contender, run) = (
+            Arc::clone(&executed),
+            Arc::clone(&errors),
+            Arc::clone(&contender),
+            Arc::clone(&run),
+        );
+        tasks.spawn(async move {
+            let mut latencies = Vec::new();
+            // Messages answered InFlight (a concurrent batch holds their key) come again.
+            let mut again: Vec<u64> = Vec::new();
+            let mut n = 0u64;
+            let mut failures = 0u32;
+            loop {
+                let take = size.saturating_sub(again.len());
+                let from = next.fetch_add(take, Ordering::Relaxed);
+                let fresh = stream.get(from.min(stream.len())..(from + take).min(stream.len()));
+                let mut ids: Vec<u64> = std::mem::take(&mut again);
+                ids.extend(fresh.unwrap_or_default());
+                if ids.is_empty() {
+                    break;
+                }
+                let reqs: Vec<ClaimRequest> = ids
+                    .iter()
+                    .map(|id| {
+                        n += 1;
+                        let key = IdempotencyKey::new(scope.clone(), format!("e{id}"))
+                            .unwrap_or_else(|_| unreachable!("short keys are valid"));
+                        ClaimRequest::new(key, OwnerId::new(format!("w{w}:{n}")))
+                    })
+                    .collect();
+                let t = Instant::now();
+                let handler = handler(ledger, Arc::clone(&contender), Arc::clone(&run));
+                match store
+                    .transact_batch(&reqs, TxBatchConfig::default(), handler)
+                    .await
+                {
+                    Ok(answers) => {
+                        for (id, a) in ids.iter().zip(answers) {
+                            match a {
+                                BatchAnswer::Executed { .. } => {
+                                    executed.fetch_add(1, Ordering::Relaxed);
+                                }
+                                BatchAnswer::Replayed { .. } => {}
+                                a if a.is_retryable() => again.push(*id),
+                                a => {
+                                    if errors.fetch_add(1, Ordering::Relaxed) < 5 {
+                                        eprintln!("[bench] {contender} event {id}: {a:?}");
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Err(e) if e.is_retryable() && failures < 100 => {
+                        failures += 1;
+                        again = ids;
+                    }
+                    Err(e) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        eprintln!("[bench] {contender}: {e}");
+                        break;
+                    }
+                }
+                let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
+                latencies.extend(std::iter::repeat_n(us, reqs.len() - again.len()));
+            }
+            latencies
+        });
+    }
+    let mut latencies_us = Vec::with_capacity(ctx.stream.len());
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(l) => latencies_us.extend(l),
+            Err(_) => {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    latencies_us.sort_unstable();
+    let effects = if ledger {
+        ledger_rows(pool, &ctx.run_id, name).await?
+    } else {
+        executed.load(Ordering::Relaxed)
+    };
+    Ok(Outcome {
+        name,
+        label,
+        durable: true,
+        elapsed,
+        latencies_us,
+        effects,
+        errors: errors.load(Ordering::Relaxed),
+        pg_trips: Some(store.statements()),
+        tiers: (0, 0, ctx.stream.len() as u64),
+        batches: None,
+    })
+}
+
+/// The batch handler: every acquired message's ledger row in one statement ((e')), or nothing
+/// to write ((e)); the result per message.
+fn handler(
+    ledger: bool,
+    contender: Arc<String>,
+    run: Arc<String>,
+) -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, std::io::Error> + Send {
+    move |tx, leases| {
+        let (contender, run) = (Arc::clone(&contender), Arc::clone(&run));
+        Box::pin(async move {
+            let ids: Vec<String> = leases
+                .iter()
+                .map(|l| String::from_utf8_lossy(l.key.key_bytes()).into_owned())
+                .collect();
+            if ledger {
+                sqlx::query(
+                    "INSERT INTO dedup_bench_ledger (run, contender, key, amount) \
+                     SELECT $1, $2, k, 1 FROM unnest($3::text[]) AS u(k)",
+                )
+                .bind(run.as_str())
+                .bind(contender.as_str())
+                .bind(&ids)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| {
+                    dedup_core::HandlerError::Retryable(std::io::Error::other(e.to_string()))
+                })?;
+            }
+            Ok(ids
+                .iter()
+                .map(|k| -> ItemResult<std::io::Error> {
+                    let id: u64 = k.trim_start_matches('e').parse().unwrap_or(0);
+                    Ok(Bytes::from(result_of(id)))
+                })
+                .collect())
+        })
+    }
+}
+
+/// The ledger table of the effect-in-the-database workload: no unique constraint, so a doubled
+/// effect shows as a second row.
+pub(super) async fn ledger_table(pool: &PgPool) -> Result<(), CliError> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS dedup_bench_ledger \
+         (run text NOT NULL, contender text NOT NULL, key text NOT NULL, amount int NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .map_err(|e| CliError::Failed(format!("creating the ledger table: {e}")))?;
+    Ok(())
+}
+
+/// A contender's ledger rows in this run.
+pub(super) async fn ledger_rows(
+    pool: &PgPool,
+    run: &str,
+    contender: &str,
+) -> Result<u64, CliError> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM dedup_bench_ledger WHERE run = $1 AND contender = $2",
+    )
+    .bind(run)
+    .bind(contender)
+    .fetch_one(pool)
+    .await
+    .map_err(|e| CliError::Failed(format!("counting ledger rows: {e}")))?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// The ceiling: the same Postgres taking `rows` completed rows as 500-row
+/// `INSERT ... ON CONFLICT DO NOTHING` statements into a scratch table with `dedup_records`'
+/// columns and indexes, from two clients. Answers rows per second.
+pub(super) async fn ceiling(ctx: &Ctx, pool: &PgPool, rows: u64) -> Result<f64, CliError> {
+    ctx.note("ceiling: 500-row INSERTs into a copy of dedup_records, two clients");
+    let e = |e: sqlx::Error| CliError::Failed(format!("ceiling: {e}"));
+    sqlx::query("DROP TABLE IF EXISTS dedup_bench_ceiling")
+        .execute(pool)
+        .await
+        .map_err(e)?;
+    sqlx::query("CREATE TABLE dedup_bench_ceiling (LIKE dedup_records INCLUDING ALL)")
+        .execute(pool)
+        .await
+        .map_err(e)?;
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let (pool, next) = (pool.clone(), Arc::clone(&next));
+        tasks.spawn(async move {
+            loop {
+                let from = next.fetch_add(500, Ordering::Relaxed);
+                if from >= rows {
+                    return Ok::<(), sqlx::Error>(());
+                }
+                let to = (from + 500).min(rows);
+                let keys: Vec<Vec<u8>> = (from..to).map(|i| format!("e{i}").into_bytes()).collect();
+                let results: Vec<Vec<u8>> = (from..to).map(|i| result_of(i).into_bytes()).collect();
+                sqlx::query(
+                    "INSERT INTO dedup_bench_ceiling (scope, key, state, token, attempts, result, \
+                     created_at, updated_at, expires_at) \
+                     SELECT 'ceiling', k, 'completed', nextval('dedup_token_seq'), 1, r, \
+                     statement_timestamp(), statement_timestamp(), \
+                     statement_timestamp() + interval '7 days' \
+                     FROM unnest($1::bytea[], $2::bytea[]) AS u(k, r) ON CONFLICT DO NOTHING",
+                )
+                .bind(&keys)
+                .bind(&results)
+                .execute(&pool)
+                .await?;
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|j| CliError::Failed(format!("ceiling: {j}")))?
+            .map_err(e)?;
+    }
+    let elapsed: Duration = started.elapsed();
+    sqlx::query("DROP TABLE dedup_bench_ceiling")
+        .execute(pool)
+        .await
+        .map_err(e)?;
+    #[allow(clippy::cast_precision_loss)]
+    let rate = rows as f64 / elapsed.as_secs_f64().max(1e-9);
+    Ok(rate)
+}
