@@ -45,9 +45,12 @@ use futures_util::FutureExt;
 use sqlx::postgres::PgConnection;
 use tracing::debug;
 
+use crate::PgStore;
+use crate::claim::{claim_counted, claim_many};
 use crate::classify::classify;
+use crate::complete::{complete_many, finish};
+use crate::rows::token_i64;
 use crate::sql::TRY_LOCK_SQL;
-use crate::{PgStore, claim_counted, claim_many, complete_many, finish, token_i64};
 
 /// How a batch transaction is run.
 #[derive(Clone, Copy, Debug)]

@@ -1,0 +1,164 @@
+//! Completions and every other fenced end of a lease, one at a time or many in one statement.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{IdempotencyKey, Lease, State, StoreError, micros};
+use sqlx::Row;
+use sqlx::postgres::PgConnection;
+
+use crate::PgStore;
+use crate::classify::classify;
+use crate::rows::*;
+use crate::sql::*;
+
+/// Runs [`COMPLETE_BATCH_SQL`] on `conn`, then completes each repeat of a key on its own. One
+/// answer per item; the error that failed the whole statement, if one did (each item then holds
+/// a copy of it); and how many statements were sent.
+pub(crate) async fn complete_many(
+    conn: &mut PgConnection,
+    items: &[(Lease, Bytes)],
+) -> (Vec<Result<(), StoreError>>, Option<StoreError>, u64) {
+    let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+    let mut deferred = Vec::new();
+    let (mut scopes, mut keys, mut tokens, mut results, mut rets) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut index: HashMap<(&str, &[u8]), usize> = HashMap::with_capacity(items.len());
+    for (i, (lease, result)) in items.iter().enumerate() {
+        if let Err(e) = lease.policy.check_result(result) {
+            out.push(Some(Err(e.into())));
+            continue;
+        }
+        if index.contains_key(&(lease.key.scope().as_str(), lease.key.key_bytes())) {
+            // A repeat of a key: completed after the batch, as if one after the other.
+            deferred.push(i);
+            out.push(None);
+            continue;
+        }
+        index.insert((lease.key.scope().as_str(), lease.key.key_bytes()), i);
+        scopes.push(lease.key.scope().as_str());
+        keys.push(lease.key.key_bytes());
+        tokens.push(token_i64(lease.token));
+        results.push(result.as_ref());
+        rets.push(micros(lease.policy.retention));
+        out.push(None);
+    }
+    let mut failed = None;
+    let mut statements = 0;
+    if !scopes.is_empty() {
+        statements += 1;
+        let done = sqlx::query(COMPLETE_BATCH_SQL)
+            .bind(&scopes)
+            .bind(&keys)
+            .bind(&tokens)
+            .bind(&results)
+            .bind(&rets)
+            .fetch_all(&mut *conn)
+            .await;
+        match done {
+            Ok(rows) => {
+                for row in &rows {
+                    let scope: Result<&str, _> = row.try_get("scope");
+                    let key: Result<&[u8], _> = row.try_get("key");
+                    if let (Ok(scope), Ok(key)) = (scope, key)
+                        && let Some(&i) = index.get(&(scope, key))
+                    {
+                        out[i] = Some(Ok(()));
+                    }
+                }
+            }
+            Err(e) => {
+                let e = classify(e, true);
+                for &i in index.values() {
+                    out[i] = Some(Err(echo(&e)));
+                }
+                for &i in &deferred {
+                    out[i] = Some(Err(echo(&e)));
+                }
+                failed = Some(e);
+            }
+        }
+    }
+    if failed.is_none() {
+        for i in deferred {
+            let (lease, result) = &items[i];
+            statements += 1;
+            out[i] = Some(PgStore::complete_in(conn, lease, result).await);
+        }
+    }
+    let out = out
+        .into_iter()
+        .zip(items)
+        .map(|(answer, (lease, _))| {
+            answer.unwrap_or_else(|| {
+                Err(StoreError::LeaseLost {
+                    key: lease.key.clone(),
+                    token: lease.token,
+                })
+            })
+        })
+        .collect();
+    (out, failed, statements)
+}
+
+/// A batch statement failed as a whole: each of its items is told so.
+#[derive(Debug)]
+pub(crate) struct BatchFailed(pub(crate) String);
+
+impl std::fmt::Display for BatchFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BatchFailed {}
+
+/// A copy of `e` of the same kind (retryable, unknown outcome or not), for each item of a batch
+/// that `e` failed.
+pub(crate) fn echo(e: &StoreError) -> StoreError {
+    let msg = BatchFailed(format!("batch failed: {e}"));
+    if e.is_outcome_unknown() {
+        StoreError::outcome_unknown(msg)
+    } else if e.is_retryable() {
+        StoreError::unavailable(msg)
+    } else {
+        StoreError::backend(msg)
+    }
+}
+
+pub(crate) fn unanswered(key: &IdempotencyKey) -> StoreError {
+    StoreError::Corrupt {
+        key: key.clone(),
+        detail: "the batch left this request unanswered".into(),
+    }
+}
+
+pub(crate) async fn finish(
+    conn: &mut PgConnection,
+    lease: &Lease,
+    state: State,
+    result: Option<&[u8]>,
+    failure: Option<&str>,
+    retention: Duration,
+) -> Result<(), StoreError> {
+    let done = sqlx::query(FINISH_SQL)
+        .bind(lease.key.scope().as_str())
+        .bind(lease.key.key_bytes())
+        .bind(token_i64(lease.token))
+        .bind(state.as_str())
+        .bind(result)
+        .bind(failure)
+        .bind(micros(retention))
+        .execute(&mut *conn)
+        .await
+        .map_err(|e| classify(e, true))?;
+    if done.rows_affected() == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::LeaseLost {
+            key: lease.key.clone(),
+            token: lease.token,
+        })
+    }
+}
