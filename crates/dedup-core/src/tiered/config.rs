@@ -1,0 +1,114 @@
+//! The tiers' settings and counters.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The L1 eviction policy. See docs/ARCHITECTURE.md for the measurements behind the default.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum L1Policy {
+    /// moka's default: TinyLFU admission (may refuse a new key on a stream of mostly new keys).
+    TinyLfu,
+    /// Least recently used: admits every new key.
+    Lru,
+}
+
+/// How the tiered store is sized and how long it waits for the fast path.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct TieredConfig {
+    /// The most entries L1 holds.
+    pub l1_max_entries: u64,
+    /// The most bytes L1 holds (results and reasons included).
+    pub l1_max_bytes: u64,
+    /// The longest an L1 entry lives (never longer than the record's retention).
+    pub l1_ttl: Duration,
+    /// L1's eviction policy.
+    pub l1_policy: L1Policy,
+    /// How long a fast-path call may take before it counts as a miss.
+    pub l2_timeout: Duration,
+}
+
+impl Default for TieredConfig {
+    /// 100,000 entries or 64 MiB, 10 minutes, LRU, a 50 ms fast-path timeout.
+    fn default() -> Self {
+        Self {
+            l1_max_entries: 100_000,
+            l1_max_bytes: 64 << 20,
+            l1_ttl: Duration::from_secs(600),
+            l1_policy: L1Policy::Lru,
+            l2_timeout: Duration::from_millis(50),
+        }
+    }
+}
+
+impl TieredConfig {
+    /// Sets the L1 bounds.
+    pub fn with_l1_capacity(mut self, max_entries: u64, max_bytes: u64) -> Self {
+        self.l1_max_entries = max_entries.max(1);
+        self.l1_max_bytes = max_bytes.max(1);
+        self
+    }
+
+    /// Sets the L1 eviction policy.
+    pub fn with_l1_policy(mut self, policy: L1Policy) -> Self {
+        self.l1_policy = policy;
+        self
+    }
+
+    /// Sets the L1 entry lifetime.
+    pub fn with_l1_ttl(mut self, ttl: Duration) -> Self {
+        self.l1_ttl = ttl;
+        self
+    }
+
+    /// Sets the fast-path timeout.
+    pub fn with_l2_timeout(mut self, t: Duration) -> Self {
+        self.l2_timeout = t;
+        self
+    }
+}
+
+/// Counters per tier, read with [`TieredStore::stats`].
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub struct TierStats {
+    /// Claims answered by L1.
+    pub l1_hits: u64,
+    /// Claims L1 could not answer.
+    pub l1_misses: u64,
+    /// Claims answered by the fast path.
+    pub l2_hits: u64,
+    /// Claims the fast path could not answer (nothing held, or nothing it may answer).
+    pub l2_misses: u64,
+    /// Fast-path calls that failed (errors, corrupt data).
+    pub l2_errors: u64,
+    /// Fast-path calls that timed out.
+    pub l2_timeouts: u64,
+    /// Copies written to the fast path after the authority had the outcome.
+    pub backfills: u64,
+    /// Copies the fast path refused (it held a newer token).
+    pub backfills_refused: u64,
+    /// Claims that reached the authority.
+    pub authority_claims: u64,
+    /// All calls that reached the authority (claims, completions, failures, heartbeats, reads).
+    pub authority_calls: u64,
+}
+
+#[derive(Default, Debug)]
+pub(super) struct Counters {
+    pub(super) l1_hits: AtomicU64,
+    pub(super) l1_misses: AtomicU64,
+    pub(super) l2_hits: AtomicU64,
+    pub(super) l2_misses: AtomicU64,
+    pub(super) l2_errors: AtomicU64,
+    pub(super) l2_timeouts: AtomicU64,
+    pub(super) backfills: AtomicU64,
+    pub(super) backfills_refused: AtomicU64,
+    pub(super) authority_claims: AtomicU64,
+    pub(super) authority_calls: AtomicU64,
+}
+
+pub(super) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
