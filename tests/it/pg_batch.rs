@@ -210,20 +210,40 @@ async fn a_poisoned_message_fails_alone_and_its_neighbours_commit(pool: PgPool) 
     assert!(matches!(later[1], BatchAnswer::Failed { .. }));
 }
 
-/// A key another transaction holds uncommitted (another batch, or a `claim_in` transaction) does
-/// not hold this batch: it answers InFlight at once and the other keys commit.
+/// A key another batch holds (uncommitted) does not hold this batch: it answers InFlight at once
+/// and the other keys commit; once the other batch commits, the key replays.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn a_key_held_by_another_transaction_answers_in_flight_without_waiting(pool: PgPool) {
+async fn a_key_held_by_another_batch_answers_in_flight_without_waiting(pool: PgPool) {
     effects_table(&pool).await;
     let store = PgStore::new(pool.clone());
-    let mut other = pool.begin().await.unwrap();
-    acquired(
-        PgStore::claim_in(&mut other, &reqs(&["held"])[0])
-            .await
-            .unwrap(),
-    );
+    // The other batch holds "held" inside its transaction until it is told to finish.
+    let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+    let (finish, finish_rx) = tokio::sync::oneshot::channel::<()>();
+    let other = {
+        let store = store.clone();
+        let mut signal = Some((started_tx, finish_rx));
+        tokio::spawn(async move {
+            store
+                .transact_batch(
+                    &reqs(&["held"]),
+                    TxBatchConfig::default(),
+                    move |_tx: &mut PgConnection, leases: &[Lease]| -> BatchBody<'_, Boom> {
+                        let signal = signal.take();
+                        Box::pin(async move {
+                            if let Some((started, finish)) = signal {
+                                let _ = started.send(());
+                                let _ = finish.await;
+                            }
+                            Ok(leases.iter().map(|_| Ok(Bytes::from("other"))).collect())
+                        })
+                    },
+                )
+                .await
+        })
+    };
+    started.await.unwrap();
     let calls = Arc::new(AtomicU32::new(0));
-    // Were it to wait on the other transaction, it would wait until after this test ends.
+    // Were it to wait on the other batch, it would wait until after this test ends.
     let answers = tokio::time::timeout(
         Duration::from_secs(60),
         store.transact_batch(
@@ -233,7 +253,7 @@ async fn a_key_held_by_another_transaction_answers_in_flight_without_waiting(poo
         ),
     )
     .await
-    .expect("the batch did not wait for the other transaction")
+    .expect("the batch did not wait for the other one")
     .unwrap();
     assert!(matches!(answers[0], BatchAnswer::Executed { .. }));
     assert!(
@@ -243,7 +263,9 @@ async fn a_key_held_by_another_transaction_answers_in_flight_without_waiting(poo
     );
     assert!(answers[1].is_retryable());
     assert!(matches!(answers[2], BatchAnswer::Executed { .. }));
-    other.rollback().await.unwrap();
+    finish.send(()).unwrap();
+    let theirs = other.await.unwrap().unwrap();
+    assert!(matches!(theirs[0], BatchAnswer::Executed { .. }));
     let retried = store
         .transact_batch(
             &reqs(&["held"]),
@@ -252,8 +274,108 @@ async fn a_key_held_by_another_transaction_answers_in_flight_without_waiting(poo
         )
         .await
         .unwrap();
-    assert!(matches!(retried[0], BatchAnswer::Executed { .. }));
-    assert_eq!(effect_rows(&pool).await.len(), 3);
+    assert!(
+        matches!(&retried[0], BatchAnswer::Replayed { result } if result == "other"),
+        "{:?}",
+        retried[0]
+    );
+    assert_eq!(effect_rows(&pool).await.len(), 2);
+}
+
+/// A key a `claim_in` transaction holds uncommitted makes the batch's claim wait on its row, but
+/// only up to the batch's lock timeout: the batch then fails as a whole, retryably, having
+/// written nothing, and runs once the other transaction is gone.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_key_held_by_a_claim_in_transaction_holds_the_batch_no_longer_than_its_bound(
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let mut other = pool.begin().await.unwrap();
+    acquired(
+        PgStore::claim_in(&mut other, &reqs(&["held"])[0])
+            .await
+            .unwrap(),
+    );
+    let calls = Arc::new(AtomicU32::new(0));
+    let bounded = TxBatchConfig::default().with_lock_timeout(Duration::from_millis(300));
+    let err = store
+        .transact_batch(
+            &reqs(&["a", "held"]),
+            bounded,
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .expect_err("the lock timeout fails the batch");
+    assert!(err.is_retryable() && !err.is_outcome_unknown(), "{err:?}");
+    assert_eq!(dedup_pg::sqlstate(&err).as_deref(), Some("55P03"));
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "no handler ran");
+    other.rollback().await.unwrap();
+    let answers = store
+        .transact_batch(&reqs(&["a", "held"]), bounded, ledger(calls, &[], &[]))
+        .await
+        .unwrap();
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, BatchAnswer::Executed { attempts: 1, .. }))
+    );
+    assert_eq!(effect_rows(&pool).await.len(), 2);
+}
+
+/// A result too large to store fails its own message (FAILED, its writes undone), not the batch.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn an_oversized_result_fails_its_message_alone(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let policy = dedup_core::Policy::default().with_max_result_bytes(16);
+    let batch: Vec<ClaimRequest> = ["r1", "huge", "r3"]
+        .iter()
+        .map(|n| req(&key(n), "batch").with_policy(policy))
+        .collect();
+    let answers = store
+        .transact_batch(
+            &batch,
+            TxBatchConfig::default(),
+            |tx: &mut PgConnection, leases: &[Lease]| -> BatchBody<'_, Boom> {
+                Box::pin(async move {
+                    let mut out = Vec::new();
+                    for l in leases {
+                        let name = String::from_utf8(l.key.key_bytes().to_vec()).unwrap();
+                        crate::support::insert_effect(tx, &name, l.token, "batch")
+                            .await
+                            .unwrap();
+                        out.push(Ok(if name == "huge" {
+                            Bytes::from(vec![b'x'; 1024])
+                        } else {
+                            Bytes::from("ok")
+                        }));
+                    }
+                    Ok(out)
+                })
+            },
+        )
+        .await
+        .unwrap();
+    assert!(matches!(answers[0], BatchAnswer::Executed { .. }));
+    assert!(
+        matches!(
+            &answers[1],
+            BatchAnswer::Handler {
+                error: HandlerError::Store(dedup_core::StoreError::Input(_)),
+                after: AfterHandlerError::Failed { .. }
+            }
+        ),
+        "{:?}",
+        answers[1]
+    );
+    assert!(matches!(answers[2], BatchAnswer::Executed { .. }));
+    let rows: Vec<String> = effect_rows(&pool).await.into_iter().map(|r| r.0).collect();
+    assert_eq!(rows, ["r1", "r3"], "the oversized one's write was undone");
+    assert_eq!(
+        store.get(&key("huge")).await.unwrap().unwrap().state,
+        State::Failed
+    );
 }
 
 /// A batch whose client stops inside the transaction (here: a handler that never returns in

@@ -16,9 +16,11 @@
 //! split in halves until the message at fault stands alone. A poisoned message is then released or
 //! FAILED on its own and its neighbours commit.
 //!
-//! Keys are try-locked with transaction-scoped advisory locks on a hash of scope and key; every
-//! single claim (`claim`, `claim_in`) takes the same lock, waiting, so a batch never waits on a
-//! `claim_in` transaction either (a hash collision only makes a key answer InFlight once more).
+//! Keys are try-locked with transaction-scoped advisory locks on a hash of scope and key, so a
+//! batch never waits on another batch (a hash collision only makes a key answer InFlight once
+//! more). A key that a transaction of another kind holds uncommitted (a `claim_in`) can make a
+//! batch statement wait, up to [`TxBatchConfig::lock_timeout`]; past it the batch fails as a
+//! whole and is retried.
 //! Each lock is a slot of Postgres's shared lock table, which holds `max_locks_per_transaction`
 //! × `max_connections` entries (6,400 with the defaults): size it for the batches that run at
 //! once. A full table is SQLSTATE 53200, a passing error: the batch is retried.
@@ -38,7 +40,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{
-    AfterHandlerError, ClaimOutcome, ClaimRequest, FencingToken, HandlerError, Lease, State,
+    AfterHandlerError, ClaimOutcome, ClaimRequest, FencingToken, HandlerError, Lease, State, Store,
     StoreError, machine,
 };
 use futures_util::FutureExt;
@@ -60,12 +62,18 @@ pub struct TxBatchConfig {
     /// before Postgres ends it and rolls the batch back: the bound on how long a stopped consumer
     /// holds its keys. Default 10 s.
     pub idle_timeout: Duration,
+    /// How long one of the batch's statements may wait on a lock: a key that a transaction of
+    /// another kind holds uncommitted (a `claim_in`, or a lease-mode claim mid-statement).
+    /// Another batch's keys never make it wait (they are try-locked and answer InFlight); past
+    /// this bound the batch fails as a whole, retryably (SQLSTATE 55P03). Default 5 s.
+    pub lock_timeout: Duration,
 }
 
 impl Default for TxBatchConfig {
     fn default() -> Self {
         Self {
             idle_timeout: Duration::from_secs(10),
+            lock_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -74,6 +82,12 @@ impl TxBatchConfig {
     /// Sets the idle-in-transaction bound (at least 1 ms).
     pub fn with_idle_timeout(mut self, t: Duration) -> Self {
         self.idle_timeout = t.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Sets the lock-wait bound (at least 1 ms).
+    pub fn with_lock_timeout(mut self, t: Duration) -> Self {
+        self.lock_timeout = t.max(Duration::from_millis(1));
         self
     }
 }
@@ -262,10 +276,12 @@ impl PgStore {
             let scopes: Vec<&str> = distinct.iter().map(|&i| reqs[i].key.scope().as_str()).collect();
             let keys: Vec<&[u8]> = distinct.iter().map(|&i| reqs[i].key.key_bytes()).collect();
             let idle = format!("{}ms", config.idle_timeout.as_millis().max(1));
+            let wait = format!("{}ms", config.lock_timeout.as_millis().max(1));
             let got: Vec<bool> = sqlx::query_scalar(TRY_LOCK_SQL)
                 .bind(&scopes)
                 .bind(&keys)
                 .bind(&idle)
+                .bind(&wait)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(|e| classify(e, false))?;
@@ -321,6 +337,7 @@ impl PgStore {
             let (positions, leases): (Vec<usize>, Vec<Lease>) = leases.into_iter().unzip();
             // The handler: the whole batch at once, or in parts under savepoints.
             let results: Vec<Option<ItemResult<E>>> = match &alone {
+                _ if leases.is_empty() => Vec::new(),
                 None => {
                     let whole = call(handler, &mut tx, &leases).await;
                     match whole {
@@ -335,10 +352,13 @@ impl PgStore {
                                 .map(|(k, _)| reqs_index(&positions, distinct, k))
                                 .collect();
                             debug!("batch handler reported failures; running again in parts");
+                            // Before the second pass takes its locks: let go of this one's.
+                            tx.rollback().await.map_err(|e| classify(e, false))?;
                             return Ok(Pass::Retry(failed));
                         }
                         Err(e) => {
                             debug!(error = %handler_reason(&e), "batch handler failed; running again in parts");
+                            tx.rollback().await.map_err(|e| classify(e, false))?;
                             return Ok(Pass::Retry(Vec::new()));
                         }
                     }
@@ -377,11 +397,16 @@ impl PgStore {
                             }
                             continue;
                         }
+                        // Undone, and released too, so that failed parts do not nest.
                         sqlx::query("ROLLBACK TO SAVEPOINT dedup_part")
                             .execute(&mut *tx)
                             .await
                             .map_err(|e| classify(e, false))?;
-                        self.count(1);
+                        sqlx::query("RELEASE SAVEPOINT dedup_part")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| classify(e, false))?;
+                        self.count(2);
                         match out {
                             Ok(mut r) if part.len() == 1 => {
                                 results[part[0]] = r.pop();
@@ -442,16 +467,37 @@ impl PgStore {
                     });
                 }
             }
-            // A commit whose reply is lost is read back through one completed lease: a
-            // transaction commits whole.
+            // A commit whose reply is lost is read back through one completed lease (a
+            // transaction commits whole); whatever did not commit is a passing failure of the
+            // whole batch, which a retry settles (every claim is read again).
             self.count(1);
-            let completed: Vec<Lease> = done.into_iter().map(|(lease, _)| lease).collect();
-            self.commit_batch(tx, &completed).await?;
+            if let Err(e) = tx.commit().await {
+                let err = classify(e, true);
+                let landed = match (err.is_outcome_unknown(), done.first()) {
+                    (true, Some((lease, _))) => matches!(
+                        self.get(&lease.key).await,
+                        Ok(Some(r)) if r.token == lease.token && r.state == State::Completed
+                    ),
+                    _ => false,
+                };
+                if !landed {
+                    return Err(if err.is_outcome_unknown() && !done.is_empty() {
+                        StoreError::unavailable(BatchRetried("the batch's commit did not land"))
+                    } else {
+                        err
+                    });
+                }
+            }
             Ok(Pass::Done(answers))
         }
         .await;
         if let Err(e) = &out {
             conn.saw(e);
+            // A transaction dropped on an error only queues its ROLLBACK: send it now, so that
+            // its advisory locks are gone before the caller retries the batch.
+            if !crate::classify::must_discard(e) {
+                let _ = sqlx::Connection::ping(&mut **conn).await;
+            }
         }
         out
     }
@@ -479,7 +525,19 @@ where
 {
     let fut = handler(conn, leases);
     match AssertUnwindSafe(fut).catch_unwind().await {
-        Ok(Ok(results)) if results.len() == leases.len() => Ok(results),
+        // A result too large to store fails its message (its writes are then undone under its
+        // savepoint, and the key FAILED), not the batch.
+        Ok(Ok(results)) if results.len() == leases.len() => Ok(results
+            .into_iter()
+            .zip(leases)
+            .map(|(r, lease)| match r {
+                Ok(result) => match lease.policy.check_result(&result) {
+                    Ok(()) => Ok(result),
+                    Err(e) => Err(HandlerError::Store(StoreError::Input(e))),
+                },
+                err => err,
+            })
+            .collect()),
         Ok(Ok(results)) => Err(HandlerError::Store(StoreError::backend(BatchRetried(
             if results.len() < leases.len() {
                 "the batch handler answered fewer messages than it was given"
@@ -504,7 +562,8 @@ async fn record_failure<E: std::fmt::Display>(
     let p = lease.policy;
     let reason = handler_reason(&error);
     let (state, failure, retention, after) = match &error {
-        HandlerError::Permanent(_) => (
+        // Permanent, or a result that can never be stored: FAILED, with the reason.
+        HandlerError::Permanent(_) | HandlerError::Store(StoreError::Input(_)) => (
             State::Failed,
             reason,
             p.failed_retention,

@@ -162,7 +162,11 @@ pub(crate) async fn claim_many(
                 _ => None,
             })
             .collect();
-        let ends = regrant(conn, &leases).await?;
+        // The claims may have committed already (autocommit): an error here leaves them
+        // granted but short, which only a read-back (owner id) and an extension can settle.
+        let ends = regrant(conn, &leases)
+            .await
+            .map_err(|e| StoreError::outcome_unknown(Regrant(e.to_string())))?;
         let mut lost = Vec::new();
         for (&a, end) in stale.iter().zip(ends) {
             match (end, &mut answers[a]) {
@@ -272,7 +276,10 @@ pub(crate) async fn claim_once(
             if waited(now, done, p.lease) {
                 // Granted from before a wait: the lease must run from now. Re-granted under its
                 // token; if someone took the key over in between, this claim is simply re-run.
-                match regrant(conn, &[&lease]).await?.pop().flatten() {
+                let ends = regrant(conn, &[&lease])
+                    .await
+                    .map_err(|e| StoreError::outcome_unknown(Regrant(e.to_string())))?;
+                match ends.into_iter().next().flatten() {
                     Some(until) => lease.lease_until = until,
                     None => return Ok(None),
                 }
@@ -314,3 +321,19 @@ pub(crate) async fn exhaust(
         .map_err(|e| classify(e, true))?;
     Ok((done.rows_affected() == 1).then(|| machine::failed_outcome(failed)))
 }
+
+/// A re-grant after a waiting claim failed: the claim itself may have committed.
+#[derive(Debug)]
+pub(crate) struct Regrant(pub(crate) String);
+
+impl std::fmt::Display for Regrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "re-granting leases after a waiting claim failed: {}",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for Regrant {}

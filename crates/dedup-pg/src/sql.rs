@@ -50,10 +50,7 @@ macro_rules! record_cols {
 ///
 /// $1 scope, $2 key, $3 owner, $4 fingerprint, $5 lease (µs), $6 retention (µs), $7 max attempts.
 pub(crate) const CLAIM_SQL: &str = concat!(
-    // The key's advisory lock (the one a transaction-mode batch try-locks): taken before the
-    // INSERT, so a batch finds a key held by a `claim_in` transaction locked and moves on.
-    "WITH clock AS (SELECT statement_timestamp() AS t,",
-    "  pg_advisory_xact_lock(hashtextextended($1 || E'\\n' || encode($2, 'hex'), 0)) AS l), ",
+    "WITH clock AS (SELECT statement_timestamp() AS t), ",
     "cur AS (SELECT r.* FROM dedup_records r WHERE r.scope = $1 AND r.key = $2), ",
     "ins AS (",
     "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
@@ -243,12 +240,14 @@ pub(crate) const WITHDRAW_SQL: &str = concat!(
 );
 
 /// Transaction mode by the batch: takes each key's transaction-scoped advisory lock if it is free,
-/// without waiting (a key another transaction holds answers InFlight), and bounds how long the
-/// batch's session may sit idle in its transaction. One row per key, in order.
-/// $1 scopes, $2 keys, $3 idle_in_transaction_session_timeout.
+/// without waiting (a key another batch holds answers InFlight), and sets the batch's bounds: how
+/// long its session may sit idle in its transaction, and how long a statement may wait on a lock
+/// (a row another kind of transaction holds uncommitted, such as a `claim_in`). One row per key,
+/// in order. $1 scopes, $2 keys, $3 idle_in_transaction_session_timeout, $4 lock_timeout.
 pub(crate) const TRY_LOCK_SQL: &str = concat!(
     "SELECT pg_try_advisory_xact_lock(hashtextextended(q.scope || E'\\n' || encode(q.key, 'hex'), 0))",
     " FROM unnest($1::text[], $2::bytea[]) WITH ORDINALITY AS q(scope, key, n),",
-    " (SELECT set_config('idle_in_transaction_session_timeout', $3, true)) AS s",
+    " (SELECT set_config('idle_in_transaction_session_timeout', $3, true),",
+    "   set_config('lock_timeout', $4, true)) AS s",
     " ORDER BY q.n"
 );
