@@ -124,10 +124,19 @@ impl<S: Store> Store for Batched<S> {
                 // Leases granted to callers that were cancelled while their batch was in flight:
                 // nobody holds them, so give them back (without spending an attempt) rather than
                 // leave the keys blocked for a lease.
-                for orphan in orphans {
-                    if let Ok(ClaimOutcome::Acquired(lease)) = orphan
-                        && let Err(e) = self.inner.withdraw(&lease).await
-                    {
+                let orphans: Vec<Lease> = orphans
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Ok(ClaimOutcome::Acquired(lease)) => Some(lease),
+                        _ => None,
+                    })
+                    .collect();
+                let withdrawn = futures_util::future::join_all(
+                    orphans.iter().map(|lease| self.inner.withdraw(lease)),
+                )
+                .await;
+                for (lease, r) in orphans.iter().zip(withdrawn) {
+                    if let Err(e) = r {
                         tracing::warn!(key = %lease.key, error = %e, "could not withdraw a cancelled caller's lease; it will expire");
                     }
                 }

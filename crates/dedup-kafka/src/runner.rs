@@ -278,6 +278,26 @@ struct Done {
     settled: Settled,
 }
 
+/// Sends a message's [`Done`] when dropped: at the end of its task, or while a panic unwinds it.
+struct Report {
+    tx: Option<mpsc::UnboundedSender<Done>>,
+    lane: Lane,
+    offset: i64,
+    settled: Settled,
+}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Done {
+                lane: self.lane.clone(),
+                offset: self.offset,
+                settled: self.settled,
+            });
+        }
+    }
+}
+
 struct Inner<S, H> {
     config: RunnerConfig,
     dedup: Arc<Dedup<S>>,
@@ -528,10 +548,18 @@ where
             return;
         };
         tokio::spawn(async move {
+            // Whatever happens to this task, the loop hears of the message: a task that dies
+            // reports it abandoned (redelivered later), so its lane and the in-flight count go on.
+            let mut report = Report {
+                tx: Some(done_tx),
+                lane: job.lane.clone(),
+                offset: job.delivery.offset,
+                settled: Settled::Abandoned,
+            };
             // Handler panics are caught where the handler is called (and count as retryable
             // failures); this catches a panic anywhere else in the job, so that the message is
             // still settled (dead-lettered with the reason) and its partition moves on.
-            let settled = match AssertUnwindSafe(inner.run_job(&job)).catch_unwind().await {
+            report.settled = match AssertUnwindSafe(inner.run_job(&job)).catch_unwind().await {
                 Ok(settled) => settled,
                 Err(panic) => {
                     inner.counters.panics.add(1);
@@ -540,11 +568,6 @@ where
                     inner.dead_letter(&job, &reason, 0).await
                 }
             };
-            let _ = done_tx.send(Done {
-                lane: job.lane,
-                offset: job.delivery.offset,
-                settled,
-            });
         });
     }
 
