@@ -86,16 +86,13 @@ pub(super) async fn usual_postgres(
                 }
                 effects.fetch_add(1, Ordering::Relaxed);
                 if ledger {
-                    sqlx::query(
-                        "INSERT INTO dedup_bench_ledger (run, contender, key, amount) \
-                         VALUES ($1, $2, $3, 1)",
-                    )
-                    .bind(run.as_str())
-                    .bind(name)
-                    .bind(&key)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(e)?;
+                    sqlx::query(LEDGER_ROW)
+                        .bind(run.as_str())
+                        .bind(name)
+                        .bind(&key)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(e)?;
                     trips.fetch_add(1, Ordering::Relaxed);
                 }
                 sqlx::query(
@@ -136,6 +133,10 @@ pub(super) async fn usual_postgres(
         batches: None,
     })
 }
+
+/// One message's ledger row (the effect-in-the-database workload). $1 run, $2 contender, $3 key.
+const LEDGER_ROW: &str =
+    "INSERT INTO dedup_bench_ledger (run, contender, key, amount) VALUES ($1, $2, $3, 1)";
 
 /// The usual Redis acquire: the key's state if it has one, else take it for the lease.
 const ACQUIRE_LUA: &str = r"
@@ -202,16 +203,13 @@ pub(super) async fn usual_redis(
                 }
                 effects.fetch_add(1, Ordering::Relaxed);
                 if let Some(pool) = &pool {
-                    sqlx::query(
-                        "INSERT INTO dedup_bench_ledger (run, contender, key, amount) \
-                         VALUES ($1, $2, $3, 1)",
-                    )
-                    .bind(run.as_str())
-                    .bind(name)
-                    .bind(&key)
-                    .execute(pool)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                    sqlx::query(LEDGER_ROW)
+                        .bind(run.as_str())
+                        .bind(name)
+                        .bind(&key)
+                        .execute(pool)
+                        .await
+                        .map_err(|e| e.to_string())?;
                 }
                 let _: i64 = scripts
                     .1
