@@ -616,13 +616,6 @@ fn handler_reason<E: std::fmt::Display>(e: &HandlerError<E>) -> String {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 struct BatchRetried(&'static str);
-
-impl std::fmt::Display for BatchRetried {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0)
-    }
-}
-
-impl std::error::Error for BatchRetried {}

@@ -16,20 +16,9 @@ use crate::rows::*;
 use crate::sql::*;
 
 /// A claim that kept losing races to concurrent writers.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("claim of {0} kept losing races to concurrent writers")]
 pub(crate) struct Contention(pub(crate) String);
-
-impl std::fmt::Display for Contention {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "claim of {} kept losing races to concurrent writers",
-            self.0
-        )
-    }
-}
-
-impl std::error::Error for Contention {}
 
 /// [`PgStore::claim_in`], also answering how many statements it sent.
 pub(crate) async fn claim_counted(
@@ -323,17 +312,6 @@ pub(crate) async fn exhaust(
 }
 
 /// A re-grant after a waiting claim failed: the claim itself may have committed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("re-granting leases after a waiting claim failed: {0}")]
 pub(crate) struct Regrant(pub(crate) String);
-
-impl std::fmt::Display for Regrant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "re-granting leases after a waiting claim failed: {}",
-            self.0
-        )
-    }
-}
-
-impl std::error::Error for Regrant {}

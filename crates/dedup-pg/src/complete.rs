@@ -103,16 +103,9 @@ pub(crate) async fn complete_many(
 }
 
 /// A batch statement failed as a whole: each of its items is told so.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 pub(crate) struct BatchFailed(pub(crate) String);
-
-impl std::fmt::Display for BatchFailed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for BatchFailed {}
 
 /// A copy of `e` of the same kind (retryable, unknown outcome or not), for each item of a batch
 /// that `e` failed.
