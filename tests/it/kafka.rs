@@ -453,6 +453,7 @@ on_brokers!(
     a_panicking_handler_on_one_partition_is_dead_lettered_and_the_stream_goes_on,
     a_panicking_handler_on_several_partitions_is_dead_lettered_and_the_stream_goes_on,
     per_key_order_follows_the_ordering_key_not_the_idempotency_key,
+    typed_results_are_replayed_and_a_changed_type_is_dead_lettered,
 );
 
 async fn a_stream_with_duplicates_books_each_key_once_and_commits_to_the_end(
@@ -1217,4 +1218,129 @@ async fn per_key_order_follows_the_ordering_key_not_the_idempotency_key(
         assert_eq!(offsets, &expected, "{account} ran out of offset order");
     }
     assert_one_row_per_key(&pool, (0..200).map(|i| format!("evt-{i}"))).await;
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Clone, PartialEq, Debug)]
+struct Booked {
+    key: String,
+    amount: i64,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Clone, PartialEq, Debug)]
+struct BookedV2 {
+    key: String,
+    amount: i64,
+    currency: String,
+}
+
+type Seen<T> = Arc<std::sync::Mutex<Vec<(i64, T, bool)>>>;
+
+fn booked(d: &Delivery) -> Booked {
+    let json: serde_json::Value = serde_json::from_slice(d.payload_bytes()).unwrap();
+    Booked {
+        key: String::from_utf8_lossy(d.header("idempotency-key").unwrap()).into_owned(),
+        amount: json["amount"].as_i64().unwrap(),
+    }
+}
+
+/// Typed results under the runner: every delivery, fresh or duplicate, hands the same value to
+/// `on_result`; after a deployment that changed the result type, duplicates of keys stored by
+/// the old one are dead-lettered with the reason, and the new handler never runs for them.
+async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let redis = RedisServer::start();
+    let topic = unique("typed");
+    broker.create_topic(&topic, 1).await;
+    // 10 keys, each delivered twice.
+    let events: Vec<Event> = (0..20).map(|i| event(i % 10, 1)).collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let config = broker
+        .config(&group, &topic)
+        .with_dead_letter_topic(format!("{topic}.dlq"));
+
+    let runs = Arc::new(AtomicU32::new(0));
+    let seen: Seen<Booked> = Arc::default();
+    let handler = {
+        let (runs, seen) = (runs.clone(), seen.clone());
+        dedup_kafka::Typed::new(
+            dedup_core::ResultCodec::<Booked, _>::bincode("booked/v1").unwrap(),
+            move |d: Arc<Delivery>, _lease| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, HandlerError<String>>(booked(&d))
+                }
+            },
+        )
+        .on_result(
+            move |d: &Delivery, r: &dedup_core::TypedProcessed<Booked>| {
+                seen.lock()
+                    .unwrap()
+                    .push((d.offset, r.value().clone(), r.executed()));
+            },
+        )
+    };
+    let run = Running::spawn_with(config.clone(), engine(&pool, &redis).await, handler);
+    let stats = run.stats.clone();
+    eventually(60, "20 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed == 20 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.replayed, s.dead_lettered), (10, 10, 0));
+    assert_eq!(runs.load(Ordering::SeqCst), 10);
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort_by_key(|(offset, _, _)| *offset);
+    assert_eq!(seen.len(), 20);
+    for (offset, value, executed) in &seen {
+        let id = u32::try_from(*offset % 10).unwrap();
+        assert_eq!(value.key, format!("evt-{id}"), "offset {offset}");
+        assert_eq!(value.amount, i64::from(id % 100 + 1));
+        assert_eq!(*executed, *offset < 10, "offset {offset}");
+    }
+
+    // The next deployment stores BookedV2 under a new tag; the same 10 keys arrive again.
+    produce(broker, &topic, &events[..10]).await;
+    let runs_v2 = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let runs = runs_v2.clone();
+        dedup_kafka::Typed::new(
+            dedup_core::ResultCodec::<BookedV2, _>::bincode("booked/v2").unwrap(),
+            move |d: Arc<Delivery>, _lease| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let b = booked(&d);
+                    Ok::<_, HandlerError<String>>(BookedV2 {
+                        key: b.key,
+                        amount: b.amount,
+                        currency: "EUR".into(),
+                    })
+                }
+            },
+        )
+    };
+    let run = Running::spawn_with(config, engine(&pool, &redis).await, handler);
+    let stats = run.stats.clone();
+    eventually(60, "10 dead-lettered", || {
+        let s = stats.snapshot();
+        async move { s.dead_lettered == 10 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.replayed, s.dead_lettered), (0, 0, 10));
+    assert_eq!(runs_v2.load(Ordering::SeqCst), 0, "no handler ran again");
+    let dead = read_dead_letters(broker, &format!("{topic}.dlq"), 10).await;
+    for (_, h) in &dead {
+        let reason = &h[DLQ_REASON];
+        assert!(
+            reason.contains("cannot be used") && reason.contains("\"booked/v1\""),
+            "{reason}"
+        );
+    }
+    assert_eq!(committed(broker, &group, &topic, 1).await, vec![30]);
 }

@@ -52,6 +52,7 @@ mod process;
 mod record;
 mod store;
 mod tiered;
+pub mod typed;
 
 pub use batch::{BatchConfig, Batched};
 pub use error::{BoxError, InputError, StoreError};
@@ -66,6 +67,7 @@ pub use record::{
 };
 pub use store::{MemoryStore, Store};
 pub use tiered::{Cached, FastPath, L1Policy, NoFastPath, TierStats, TieredConfig, TieredStore};
+pub use typed::{ResultCodec, TypedProcessed};
 
 /// The README's examples run as doctests, so they cannot rot.
 #[cfg(doctest)]

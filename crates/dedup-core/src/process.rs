@@ -119,6 +119,17 @@ pub enum HandlerError<E> {
     Store(StoreError),
 }
 
+impl<E> HandlerError<E> {
+    /// The same failure with the handler's error mapped by `f`.
+    pub fn map_err<F>(self, f: impl FnOnce(E) -> F) -> HandlerError<F> {
+        match self {
+            Self::Retryable(e) => HandlerError::Retryable(f(e)),
+            Self::Permanent(e) => HandlerError::Permanent(f(e)),
+            Self::Store(e) => HandlerError::Store(e),
+        }
+    }
+}
+
 impl<E> From<StoreError> for HandlerError<E> {
     fn from(e: StoreError) -> Self {
         Self::Store(e)
@@ -189,6 +200,17 @@ pub enum ProcessError<E> {
     /// The store failed.
     #[error(transparent)]
     Store(StoreError),
+    /// The key is done, but its stored result does not decode into the type asked for
+    /// ([`Dedup::process_typed`]): the type changed between deployments, or the codec cannot read
+    /// it back. The handler does not run again. Do not retry; dead-letter the message.
+    #[error("the stored result of {key} cannot be used: {source}")]
+    Undecodable {
+        /// The key.
+        key: IdempotencyKey,
+        /// Which check failed.
+        #[source]
+        source: crate::typed::CodecError,
+    },
 }
 
 /// Where a handler's failure left its key.
@@ -224,7 +246,7 @@ impl<E> ProcessError<E> {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::InFlight { .. } | Self::LeaseLost { .. } => true,
-            Self::Failed { .. } | Self::PayloadMismatch { .. } => false,
+            Self::Failed { .. } | Self::PayloadMismatch { .. } | Self::Undecodable { .. } => false,
             Self::Handler { after, .. } | Self::Panicked { after, .. } => {
                 !matches!(after, AfterHandlerError::Failed { .. })
             }

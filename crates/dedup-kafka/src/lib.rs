@@ -38,6 +38,10 @@
 //!   batch of whatever is in flight (everything the consumer has fetched, up to
 //!   `max_in_flight`), while duplicates found in L1 are answered without queueing. The demo and
 //!   the Kafka tests run this way.
+//! - **Typed results.** [`Typed`] wraps a closure that returns a value (serde, bincode by
+//!   default): the value is stored, decoded for every settled message, fresh or replayed, and
+//!   handed to [`Typed::on_result`]; a stored result that no longer decodes dead-letters its
+//!   message with the reason.
 //! - **Traces.** Each message is a `dedup.kafka.message` span with OpenTelemetry's messaging
 //!   attributes; with the `otel` feature its parent is read from the W3C `traceparent` header.
 //!
@@ -64,6 +68,7 @@ mod delivery;
 mod runner;
 mod stats;
 mod trace;
+mod typed;
 
 pub use config::{
     Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, MAX_SETTING_DURATION, MissingKey,
@@ -74,3 +79,4 @@ pub use runner::{
     DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Handler, Runner, RunnerError,
 };
 pub use stats::{RunnerStats, StatsHandle};
+pub use typed::{Ignore, OnResult, Typed};

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use dedup_core::typed::CodecError;
 use dedup_core::{
     AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, LeaseContext,
     ProcessError, Processed, Scope, Store,
@@ -56,6 +57,18 @@ pub trait Handler: Send + Sync + 'static {
         delivery: Arc<Delivery>,
         lease: Option<LeaseContext>,
     ) -> impl Future<Output = Result<Completion, HandlerError<Self::Error>>> + Send;
+
+    /// Looks at a keyed message's result, fresh or replayed, before the message settles. An error
+    /// dead-letters the message with [`ProcessError::Undecodable`]'s text as the reason (a typed
+    /// result that no longer decodes: see [`Typed`](crate::Typed)). The default accepts every
+    /// result.
+    ///
+    /// # Errors
+    /// The result cannot be used.
+    fn check_result(&self, delivery: &Delivery, processed: &Processed) -> Result<(), CodecError> {
+        let _ = (delivery, processed);
+        Ok(())
+    }
 }
 
 impl<F, Fut, E> Handler for F
@@ -781,8 +794,14 @@ where
                 })
                 .await;
             let err = match out {
-                Ok(Processed::Replayed { .. }) => return Settled::Replayed,
-                Ok(_) => return Settled::Executed,
+                Ok(processed) => match self.handler.check_result(&job.delivery, &processed) {
+                    Ok(()) if processed.executed() => return Settled::Executed,
+                    Ok(()) => return Settled::Replayed,
+                    Err(source) => ProcessError::Undecodable {
+                        key: key.clone(),
+                        source,
+                    },
+                },
                 Err(e) => e,
             };
             if matches!(err, ProcessError::Panicked { .. }) {

@@ -7,6 +7,7 @@
 
 mod cases;
 mod process;
+mod typed;
 
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
@@ -62,6 +63,7 @@ macro_rules! conformance {
         mod run {
             pub(super) use super::cases::*;
             pub(super) use super::process::*;
+            pub(super) use super::typed::*;
         }
     };
 }
@@ -106,4 +108,9 @@ conformance!(
     process_keeps_completing_while_the_lease_holds,
     process_gives_up_completing_at_the_callers_deadline,
     process_catches_a_panicking_handler,
+    // typed results
+    typed_result_is_replayed_equal,
+    typed_result_of_another_type_is_refused,
+    typed_result_that_cannot_be_encoded_fails_the_key,
+    typed_results_that_need_a_self_describing_codec,
 );
