@@ -9,6 +9,7 @@
 mod support;
 
 mod conformance;
+mod http;
 mod kafka;
 mod kill;
 mod pg;

@@ -114,6 +114,10 @@ pub enum HandlerError<E> {
     Retryable(E),
     /// This message can never succeed: the key is marked FAILED (poison).
     Permanent(E),
+    /// Nothing the handler did needs keeping, and no attempt should be spent: the key is given
+    /// back as [`Store::withdraw`] does (a first attempt's record goes, as if never claimed). For
+    /// outcomes the caller chose not to store (the HTTP layer's unstored responses, say).
+    Withdraw(E),
     /// The handler's own call to the store failed (transactional mode: completing inside its
     /// transaction, or the commit).
     Store(StoreError),
@@ -125,6 +129,7 @@ impl<E> HandlerError<E> {
         match self {
             Self::Retryable(e) => HandlerError::Retryable(f(e)),
             Self::Permanent(e) => HandlerError::Permanent(f(e)),
+            Self::Withdraw(e) => HandlerError::Withdraw(f(e)),
             Self::Store(e) => HandlerError::Store(e),
         }
     }
@@ -581,6 +586,19 @@ impl<S: Store> Dedup<S> {
                     }),
                     Err(e) => Err(self.unrecorded(&lease, e, source)),
                 }
+            }
+            Err(HandlerError::Withdraw(source)) => {
+                let after = match self.store.withdraw(&lease).await {
+                    Ok(()) => AfterHandlerError::Released {
+                        attempts: lease.attempts.saturating_sub(1),
+                    },
+                    Err(e) => return Err(self.unrecorded(&lease, e, source)),
+                };
+                Err(ProcessError::Handler {
+                    key: lease.key.clone(),
+                    source,
+                    after,
+                })
             }
             Err(HandlerError::Store(e)) => self.handler_store_error(&lease, e).await,
         }

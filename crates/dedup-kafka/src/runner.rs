@@ -946,6 +946,7 @@ impl<E: fmt::Display> fmt::Display for DisplayHandlerError<'_, E> {
         match self.0 {
             HandlerError::Retryable(e) => write!(f, "retryable: {e}"),
             HandlerError::Permanent(e) => write!(f, "permanent: {e}"),
+            HandlerError::Withdraw(e) => write!(f, "withdrawn: {e}"),
             HandlerError::Store(e) => write!(f, "store: {e}"),
             _ => f.write_str("handler error"),
         }

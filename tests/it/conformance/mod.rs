@@ -108,6 +108,7 @@ conformance!(
     process_keeps_completing_while_the_lease_holds,
     process_gives_up_completing_at_the_callers_deadline,
     process_catches_a_panicking_handler,
+    process_withdraw_spends_no_attempt,
     // typed results
     typed_result_is_replayed_equal,
     typed_result_of_another_type_is_refused,

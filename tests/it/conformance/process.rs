@@ -458,3 +458,41 @@ pub(crate) async fn process_catches_a_panicking_handler<S: Store>(s: Arc<S>) {
         "{done:?}"
     );
 }
+
+/// A handler that withdraws: no attempt is spent, and a first attempt leaves the key as if it
+/// had never been claimed, so the next call runs it as attempt 1 again.
+pub(crate) async fn process_withdraw_spends_no_attempt<S: Store>(s: Arc<S>) {
+    let dedup = Dedup::new(Arc::clone(&s));
+    let k = key("k");
+    for _ in 0..3 {
+        let err = dedup
+            .process(&k, None, |_| async {
+                Err::<Completion, _>(HandlerError::Withdraw(Boom("not kept")))
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ProcessError::Handler {
+                    after: AfterHandlerError::Released { attempts: 0 },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.is_retryable());
+        assert!(
+            s.get(&k).await.unwrap().is_none(),
+            "the key stands as if never claimed"
+        );
+    }
+    let done = dedup
+        .process(&k, None, |_| async { ok("kept") })
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, Processed::Executed { attempts: 1, .. }),
+        "{done:?}"
+    );
+}

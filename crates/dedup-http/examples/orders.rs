@@ -1,0 +1,237 @@
+//! An order service behind the Idempotency-Key layer: Postgres is the truth, Redis the fast path.
+//!
+//! ```text
+//! DATABASE_URL=postgres://... REDIS_URL=redis://127.0.0.1:6379 \
+//!     cargo run -p dedup-http --example orders
+//! curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: "order-1"' \
+//!     -H 'content-type: application/json' -d '{"customer":"c-1","cents":1250}'
+//! ```
+//! Send the same request again: the same 201, with `Idempotent-Replayed: true`, and still one
+//! order row.
+//!
+//! - `POST /orders` writes the order and completes the key **in one transaction**: a crash at any
+//!   point leaves either both (a retry replays the response) or neither (a retry runs again).
+//! - `POST /emails` stands for an effect outside the database (an email sent): lease mode. A
+//!   crash after the email went and before the response was stored sends it again once the
+//!   lease ends (`LEASE_MS`); that is the limit of any effect outside the transaction.
+//! - `GET /orders/{id}` is not deduplicated (GET is idempotent).
+//!
+//! Settings (environment): `DATABASE_URL`; `REDIS_URL` (optional: without it Postgres answers
+//! alone, behind the in-process L1); `BIND` (default `127.0.0.1:3000`, port 0 for any); `LEASE_MS`
+//! (default 30000). To watch crashes mid-request: `ORDERS_DELAY_MS` (a slow payment provider,
+//! inside the transaction), `ORDERS_AFTER_COMMIT_MS` (after the commit, before the answer),
+//! `EMAILS_DELAY_MS` (after the email, before the answer).
+
+use std::time::Duration;
+
+use axum::extract::{MatchedPath, Path, State};
+use axum::http::{HeaderValue, Response, StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use dedup_core::{NoFastPath, Policy, TieredConfig, TieredStore};
+use dedup_http::{Committed, DoNotStore, IdempotencyConfig, IdempotencyContext, IdempotencyLayer};
+use dedup_pg::PgStore;
+use dedup_redis::RedisFastPath;
+use serde::Deserialize;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+#[derive(Clone)]
+struct App {
+    pool: PgPool,
+    store: PgStore,
+    orders_delay: Duration,
+    orders_after_commit: Duration,
+    emails_delay: Duration,
+}
+
+#[derive(Deserialize)]
+struct NewOrder {
+    customer: String,
+    cents: i64,
+}
+
+#[derive(Deserialize)]
+struct NewEmail {
+    to: String,
+}
+
+fn millis(name: &str, default: u64) -> Result<Duration, String> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse()
+            .map(Duration::from_millis)
+            .map_err(|e| format!("{name}={v}: {e}")),
+        Err(_) => Ok(Duration::from_millis(default)),
+    }
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response<axum::body::Body> {
+    let body = serde_json::json!({"title": status.canonical_reason(), "status": status.as_u16(), "detail": detail});
+    let mut r = (status, body.to_string()).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    r
+}
+
+/// The order row and the key's completion, in one transaction.
+async fn create_order(
+    State(app): State<App>,
+    ctx: axum::Extension<IdempotencyContext>,
+    body: Bytes,
+) -> Response<axum::body::Body> {
+    let Ok(order) = serde_json::from_slice::<NewOrder>(&body) else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "expected {\"customer\": string, \"cents\": integer}",
+        );
+    };
+    let lease = ctx.lease().lease();
+    let unavailable = |e: &dyn std::fmt::Display| {
+        let mut r = problem(StatusCode::SERVICE_UNAVAILABLE, &format!("try again: {e}"));
+        // The transaction rolled back: nothing ran, so nothing is stored and a retry runs.
+        r.extensions_mut().insert(DoNotStore);
+        r
+    };
+    let mut tx = match app.pool.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return unavailable(&e),
+    };
+    let id: i64 = match sqlx::query_scalar(
+        "INSERT INTO orders (idempotency_key, customer, cents) VALUES ($1, $2, $3) RETURNING id",
+    )
+    .bind(ctx.key().to_string())
+    .bind(&order.customer)
+    .bind(order.cents)
+    .fetch_one(&mut *tx)
+    .await
+    {
+        Ok(id) => id,
+        Err(e) => return unavailable(&e),
+    };
+    tokio::time::sleep(app.orders_delay).await;
+    let json =
+        serde_json::json!({"order_id": id, "customer": order.customer, "cents": order.cents});
+    let response = Response::builder()
+        .status(StatusCode::CREATED)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::LOCATION, format!("/orders/{id}"))
+        .body(Bytes::from(json.to_string()));
+    let Ok(response) = response else {
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "could not build the response",
+        );
+    };
+    let stored = match ctx.stored_form(&response) {
+        Ok(stored) => stored,
+        Err(e) => return problem(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    };
+    if let Err(e) = PgStore::complete_in(&mut tx, lease, &stored).await {
+        return unavailable(&e);
+    }
+    if let Err(e) = app.store.commit(tx, lease).await {
+        return unavailable(&e);
+    }
+    tokio::time::sleep(app.orders_after_commit).await;
+    let mut response = response.map(axum::body::Body::from);
+    response.extensions_mut().insert(Committed::new(stored));
+    response
+}
+
+/// An effect outside the database: lease mode, the layer stores the response afterwards.
+async fn send_email(State(app): State<App>, Json(email): Json<NewEmail>) -> impl IntoResponse {
+    if let Err(e) = sqlx::query("INSERT INTO emails (recipient) VALUES ($1)")
+        .bind(&email.to)
+        .execute(&app.pool)
+        .await
+    {
+        let mut r = problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
+        r.extensions_mut().insert(DoNotStore);
+        return r;
+    }
+    tokio::time::sleep(app.emails_delay).await;
+    (StatusCode::ACCEPTED, format!("sent to {}", email.to)).into_response()
+}
+
+async fn get_order(State(app): State<App>, Path(id): Path<i64>) -> impl IntoResponse {
+    let row: Result<Option<(String, i64)>, _> =
+        sqlx::query_as("SELECT customer, cents FROM orders WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&app.pool)
+            .await;
+    match row {
+        Ok(Some((customer, cents))) => {
+            Json(serde_json::json!({"order_id": id, "customer": customer, "cents": cents}))
+                .into_response()
+        }
+        Ok(None) => problem(StatusCode::NOT_FOUND, "no such order"),
+        Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set")?;
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&url)
+        .await?;
+    dedup_pg::migrate(&pool).await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, idempotency_key text NOT NULL, customer text NOT NULL, cents bigint NOT NULL);
+         CREATE TABLE IF NOT EXISTS emails (id bigserial PRIMARY KEY, recipient text NOT NULL);",
+    )
+    .execute(&pool)
+    .await?;
+    let store = PgStore::new(pool.clone());
+    let app = App {
+        pool,
+        store: store.clone(),
+        orders_delay: millis("ORDERS_DELAY_MS", 0)?,
+        orders_after_commit: millis("ORDERS_AFTER_COMMIT_MS", 0)?,
+        emails_delay: millis("EMAILS_DELAY_MS", 0)?,
+    };
+    let policy = Policy::default().with_lease(millis("LEASE_MS", 30_000)?);
+    // Keys are scoped by route template (`/orders`), not by the request's path.
+    let config = IdempotencyConfig::new()
+        .with_route(|p| {
+            p.extensions
+                .get::<MatchedPath>()
+                .map(|m| m.as_str().to_owned())
+        })
+        .with_policy(policy)?;
+    let routes = Router::new()
+        .route("/orders", post(create_order))
+        .route("/emails", post(send_email));
+    let routes = match std::env::var("REDIS_URL") {
+        Ok(redis) => {
+            let fast = RedisFastPath::connect(&redis).await?;
+            let tiered = TieredStore::new(store, fast, TieredConfig::default());
+            routes.route_layer(IdempotencyLayer::new(tiered, config)?)
+        }
+        Err(_) => {
+            let tiered = TieredStore::new(store, NoFastPath, TieredConfig::default());
+            routes.route_layer(IdempotencyLayer::new(tiered, config)?)
+        }
+    };
+    let router = routes.route("/orders/{id}", get(get_order)).with_state(app);
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    // One line on stdout, read by the tests: where it listens.
+    let addr = listener.local_addr()?;
+    #[allow(clippy::print_stdout)]
+    {
+        println!("listening on {addr}");
+    }
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}

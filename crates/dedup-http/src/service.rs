@@ -1,0 +1,449 @@
+//! The tower [`Layer`] and [`Service`].
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::typed::CodecError;
+use dedup_core::{
+    Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError, LeaseContext,
+    ProcessError, Processed, Store,
+};
+use http::{Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use tower_layer::Layer;
+use tower_service::Service;
+use tracing::{Instrument, warn};
+
+use crate::config::{IdempotencyConfig, InFlight};
+use crate::key::{client_key, fingerprint, idempotency_key};
+use crate::problem::{problem, retry_later};
+use crate::stored;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body of the layer's responses: a buffered one (fresh, replayed or a problem), or the
+/// inner service's own for requests the layer passes through.
+pub type LayerBody<B> = Either<Full<Bytes>, B>;
+
+/// A [`Layer`] that runs each request with an `Idempotency-Key` once and replays its response to
+/// retries, on dedup's engine (any [`Store`]: Postgres behind the tiered caches in production).
+pub struct IdempotencyLayer<S> {
+    dedup: Arc<Dedup<S>>,
+    config: Arc<IdempotencyConfig>,
+}
+
+impl<S> Clone for IdempotencyLayer<S> {
+    fn clone(&self) -> Self {
+        Self {
+            dedup: self.dedup.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for IdempotencyLayer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("dedup", &self.dedup)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S: Store> IdempotencyLayer<S> {
+    /// A layer over `store` with `config`.
+    ///
+    /// # Errors
+    /// A policy or wait the engine refuses.
+    pub fn new(store: S, config: IdempotencyConfig) -> Result<Self, InputError> {
+        let wait = match config.in_flight {
+            InFlight::Conflict => Duration::ZERO,
+            InFlight::Wait(d) => d,
+        };
+        let dedup = Dedup::new(store)
+            .with_policy(config.policy)?
+            .with_in_flight_wait(wait)?
+            .with_owner_prefix(format!("http-{}", std::process::id()));
+        Ok(Self {
+            dedup: Arc::new(dedup),
+            config: Arc::new(config),
+        })
+    }
+
+    /// The engine, for its store and counters.
+    pub fn dedup(&self) -> &Arc<Dedup<S>> {
+        &self.dedup
+    }
+}
+
+impl<S, I> Layer<I> for IdempotencyLayer<S> {
+    type Service = Idempotency<S, I>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        Idempotency {
+            inner,
+            dedup: self.dedup.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps around an inner one.
+pub struct Idempotency<S, I> {
+    inner: I,
+    dedup: Arc<Dedup<S>>,
+    config: Arc<IdempotencyConfig>,
+}
+
+impl<S, I: Clone> Clone for Idempotency<S, I> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            dedup: self.dedup.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S, I: fmt::Debug> fmt::Debug for Idempotency<S, I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a handler finds in its request's extensions when the layer runs it: the key and the
+/// lease it runs under.
+#[derive(Clone, Debug)]
+pub struct IdempotencyContext {
+    key: IdempotencyKey,
+    lease: LeaseContext,
+    config: Arc<IdempotencyConfig>,
+}
+
+impl IdempotencyContext {
+    /// The request's idempotency key (scope, tenant, route and the client's key).
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The lease: a handler whose effect is in Postgres completes it inside its transaction
+    /// (`PgStore::complete_in`) with [`stored_form`](Self::stored_form), and marks its response
+    /// [`Committed`].
+    pub fn lease(&self) -> &LeaseContext {
+        &self.lease
+    }
+
+    /// What the layer stores for `response`: the bytes to complete the lease with inside the
+    /// handler's own transaction.
+    ///
+    /// # Errors
+    /// The response cannot be encoded.
+    pub fn stored_form(&self, response: &Response<Bytes>) -> Result<Bytes, CodecError> {
+        stored::encode(
+            &self.config,
+            response.status(),
+            response.headers(),
+            response.body(),
+            self.config.policy.max_result_bytes,
+        )
+    }
+}
+
+/// A response extension: the handler completed the key inside its own transaction with these
+/// bytes (from [`IdempotencyContext::stored_form`]) and committed. The layer stores nothing more;
+/// the effect and its stored response commit or roll back together.
+#[derive(Clone, Debug)]
+pub struct Committed(Bytes);
+
+impl Committed {
+    /// The bytes the transaction completed the key with.
+    pub fn new(stored_form: Bytes) -> Self {
+        Self(stored_form)
+    }
+}
+
+/// A response extension: do not store this response, and give the key back without spending an
+/// attempt (the handler knows nothing ran: its transaction rolled back). A retry runs again.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DoNotStore;
+
+/// Why a response was not stored (the handler error [`Dedup::process`] records).
+#[derive(Debug)]
+enum NotStored {
+    Service,
+    Body(String),
+    Declined(StatusCode),
+    Encode(CodecError),
+}
+
+impl fmt::Display for NotStored {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Service => f.write_str("the service failed"),
+            Self::Body(e) => write!(f, "the response body failed: {e}"),
+            Self::Declined(s) => write!(f, "a {s} response is not stored"),
+            Self::Encode(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+type Answer<E> = Result<Response<Bytes>, E>;
+
+impl<S, I, B, RB> Service<Request<B>> for Idempotency<S, I>
+where
+    S: Store + Send + Sync + 'static,
+    I: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    I::Future: Send + 'static,
+    I::Error: Send + 'static,
+    B: Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<LayerBody<RB>>;
+    type Error = I::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, I::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), I::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The clone that was polled ready is the one called.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        if !self.config.applies_to(req.method()) {
+            return Box::pin(async move { Ok(inner.call(req).await?.map(Either::Right)) });
+        }
+        let (dedup, config) = (self.dedup.clone(), self.config.clone());
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let bad = |kind, title, detail: String| {
+                Ok(buffered(problem(
+                    StatusCode::BAD_REQUEST,
+                    kind,
+                    title,
+                    &detail,
+                )))
+            };
+            let client_key = match client_key(&parts.headers, &config.header) {
+                Ok(Some(k)) => k,
+                Ok(None) if !config.required => {
+                    let req = Request::from_parts(parts, body);
+                    return Ok(inner.call(req).await?.map(Either::Right));
+                }
+                Ok(None) => {
+                    return bad(
+                        "key-missing",
+                        "Idempotency-Key is required",
+                        format!("this request needs an {} header", config.header),
+                    );
+                }
+                Err(e) => {
+                    return bad(
+                        "key-malformed",
+                        "Idempotency-Key is malformed",
+                        format!("{}: {e}", config.header),
+                    );
+                }
+            };
+            let key = match idempotency_key(&config, &parts, &client_key) {
+                Ok(key) => key,
+                Err(e) => {
+                    return bad(
+                        "key-malformed",
+                        "Idempotency-Key is malformed",
+                        e.to_string(),
+                    );
+                }
+            };
+            let body = match Limited::new(body, config.max_request_bytes).collect().await {
+                Ok(body) => body.to_bytes(),
+                Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                    return Ok(buffered(problem(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "body-too-large",
+                        "Request body too large",
+                        &format!(
+                            "the body is over {} bytes, the limit for requests with an idempotency key",
+                            config.max_request_bytes
+                        ),
+                    )));
+                }
+                Err(e) => {
+                    return bad("body-unreadable", "Request body unreadable", e.to_string());
+                }
+            };
+            let fingerprint = fingerprint(&parts, &body);
+            let request = Request::from_parts(parts, B::from(body));
+            // The effect runs on its own task: a client that goes away mid-request drops this
+            // future, not the handler, which runs to its end and stores its response for the
+            // retry (or gives the key back).
+            let task = tokio::spawn(
+                run(dedup, config, inner, key, fingerprint, request).in_current_span(),
+            );
+            match task.await {
+                Ok(answer) => Ok(buffered(answer?)),
+                Err(e) => {
+                    warn!(error = %e, "the idempotent request's task failed");
+                    Ok(buffered(problem(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal",
+                        "Internal error",
+                        "the request's task failed",
+                    )))
+                }
+            }
+        })
+    }
+}
+
+fn buffered<RB>(r: Response<Bytes>) -> Response<LayerBody<RB>> {
+    r.map(|b| Either::Left(Full::new(b)))
+}
+
+/// Claims the key, runs the inner service once, stores its response; or answers from the
+/// stored one, or with the problem that stands in the way.
+async fn run<S, I, B, RB>(
+    dedup: Arc<Dedup<S>>,
+    config: Arc<IdempotencyConfig>,
+    mut inner: I,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    request: Request<B>,
+) -> Answer<I::Error>
+where
+    S: Store,
+    I: Service<Request<B>, Response = Response<RB>>,
+    RB: Body<Data = Bytes>,
+    RB::Error: Into<BoxError>,
+{
+    let mut fresh: Option<Answer<I::Error>> = None;
+    let slot = &mut fresh;
+    let handler_config = config.clone();
+    let out = dedup
+        .process(&key, Some(fingerprint), |lease| async move {
+            let config = handler_config;
+            let mut request = request;
+            request.extensions_mut().insert(IdempotencyContext {
+                key: lease.lease().key.clone(),
+                lease,
+                config: config.clone(),
+            });
+            let response = match inner.call(request).await {
+                Ok(r) => r,
+                Err(e) => {
+                    *slot = Some(Err(e));
+                    return Err(HandlerError::Withdraw(NotStored::Service));
+                }
+            };
+            let (parts, body) = response.into_parts();
+            let body = match body.collect().await {
+                Ok(body) => body.to_bytes(),
+                Err(e) => {
+                    let e: BoxError = e.into();
+                    *slot = Some(Ok(problem(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "response-failed",
+                        "The response failed",
+                        "the handler's response body failed mid-way",
+                    )));
+                    return Err(HandlerError::Retryable(NotStored::Body(e.to_string())));
+                }
+            };
+            let committed = parts.extensions.get::<Committed>().map(|c| c.0.clone());
+            let declined =
+                parts.extensions.get::<DoNotStore>().is_some() || !config.store.keeps(parts.status);
+            let stored = match (&committed, declined) {
+                (None, false) => Some(stored::encode(
+                    &config,
+                    parts.status,
+                    &parts.headers,
+                    &body,
+                    config.policy.max_result_bytes,
+                )),
+                _ => None,
+            };
+            let status = parts.status;
+            *slot = Some(Ok(stored::fresh(parts, body)));
+            match (committed, stored) {
+                (Some(c), _) => Ok(Completion::Committed(c)),
+                (None, Some(Ok(bytes))) => Ok(Completion::Store(bytes)),
+                (None, Some(Err(e))) => Err(HandlerError::Permanent(NotStored::Encode(e))),
+                (None, None) => Err(HandlerError::Withdraw(NotStored::Declined(status))),
+            }
+        })
+        .await;
+    // The first caller gets the handler's own response, whatever became of storing it.
+    if let Some(answer) = fresh {
+        if let Err(e) = &out
+            && !matches!(e, ProcessError::Handler { .. })
+        {
+            warn!(key = %key, error = %e, "the response was answered but not stored");
+        }
+        return answer;
+    }
+    Ok(match out {
+        Ok(Processed::Replayed { result }) => match stored::replay(&result) {
+            Ok(r) => r,
+            Err(e) => problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "stored-response-unreadable",
+                "The stored response cannot be read",
+                &e.to_string(),
+            ),
+        },
+        Err(ProcessError::InFlight { .. }) => retry_later(problem(
+            StatusCode::CONFLICT,
+            "in-flight",
+            "A request with this key is in progress",
+            "the first request with this idempotency key has not finished; retry later",
+        )),
+        Err(ProcessError::PayloadMismatch { .. }) => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "key-reused",
+            "Idempotency-Key reused with another request",
+            "this idempotency key was used with a different method, path, query or body",
+        ),
+        Err(ProcessError::Failed { reason, .. }) => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "key-failed",
+            "The request with this key failed for good",
+            &format!("{reason}; send the request with a new key"),
+        ),
+        Err(ProcessError::Panicked { message, .. }) => retry_later(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "handler-panicked",
+            "The handler failed",
+            &format!("handler panicked: {message}"),
+        )),
+        Err(ProcessError::Store(e)) => retry_later(problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "The idempotency store is unavailable",
+            &e.to_string(),
+        )),
+        Ok(_) | Err(_) => {
+            let detail = match out {
+                Err(e) => e.to_string(),
+                Ok(_) => "executed without a response".to_owned(),
+            };
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal error",
+                &detail,
+            )
+        }
+    })
+}
