@@ -73,3 +73,8 @@ pub use typed::{ResultCodec, TypedProcessed};
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
+
+/// docs/TYPED.md's examples run as doctests too.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/TYPED.md")]
+struct TypedDoctests;
