@@ -226,6 +226,7 @@ async fn concurrent_retries_run_the_handler_once(pool: PgPool) {
 async fn a_client_that_disconnects_does_not_cancel_the_effect(pool: PgPool) {
     let redis = RedisServer::start();
     let effects = Arc::new(AtomicU32::new(0));
+    let layer = layer(&pool, &redis, IdempotencyConfig::new()).await;
     let app = Router::new()
         .route(
             "/pay",
@@ -241,7 +242,7 @@ async fn a_client_that_disconnects_does_not_cancel_the_effect(pool: PgPool) {
                 }
             }),
         )
-        .layer(layer(&pool, &redis, IdempotencyConfig::new()).await);
+        .layer(layer.clone());
     let url = format!("{}/pay", serve(app).await);
     let impatient = Client::builder()
         .timeout(Duration::from_millis(150))
@@ -254,10 +255,11 @@ async fn a_client_that_disconnects_does_not_cancel_the_effect(pool: PgPool) {
         .await
         .unwrap_err();
     assert!(err.is_timeout(), "{err}");
-    until("the effect ran", || {
-        std::future::ready(effects.load(Ordering::SeqCst) == 1)
-    })
-    .await;
+    // The handler still runs: drain waits for it (as a server does on shutdown).
+    tokio::time::timeout(Duration::from_secs(10), layer.drain())
+        .await
+        .expect("the handler finishes");
+    assert_eq!(effects.load(Ordering::SeqCst), 1);
     // The response is stored right after the effect.
     let c = client();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -594,4 +596,79 @@ async fn until_rows(pool: &PgPool, sql: &'static str, n: i64) {
         );
         sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// With axum's `route_layer`, keys are scoped by route template (`MatchedPath`) and tenant: the
+/// same key on `/accounts/1/refunds` and `/accounts/2/refunds` is one key of the template (another
+/// payload: 422), the same key from two tenants is two keys, and a request without a tenant is
+/// refused.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn keys_are_scoped_by_route_template_and_tenant(pool: PgPool) {
+    use axum::extract::{MatchedPath, Path};
+    let redis = RedisServer::start();
+    let runs = Arc::new(AtomicU32::new(0));
+    let config = IdempotencyConfig::new()
+        .with_route(|p| {
+            p.extensions
+                .get::<MatchedPath>()
+                .map(|m| m.as_str().to_owned())
+        })
+        .with_tenant(|p| {
+            p.headers
+                .get("x-tenant")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/refunds",
+            post({
+                let runs = runs.clone();
+                move |Path(id): Path<u32>| {
+                    let runs = runs.clone();
+                    async move {
+                        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        (StatusCode::CREATED, format!("refund {n} on {id}"))
+                    }
+                }
+            }),
+        )
+        .route_layer(layer(&pool, &redis, config).await);
+    let base = serve(app).await;
+    let c = client();
+    let send = |path: &'static str, tenant: Option<&'static str>| {
+        let (c, url) = (c.clone(), format!("{base}{path}"));
+        async move {
+            let mut req = c.post(url).header("idempotency-key", "r-1");
+            if let Some(t) = tenant {
+                req = req.header("x-tenant", t);
+            }
+            let r = req.send().await.unwrap();
+            let (s, h) = (r.status(), r.headers().clone());
+            (s, h, r.text().await.unwrap())
+        }
+    };
+    let (s, _, b) = send("/accounts/1/refunds", Some("acme")).await;
+    assert_eq!((s, b.as_str()), (StatusCode::CREATED, "refund 1 on 1"));
+    let (s, h, b) = send("/accounts/1/refunds", Some("acme")).await;
+    assert_eq!(
+        (s, b.as_str(), h.contains_key(REPLAYED)),
+        (StatusCode::CREATED, "refund 1 on 1", true)
+    );
+    // Same template, another path: the same key with another payload.
+    let (s, h, _) = send("/accounts/2/refunds", Some("acme")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(is_problem(&h));
+    // Another tenant: another key, its own run.
+    let (s, h, b) = send("/accounts/1/refunds", Some("globex")).await;
+    assert_eq!(
+        (s, b.as_str(), h.contains_key(REPLAYED)),
+        (StatusCode::CREATED, "refund 2 on 1", false)
+    );
+    // No tenant: refused, nothing runs.
+    let (s, h, b) = send("/accounts/1/refunds", None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    assert!(b.contains("tenant-unknown"), "{b}");
+    assert!(is_problem(&h));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }

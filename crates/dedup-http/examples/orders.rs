@@ -208,15 +208,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let routes = Router::new()
         .route("/orders", post(create_order))
         .route("/emails", post(send_email));
-    let routes = match std::env::var("REDIS_URL") {
+    // `drain` waits for requests still running when the server stops (their clients may have
+    // gone; their handlers run to the end).
+    type Drain = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+    let (routes, drain): (_, Drain) = match std::env::var("REDIS_URL") {
         Ok(redis) => {
             let fast = RedisFastPath::connect(&redis).await?;
             let tiered = TieredStore::new(store, fast, TieredConfig::default());
-            routes.route_layer(IdempotencyLayer::new(tiered, config)?)
+            let layer = IdempotencyLayer::new(tiered, config)?;
+            let d = layer.clone();
+            (
+                routes.route_layer(layer),
+                Box::pin(async move { d.drain().await }),
+            )
         }
         Err(_) => {
             let tiered = TieredStore::new(store, NoFastPath, TieredConfig::default());
-            routes.route_layer(IdempotencyLayer::new(tiered, config)?)
+            let layer = IdempotencyLayer::new(tiered, config)?;
+            let d = layer.clone();
+            (
+                routes.route_layer(layer),
+                Box::pin(async move { d.drain().await }),
+            )
         }
     };
     let router = routes.route("/orders/{id}", get(get_order)).with_state(app);
@@ -233,5 +246,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
+    if tokio::time::timeout(Duration::from_secs(30), drain)
+        .await
+        .is_err()
+    {
+        eprintln!(
+            "requests still running after 30 s; their keys are released when their leases end"
+        );
+    }
     Ok(())
 }

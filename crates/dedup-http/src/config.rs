@@ -15,9 +15,9 @@ pub type Extractor = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
 #[derive(Clone)]
 #[non_exhaustive]
 pub enum StoreResponses {
-    /// Every response, errors included (the default, as the IETF draft and Stripe do): whatever
-    /// the first request's effect was, a retry gets its answer and never runs it again. A client
-    /// that wants another try after an error uses a new key.
+    /// Every response, errors included (the default, as the IETF draft and Stripe do): once the
+    /// handler answered, a retry gets that answer and never runs it again. A client that wants
+    /// another try after an error uses a new key.
     All,
     /// Only 2xx responses. Any other response is answered and not stored, and the key is given
     /// back without spending an attempt: a retry runs the handler again. Choose this only where
@@ -226,7 +226,8 @@ impl IdempotencyConfig {
     }
 
     /// How a request's route is named in its key (default: the request's path, so
-    /// `/orders/1` and `/orders/2` are different routes). With axum, name the route template:
+    /// `/orders/1` and `/orders/2` are different routes; under axum's `nest` that path has the
+    /// nest's prefix taken off, so set a route there). With axum, name the route template:
     /// `|p| p.extensions.get::<axum::extract::MatchedPath>().map(|m| m.as_str().to_owned())`
     /// (add the layer with `route_layer` so the template is known). The method is always part
     /// of the key.
@@ -239,7 +240,9 @@ impl IdempotencyConfig {
     }
 
     /// The tenant a request belongs to (an account id from a verified token, say): the same key
-    /// sent by two tenants is two keys. Default: none.
+    /// sent by two tenants is two keys. Once set, a request for which it returns `None` is
+    /// refused (400 `tenant-unknown`) rather than sharing a key space with every other such
+    /// request. Default: none (keys are shared by every caller of a route).
     pub fn with_tenant(
         mut self,
         tenant: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,

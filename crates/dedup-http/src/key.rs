@@ -102,6 +102,15 @@ pub(crate) fn parse(raw: &[u8]) -> Result<String, KeyHeaderError> {
     String::from_utf8(key).map_err(|_| KeyHeaderError::Malformed("not ASCII"))
 }
 
+/// Why no key could be made for a request.
+#[derive(Debug)]
+pub(crate) enum KeyError {
+    /// A tenant extractor is set and found no tenant: keys of different tenants must never meet.
+    NoTenant,
+    /// The key itself was refused.
+    Input(InputError),
+}
+
 /// The idempotency key: the tenant, the method and route, and the client's key, each with its
 /// length in front so that no two different triples meet (`4:acme|11:POST /orders|k-1`). Past
 /// [`MAX_KEY_LEN`] it is digested.
@@ -109,12 +118,11 @@ pub(crate) fn idempotency_key(
     config: &IdempotencyConfig,
     parts: &Parts,
     client_key: &str,
-) -> Result<IdempotencyKey, InputError> {
-    let tenant = config
-        .tenant
-        .as_ref()
-        .and_then(|f| f(parts))
-        .unwrap_or_default();
+) -> Result<IdempotencyKey, KeyError> {
+    let tenant = match &config.tenant {
+        Some(f) => f(parts).ok_or(KeyError::NoTenant)?,
+        None => String::new(),
+    };
     let route = config
         .route
         .as_ref()
@@ -131,6 +139,7 @@ pub(crate) fn idempotency_key(
     } else {
         IdempotencyKey::new(config.scope.clone(), key)
     }
+    .map_err(KeyError::Input)
 }
 
 /// SHA-256 over the method, the path, the query and the body's bytes, each with its length in
@@ -219,6 +228,11 @@ mod tests {
         assert_eq!(a.key_bytes(), b"3:a|1|7:POST /x|k");
         let long = idempotency_key(&config, &parts("t", &format!("/{}", "p".repeat(600))), "k");
         assert!(long.is_ok(), "a long route is digested");
+        let anonymous = http::Request::post("/x").body(()).unwrap().into_parts().0;
+        assert!(matches!(
+            idempotency_key(&config, &anonymous, "k"),
+            Err(KeyError::NoTenant)
+        ));
     }
 
     #[test]

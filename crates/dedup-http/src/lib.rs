@@ -21,15 +21,17 @@
 //!   ([`IdempotencyConfig::with_route`]).
 //! - **The fingerprint** is SHA-256 over the method, path, query and body bytes; nothing is
 //!   canonicalised.
-//! - **What is stored** is every response by default ([`StoreResponses::All`]): a retry never
-//!   runs an effect twice, whatever the first answer was. [`StoreResponses::Successes`] stores
+//! - **What is stored** is every response by default ([`StoreResponses::All`]): once the
+//!   handler answered, a retry never runs it again, whatever the answer was (a panic, an error
+//!   from the inner service or a crash leaves no answer: then the key is released). [`StoreResponses::Successes`] stores
 //!   only 2xx; a handler can also mark one response [`DoNotStore`].
 //! - **Sizes.** The request body is read once (up to the limit) and handed on. A response whose
 //!   stored form exceeds `Policy::max_result_bytes` (64 KiB) is answered whole to the first
 //!   caller and stored without its body: a retry gets the status and headers, an empty body and
 //!   `Idempotent-Replayed-Body-Omitted: <length>`.
 //! - **A client that goes away** does not cancel the handler: it runs on its own task to its
-//!   end, and its response is stored for the retry.
+//!   end, and its response is stored for the retry. [`IdempotencyLayer::drain`] waits for such
+//!   requests at shutdown.
 //! - **A server killed mid-request** leaves the key held until its lease ends (30 s by default);
 //!   then a retry runs the handler again, unless its effect committed with its stored response
 //!   in one transaction ([`IdempotencyContext::stored_form`] and [`Committed`]), in which case the

@@ -4,24 +4,26 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::typed::CodecError;
 use dedup_core::{
-    Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError, LeaseContext,
-    ProcessError, Processed, Store,
+    AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError,
+    LeaseContext, ProcessError, Processed, Store,
 };
 use http::{Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use tokio::sync::Notify;
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{Instrument, warn};
 
 use crate::config::{IdempotencyConfig, InFlight};
-use crate::key::{client_key, fingerprint, idempotency_key};
+use crate::key::{KeyError, client_key, fingerprint, idempotency_key};
 use crate::problem::{problem, retry_later};
 use crate::stored;
 
@@ -36,6 +38,32 @@ pub type LayerBody<B> = Either<Full<Bytes>, B>;
 pub struct IdempotencyLayer<S> {
     dedup: Arc<Dedup<S>>,
     config: Arc<IdempotencyConfig>,
+    running: Arc<Running>,
+}
+
+/// The requests running on their own tasks.
+#[derive(Default, Debug)]
+struct Running {
+    count: AtomicUsize,
+    idle: Notify,
+}
+
+/// Counts one running request until it is dropped.
+struct RunningGuard(Arc<Running>);
+
+impl RunningGuard {
+    fn new(running: &Arc<Running>) -> Self {
+        running.count.fetch_add(1, AtomicOrdering::AcqRel);
+        Self(running.clone())
+    }
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, AtomicOrdering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl<S> Clone for IdempotencyLayer<S> {
@@ -43,6 +71,7 @@ impl<S> Clone for IdempotencyLayer<S> {
         Self {
             dedup: self.dedup.clone(),
             config: self.config.clone(),
+            running: self.running.clone(),
         }
     }
 }
@@ -66,14 +95,29 @@ impl<S: Store> IdempotencyLayer<S> {
             InFlight::Conflict => Duration::ZERO,
             InFlight::Wait(d) => d,
         };
+        // The default owner prefix (pid and start time) keeps owners unique across instances.
         let dedup = Dedup::new(store)
             .with_policy(config.policy)?
-            .with_in_flight_wait(wait)?
-            .with_owner_prefix(format!("http-{}", std::process::id()));
+            .with_in_flight_wait(wait)?;
         Ok(Self {
             dedup: Arc::new(dedup),
             config: Arc::new(config),
+            running: Arc::default(),
         })
+    }
+
+    /// Waits until every request the layer started has finished (handlers run on their own
+    /// tasks, so that a client going away cancels nothing). Call it after the server stopped
+    /// taking connections and before the runtime ends, bounded by your own timeout: a handler
+    /// cut off by the runtime's end leaves its key held until its lease ends.
+    pub async fn drain(&self) {
+        loop {
+            let idle = self.running.idle.notified();
+            if self.running.count.load(AtomicOrdering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
     }
 
     /// The engine, for its store and counters.
@@ -90,6 +134,7 @@ impl<S, I> Layer<I> for IdempotencyLayer<S> {
             inner,
             dedup: self.dedup.clone(),
             config: self.config.clone(),
+            running: self.running.clone(),
         }
     }
 }
@@ -99,6 +144,7 @@ pub struct Idempotency<S, I> {
     inner: I,
     dedup: Arc<Dedup<S>>,
     config: Arc<IdempotencyConfig>,
+    running: Arc<Running>,
 }
 
 impl<S, I: Clone> Clone for Idempotency<S, I> {
@@ -107,6 +153,7 @@ impl<S, I: Clone> Clone for Idempotency<S, I> {
             inner: self.inner.clone(),
             dedup: self.dedup.clone(),
             config: self.config.clone(),
+            running: self.running.clone(),
         }
     }
 }
@@ -180,7 +227,6 @@ pub struct DoNotStore;
 #[derive(Debug)]
 enum NotStored {
     Service,
-    Body(String),
     Declined(StatusCode),
     Encode(CodecError),
 }
@@ -189,7 +235,6 @@ impl fmt::Display for NotStored {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Service => f.write_str("the service failed"),
-            Self::Body(e) => write!(f, "the response body failed: {e}"),
             Self::Declined(s) => write!(f, "a {s} response is not stored"),
             Self::Encode(e) => write!(f, "{e}"),
         }
@@ -225,7 +270,11 @@ where
         if !self.config.applies_to(req.method()) {
             return Box::pin(async move { Ok(inner.call(req).await?.map(Either::Right)) });
         }
-        let (dedup, config) = (self.dedup.clone(), self.config.clone());
+        let (dedup, config, running) = (
+            self.dedup.clone(),
+            self.config.clone(),
+            self.running.clone(),
+        );
         Box::pin(async move {
             let (parts, body) = req.into_parts();
             let bad = |kind, title, detail: String| {
@@ -259,7 +308,14 @@ where
             };
             let key = match idempotency_key(&config, &parts, &client_key) {
                 Ok(key) => key,
-                Err(e) => {
+                Err(KeyError::NoTenant) => {
+                    return bad(
+                        "tenant-unknown",
+                        "The request's tenant is unknown",
+                        "requests with an idempotency key must name their tenant".to_owned(),
+                    );
+                }
+                Err(KeyError::Input(e)) => {
                     return bad(
                         "key-malformed",
                         "Idempotency-Key is malformed",
@@ -289,8 +345,14 @@ where
             // The effect runs on its own task: a client that goes away mid-request drops this
             // future, not the handler, which runs to its end and stores its response for the
             // retry (or gives the key back).
+            let guard = RunningGuard::new(&running);
             let task = tokio::spawn(
-                run(dedup, config, inner, key, fingerprint, request).in_current_span(),
+                async move {
+                    let answer = run(dedup, config, inner, key, fingerprint, request).await;
+                    drop(guard);
+                    answer
+                }
+                .in_current_span(),
             );
             match task.await {
                 Ok(answer) => Ok(buffered(answer?)),
@@ -306,6 +368,16 @@ where
             }
         })
     }
+}
+
+/// The key failed for good (the handler panicked past the policy's attempts, say).
+fn key_failed() -> Response<Bytes> {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "key-failed",
+        "The request with this key failed for good",
+        "its effect may have run: check before sending the request again with a new key",
+    )
 }
 
 fn buffered<RB>(r: Response<Bytes>) -> Response<LayerBody<RB>> {
@@ -343,22 +415,27 @@ where
             let response = match inner.call(request).await {
                 Ok(r) => r,
                 Err(e) => {
+                    // The service (or a layer inside it, a timeout say) failed, maybe after the
+                    // effect began: the key is released and the attempt counts.
                     *slot = Some(Err(e));
-                    return Err(HandlerError::Withdraw(NotStored::Service));
+                    return Err(HandlerError::Retryable(NotStored::Service));
                 }
             };
             let (parts, body) = response.into_parts();
-            let body = match body.collect().await {
-                Ok(body) => body.to_bytes(),
+            let (parts, body) = match body.collect().await {
+                Ok(body) => (parts, body.to_bytes()),
                 Err(e) => {
+                    // The handler ran and its answer broke off: answered, and stored or not
+                    // like any other 500.
                     let e: BoxError = e.into();
-                    *slot = Some(Ok(problem(
+                    warn!(error = %e, "the handler's response body failed");
+                    problem(
                         StatusCode::INTERNAL_SERVER_ERROR,
                         "response-failed",
                         "The response failed",
-                        "the handler's response body failed mid-way",
-                    )));
-                    return Err(HandlerError::Retryable(NotStored::Body(e.to_string())));
+                        "the handler's response broke off",
+                    )
+                    .into_parts()
                 }
             };
             let committed = parts.extensions.get::<Committed>().map(|c| c.0.clone());
@@ -396,12 +473,15 @@ where
     Ok(match out {
         Ok(Processed::Replayed { result }) => match stored::replay(&result) {
             Ok(r) => r,
-            Err(e) => problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "stored-response-unreadable",
-                "The stored response cannot be read",
-                &e.to_string(),
-            ),
+            Err(e) => {
+                warn!(key = %key, error = %e, "a stored response cannot be read");
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "stored-response-unreadable",
+                    "The stored response cannot be read",
+                    "the response stored for this key cannot be replayed",
+                )
+            }
         },
         Err(ProcessError::InFlight { .. }) => retry_later(problem(
             StatusCode::CONFLICT,
@@ -415,34 +495,39 @@ where
             "Idempotency-Key reused with another request",
             "this idempotency key was used with a different method, path, query or body",
         ),
-        Err(ProcessError::Failed { reason, .. }) => problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "key-failed",
-            "The request with this key failed for good",
-            &format!("{reason}; send the request with a new key"),
-        ),
-        Err(ProcessError::Panicked { message, .. }) => retry_later(problem(
+        Err(ProcessError::Failed { reason, .. }) => {
+            warn!(key = %key, reason, "a request with a failed key");
+            key_failed()
+        }
+        Err(ProcessError::Panicked {
+            after: AfterHandlerError::Failed { .. },
+            ..
+        }) => key_failed(),
+        Err(ProcessError::Panicked { .. }) => retry_later(problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "handler-panicked",
             "The handler failed",
-            &format!("handler panicked: {message}"),
+            "the handler failed; the request may be sent again with the same key",
         )),
-        Err(ProcessError::Store(e)) => retry_later(problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "The idempotency store is unavailable",
-            &e.to_string(),
-        )),
+        Err(ProcessError::Store(e)) if e.is_retryable() => {
+            warn!(key = %key, error = %e, "the idempotency store is unavailable");
+            retry_later(problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "The idempotency store is unavailable",
+                "retry later with the same key",
+            ))
+        }
         Ok(_) | Err(_) => {
-            let detail = match out {
-                Err(e) => e.to_string(),
-                Ok(_) => "executed without a response".to_owned(),
-            };
+            match out {
+                Err(e) => warn!(key = %key, error = %e, "an idempotent request failed"),
+                Ok(_) => warn!(key = %key, "executed without a response"),
+            }
             problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
                 "Internal error",
-                &detail,
+                "the request could not be completed",
             )
         }
     })

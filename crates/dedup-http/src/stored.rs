@@ -72,17 +72,38 @@ pub(crate) fn encode(
     CODEC.encode(&stored)
 }
 
+/// Headers that describe a body: not replayed when the body was not stored.
+const ABOUT_THE_BODY: [HeaderName; 5] = [
+    http::header::CONTENT_TYPE,
+    http::header::CONTENT_ENCODING,
+    http::header::CONTENT_LANGUAGE,
+    http::header::CONTENT_DISPOSITION,
+    http::header::ETAG,
+];
+
+/// Why a stored response cannot be replayed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReplayError {
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    #[error("the stored status {0} is not an HTTP status")]
+    Status(u16),
+}
+
 /// The response a replay answers with.
-pub(crate) fn replay(bytes: &[u8]) -> Result<Response<Bytes>, CodecError> {
+pub(crate) fn replay(bytes: &[u8]) -> Result<Response<Bytes>, ReplayError> {
     let stored = CODEC.decode(bytes)?;
+    let status =
+        StatusCode::from_u16(stored.status).map_err(|_| ReplayError::Status(stored.status))?;
     let mut response = Response::new(stored.body.clone().unwrap_or_default());
-    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    *response.status_mut() = status;
     let headers = response.headers_mut();
     for (name, value) in stored.headers {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_maybe_shared(value),
-        ) {
+        ) && (stored.body.is_some() || !ABOUT_THE_BODY.contains(&name))
+        {
             headers.append(name, value);
         }
     }
@@ -135,5 +156,15 @@ mod tests {
         assert_eq!(r.status(), StatusCode::OK);
         assert!(r.body().is_empty());
         assert_eq!(r.headers()[BODY_NOT_STORED], "5000");
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("location", HeaderValue::from_static("/big/1"));
+        let bytes = encode(&config, StatusCode::OK, &headers, &body, 1000).unwrap();
+        let r = replay(&bytes).unwrap();
+        assert!(
+            !r.headers().contains_key("content-type"),
+            "it described the body"
+        );
+        assert_eq!(r.headers()["location"], "/big/1");
     }
 }

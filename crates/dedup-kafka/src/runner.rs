@@ -88,6 +88,15 @@ where
     }
 }
 
+/// A message is retried until it settles, so a handler's `Withdraw` (give the key back, spend no
+/// attempt) would retry it without end: the runner counts it as a retryable failure.
+fn no_withdraw<E>(r: Result<Completion, HandlerError<E>>) -> Result<Completion, HandlerError<E>> {
+    match r {
+        Err(HandlerError::Withdraw(e)) => Err(HandlerError::Retryable(e)),
+        other => other,
+    }
+}
+
 /// Why a runner could not start or stopped.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -790,7 +799,7 @@ where
             let out = self
                 .dedup
                 .process(key, fingerprint, move |lease| {
-                    handler.handle(delivery, Some(lease))
+                    handler.handle(delivery, Some(lease)).map(no_withdraw)
                 })
                 .await;
             let err = match out {
@@ -842,7 +851,11 @@ where
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let call = AssertUnwindSafe(self.handler.handle(job.delivery.clone(), None));
+            let call = AssertUnwindSafe(
+                self.handler
+                    .handle(job.delivery.clone(), None)
+                    .map(no_withdraw),
+            );
             let out = match call.catch_unwind().await {
                 Ok(out) => out,
                 Err(panic) => {

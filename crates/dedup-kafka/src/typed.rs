@@ -119,7 +119,7 @@ where
             let value = call.await.map_err(|e| e.map_err(TypedError::Handler))?;
             let bytes = self
                 .codec
-                .encode(&value)
+                .encode_checked(&value)
                 .map_err(|e| HandlerError::Permanent(TypedError::Encode(e)))?;
             Ok(Completion::Store(bytes))
         }

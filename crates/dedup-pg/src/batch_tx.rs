@@ -571,7 +571,11 @@ async fn record_failure<E: std::fmt::Display>(
                 attempts: lease.attempts,
             },
         ),
-        HandlerError::Store(e) if e.is_retryable() => {
+        // A passing store error (nothing ran), or an outcome the handler chose not to keep.
+        HandlerError::Store(_) | HandlerError::Withdraw(_)
+            if matches!(&error, HandlerError::Withdraw(_))
+                || matches!(&error, HandlerError::Store(e) if e.is_retryable()) =>
+        {
             sqlx::query(crate::sql::WITHDRAW_SQL)
                 .bind(lease.key.scope().as_str())
                 .bind(lease.key.key_bytes())
@@ -611,6 +615,7 @@ fn handler_reason<E: std::fmt::Display>(e: &HandlerError<E>) -> String {
     match e {
         HandlerError::Retryable(e) => e.to_string(),
         HandlerError::Permanent(e) => e.to_string(),
+        HandlerError::Withdraw(e) => format!("withdrawn: {e}"),
         HandlerError::Store(e) => format!("the handler's store call failed: {e}"),
         _ => "the handler failed".to_owned(),
     }

@@ -214,7 +214,8 @@ pub(crate) async fn typed_result_that_cannot_be_encoded_fails_the_key<S: Store>(
 }
 
 /// bincode is not self-describing: an untagged enum and `serde_json::Value` are written but
-/// cannot be read back (a typed error on the replay, no second run); JSON round-trips both.
+/// cannot be read back. The first run finds it (its effect ran: the key is FAILED, never run
+/// again, and never stored as a result no duplicate could read); JSON round-trips both.
 pub(crate) async fn typed_results_that_need_a_self_describing_codec<S: Store>(s: Arc<S>) {
     #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
     #[serde(untagged)]
@@ -231,36 +232,36 @@ pub(crate) async fn typed_results_that_need_a_self_describing_codec<S: Store>(s:
         answer: Answer::Text("forty-two".into()),
         extra: serde_json::json!({"a": [1, "two", null]}),
     };
-    let dedup = Dedup::new(s);
+    let dedup = Dedup::new(Arc::clone(&s));
     let runs = AtomicU32::new(0);
     let bin = ResultCodec::<Loose, _>::bincode("loose").unwrap();
+    assert!(bin.encode(&value).is_ok(), "bincode writes it");
+    assert!(matches!(
+        bin.encode_checked(&value),
+        Err(CodecError::Decode { .. })
+    ));
     let k = key("t-loose-bin");
-    let first = dedup
-        .process_typed(&bin, &k, None, |_| async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, HandlerError<Boom>>(value.clone())
-        })
-        .await
-        .unwrap();
-    assert!(first.executed());
-    let err = dedup
-        .process_typed(&bin, &k, None, |_| async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, HandlerError<Boom>>(value.clone())
-        })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            ProcessError::Undecodable {
-                source: CodecError::Decode { .. },
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    for _ in 0..2 {
+        let err = dedup
+            .process_typed(&bin, &k, None, |_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, HandlerError<Boom>>(value.clone())
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                ProcessError::Handler {
+                    source: TypedError::Encode(CodecError::Decode { .. }),
+                    ..
+                } | ProcessError::Failed { .. }
+            ),
+            "{err:?}"
+        );
+    }
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::Failed);
 
     let json = ResultCodec::<Loose, _>::json("loose").unwrap();
     let k = key("t-loose-json");

@@ -2,9 +2,12 @@
 //!
 //! A [`ResultCodec`] writes each result as an envelope: a magic and a version, the codec's name,
 //! the result type's tag (chosen by the caller: `"receipt/v2"`), then the codec's bytes. A stored
-//! result is decoded only when the codec and the tag match and every byte is read, so a type that
-//! changed between deployments is a [`CodecError`] that says so, never a panic, never a wrong
-//! value, never a silent second run. See [`Dedup::process_typed`](crate::Dedup::process_typed).
+//! result is decoded only when the codec and the tag match and every byte is read. The tag is the
+//! guard: a type that changed between deployments under a new tag is a [`CodecError`] that says
+//! so, never a panic, never a silent second run. Reading every byte catches most changes made
+//! without a new tag, but not all (JSON skips unknown fields; a same-width field change in
+//! bincode reads as something else): change the tag with the type. See
+//! [`Dedup::process_typed`](crate::Dedup::process_typed).
 
 mod codec;
 mod process;
@@ -199,6 +202,18 @@ impl<T: Serialize + DeserializeOwned, C: Codec> ResultCodec<T, C> {
                 source,
             })?;
         Ok(Bytes::from(out))
+    }
+
+    /// [`encode`](Self::encode), then a decode of what it wrote: a value that could be stored
+    /// but never read back (a type bincode cannot read: see [`Bincode`]) is refused before it is
+    /// stored, on its first run rather than on its first duplicate. Costs one decode.
+    ///
+    /// # Errors
+    /// [`CodecError::Encode`], or [`CodecError::Decode`] when the bytes do not read back.
+    pub fn encode_checked(&self, value: &T) -> Result<Bytes, CodecError> {
+        let bytes = self.encode(value)?;
+        self.decode(&bytes)?;
+        Ok(bytes)
     }
 
     /// The value stored in `bytes`, if it was written by this codec under this tag and decodes

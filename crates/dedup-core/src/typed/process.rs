@@ -60,8 +60,8 @@ pub enum TypedError<E> {
     /// The handler's own error.
     #[error("{0}")]
     Handler(E),
-    /// The handler's value cannot be encoded. Its effect ran, so the key is marked FAILED
-    /// (permanent) rather than run again.
+    /// The handler's value cannot be encoded, or would not decode back. Its effect ran, so the
+    /// key is marked FAILED (permanent) rather than run again.
     #[error(transparent)]
     Encode(CodecError),
 }
@@ -79,7 +79,7 @@ impl<S: Store> Dedup<S> {
     /// - [`ProcessError::Undecodable`]: the stored result was written by another codec or under
     ///   another tag, or does not decode whole. Not retryable; the handler does not run again.
     /// - [`ProcessError::Handler`] with [`TypedError::Encode`]: the handler's value cannot be
-    ///   encoded; the key is FAILED.
+    ///   encoded, or does not decode back (checked before it is stored); the key is FAILED.
     pub async fn process_typed<T, C, F, Fut, E>(
         &self,
         codec: &ResultCodec<T, C>,
@@ -102,7 +102,7 @@ impl<S: Store> Dedup<S> {
                     .await
                     .map_err(|e| e.map_err(TypedError::Handler))?;
                 let bytes = codec
-                    .encode(&value)
+                    .encode_checked(&value)
                     .map_err(|e| HandlerError::Permanent(TypedError::Encode(e)))?;
                 *slot = Some(value);
                 Ok(Completion::Store(bytes))
