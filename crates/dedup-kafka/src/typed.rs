@@ -21,14 +21,14 @@ use crate::runner::Handler;
 ///
 /// ```no_run
 /// # use std::sync::Arc;
-/// # use dedup_core::{HandlerError, ResultCodec, TypedProcessed};
+/// # use dedup_core::{HandlerError, LeaseContext, ResultCodec, TypedProcessed};
 /// # use dedup_kafka::{Delivery, Typed};
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct Receipt { charged: i64 }
 ///
 /// # fn f() -> Result<(), Box<dyn std::error::Error>> {
 /// let codec = ResultCodec::<Receipt, _>::bincode("receipt/v1")?;
-/// let handler = Typed::new(codec, |_d: Arc<Delivery>, _lease| async move {
+/// let handler = Typed::new(codec, |_d: Arc<Delivery>, _lease: Option<LeaseContext>| async move {
 ///     // The effect, once per key.
 ///     Ok::<_, HandlerError<String>>(Receipt { charged: 100 })
 /// })
