@@ -21,6 +21,7 @@ use dedup_core::{
 };
 use dedup_pg::PgStore;
 use dedup_redis::RedisFastPath;
+use dedup_workload::Workload;
 use tokio::runtime::Runtime;
 
 fn runtime() -> Runtime {
@@ -187,43 +188,15 @@ fn batch_group<S: Store>(c: &mut Criterion, rt: &Runtime, name: &str, store: &S,
     g.finish();
 }
 
-/// A Zipf-skewed rank in `1..=n` (exponent `s`) from a uniform `u` in [0, 1): the continuous
-/// power law's inverse CDF.
-fn zipf(n: u64, s: f64, u: f64) -> u64 {
-    let top = (n + 1) as f64;
-    let a = 1.0 - s;
-    let x = (u * (top.powf(a) - 1.0) + 1.0).powf(1.0 / a);
-    (x as u64).clamp(1, n.max(1))
-}
-
-/// A reproducible uniform stream in [0, 1) (an LCG; for workloads only).
-struct Uniform(u64);
-
-impl Uniform {
-    fn next(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Event ids: a share `dup` of them repeat an earlier id picked Zipf-skewed (exponent 1.1) over
-/// the ids seen so far; the rest are new.
+/// Event ids from the shared workload generator: a share `dup` of them repeat an earlier id,
+/// picked Zipf-skewed (exponent 1.1) over the ids seen so far; the rest are new.
 fn stream(events: usize, dup: f64, seed: u64) -> Vec<u64> {
-    let mut u = Uniform(seed);
-    let mut next = 0u64;
-    (0..events)
-        .map(|_| {
-            if next > 0 && u.next() < dup {
-                zipf(next, 1.1, u.next()) - 1
-            } else {
-                next += 1;
-                next - 1
-            }
-        })
-        .collect()
+    Workload::new(events as u64)
+        .with_duplicates(dup)
+        .with_zipf(1.1)
+        .with_seed(seed)
+        .ids()
+        .ids
 }
 
 /// Claims `id` in `store` and completes it when acquired; says whether it was a duplicate.

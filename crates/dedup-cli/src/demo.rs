@@ -23,7 +23,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg, connect_redis, redact};
-use crate::workload::Lcg;
+use dedup_workload::{Workload, ledger_payload};
 
 #[derive(Args, Debug)]
 pub(crate) struct DemoArgs {
@@ -62,73 +62,34 @@ pub(crate) struct DemoArgs {
     quiet: bool,
 }
 
-/// A small deterministic generator: the same stream on every run.
 /// One produced message.
 struct Event {
     id: u64,
     payload: String,
 }
 
-fn payload(id: u64) -> String {
-    // Every 997th event is poison: a negative amount the ledger refuses.
-    let amount: i64 = if id % 997 == 996 {
-        -1
-    } else {
-        i64::try_from(id % 1000).unwrap_or(0) + 1
-    };
-    format!(
-        r#"{{"id":{id},"account":{},"amount":{amount}}}"#,
-        1000 + id % 97
-    )
-}
-
-/// The stream: `unique` first deliveries, with duplicates in between (half on Zipf-skewed hot
-/// keys, half redeliveries of recent events), and one key reused with another payload.
+/// The stream: `unique` first deliveries, with duplicates in between (half redeliveries of the
+/// last 1,000 events, half Zipf-skewed picks among the `hot` oldest), every 997th event poison,
+/// and one key reused with another payload.
 fn stream(events: u64, duplicates: f64, hot: u64) -> (Vec<Event>, u64) {
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let unique = ((events as f64) * (1.0 - duplicates.clamp(0.0, 0.9))).round() as u64;
-    let unique = unique.clamp(1, events);
-    let mut rng = Lcg(0x5eed);
-    let mut out = Vec::new();
-    let (mut next_new, mut dups_left) = (0u64, events - unique);
-    for i in 0..events {
-        let left = events - i;
-        let dup = next_new > 0 && (next_new == unique || rng.below(left) < dups_left);
-        if dup {
-            dups_left -= 1;
-            let id = if rng.below(2) == 0 {
-                // Zipf-like: low ranks far more often.
-                #[allow(
-                    clippy::cast_possible_truncation,
-                    clippy::cast_sign_loss,
-                    clippy::cast_precision_loss
-                )]
-                let rank = ((hot.min(next_new) as f64) * rng.unit().powi(3)) as u64;
-                rank.min(next_new - 1)
-            } else {
-                next_new - 1 - rng.below(next_new.min(1000))
-            };
-            out.push(Event {
-                id,
-                payload: payload(id),
-            });
-        } else {
-            out.push(Event {
-                id: next_new,
-                payload: payload(next_new),
-            });
-            next_new += 1;
-        }
-    }
+    let generated = Workload::new(events)
+        .with_duplicates(duplicates.clamp(0.0, 0.9))
+        .with_hot_keys(hot)
+        .with_recent(0.5, 1000)
+        .ids();
+    let mut out: Vec<Event> = generated
+        .ids
+        .into_iter()
+        .map(|id| Event {
+            id,
+            payload: ledger_payload(id, 997),
+        })
+        .collect();
     // One producer bug: key 7 reused with another payload (dead-lettered as a mismatch).
     if let Some(e) = out.iter_mut().rev().find(|e| e.id == 7) {
         e.payload = r#"{"id":7,"account":1,"amount":999999}"#.to_owned();
     }
-    (out, unique)
+    (out, generated.unique)
 }
 
 struct HeaderInjector<'a>(&'a mut Vec<(String, String)>);

@@ -9,7 +9,6 @@ mod bench;
 mod connect;
 mod demo;
 mod telemetry;
-mod workload;
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -26,6 +26,7 @@ use dedup_core::{
     Processed, Scope,
 };
 use dedup_pg::PgStore;
+use dedup_workload::{LedgerEvent, Workload};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 use tokio::sync::Mutex;
@@ -50,52 +51,30 @@ impl fmt::Display for Rejected {
 
 impl Error for Rejected {}
 
-/// A small deterministic generator (no dependency, same stream every run).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn event(id: u64) -> Event {
-    let account = 1000 + id % 97;
     // Every 500th event is poison: a negative amount the ledger refuses.
-    let amount = if id % 500 == 499 {
-        -1
-    } else {
-        i64::try_from(id % 1000).unwrap_or(0) + 1
-    };
-    let payload = format!(r#"{{"id":{id},"account":{account},"amount":{amount}}}"#);
+    let e = LedgerEvent::new(id, 500);
     Event {
         id,
-        account,
-        amount,
-        payload,
+        account: e.account,
+        amount: e.amount,
+        payload: e.payload(),
     }
 }
 
-/// `events` deliveries over about 70% as many unique events: 30% duplicates, a tenth of them on
-/// a few hot keys, the rest redeliveries of random earlier events, all shuffled.
-fn stream(events: u64, rng: &mut Lcg) -> Vec<Event> {
-    let unique = events * 7 / 10;
-    let mut out: Vec<Event> = (0..unique).map(event).collect();
-    for i in 0..events - unique {
-        let id = if i % 10 == 0 {
-            rng.below(8)
-        } else {
-            rng.below(unique)
-        };
-        out.push(event(id));
-    }
+/// `events` deliveries over 70% as many unique events (the shared workload generator): 30%
+/// duplicates, a tenth of them on 8 hot keys, the rest redeliveries of random earlier events.
+fn stream(events: u64) -> Vec<Event> {
+    let mut out: Vec<Event> = Workload::new(events)
+        .with_duplicates(0.3)
+        .with_hot_keys(8)
+        .with_recent(0.9, u64::MAX)
+        .with_seed(42)
+        .ids()
+        .ids
+        .into_iter()
+        .map(event)
+        .collect();
     // One producer bug: an event id reused with another payload.
     if let Some(e) = out.iter_mut().rev().find(|e| e.id == 1 && e.amount > 0) {
         e.amount += 1;
@@ -104,10 +83,8 @@ fn stream(events: u64, rng: &mut Lcg) -> Vec<Event> {
             e.account, e.amount
         );
     }
-    for i in (1..out.len()).rev() {
-        let j = usize::try_from(rng.below(u64::try_from(i + 1).unwrap_or(1))).unwrap_or(0);
-        out.swap(i, j);
-    }
+    // Workers pop deliveries from the end.
+    out.reverse();
     out
 }
 
@@ -152,8 +129,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .with_in_flight_wait(Duration::from_secs(30))?,
     );
     let scope = Scope::new("demo-payments")?;
-    let mut rng = Lcg(42);
-    let deliveries = stream(events, &mut rng);
+    let deliveries = stream(events);
     let unique: HashSet<u64> = deliveries.iter().map(|e| e.id).collect();
     let poison: HashSet<u64> = unique
         .iter()

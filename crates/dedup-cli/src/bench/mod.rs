@@ -28,7 +28,7 @@ use sqlx::PgPool;
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg};
-use crate::workload::zipf_stream;
+use dedup_workload::Workload;
 
 mod engine;
 mod report;
@@ -157,7 +157,12 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         .fetch_one(&pool)
         .await
         .map_err(|e| CliError::Failed(format!("reading synchronous_commit: {e}")))?;
-    let (stream, unique) = zipf_stream(args.events, args.duplicates, args.zipf, 0xbe7c);
+    let generated = Workload::new(args.events)
+        .with_duplicates(args.duplicates)
+        .with_zipf(args.zipf)
+        .with_seed(0xbe7c)
+        .ids();
+    let (stream, unique) = (generated.ids, generated.unique);
     let stream = Arc::new(stream);
     let run_id = format!(
         "{}-{}",

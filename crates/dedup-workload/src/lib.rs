@@ -1,0 +1,263 @@
+//! The workloads dedup is measured and shown on: one seeded generator, shared by `dedup bench`,
+//! `dedup demo`, the criterion benches and the examples, so that every figure comes from the same
+//! kind of stream and a change to it is made once.
+//!
+//! A stream has an exact number of distinct event ids (`0..unique`, in order of first
+//! appearance); each duplicate repeats an id already seen: a *recent* one (a redelivery after a
+//! rebalance or a crash replays the last events) or a *hot* one (a Zipf-skewed pick, the oldest
+//! ids the most frequent: a producer retrying, a popular entity).
+//!
+//! ```
+//! let w = dedup_workload::Workload::new(1000).with_duplicates(0.3);
+//! let s = w.ids();
+//! assert_eq!((s.ids.len(), s.unique), (1000, 700));
+//! assert_eq!(s.ids, w.ids().ids, "the same seed, the same stream");
+//! ```
+
+/// A 64-bit linear congruential generator (Knuth's MMIX constants): fast, seeded, reproducible.
+/// For workloads only.
+#[derive(Clone, Debug)]
+pub struct Lcg(u64);
+
+impl Lcg {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 53 bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 11
+    }
+
+    /// Uniform in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let x = (self.next_u64() >> 11) as f64 / (1u64 << 42) as f64;
+        x
+    }
+
+    /// A Zipf-distributed rank in `1..=n` with exponent `s` (rank 1 the most frequent), by
+    /// inverting the continuous power law's CDF: close to the discrete law, and O(1).
+    pub fn zipf(&mut self, n: u64, s: f64) -> u64 {
+        if n <= 1 {
+            return 1;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let top = (n + 1) as f64;
+        let u = self.unit();
+        let x = if (s - 1.0).abs() < 1e-9 {
+            top.powf(u)
+        } else {
+            let a = 1.0 - s;
+            (u * (top.powf(a) - 1.0) + 1.0).powf(1.0 / a)
+        };
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let rank = x as u64;
+        rank.clamp(1, n)
+    }
+}
+
+/// The shape of a stream. [`Workload::new`] gives 30% duplicates, all hot picks with Zipf
+/// exponent 1.1 over every id seen, and a fixed seed.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    events: u64,
+    duplicates: f64,
+    zipf: f64,
+    hot: Option<u64>,
+    recent: f64,
+    window: u64,
+    seed: u64,
+}
+
+/// A generated stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stream {
+    /// Event ids in delivery order.
+    pub ids: Vec<u64>,
+    /// How many distinct ids it holds (`0..unique`).
+    pub unique: u64,
+}
+
+impl Workload {
+    /// `events` deliveries.
+    pub fn new(events: u64) -> Self {
+        Self {
+            events,
+            duplicates: 0.3,
+            zipf: 1.1,
+            hot: None,
+            recent: 0.0,
+            window: 1000,
+            seed: 0x5eed,
+        }
+    }
+
+    /// The share of deliveries that repeat an earlier id (clamped to `0..=0.99`).
+    pub fn with_duplicates(mut self, share: f64) -> Self {
+        self.duplicates = share.clamp(0.0, 0.99);
+        self
+    }
+
+    /// The Zipf exponent of hot picks (higher: hotter hot keys).
+    pub fn with_zipf(mut self, exponent: f64) -> Self {
+        self.zipf = exponent;
+        self
+    }
+
+    /// Hot picks fall among the first `n` ids only.
+    pub fn with_hot_keys(mut self, n: u64) -> Self {
+        self.hot = Some(n.max(1));
+        self
+    }
+
+    /// The share of duplicates that redeliver one of the last `window` ids instead of a hot one.
+    pub fn with_recent(mut self, share: f64, window: u64) -> Self {
+        self.recent = share.clamp(0.0, 1.0);
+        self.window = window.max(1);
+        self
+    }
+
+    /// The seed: the same seed and shape give the same stream.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Distinct ids: `round(events * (1 - duplicates))`, at least 1 (for a non-empty stream).
+    pub fn unique(&self) -> u64 {
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let unique = ((self.events as f64) * (1.0 - self.duplicates)).round() as u64;
+        unique.clamp(1, self.events.max(1))
+    }
+
+    /// The stream.
+    pub fn ids(&self) -> Stream {
+        let unique = self.unique();
+        let mut rng = Lcg::new(self.seed);
+        let mut ids = Vec::with_capacity(usize::try_from(self.events).unwrap_or(0));
+        let (mut next_new, mut dups_left) = (0u64, self.events.saturating_sub(unique));
+        for i in 0..self.events {
+            let left = self.events - i;
+            if next_new > 0 && (next_new == unique || rng.below(left) < dups_left) {
+                dups_left -= 1;
+                // No draw for the choice when every duplicate is hot: the bench's stream stays
+                // the one its published figures were measured on.
+                let recent = self.recent > 0.0 && rng.unit() < self.recent;
+                ids.push(if recent {
+                    next_new - 1 - rng.below(next_new.min(self.window))
+                } else {
+                    rng.zipf(self.hot.map_or(next_new, |h| h.min(next_new)), self.zipf) - 1
+                });
+            } else {
+                ids.push(next_new);
+                next_new += 1;
+            }
+        }
+        Stream { ids, unique }
+    }
+}
+
+/// The ledger event of an id: an account (one of 97) and an amount (1 to 1000). Every
+/// `poison_every`-th id (ids `poison_every - 1`, `2 * poison_every - 1`, ...) carries amount -1,
+/// which a ledger refuses (poison, for the dead-letter path).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LedgerEvent {
+    /// The event id.
+    pub id: u64,
+    /// The account it books to.
+    pub account: u64,
+    /// The amount; negative for poison.
+    pub amount: i64,
+}
+
+impl LedgerEvent {
+    /// The event of `id`.
+    pub fn new(id: u64, poison_every: u64) -> Self {
+        let amount = if poison_every > 0 && id % poison_every == poison_every - 1 {
+            -1
+        } else {
+            i64::try_from(id % 1000).unwrap_or(0) + 1
+        };
+        Self {
+            id,
+            account: 1000 + id % 97,
+            amount,
+        }
+    }
+
+    /// Its JSON: `{"id":..,"account":..,"amount":..}`.
+    pub fn payload(&self) -> String {
+        format!(
+            r#"{{"id":{},"account":{},"amount":{}}}"#,
+            self.id, self.account, self.amount
+        )
+    }
+}
+
+/// [`LedgerEvent::new`]`(id, poison_every)`'s JSON.
+pub fn ledger_payload(id: u64, poison_every: u64) -> String {
+    LedgerEvent::new(id, poison_every).payload()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_id_below_unique_appears_first_in_order() {
+        let s = Workload::new(10_000).with_recent(0.5, 100).ids();
+        assert_eq!(s.unique, 7000);
+        let mut next = 0;
+        for &id in &s.ids {
+            assert!(id <= next, "{id} before {next}");
+            if id == next {
+                next += 1;
+            }
+        }
+        assert_eq!(next, s.unique);
+    }
+
+    #[test]
+    fn hot_picks_are_skewed_and_bounded() {
+        let s = Workload::new(100_000)
+            .with_duplicates(0.5)
+            .with_hot_keys(50)
+            .ids();
+        let mut seen = std::collections::HashSet::new();
+        let mut hot = 0;
+        for &id in &s.ids {
+            if !seen.insert(id) {
+                assert!(id < 50, "a hot pick among the first 50 ids");
+                hot += u64::from(id < 5);
+            }
+        }
+        assert!(hot > 10_000, "the first 5 ids take a large share: {hot}");
+    }
+
+    #[test]
+    fn poison_is_periodic() {
+        assert!(ledger_payload(996, 997).contains("\"amount\":-1"));
+        assert!(ledger_payload(995, 997).contains("\"amount\":996"));
+        assert_eq!(
+            ledger_payload(3, 997),
+            r#"{"id":3,"account":1003,"amount":4}"#
+        );
+    }
+}
