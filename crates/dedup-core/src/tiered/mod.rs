@@ -181,6 +181,11 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         self.l1.run_pending_tasks();
     }
 
+    /// How many entries L1 holds (moka's count, updated as its maintenance runs).
+    pub fn l1_entry_count(&self) -> u64 {
+        self.l1.entry_count()
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> TierStats {
         let c = &*self.counters;
