@@ -51,7 +51,7 @@ fn main() {
         let fast = RedisFastPath::connect(&std::env::var("REDIS_URL").expect("REDIS_URL"))
             .await
             .unwrap()
-            .with_prefix(&format!("mem{}", std::process::id()));
+            .with_prefix(format!("mem{}", std::process::id()));
         let tiered = TieredStore::new(PgStore::new(pool), fast, TieredConfig::default())
             .with_background_backfill();
         let dedup = Arc::new(Dedup::new(Batched::new(tiered, BatchConfig::default())));
