@@ -101,6 +101,13 @@ max_wal_size = 4GB
 checkpoint_timeout = 15min
 CONF
     fi
+    if [ -f "$DEDUP_PG_DIR/postgresql.conf" ] && ! grep -q '^shared_preload_libraries' "$DEDUP_PG_DIR/postgresql.conf"; then
+      # `dedup bench` counts the statements the server ran per unique key (BEGIN and COMMIT too).
+      cat >>"$DEDUP_PG_DIR/postgresql.conf" <<CONF
+shared_preload_libraries = 'pg_stat_statements'
+pg_stat_statements.track_utility = on
+CONF
+    fi
     log "starting postgres on 127.0.0.1:$DEDUP_PG_PORT"
     as_pg_owner "$bin/pg_ctl" -D "$DEDUP_PG_DIR" -l "$DEDUP_PG_DIR/server.log" -w -t 60 start >/dev/null \
       || { tail -n 20 "$DEDUP_PG_DIR/server.log" >&2 || true; die "postgres did not start"; }

@@ -451,6 +451,21 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     assert!(report["ceiling_rows_per_s"].as_f64().unwrap() > 0.0);
     // Transaction mode by the batch: a handful of statements per batch, not per message.
     assert!(trips(4) < trips(0) && trips(7) < trips(5), "{report}");
+    // The server's own count (pg_stat_statements, which scripts/services.sh preloads) agrees:
+    // at least what each contender counted (other tests may share the database meanwhile), and the
+    // ledger contenders' handlers wrote one statement per key, or a few per batch for (e').
+    let server = |i: usize| &contenders[i]["server_statements_per_unique_key"];
+    for i in [0, 2, 3, 4, 5, 7] {
+        let engine = server(i)["engine"].as_f64().unwrap_or_else(|| {
+            panic!("no server counts: restart Postgres so that it preloads pg_stat_statements (stop_postgres; ensure_postgres): {report}")
+        });
+        let handler = server(i)["handler"].as_f64().unwrap();
+        // (a')'s own count takes in its ledger row; the server's puts it apart.
+        assert!(engine + handler >= trips(i) - 0.01, "{i}: {report}");
+    }
+    assert!(server(5)["handler"].as_f64().unwrap() >= 1.0, "{report}");
+    assert!(server(6)["handler"].as_f64().unwrap() >= 1.0, "{report}");
+    assert!(server(7)["handler"].as_f64().unwrap() < 0.5, "{report}");
 
     // A bad argument is a configuration error (exit 2), named.
     let bad = dedup()

@@ -68,6 +68,7 @@ pub(super) async fn tiered(
         effects: effects.load(Ordering::Relaxed),
         errors,
         pg_trips: Some(trips),
+        server_statements: None,
         tiers: tier_counts(&stats),
         batches,
     })

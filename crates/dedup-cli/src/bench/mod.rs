@@ -32,6 +32,7 @@ use dedup_workload::Workload;
 
 mod engine;
 mod report;
+mod statements;
 mod txmode;
 mod usual;
 
@@ -95,6 +96,9 @@ struct Outcome {
     errors: u64,
     /// Postgres round trips, where Postgres is used.
     pg_trips: Option<u64>,
+    /// Statements the server ran while it ran (`pg_stat_statements`, BEGIN and COMMIT
+    /// included): all of them, and the handler's own (the ledger rows), where counted.
+    server_statements: Option<(u64, u64)>,
     /// Claims answered by L1, by L2, and by the authority.
     tiers: (u64, u64, u64),
     batches: Option<(u64, u64, u64, u64)>,
@@ -185,11 +189,17 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     let mut outcomes = Vec::new();
     let mut ceiling_rate = None;
     txmode::ledger_table(&pool).await?;
+    let counting = statements::enable(&pool).await;
     for c in CONTENDERS {
         if !args.only.iter().any(|o| o == c) {
             continue;
         }
-        let outcome = match c {
+        let before = if counting {
+            statements::count(&pool).await
+        } else {
+            None
+        };
+        let mut outcome = match c {
             "a" => usual_postgres(&ctx, &pool, false).await?,
             "b" => usual_redis(&ctx, &args.redis_url, None).await?,
             "c" => tiered(&ctx, &pool, &args.redis_url, false).await?,
@@ -203,6 +213,9 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                 continue;
             }
         };
+        if let (Some(b), Some(a)) = (before, statements::count(&pool).await) {
+            outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
+        }
         outcomes.push(outcome);
     }
     // Rows are deleted only now: deleting between contenders would set autovacuum to work

@@ -111,6 +111,14 @@ impl Report<'_> {
              tier answered."
         );
         for o in self.outcomes {
+            if let Some((engine, handler)) = self.statements_per_unique(o) {
+                println!(
+                    "{}: {engine:.3} engine and {handler:.3} handler statements per unique key, counted by the server (pg_stat_statements; BEGIN and COMMIT included)",
+                    o.name
+                );
+            }
+        }
+        for o in self.outcomes {
             if let Some((calls, claims, ccalls, completions)) = o.batches {
                 println!(
                     "{}: {claims} claims in {calls} batch calls, {completions} completions in \
@@ -144,6 +152,15 @@ impl Report<'_> {
         }
     }
 
+    /// Statements the server ran per unique key while `o` ran: the engine's (everything but the
+    /// handler's ledger writes), and the handler's.
+    fn statements_per_unique(&self, o: &Outcome) -> Option<(f64, f64)> {
+        let (all, handler) = o.server_statements?;
+        #[allow(clippy::cast_precision_loss)]
+        let per = |n: u64| n as f64 / self.unique.max(1) as f64;
+        Some((per(all.saturating_sub(handler)), per(handler)))
+    }
+
     pub(super) fn json(&self) -> serde_json::Value {
         let a = self.args;
         let contenders: Vec<serde_json::Value> = self
@@ -159,6 +176,9 @@ impl Report<'_> {
                     "p50_ms": o.percentile_ms(0.5),
                     "p99_ms": o.percentile_ms(0.99),
                     "pg_round_trips_per_unique_key": o.trips_per_unique(self.unique),
+                    "server_statements_per_unique_key": self.statements_per_unique(o).map(|(engine, handler)| serde_json::json!({
+                        "engine": engine, "handler": handler,
+                    })),
                     "hit_ratio": {"l1": l1, "l2": l2, "postgres": auth},
                     "effects": o.effects,
                     "errors": o.errors,

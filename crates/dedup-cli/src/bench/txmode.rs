@@ -142,6 +142,7 @@ pub(super) async fn transaction_mode(
         effects,
         errors: errors.load(Ordering::Relaxed),
         pg_trips: Some(store.statements()),
+        server_statements: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })

@@ -129,6 +129,7 @@ pub(super) async fn usual_postgres(
         effects,
         errors,
         pg_trips: Some(unique_calls),
+        server_statements: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })
@@ -241,6 +242,7 @@ pub(super) async fn usual_redis(
         effects,
         errors,
         pg_trips: None,
+        server_statements: None,
         tiers: (0, ctx.stream.len() as u64, 0),
         batches: None,
     })
