@@ -478,3 +478,73 @@ async fn concurrent_batches_run_each_key_once(pool: PgPool) {
     keys.dedup();
     assert_eq!(keys.len(), 60);
 }
+
+/// A batch handler that writes every message's effect but `w1`'s, and answers `w1` `Withdraw`.
+fn withdrawing()
+-> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, Boom> + Send {
+    move |tx, leases| {
+        Box::pin(async move {
+            let names: Vec<String> = leases
+                .iter()
+                .map(|l| String::from_utf8(l.key.key_bytes().to_vec()).unwrap())
+                .collect();
+            let keep: Vec<&String> = names.iter().filter(|n| *n != "w1").collect();
+            sqlx::query("INSERT INTO effects SELECT k, 0, 'batch' FROM unnest($1::text[]) AS u(k)")
+                .bind(&keep)
+                .execute(&mut *tx)
+                .await
+                .map_err(|_| HandlerError::Retryable(Boom("insert failed")))?;
+            Ok(names
+                .iter()
+                .map(|n| -> ItemResult<Boom> {
+                    if n == "w1" {
+                        Err(HandlerError::Withdraw(Boom("not kept")))
+                    } else {
+                        Ok(Bytes::from(format!("booked {n}")))
+                    }
+                })
+                .collect())
+        })
+    }
+}
+
+/// A message the handler answers `Withdraw` (an outcome it chose not to keep): given back with
+/// no attempt spent (a first attempt's record goes), while its neighbours commit.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_withdrawn_message_spends_no_attempt_and_its_neighbours_commit(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    for round in 0..3 {
+        let answers = store
+            .transact_batch(
+                &reqs(&["w0", "w1", "w2"]),
+                TxBatchConfig::default(),
+                withdrawing(),
+            )
+            .await
+            .unwrap();
+        match &answers[1] {
+            BatchAnswer::Handler {
+                error: HandlerError::Withdraw(e),
+                after: AfterHandlerError::Released { attempts: 0 },
+            } => assert_eq!(e.0, "not kept"),
+            other => panic!("round {round}: {other:?}"),
+        }
+        assert!(
+            store.get(&key("w1")).await.unwrap().is_none(),
+            "round {round}: as if never claimed"
+        );
+        if round == 0 {
+            assert!(
+                matches!(answers[0], BatchAnswer::Executed { .. }),
+                "{answers:?}"
+            );
+            assert!(
+                matches!(answers[2], BatchAnswer::Executed { .. }),
+                "{answers:?}"
+            );
+        }
+    }
+    let rows = effect_rows(&pool).await;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+}
