@@ -449,6 +449,8 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         );
     }
     assert!(report["ceiling_rows_per_s"].as_f64().unwrap() > 0.0);
+    assert!(report["claim_rows_per_s"].as_f64().unwrap() > 0.0);
+    assert!(report["claim_cost_over_insert"].as_f64().unwrap() > 0.0);
     // Transaction mode by the batch: a handful of statements per batch, not per message.
     assert!(trips(4) < trips(0) && trips(7) < trips(5), "{report}");
     // The server's own count (pg_stat_statements, which scripts/services.sh preloads) agrees:

@@ -62,10 +62,11 @@ pub(crate) struct BenchArgs {
     /// Postgres connections, the same pool for every contender that uses Postgres.
     #[arg(long, default_value_t = 64)]
     pg_connections: u32,
-    /// Contenders to run, among a, b, c, d, e, a', b', e' and ceiling.
+    /// Contenders to run, among a, b, c, d, e, a', b', e', ceiling and claim (the claim statement
+    /// alone on new keys, beside the ceiling).
     #[arg(
         long,
-        default_value = "a,b,c,d,e,a',b',e',ceiling",
+        default_value = "a,b,c,d,e,a',b',e',ceiling,claim",
         value_delimiter = ','
     )]
     only: Vec<String>,
@@ -188,6 +189,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
 
     let mut outcomes = Vec::new();
     let mut ceiling_rate = None;
+    let mut claim_rate = None;
     txmode::ledger_table(&pool).await?;
     let counting = statements::enable(&pool).await;
     for c in CONTENDERS {
@@ -208,8 +210,12 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             "a'" => usual_postgres(&ctx, &pool, true).await?,
             "b'" => usual_redis(&ctx, &args.redis_url, Some(&pool)).await?,
             "e'" => txmode::transaction_mode(&ctx, &pool, true).await?,
-            _ => {
+            "ceiling" => {
                 ceiling_rate = Some(txmode::ceiling(&ctx, &pool, unique).await?);
+                continue;
+            }
+            _ => {
+                claim_rate = Some(txmode::claims(&ctx, &pool, unique).await?);
                 continue;
             }
         };
@@ -232,6 +238,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         sync: &sync,
         outcomes: &outcomes,
         ceiling: ceiling_rate,
+        claims: claim_rate,
     };
     if args.json {
         println!("{}", report.json());
@@ -252,7 +259,9 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
 }
 
 /// Every contender, in the order they run.
-const CONTENDERS: [&str; 9] = ["a", "b", "c", "d", "e", "a'", "b'", "e'", "ceiling"];
+const CONTENDERS: [&str; 10] = [
+    "a", "b", "c", "d", "e", "a'", "b'", "e'", "ceiling", "claim",
+];
 
 struct Ctx {
     batch: BatchConfig,
@@ -330,7 +339,7 @@ async fn cleanup(pool: &PgPool, run_id: &str) {
         (
             "DELETE FROM dedup_records WHERE ctid IN (SELECT ctid FROM dedup_records \
              WHERE scope IN ('bench-c-' || $1, 'bench-d-' || $1, 'bench-e-' || $1, \
-             'bench-e2-' || $1) LIMIT 10000)",
+             'bench-e2-' || $1, 'bench-claim-' || $1) LIMIT 10000)",
             run_id.to_owned(),
         ),
         (

@@ -9,6 +9,8 @@ pub(super) struct Report<'a> {
     pub(super) outcomes: &'a [Outcome],
     /// The ceiling's rows per second, when it was measured.
     pub(super) ceiling: Option<f64>,
+    /// The claim statement's claims per second on new keys, when it was measured.
+    pub(super) claims: Option<f64>,
 }
 
 impl Report<'_> {
@@ -150,6 +152,14 @@ impl Report<'_> {
                 }
             }
         }
+        if let Some(c) = self.claims {
+            println!(
+                "claims: {c:.0} rows/s (500-key claim statements on new keys, 2 clients){}",
+                self.claim_cost().map_or(String::new(), |x| format!(
+                    "; the ceiling's rate is {x:.2}x this (a claim's cost beside a plain INSERT)"
+                ))
+            );
+        }
     }
 
     /// Statements the server ran per unique key while `o` ran: the engine's (everything but the
@@ -202,8 +212,16 @@ impl Report<'_> {
             "synchronous_commit": self.sync,
             "contenders": contenders,
             "ceiling_rows_per_s": self.ceiling,
+            "claim_rows_per_s": self.claims,
+            "claim_cost_over_insert": self.claim_cost(),
             "ratios": self.ratios_json(),
         })
+    }
+
+    /// What a claim costs beside a plain INSERT of the same rows: the ceiling's rate over the
+    /// claim statement's.
+    fn claim_cost(&self) -> Option<f64> {
+        Some(self.ceiling? / self.claims?)
     }
 
     fn ratios_json(&self) -> serde_json::Value {

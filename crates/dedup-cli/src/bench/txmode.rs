@@ -217,6 +217,53 @@ pub(super) async fn ledger_rows(
     Ok(u64::try_from(n).unwrap_or(0))
 }
 
+/// dedup's claim statement on new keys, measured as the ceiling is: the stream's unique keys
+/// claimed in 500-key `claim_batch` statements (each its own transaction) from two clients.
+/// Answers claims per second; the ceiling's rate over it is what a claim costs beside a plain
+/// INSERT of the same rows.
+pub(super) async fn claims(ctx: &Ctx, pool: &PgPool, rows: u64) -> Result<f64, CliError> {
+    use dedup_core::{ClaimOutcome, Store};
+    ctx.note("claims: 500-key claim statements on new keys, two clients");
+    let scope = Scope::new(format!("bench-claim-{}", ctx.run_id))
+        .map_err(|e| CliError::Failed(format!("claims: {e}")))?;
+    let store = PgStore::new(pool.clone());
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let (store, next, scope) = (store.clone(), Arc::clone(&next), scope.clone());
+        tasks.spawn(async move {
+            loop {
+                let from = next.fetch_add(500, Ordering::Relaxed);
+                if from >= rows {
+                    return Ok::<(), String>(());
+                }
+                let to = (from + 500).min(rows);
+                let reqs: Vec<ClaimRequest> = (from..to)
+                    .map(|i| {
+                        let key = IdempotencyKey::new(scope.clone(), format!("e{i}"))
+                            .map_err(|e| e.to_string())?;
+                        Ok(ClaimRequest::new(key, OwnerId::new("bench")))
+                    })
+                    .collect::<Result<_, String>>()?;
+                for answer in store.claim_batch(&reqs).await {
+                    match answer {
+                        Ok(ClaimOutcome::Acquired(_)) => {}
+                        other => return Err(format!("a new key was not acquired: {other:?}")),
+                    }
+                }
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|j| CliError::Failed(format!("claims: {j}")))?
+            .map_err(|e| CliError::Failed(format!("claims: {e}")))?;
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let rate = rows as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    Ok(rate)
+}
+
 /// The ceiling: the same Postgres taking `rows` completed rows as 500-row
 /// `INSERT ... ON CONFLICT DO NOTHING` statements into a scratch table with `dedup_records`'
 /// columns and indexes, from two clients. Answers rows per second.
