@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use dedup_core::{ClaimRequest, IdempotencyKey, Lease, OwnerId, Scope};
@@ -217,6 +217,37 @@ pub(super) async fn ledger_rows(
     Ok(u64::try_from(n).unwrap_or(0))
 }
 
+/// Runs `chunk(from, to)` over `0..rows` in 500-row chunks from two clients at once; answers
+/// rows per second. The ceiling and the claim measurement share it, so that they compare.
+async fn two_clients<F, Fut>(rows: u64, what: &str, chunk: F) -> Result<f64, CliError>
+where
+    F: Fn(u64, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), String>> + Send,
+{
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let (next, chunk) = (Arc::clone(&next), chunk.clone());
+        tasks.spawn(async move {
+            loop {
+                let from = next.fetch_add(500, Ordering::Relaxed);
+                if from >= rows {
+                    return Ok::<(), String>(());
+                }
+                chunk(from, (from + 500).min(rows)).await?;
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|j| CliError::Failed(format!("{what}: {j}")))?
+            .map_err(|e| CliError::Failed(format!("{what}: {e}")))?;
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let rate = rows as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    Ok(rate)
+}
+
 /// dedup's claim statement on new keys, measured as the ceiling is: the stream's unique keys
 /// claimed in 500-key `claim_batch` statements (each its own transaction) from two clients.
 /// Answers claims per second; the ceiling's rate over it is what a claim costs beside a plain
@@ -227,41 +258,26 @@ pub(super) async fn claims(ctx: &Ctx, pool: &PgPool, rows: u64) -> Result<f64, C
     let scope = Scope::new(format!("bench-claim-{}", ctx.run_id))
         .map_err(|e| CliError::Failed(format!("claims: {e}")))?;
     let store = PgStore::new(pool.clone());
-    let next = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..2 {
-        let (store, next, scope) = (store.clone(), Arc::clone(&next), scope.clone());
-        tasks.spawn(async move {
-            loop {
-                let from = next.fetch_add(500, Ordering::Relaxed);
-                if from >= rows {
-                    return Ok::<(), String>(());
-                }
-                let to = (from + 500).min(rows);
-                let reqs: Vec<ClaimRequest> = (from..to)
-                    .map(|i| {
-                        let key = IdempotencyKey::new(scope.clone(), format!("e{i}"))
-                            .map_err(|e| e.to_string())?;
-                        Ok(ClaimRequest::new(key, OwnerId::new("bench")))
-                    })
-                    .collect::<Result<_, String>>()?;
-                for answer in store.claim_batch(&reqs).await {
-                    match answer {
-                        Ok(ClaimOutcome::Acquired(_)) => {}
-                        other => return Err(format!("a new key was not acquired: {other:?}")),
-                    }
+    two_clients(rows, "claims", move |from, to| {
+        let (store, scope) = (store.clone(), scope.clone());
+        async move {
+            let reqs: Vec<ClaimRequest> = (from..to)
+                .map(|i| {
+                    let key = IdempotencyKey::new(scope.clone(), format!("e{i}"))
+                        .map_err(|e| e.to_string())?;
+                    Ok(ClaimRequest::new(key, OwnerId::new("bench")))
+                })
+                .collect::<Result<_, String>>()?;
+            for answer in store.claim_batch(&reqs).await {
+                match answer {
+                    Ok(ClaimOutcome::Acquired(_)) => {}
+                    other => return Err(format!("a new key was not acquired: {other:?}")),
                 }
             }
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        done.map_err(|j| CliError::Failed(format!("claims: {j}")))?
-            .map_err(|e| CliError::Failed(format!("claims: {e}")))?;
-    }
-    #[allow(clippy::cast_precision_loss)]
-    let rate = rows as f64 / started.elapsed().as_secs_f64().max(1e-9);
-    Ok(rate)
+            Ok(())
+        }
+    })
+    .await
 }
 
 /// The ceiling: the same Postgres taking `rows` completed rows as 500-row
@@ -278,45 +294,32 @@ pub(super) async fn ceiling(ctx: &Ctx, pool: &PgPool, rows: u64) -> Result<f64, 
         .execute(pool)
         .await
         .map_err(e)?;
-    let next = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..2 {
-        let (pool, next) = (pool.clone(), Arc::clone(&next));
-        tasks.spawn(async move {
-            loop {
-                let from = next.fetch_add(500, Ordering::Relaxed);
-                if from >= rows {
-                    return Ok::<(), sqlx::Error>(());
-                }
-                let to = (from + 500).min(rows);
-                let keys: Vec<Vec<u8>> = (from..to).map(|i| format!("e{i}").into_bytes()).collect();
-                let results: Vec<Vec<u8>> = (from..to).map(|i| result_of(i).into_bytes()).collect();
-                sqlx::query(
-                    "INSERT INTO dedup_bench_ceiling (scope, key, state, token, attempts, result, \
-                     created_at, updated_at, expires_at) \
-                     SELECT 'ceiling', k, 'completed', nextval('dedup_token_seq'), 1, r, \
-                     statement_timestamp(), statement_timestamp(), \
-                     statement_timestamp() + interval '7 days' \
-                     FROM unnest($1::bytea[], $2::bytea[]) AS u(k, r) ON CONFLICT DO NOTHING",
-                )
-                .bind(&keys)
-                .bind(&results)
-                .execute(&pool)
-                .await?;
-            }
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        done.map_err(|j| CliError::Failed(format!("ceiling: {j}")))?
-            .map_err(e)?;
-    }
-    let elapsed: Duration = started.elapsed();
+    let insert_pool = pool.clone();
+    let rate = two_clients(rows, "ceiling", move |from, to| {
+        let pool = insert_pool.clone();
+        async move {
+            let keys: Vec<Vec<u8>> = (from..to).map(|i| format!("e{i}").into_bytes()).collect();
+            let results: Vec<Vec<u8>> = (from..to).map(|i| result_of(i).into_bytes()).collect();
+            sqlx::query(
+                "INSERT INTO dedup_bench_ceiling (scope, key, state, token, attempts, result, \
+                 created_at, updated_at, expires_at) \
+                 SELECT 'ceiling', k, 'completed', nextval('dedup_token_seq'), 1, r, \
+                 statement_timestamp(), statement_timestamp(), \
+                 statement_timestamp() + interval '7 days' \
+                 FROM unnest($1::bytea[], $2::bytea[]) AS u(k, r) ON CONFLICT DO NOTHING",
+            )
+            .bind(&keys)
+            .bind(&results)
+            .execute(&pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+        }
+    })
+    .await?;
     sqlx::query("DROP TABLE dedup_bench_ceiling")
         .execute(pool)
         .await
         .map_err(e)?;
-    #[allow(clippy::cast_precision_loss)]
-    let rate = rows as f64 / elapsed.as_secs_f64().max(1e-9);
     Ok(rate)
 }
