@@ -548,3 +548,171 @@ async fn a_withdrawn_message_spends_no_attempt_and_its_neighbours_commit(pool: P
     let rows = effect_rows(&pool).await;
     assert_eq!(rows.len(), 2, "{rows:?}");
 }
+
+/// Ordering groups: a message whose handler fails holds back its group's later messages in the
+/// batch (answered Deferred, their claims given back, no attempt spent), while other groups
+/// commit; without groups the same batch lets the later message run. Run again, the group
+/// settles in order.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn an_ordered_batch_holds_back_a_groups_later_messages_after_a_failure(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let calls = Arc::new(AtomicU32::new(0));
+    let answers = store
+        .transact_batch_ordered(
+            &reqs(&["a1", "a2", "a3", "b1", "b2"]),
+            &[1, 1, 1, 2, 2],
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &["a2"]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(answers[0], BatchAnswer::Executed { .. }),
+        "{:?}",
+        answers[0]
+    );
+    assert!(
+        matches!(
+            answers[1],
+            BatchAnswer::Handler {
+                after: AfterHandlerError::Released { attempts: 1 },
+                ..
+            }
+        ),
+        "{:?}",
+        answers[1]
+    );
+    assert!(
+        matches!(answers[2], BatchAnswer::Deferred),
+        "{:?}",
+        answers[2]
+    );
+    assert!(answers[2].is_retryable());
+    assert!(matches!(answers[3], BatchAnswer::Executed { .. }));
+    assert!(matches!(answers[4], BatchAnswer::Executed { .. }));
+    assert!(
+        store.get(&key("a3")).await.unwrap().is_none(),
+        "a3's claim was given back"
+    );
+    let keys = |rows: Vec<(String, i64, String)>| {
+        let mut k: Vec<String> = rows.into_iter().map(|(k, _, _)| k).collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(effect_rows(&pool).await), ["a1", "b1", "b2"]);
+    // Again: a2 (its second attempt) and then a3 (its first: nothing was spent).
+    let again = store
+        .transact_batch_ordered(
+            &reqs(&["a2", "a3"]),
+            &[1, 1],
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(again[0], BatchAnswer::Executed { attempts: 2, .. }),
+        "{:?}",
+        again[0]
+    );
+    assert!(
+        matches!(again[1], BatchAnswer::Executed { attempts: 1, .. }),
+        "{:?}",
+        again[1]
+    );
+    // Without groups, the later message of the same batch is not held back.
+    let free = store
+        .transact_batch(
+            &reqs(&["c1", "c2", "c3"]),
+            TxBatchConfig::default(),
+            ledger(calls, &[], &["c2"]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(free[2], BatchAnswer::Executed { .. }),
+        "{:?}",
+        free[2]
+    );
+    // A mismatched group list is refused before anything runs.
+    let err = store
+        .transact_batch_ordered(
+            &reqs(&["d1"]),
+            &[],
+            TxBatchConfig::default(),
+            ledger(Arc::new(AtomicU32::new(0)), &[], &[]),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, dedup_core::StoreError::Input(_)), "{err:?}");
+}
+
+/// A key another holder has (a live lease) answers InFlight and holds back its group's later
+/// message; a poisoned message that fails the whole call does the same once the halving finds
+/// it, and the messages before it commit.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn an_ordered_batch_holds_back_behind_a_held_key_and_a_poisoned_message(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let _lease = acquired(store.claim(&reqs(&["h1"])[0]).await.unwrap());
+    let calls = Arc::new(AtomicU32::new(0));
+    let answers = store
+        .transact_batch_ordered(
+            &reqs(&["h1", "h2", "c1", "p1", "p2", "p3"]),
+            &[7, 7, 8, 9, 9, 9],
+            TxBatchConfig::default(),
+            ledger(calls, &["p2"], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(answers[0], BatchAnswer::InFlight),
+        "{:?}",
+        answers[0]
+    );
+    assert!(
+        matches!(answers[1], BatchAnswer::Deferred),
+        "{:?}",
+        answers[1]
+    );
+    assert!(
+        matches!(answers[2], BatchAnswer::Executed { .. }),
+        "{:?}",
+        answers[2]
+    );
+    assert!(
+        matches!(answers[3], BatchAnswer::Executed { .. }),
+        "{:?}",
+        answers[3]
+    );
+    assert!(
+        matches!(
+            answers[4],
+            BatchAnswer::Handler {
+                after: AfterHandlerError::Failed { .. },
+                ..
+            }
+        ),
+        "{:?}",
+        answers[4]
+    );
+    assert!(
+        matches!(answers[5], BatchAnswer::Deferred),
+        "{:?}",
+        answers[5]
+    );
+    for k in ["h2", "p3"] {
+        assert!(
+            store.get(&key(k)).await.unwrap().is_none(),
+            "{k} was given back"
+        );
+    }
+    let mut rows: Vec<String> = effect_rows(&pool)
+        .await
+        .into_iter()
+        .map(|(k, _, _)| k)
+        .collect();
+    rows.sort();
+    assert_eq!(rows, ["c1", "p1"]);
+}

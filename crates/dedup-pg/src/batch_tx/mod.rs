@@ -32,27 +32,27 @@
 //! `idle_in_transaction_session_timeout` ([`TxBatchConfig::idle_timeout`]) ends its session: the
 //! batch rolls back whole, and nothing it wrote survives.
 
-use std::collections::HashMap;
+mod parts;
+
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{
-    AfterHandlerError, ClaimOutcome, ClaimRequest, FencingToken, HandlerError, Lease, State, Store,
-    StoreError, machine,
+    AfterHandlerError, ClaimOutcome, ClaimRequest, FencingToken, HandlerError, InputError, Lease,
+    State, Store, StoreError,
 };
-use futures_util::FutureExt;
 use sqlx::postgres::PgConnection;
 use tracing::debug;
 
 use crate::PgStore;
 use crate::claim::{claim_counted, claim_many};
 use crate::classify::classify;
-use crate::complete::{complete_many, finish};
-use crate::rows::token_i64;
+use crate::complete::complete_many;
 use crate::sql::TRY_LOCK_SQL;
+use parts::{call, handler_reason, record_failure, withdraw};
 
 /// How a batch transaction is run.
 #[derive(Clone, Copy, Debug)]
@@ -122,6 +122,10 @@ pub enum BatchAnswer<E> {
     /// Another holder has the key (a live lease, or another transaction's uncommitted claim).
     /// Retry later.
     InFlight,
+    /// Not run: an earlier message of its ordering group (see
+    /// [`PgStore::transact_batch_ordered`]) did not settle in this batch, so this one waits for
+    /// it. Nothing was spent; run it again after that message.
+    Deferred,
     /// The key is poison: dead-letter the message.
     Failed {
         /// Why.
@@ -144,7 +148,7 @@ impl<E> BatchAnswer<E> {
     /// Whether delivering the message again later can lead to a result.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::InFlight => true,
+            Self::InFlight | Self::Deferred => true,
             Self::Executed { .. } | Self::Replayed { .. } => false,
             Self::Failed { .. } | Self::PayloadMismatch => false,
             Self::Handler { after, .. } => !matches!(after, AfterHandlerError::Failed { .. }),
@@ -159,7 +163,9 @@ impl PgStore {
     /// Runs a batch in one transaction (see the [module docs](self)): claims, the handler's
     /// writes for every acquired message, and the completions commit together, with one WAL
     /// flush. One answer per request, in order; a key that appears twice is answered after the
-    /// commit as the duplicate of its first appearance.
+    /// commit as the duplicate of its first appearance. The messages are independent: one that
+    /// fails holds back no other (see
+    /// [`transact_batch_ordered`](Self::transact_batch_ordered) for messages that keep an order).
     ///
     /// `handler` may be called more than once (the retry in parts after a failure), each time on
     /// a subset of the acquired messages, and only ever sees writes of the current attempt. An
@@ -169,6 +175,54 @@ impl PgStore {
     pub async fn transact_batch<E, H>(
         &self,
         reqs: &[ClaimRequest],
+        config: TxBatchConfig,
+        handler: H,
+    ) -> Result<Vec<BatchAnswer<E>>, StoreError>
+    where
+        E: std::fmt::Display + Send,
+        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+    {
+        self.transact_many(reqs, None, config, handler).await
+    }
+
+    /// [`transact_batch`](Self::transact_batch) for messages that keep an order within their
+    /// *ordering group* (`groups[i]` for `reqs[i]`: an account, an order, a partition). A
+    /// message runs only if every earlier message of its group in the batch settled: once one
+    /// answers InFlight or its handler fails, the group's later messages are not run and answer
+    /// [`BatchAnswer::Deferred`] (their claims given back, no attempt spent), so a retry can
+    /// never let a later message overtake an earlier one. A key answered from the store
+    /// (replayed, FAILED, a payload mismatch) holds nothing back. On the happy path this costs
+    /// nothing: the whole batch, groups and all, still runs in one handler call, in request
+    /// order. After a failure the parts run in request order.
+    ///
+    /// # Errors
+    /// As `transact_batch`; `groups` must have one entry per request
+    /// ([`InputError::Setting`] otherwise).
+    pub async fn transact_batch_ordered<E, H>(
+        &self,
+        reqs: &[ClaimRequest],
+        groups: &[u64],
+        config: TxBatchConfig,
+        handler: H,
+    ) -> Result<Vec<BatchAnswer<E>>, StoreError>
+    where
+        E: std::fmt::Display + Send,
+        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+    {
+        if groups.len() != reqs.len() {
+            return Err(StoreError::Input(InputError::Setting {
+                setting: "groups",
+                problem: "needs one ordering group per request",
+            }));
+        }
+        self.transact_many(reqs, Some(groups), config, handler)
+            .await
+    }
+
+    async fn transact_many<E, H>(
+        &self,
+        reqs: &[ClaimRequest],
+        groups: Option<&[u64]>,
         config: TxBatchConfig,
         mut handler: H,
     ) -> Result<Vec<BatchAnswer<E>>, StoreError>
@@ -194,7 +248,7 @@ impl PgStore {
         for pass in 0..2 {
             let parts = (pass == 1).then(|| failed_before.clone());
             match self
-                .run_once(reqs, &distinct, config, &mut handler, parts)
+                .run_once(reqs, groups, &distinct, config, &mut handler, parts)
                 .await?
             {
                 Pass::Done(a) => {
@@ -241,6 +295,7 @@ impl PgStore {
                     attempts: *attempts,
                 },
                 Some(BatchAnswer::PayloadMismatch) => BatchAnswer::PayloadMismatch,
+                Some(BatchAnswer::Deferred) => BatchAnswer::Deferred,
                 _ => BatchAnswer::InFlight,
             };
             out[i] = Some(repeat);
@@ -251,12 +306,14 @@ impl PgStore {
             .collect())
     }
 
-    /// One transaction over the distinct requests. `parts`: `None` on the happy path (no
+    /// One transaction over the distinct requests. `alone`: `None` on the happy path (no
     /// savepoint); in the second pass, the messages that failed in the first, each to be run
-    /// alone.
+    /// alone. `groups`: the ordering group of each request, if the batch keeps an order.
+    #[allow(clippy::too_many_lines)]
     async fn run_once<E, H>(
         &self,
         reqs: &[ClaimRequest],
+        groups: Option<&[u64]>,
         distinct: &[usize],
         config: TxBatchConfig,
         handler: &mut H,
@@ -272,6 +329,8 @@ impl PgStore {
                 .await
                 .map_err(|e| classify(e, false))?;
             self.count(1);
+            // Ordering groups with a message that did not settle: their later messages wait.
+            let mut held = Held::new(groups);
             // Lock what can be locked at once; the rest is InFlight.
             let scopes: Vec<&str> = distinct.iter().map(|&i| reqs[i].key.scope().as_str()).collect();
             let keys: Vec<&[u8]> = distinct.iter().map(|&i| reqs[i].key.key_bytes()).collect();
@@ -289,9 +348,13 @@ impl PgStore {
             let mut answers: Vec<Option<BatchAnswer<E>>> = distinct.iter().map(|_| None).collect();
             let mut locked = Vec::with_capacity(distinct.len());
             for (n, ok) in got.into_iter().enumerate() {
-                if ok {
-                    locked.push(distinct[n]);
+                let i = distinct[n];
+                if held.waits(i) {
+                    answers[n] = Some(BatchAnswer::Deferred);
+                } else if ok {
+                    locked.push(i);
                 } else {
+                    held.hold(i);
                     answers[n] = Some(BatchAnswer::InFlight);
                 }
             }
@@ -316,25 +379,37 @@ impl PgStore {
                     outcomes.insert(i, answer?);
                 }
             }
+            // In request order, so that a group's InFlight holds back only its later messages.
             let mut leases: Vec<(usize, Lease)> = Vec::new();
-            for (i, outcome) in outcomes {
+            for &i in &locked {
                 let n = index[&i];
+                let Some(outcome) = outcomes.remove(&i) else {
+                    answers[n] = Some(BatchAnswer::InFlight);
+                    continue;
+                };
                 answers[n] = Some(match outcome {
+                    ClaimOutcome::Acquired(lease) if held.waits(i) => {
+                        withdraw(&mut tx, &lease).await?;
+                        self.count(1);
+                        BatchAnswer::Deferred
+                    }
                     ClaimOutcome::Acquired(lease) => {
                         leases.push((n, lease));
                         continue;
                     }
                     ClaimOutcome::Completed { result, .. } => BatchAnswer::Replayed { result },
-                    ClaimOutcome::InFlight { .. } => BatchAnswer::InFlight,
                     ClaimOutcome::Failed { reason, attempts } => {
                         BatchAnswer::Failed { reason, attempts }
                     }
                     ClaimOutcome::PayloadMismatch => BatchAnswer::PayloadMismatch,
-                    _ => BatchAnswer::InFlight,
+                    _ => {
+                        held.hold(i);
+                        BatchAnswer::InFlight
+                    }
                 });
             }
-            leases.sort_by_key(|(n, _)| *n);
             let (positions, leases): (Vec<usize>, Vec<Lease>) = leases.into_iter().unzip();
+            let req_of = |k: usize| reqs_index(&positions, distinct, k);
             // The handler: the whole batch at once, or in parts under savepoints.
             let results: Vec<Option<ItemResult<E>>> = match &alone {
                 _ if leases.is_empty() => Vec::new(),
@@ -349,7 +424,7 @@ impl PgStore {
                                 .iter()
                                 .enumerate()
                                 .filter(|(_, r)| r.is_err())
-                                .map(|(k, _)| reqs_index(&positions, distinct, k))
+                                .map(|(k, _)| req_of(k))
                                 .collect();
                             debug!("batch handler reported failures; running again in parts");
                             // Before the second pass takes its locks: let go of this one's.
@@ -364,18 +439,18 @@ impl PgStore {
                     }
                 }
                 Some(alone) => {
-                    let alone: Vec<usize> = (0..leases.len())
-                        .filter(|&k| alone.contains(&reqs_index(&positions, distinct, k)))
-                        .collect();
-                    let rest: Vec<usize> =
-                        (0..leases.len()).filter(|k| !alone.contains(k)).collect();
-                    let mut parts: Vec<Part> = alone.into_iter().map(|k| vec![k]).collect();
-                    if !rest.is_empty() {
-                        parts.insert(0, rest);
-                    }
+                    // Parts in request order: each message that failed before on its own, the
+                    // runs between them together.
+                    let mut parts: VecDeque<Part> =
+                        segments((0..leases.len()).collect(), |k| alone.contains(&req_of(k)));
                     let mut results: Vec<Option<ItemResult<E>>> =
                         (0..leases.len()).map(|_| None).collect();
-                    while let Some(part) = parts.pop() {
+                    while let Some(part) = parts.pop_front() {
+                        // A message whose group had a failure before it waits (left as None).
+                        let part: Part = part.into_iter().filter(|&k| !held.waits(req_of(k))).collect();
+                        if part.is_empty() {
+                            continue;
+                        }
                         let sub: Vec<Lease> = part.iter().map(|&k| leases[k].clone()).collect();
                         sqlx::query("SAVEPOINT dedup_part")
                             .execute(&mut *tx)
@@ -408,31 +483,41 @@ impl PgStore {
                             .map_err(|e| classify(e, false))?;
                         self.count(2);
                         match out {
+                            // The message at fault, alone: its group's later messages wait.
                             Ok(mut r) if part.len() == 1 => {
+                                held.hold(req_of(part[0]));
                                 results[part[0]] = r.pop();
                             }
-                            Err(e) if part.len() == 1 => results[part[0]] = Some(Err(e)),
-                            // The handler said which failed: those alone, the rest together.
+                            Err(e) if part.len() == 1 => {
+                                held.hold(req_of(part[0]));
+                                results[part[0]] = Some(Err(e));
+                            }
+                            // The handler said which failed: those alone, the runs between
+                            // together, still in request order.
                             Ok(r) => {
-                                let (ok, bad): (Vec<_>, Vec<_>) =
-                                    part.iter().zip(&r).partition(|(_, r)| r.is_ok());
-                                parts.extend(bad.into_iter().map(|(&k, _)| vec![k]));
-                                if !ok.is_empty() {
-                                    parts.push(ok.into_iter().map(|(&k, _)| k).collect());
+                                let bad: HashSet<usize> = part
+                                    .iter()
+                                    .zip(&r)
+                                    .filter(|(_, r)| r.is_err())
+                                    .map(|(&k, _)| k)
+                                    .collect();
+                                for p in segments(part, |k| bad.contains(&k)).into_iter().rev() {
+                                    parts.push_front(p);
                                 }
                             }
                             // Failed as a whole: halves, until the message at fault is alone.
                             Err(_) => {
                                 let mid = part.len() / 2;
-                                parts.push(part[mid..].to_vec());
-                                parts.push(part[..mid].to_vec());
+                                parts.push_front(part[mid..].to_vec());
+                                parts.push_front(part[..mid].to_vec());
                             }
                         }
                     }
                     results
                 }
             };
-            // Record: successes completed in one statement; each failure on its own.
+            // Record: successes completed in one statement; each failure on its own; a message
+            // that waited on its group given back.
             let mut done = Vec::new();
             let mut done_at = Vec::new();
             for (k, r) in results.into_iter().enumerate() {
@@ -447,7 +532,11 @@ impl PgStore {
                         answers[n] = Some(record_failure(&mut tx, lease, error).await?);
                         self.count(1);
                     }
-                    None => answers[n] = Some(BatchAnswer::InFlight),
+                    None => {
+                        withdraw(&mut tx, lease).await?;
+                        self.count(1);
+                        answers[n] = Some(BatchAnswer::Deferred);
+                    }
                 }
             }
             if !done.is_empty() {
@@ -503,6 +592,55 @@ impl PgStore {
     }
 }
 
+/// The ordering groups of a batch in which a message did not settle: the group's later messages
+/// wait. Without groups, nothing waits.
+struct Held<'g> {
+    groups: Option<&'g [u64]>,
+    held: HashSet<u64>,
+}
+
+impl<'g> Held<'g> {
+    fn new(groups: Option<&'g [u64]>) -> Self {
+        Self {
+            groups,
+            held: HashSet::new(),
+        }
+    }
+
+    /// Request `i` did not settle: its group's later messages wait.
+    fn hold(&mut self, i: usize) {
+        if let Some(g) = self.groups {
+            self.held.insert(g[i]);
+        }
+    }
+
+    /// Whether request `i` waits for an earlier message of its group.
+    fn waits(&self, i: usize) -> bool {
+        self.groups.is_some_and(|g| self.held.contains(&g[i]))
+    }
+}
+
+/// `items` in order, cut so that each one `alone` says is a part by itself and the runs between
+/// them are parts.
+fn segments(items: Part, alone: impl Fn(usize) -> bool) -> VecDeque<Part> {
+    let mut parts = VecDeque::new();
+    let mut run = Vec::new();
+    for k in items {
+        if alone(k) {
+            if !run.is_empty() {
+                parts.push_back(std::mem::take(&mut run));
+            }
+            parts.push_back(vec![k]);
+        } else {
+            run.push(k);
+        }
+    }
+    if !run.is_empty() {
+        parts.push_back(run);
+    }
+    parts
+}
+
 /// The outcome of one transaction over the batch.
 enum Pass<E> {
     Done(Vec<Option<BatchAnswer<E>>>),
@@ -514,113 +652,6 @@ fn reqs_index(positions: &[usize], distinct: &[usize], k: usize) -> usize {
     distinct[positions[k]]
 }
 
-/// Calls the handler, catching a panic as a failure of the whole call.
-async fn call<E, H>(
-    handler: &mut H,
-    conn: &mut PgConnection,
-    leases: &[Lease],
-) -> Result<Vec<ItemResult<E>>, HandlerError<E>>
-where
-    H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
-{
-    let fut = handler(conn, leases);
-    match AssertUnwindSafe(fut).catch_unwind().await {
-        // A result too large to store fails its message (its writes are then undone under its
-        // savepoint, and the key FAILED), not the batch.
-        Ok(Ok(results)) if results.len() == leases.len() => Ok(results
-            .into_iter()
-            .zip(leases)
-            .map(|(r, lease)| match r {
-                Ok(result) => match lease.policy.check_result(&result) {
-                    Ok(()) => Ok(result),
-                    Err(e) => Err(HandlerError::Store(StoreError::Input(e))),
-                },
-                err => err,
-            })
-            .collect()),
-        Ok(Ok(results)) => Err(HandlerError::Store(StoreError::backend(BatchRetried(
-            if results.len() < leases.len() {
-                "the batch handler answered fewer messages than it was given"
-            } else {
-                "the batch handler answered more messages than it was given"
-            },
-        )))),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(HandlerError::Store(StoreError::backend(BatchRetried(
-            "the batch handler panicked",
-        )))),
-    }
-}
-
-/// Records a message's failure inside the batch's transaction: released (attempts kept) or
-/// FAILED, fenced like every change; a passing store error gives the key back unspent.
-async fn record_failure<E: std::fmt::Display>(
-    conn: &mut PgConnection,
-    lease: &Lease,
-    error: HandlerError<E>,
-) -> Result<BatchAnswer<E>, StoreError> {
-    let p = lease.policy;
-    let reason = handler_reason(&error);
-    let (state, failure, retention, after) = match &error {
-        // Permanent, or a result that can never be stored: FAILED, with the reason.
-        HandlerError::Permanent(_) | HandlerError::Store(StoreError::Input(_)) => (
-            State::Failed,
-            reason,
-            p.failed_retention,
-            AfterHandlerError::Failed {
-                attempts: lease.attempts,
-            },
-        ),
-        // A passing store error (nothing ran), or an outcome the handler chose not to keep.
-        HandlerError::Store(_) | HandlerError::Withdraw(_)
-            if matches!(&error, HandlerError::Withdraw(_))
-                || matches!(&error, HandlerError::Store(e) if e.is_retryable()) =>
-        {
-            sqlx::query(crate::sql::WITHDRAW_SQL)
-                .bind(lease.key.scope().as_str())
-                .bind(lease.key.key_bytes())
-                .bind(token_i64(lease.token))
-                .execute(&mut *conn)
-                .await
-                .map_err(|e| classify(e, true))?;
-            return Ok(BatchAnswer::Handler {
-                error,
-                after: AfterHandlerError::Released {
-                    attempts: lease.attempts.saturating_sub(1),
-                },
-            });
-        }
-        _ if lease.attempts >= p.max_attempts => (
-            State::Failed,
-            machine::exhausted_reason(lease.attempts, p.max_attempts, Some(&reason)),
-            p.failed_retention,
-            AfterHandlerError::Failed {
-                attempts: lease.attempts,
-            },
-        ),
-        _ => (
-            State::Released,
-            reason,
-            p.retention,
-            AfterHandlerError::Released {
-                attempts: lease.attempts,
-            },
-        ),
-    };
-    finish(conn, lease, state, None, Some(&failure), retention).await?;
-    Ok(BatchAnswer::Handler { error, after })
-}
-
-fn handler_reason<E: std::fmt::Display>(e: &HandlerError<E>) -> String {
-    match e {
-        HandlerError::Retryable(e) => e.to_string(),
-        HandlerError::Permanent(e) => e.to_string(),
-        HandlerError::Withdraw(e) => format!("withdrawn: {e}"),
-        HandlerError::Store(e) => format!("the handler's store call failed: {e}"),
-        _ => "the handler failed".to_owned(),
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-struct BatchRetried(&'static str);
+pub(crate) struct BatchRetried(pub(crate) &'static str);
