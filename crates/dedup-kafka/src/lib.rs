@@ -64,6 +64,8 @@
 //! ```
 
 mod config;
+mod consumer;
+mod dead_letter;
 mod delivery;
 mod runner;
 mod stats;
@@ -75,8 +77,7 @@ pub use config::{
     Ordering, OrderingKey, RunnerConfig,
 };
 pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
-pub use runner::{
-    DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Handler, Runner, RunnerError,
-};
+pub use dead_letter::{DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC};
+pub use runner::{Handler, Runner, RunnerError};
 pub use stats::{RunnerStats, StatsHandle};
 pub use typed::{Ignore, OnResult, Typed};

@@ -1,11 +1,11 @@
 //! The consumer loop: receive, dispatch into lanes, settle, commit what is durable.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::typed::CodecError;
@@ -13,13 +13,9 @@ use dedup_core::{
     AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, LeaseContext,
     ProcessError, Processed, Scope, Store,
 };
-use rdkafka::client::ClientContext;
-use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
-use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::producer::Producer;
 use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep};
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -27,19 +23,12 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use futures_util::FutureExt;
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
+use crate::consumer::{
+    Backpressure, RunnerContext, Shared, clients, commit, lock, sleep_until_opt,
+};
+use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
-
-/// Dead-letter header: why the message was dead-lettered.
-pub const DLQ_REASON: &str = "dedup-reason";
-/// Dead-letter header: the attempts made.
-pub const DLQ_ATTEMPTS: &str = "dedup-attempts";
-/// Dead-letter header: the original topic.
-pub const DLQ_TOPIC: &str = "dedup-original-topic";
-/// Dead-letter header: the original partition.
-pub const DLQ_PARTITION: &str = "dedup-original-partition";
-/// Dead-letter header: the original offset.
-pub const DLQ_OFFSET: &str = "dedup-original-offset";
 
 /// What the runner calls for each message.
 ///
@@ -127,144 +116,6 @@ pub struct Runner<S, H> {
     counters: Arc<Counters>,
 }
 
-type TopicPartition = (String, i32);
-
-/// A partition this member owns, as the runner tracks it.
-#[derive(Debug)]
-struct Part {
-    /// Changes on every assignment, so work from an earlier ownership is never counted.
-    generation: u64,
-    revoked: Arc<AtomicBool>,
-    /// Offsets received and not yet settled.
-    pending: BTreeSet<i64>,
-    /// The offset after the last one received.
-    next: Option<i64>,
-    /// What was last committed (or sent to be).
-    committed: Option<i64>,
-}
-
-impl Part {
-    /// The next offset to read: nothing before it is unsettled.
-    fn position(&self) -> Option<i64> {
-        self.pending.first().copied().or(self.next)
-    }
-}
-
-#[derive(Debug, Default)]
-struct Shared {
-    parts: HashMap<TopicPartition, Part>,
-    generation: u64,
-    paused: bool,
-}
-
-struct RunnerContext {
-    shared: Arc<Mutex<Shared>>,
-    counters: Arc<Counters>,
-}
-
-fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
-    // A panic elsewhere must not stop offset tracking: the data is plain bookkeeping.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-impl ClientContext for RunnerContext {}
-
-impl ConsumerContext for RunnerContext {
-    fn pre_rebalance(
-        &self,
-        consumer: &rdkafka::consumer::BaseConsumer<Self>,
-        rebalance: &Rebalance<'_>,
-    ) {
-        let Rebalance::Revoke(tpl) = rebalance else {
-            return;
-        };
-        // Still ours during this callback: stop the work, and commit what is settled.
-        let mut commit = TopicPartitionList::new();
-        {
-            let mut shared = lock(&self.shared);
-            for e in tpl.elements() {
-                let tp = (e.topic().to_owned(), e.partition());
-                if let Some(part) = shared.parts.remove(&tp) {
-                    part.revoked.store(true, AtomicOrdering::Release);
-                    if let Some(pos) = part.position()
-                        && part.committed != Some(pos)
-                    {
-                        let _ = commit.add_partition_offset(&tp.0, tp.1, Offset::Offset(pos));
-                    }
-                }
-            }
-        }
-        self.counters.revoked.add(tpl.count() as u64);
-        info!(partitions = tpl.count(), "partitions revoked");
-        if commit.count() > 0 {
-            match consumer.commit(&commit, CommitMode::Sync) {
-                Ok(()) => self.counters.commits.add(1),
-                Err(e) => {
-                    self.counters.commit_errors.add(1);
-                    warn!(error = %e, "commit on revocation failed; those messages will be replayed");
-                }
-            }
-        }
-    }
-
-    fn post_rebalance(
-        &self,
-        consumer: &rdkafka::consumer::BaseConsumer<Self>,
-        rebalance: &Rebalance<'_>,
-    ) {
-        match rebalance {
-            Rebalance::Assign(tpl) => {
-                let paused = {
-                    let mut shared = lock(&self.shared);
-                    shared.generation += 1;
-                    let generation = shared.generation;
-                    for e in tpl.elements() {
-                        shared.parts.insert(
-                            (e.topic().to_owned(), e.partition()),
-                            Part {
-                                generation,
-                                revoked: Arc::new(AtomicBool::new(false)),
-                                pending: BTreeSet::new(),
-                                next: None,
-                                committed: None,
-                            },
-                        );
-                    }
-                    shared.paused
-                };
-                // librdkafka keeps an application pause across revoke and re-assign: say
-                // explicitly which state these partitions are in.
-                let r = if paused {
-                    consumer.pause(tpl)
-                } else {
-                    consumer.resume(tpl)
-                };
-                if let Err(e) = r {
-                    debug!(error = %e, "pause/resume on assignment");
-                }
-                self.counters.assigned.add(tpl.count() as u64);
-                info!(partitions = tpl.count(), paused, "partitions assigned");
-            }
-            Rebalance::Error(e) => warn!(error = %e, "rebalance error"),
-            Rebalance::Revoke(_) => {}
-        }
-    }
-
-    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
-        if let Err(e) = result {
-            self.counters.commit_errors.add(1);
-            warn!(error = %e, "offset commit failed; it is retried");
-            // Forget what we thought committed, so the next round sends it again.
-            let mut shared = lock(&self.shared);
-            for e in offsets.elements() {
-                if let Some(p) = shared.parts.get_mut(&(e.topic().to_owned(), e.partition())) {
-                    p.committed = None;
-                }
-            }
-        }
-    }
-}
-
 /// Which messages must wait for each other: one partition (of one ownership), and with
 /// `Ordering::PerKey` one ordering key in it (`None`: the partition's messages without one).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
@@ -324,7 +175,7 @@ struct Inner<S, H> {
     config: RunnerConfig,
     dedup: Arc<Dedup<S>>,
     handler: H,
-    producer: FutureProducer,
+    dead_letters: DeadLetters,
     counters: Arc<Counters>,
     stopping: watch::Receiver<bool>,
 }
@@ -368,57 +219,22 @@ where
         StatsHandle(self.counters.clone())
     }
 
-    fn client_config(&self) -> ClientConfig {
-        let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", &self.config.brokers);
-        for (k, v) in &self.config.client {
-            c.set(k, v);
-        }
-        c
-    }
-
     /// Consumes until `shutdown` completes, then drains, commits and leaves the group.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = self.scope.clone();
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let mut cc = self.client_config();
-        cc.set("group.id", &self.config.group_id)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("enable.partition.eof", "false");
-        if !self
-            .config
-            .client
-            .iter()
-            .any(|(k, _)| k == "auto.offset.reset")
-        {
-            cc.set("auto.offset.reset", "earliest");
-        }
-        let consumer: StreamConsumer<RunnerContext> = cc.create_with_context(RunnerContext {
-            shared: shared.clone(),
-            counters: self.counters.clone(),
-        })?;
-        let mut pc = self.client_config();
-        pc.set("enable.idempotence", "true").set("acks", "all");
-        // Consumer-only properties would make the producer refuse to start.
-        pc.remove("group.protocol");
-        pc.remove("group.instance.id");
-        pc.remove("partition.assignment.strategy");
-        pc.remove("auto.offset.reset");
-        pc.remove("session.timeout.ms");
-        pc.remove("heartbeat.interval.ms");
-        pc.remove("max.poll.interval.ms");
-        let producer: FutureProducer = pc.create()?;
-        let topics: Vec<&str> = self.config.topics.iter().map(String::as_str).collect();
-        consumer.subscribe(&topics)?;
-        info!(group = %self.config.group_id, topics = ?topics, "runner subscribed");
+        let (consumer, producer) = clients(&self.config, &shared, &self.counters)?;
 
         let (stop_tx, stop_rx) = watch::channel(false);
+        let dead_letter_topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(Inner {
             config: self.config,
             dedup: self.dedup,
             handler: self.handler,
-            producer,
+            dead_letters: DeadLetters {
+                producer,
+                topic: dead_letter_topic,
+            },
             counters: self.counters.clone(),
             stopping: stop_rx,
         });
@@ -429,8 +245,7 @@ where
             scope,
             lanes: HashMap::new(),
             held: 0,
-            paused: false,
-            saturated_since: None,
+            pressure: Backpressure::default(),
             done_tx: None,
         };
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
@@ -445,10 +260,10 @@ where
                 () = &mut shutdown => break,
                 Some(done) = done_rx.recv() => lp.settle(done),
                 _ = commit_tick.tick() => lp.commit(CommitMode::Async),
-                () = sleep_until_opt(lp.stall_deadline()), if lp.stall_deadline().is_some() => {
-                    lp.set_paused(true);
+                () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
+                    lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.counters);
                 }
-                m = lp.consumer.recv(), if lp.taking() => match m {
+                m = lp.consumer.recv(), if lp.pressure.taking() => match m {
                     Ok(m) => {
                         let delivery = Delivery::from_message(&m);
                         drop(m);
@@ -460,7 +275,13 @@ where
                     }
                 },
             }
-            lp.backpressure();
+            lp.pressure.update(
+                lp.held,
+                inner.config.max_in_flight,
+                &lp.consumer,
+                &lp.shared,
+                &inner.counters,
+            );
         }
 
         // Shutdown: running messages finish (their retries stop), queued ones are left to
@@ -484,7 +305,7 @@ where
         }
         lp.commit(CommitMode::Sync);
         lp.consumer.unsubscribe();
-        if let Err(e) = inner.producer.flush(Duration::from_secs(10)) {
+        if let Err(e) = inner.dead_letters.producer.flush(Duration::from_secs(10)) {
             warn!(error = %e, "dead-letter producer flush");
         }
         info!("runner stopped");
@@ -500,20 +321,8 @@ struct Loop<S, H> {
     lanes: HashMap<Lane, VecDeque<Job>>,
     /// Messages received and not settled: running or waiting in a lane.
     held: usize,
-    paused: bool,
-    /// Since when `held` has been at the bound.
-    saturated_since: Option<Instant>,
+    pressure: Backpressure,
     done_tx: Option<mpsc::UnboundedSender<Done>>,
-}
-
-/// How long a saturated loop waits for a message to settle before it pauses its partitions.
-const STALL: Duration = Duration::from_secs(1);
-
-async fn sleep_until_opt(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
 }
 
 impl<S, H> Loop<S, H>
@@ -631,92 +440,11 @@ where
             return;
         }
     }
+}
 
-    /// Commits, for each partition this member owns, the offset before which all is settled.
+impl<S, H> Loop<S, H> {
     fn commit(&self, mode: CommitMode) {
-        let mut tpl = TopicPartitionList::new();
-        {
-            let mut shared = lock(&self.shared);
-            for ((topic, partition), part) in shared.parts.iter_mut() {
-                if let Some(pos) = part.position()
-                    && part.committed != Some(pos)
-                {
-                    let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(pos));
-                    part.committed = Some(pos);
-                }
-            }
-        }
-        if tpl.count() == 0 {
-            return;
-        }
-        match self.consumer.commit(&tpl, mode) {
-            Ok(()) => self.inner.counters.commits.add(1),
-            Err(e) => {
-                self.inner.counters.commit_errors.add(1);
-                warn!(error = %e, "offset commit failed; it is retried");
-                let mut shared = lock(&self.shared);
-                for e in tpl.elements() {
-                    if let Some(p) = shared.parts.get_mut(&(e.topic().to_owned(), e.partition())) {
-                        p.committed = None;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Backpressure. At `max_in_flight` held messages the loop stops taking messages: no pause,
-    /// so nothing is refetched, and every settled message lets one more in, so `recv` (and with
-    /// it the rebalance callbacks) keeps running while work completes. If nothing settles for
-    /// [`STALL`] (a store down, a slow handler), the loop pauses its partitions and polls again,
-    /// so rebalances are served during the stall; it resumes once below the bound.
-    fn backpressure(&mut self) {
-        let max = self.inner.config.max_in_flight;
-        self.inner.counters.max_held.max(self.held as u64);
-        if self.held >= max {
-            if self.saturated_since.is_none() {
-                self.saturated_since = Some(Instant::now());
-                self.inner.counters.saturated.add(1);
-            }
-            return;
-        }
-        self.saturated_since = None;
-        if self.paused {
-            self.set_paused(false);
-        }
-    }
-
-    /// Whether the loop takes messages now.
-    fn taking(&self) -> bool {
-        self.saturated_since.is_none() || self.paused
-    }
-
-    /// When a saturated loop pauses its partitions, if nothing settles before.
-    fn stall_deadline(&self) -> Option<Instant> {
-        match self.saturated_since {
-            Some(t) if !self.paused => Some(t + STALL),
-            _ => None,
-        }
-    }
-
-    fn set_paused(&mut self, pause: bool) {
-        let Ok(assignment) = self.consumer.assignment() else {
-            return;
-        };
-        let r = if pause {
-            self.consumer.pause(&assignment)
-        } else {
-            self.consumer.resume(&assignment)
-        };
-        if let Err(e) = r {
-            warn!(error = %e, pause, "pause/resume failed");
-            return;
-        }
-        self.paused = pause;
-        lock(&self.shared).paused = pause;
-        if pause {
-            self.inner.counters.pauses.add(1);
-        }
-        debug!(held = self.held, pause, "backpressure");
+        commit(&self.consumer, &self.shared, &self.inner.counters, mode);
     }
 }
 
@@ -895,44 +623,13 @@ where
     /// Writes the message to the dead-letter topic and waits for the broker's acknowledgement;
     /// retries until it is written (the offset must not move past a message that is nowhere).
     async fn dead_letter(&self, job: &Job, reason: &str, attempts: u32) -> Settled {
-        let d = &job.delivery;
-        let attempts = attempts.to_string();
-        let partition = d.partition.to_string();
-        let offset = d.offset.to_string();
         let mut retry = 0;
         loop {
-            let mut headers = OwnedHeaders::new_with_capacity(d.headers.len() + 5);
-            for (k, v) in &d.headers {
-                headers = headers.insert(Header {
-                    key: k,
-                    value: v.as_deref(),
-                });
-            }
-            for (k, v) in [
-                (DLQ_REASON, reason),
-                (DLQ_ATTEMPTS, &attempts),
-                (DLQ_TOPIC, &d.topic),
-                (DLQ_PARTITION, &partition),
-                (DLQ_OFFSET, &offset),
-            ] {
-                headers = headers.insert(Header {
-                    key: k,
-                    value: Some(v),
-                });
-            }
-            let mut record: FutureRecord<'_, [u8], [u8]> =
-                FutureRecord::to(&self.config.dead_letter_topic).headers(headers);
-            if let Some(k) = &d.key {
-                record = record.key(&k[..]);
-            }
-            if let Some(p) = &d.payload {
-                record = record.payload(&p[..]);
-            }
-            match self.producer.send(record, Duration::from_secs(30)).await {
-                Ok(_) => return Settled::DeadLettered,
-                Err((e, _)) => {
+            match self.dead_letters.write(&job.delivery, reason, attempts).await {
+                Ok(()) => return Settled::DeadLettered,
+                Err(e) => {
                     self.counters.dead_letter_errors.add(1);
-                    warn!(error = %e, topic = %self.config.dead_letter_topic, "dead-letter write failed; retrying");
+                    warn!(error = %e, topic = %self.dead_letters.topic, "dead-letter write failed; retrying");
                     retry += 1;
                     if !self.wait_retry(job, retry).await {
                         return Settled::Abandoned;

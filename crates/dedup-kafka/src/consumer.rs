@@ -1,0 +1,332 @@
+//! The consumer side both runners share: the partitions this member owns and what is settled in
+//! them, the rebalance callbacks, offset commits, backpressure, and the Kafka clients.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering as AtomicOrdering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rdkafka::client::ClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::producer::FutureProducer;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::config::RunnerConfig;
+use crate::stats::Counters;
+
+pub(crate) type TopicPartition = (String, i32);
+
+/// A partition this member owns, as the runner tracks it.
+#[derive(Debug)]
+pub(crate) struct Part {
+    /// Changes on every assignment, so work from an earlier ownership is never counted.
+    pub(crate) generation: u64,
+    pub(crate) revoked: Arc<AtomicBool>,
+    /// Offsets received and not yet settled.
+    pub(crate) pending: BTreeSet<i64>,
+    /// The offset after the last one received.
+    pub(crate) next: Option<i64>,
+    /// What was last committed (or sent to be).
+    pub(crate) committed: Option<i64>,
+}
+
+impl Part {
+    /// The next offset to read: nothing before it is unsettled.
+    pub(crate) fn position(&self) -> Option<i64> {
+        self.pending.first().copied().or(self.next)
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    pub(crate) parts: HashMap<TopicPartition, Part>,
+    pub(crate) generation: u64,
+    pub(crate) paused: bool,
+}
+
+pub(crate) struct RunnerContext {
+    pub(crate) shared: Arc<Mutex<Shared>>,
+    pub(crate) counters: Arc<Counters>,
+}
+
+pub(crate) fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    // A panic elsewhere must not stop offset tracking: the data is plain bookkeeping.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl ClientContext for RunnerContext {}
+
+impl ConsumerContext for RunnerContext {
+    fn pre_rebalance(
+        &self,
+        consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        rebalance: &Rebalance<'_>,
+    ) {
+        let Rebalance::Revoke(tpl) = rebalance else {
+            return;
+        };
+        // Still ours during this callback: stop the work, and commit what is settled.
+        let mut commit = TopicPartitionList::new();
+        {
+            let mut shared = lock(&self.shared);
+            for e in tpl.elements() {
+                let tp = (e.topic().to_owned(), e.partition());
+                if let Some(part) = shared.parts.remove(&tp) {
+                    part.revoked.store(true, AtomicOrdering::Release);
+                    if let Some(pos) = part.position()
+                        && part.committed != Some(pos)
+                    {
+                        let _ = commit.add_partition_offset(&tp.0, tp.1, Offset::Offset(pos));
+                    }
+                }
+            }
+        }
+        self.counters.revoked.add(tpl.count() as u64);
+        info!(partitions = tpl.count(), "partitions revoked");
+        if commit.count() > 0 {
+            match consumer.commit(&commit, CommitMode::Sync) {
+                Ok(()) => self.counters.commits.add(1),
+                Err(e) => {
+                    self.counters.commit_errors.add(1);
+                    warn!(error = %e, "commit on revocation failed; those messages will be replayed");
+                }
+            }
+        }
+    }
+
+    fn post_rebalance(
+        &self,
+        consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        rebalance: &Rebalance<'_>,
+    ) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let paused = {
+                    let mut shared = lock(&self.shared);
+                    shared.generation += 1;
+                    let generation = shared.generation;
+                    for e in tpl.elements() {
+                        shared.parts.insert(
+                            (e.topic().to_owned(), e.partition()),
+                            Part {
+                                generation,
+                                revoked: Arc::new(AtomicBool::new(false)),
+                                pending: BTreeSet::new(),
+                                next: None,
+                                committed: None,
+                            },
+                        );
+                    }
+                    shared.paused
+                };
+                // librdkafka keeps an application pause across revoke and re-assign: say
+                // explicitly which state these partitions are in.
+                let r = if paused {
+                    consumer.pause(tpl)
+                } else {
+                    consumer.resume(tpl)
+                };
+                if let Err(e) = r {
+                    debug!(error = %e, "pause/resume on assignment");
+                }
+                self.counters.assigned.add(tpl.count() as u64);
+                info!(partitions = tpl.count(), paused, "partitions assigned");
+            }
+            Rebalance::Error(e) => warn!(error = %e, "rebalance error"),
+            Rebalance::Revoke(_) => {}
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(e) = result {
+            self.counters.commit_errors.add(1);
+            warn!(error = %e, "offset commit failed; it is retried");
+            // Forget what we thought committed, so the next round sends it again.
+            let mut shared = lock(&self.shared);
+            for e in offsets.elements() {
+                if let Some(p) = shared.parts.get_mut(&(e.topic().to_owned(), e.partition())) {
+                    p.committed = None;
+                }
+            }
+        }
+    }
+}
+
+
+/// The Kafka clients of a runner: the consumer (manual commits, offsets stored by the runner),
+/// subscribed to the configured topics, and the dead-letter producer (idempotent, `acks=all`).
+pub(crate) fn clients(
+    config: &RunnerConfig,
+    shared: &Arc<Mutex<Shared>>,
+    counters: &Arc<Counters>,
+) -> Result<(StreamConsumer<RunnerContext>, FutureProducer), KafkaError> {
+    let base = || {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &config.brokers);
+        for (k, v) in &config.client {
+            c.set(k, v);
+        }
+        c
+    };
+    let mut cc = base();
+    cc.set("group.id", &config.group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false");
+    if !config.client.iter().any(|(k, _)| k == "auto.offset.reset") {
+        cc.set("auto.offset.reset", "earliest");
+    }
+    let consumer: StreamConsumer<RunnerContext> = cc.create_with_context(RunnerContext {
+        shared: shared.clone(),
+        counters: counters.clone(),
+    })?;
+    let mut pc = base();
+    pc.set("enable.idempotence", "true").set("acks", "all");
+    // Consumer-only properties would make the producer refuse to start.
+    for k in [
+        "group.protocol",
+        "group.instance.id",
+        "partition.assignment.strategy",
+        "auto.offset.reset",
+        "session.timeout.ms",
+        "heartbeat.interval.ms",
+        "max.poll.interval.ms",
+    ] {
+        pc.remove(k);
+    }
+    let producer: FutureProducer = pc.create()?;
+    let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
+    consumer.subscribe(&topics)?;
+    info!(group = %config.group_id, topics = ?topics, "runner subscribed");
+    Ok((consumer, producer))
+}
+
+/// Commits, for each partition this member owns, the offset before which all is settled.
+pub(crate) fn commit(
+    consumer: &StreamConsumer<RunnerContext>,
+    shared: &Mutex<Shared>,
+    counters: &Counters,
+    mode: CommitMode,
+) {
+    let mut tpl = TopicPartitionList::new();
+    {
+        let mut shared = lock(shared);
+        for ((topic, partition), part) in shared.parts.iter_mut() {
+            if let Some(pos) = part.position()
+                && part.committed != Some(pos)
+            {
+                let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(pos));
+                part.committed = Some(pos);
+            }
+        }
+    }
+    if tpl.count() == 0 {
+        return;
+    }
+    match consumer.commit(&tpl, mode) {
+        Ok(()) => counters.commits.add(1),
+        Err(e) => {
+            counters.commit_errors.add(1);
+            warn!(error = %e, "offset commit failed; it is retried");
+            let mut shared = lock(shared);
+            for e in tpl.elements() {
+                if let Some(p) = shared.parts.get_mut(&(e.topic().to_owned(), e.partition())) {
+                    p.committed = None;
+                }
+            }
+        }
+    }
+}
+
+/// How long a saturated loop waits for a message to settle before it pauses its partitions.
+const STALL: Duration = Duration::from_secs(1);
+
+/// Backpressure. At `max_in_flight` held messages the loop stops taking messages: no pause, so
+/// nothing is refetched, and every settled message lets one more in, so `recv` (and with it the
+/// rebalance callbacks) keeps running while work completes. If nothing settles for [`STALL`] (a
+/// store down, a slow handler), the loop pauses its partitions and polls again, so rebalances are
+/// served during the stall; it resumes once below the bound.
+#[derive(Debug, Default)]
+pub(crate) struct Backpressure {
+    paused: bool,
+    /// Since when the held messages have been at the bound.
+    saturated_since: Option<Instant>,
+}
+
+impl Backpressure {
+    /// Looks at the held count after each turn of the loop.
+    pub(crate) fn update(
+        &mut self,
+        held: usize,
+        max: usize,
+        consumer: &StreamConsumer<RunnerContext>,
+        shared: &Mutex<Shared>,
+        counters: &Counters,
+    ) {
+        counters.max_held.max(held as u64);
+        if held >= max {
+            if self.saturated_since.is_none() {
+                self.saturated_since = Some(Instant::now());
+                counters.saturated.add(1);
+            }
+            return;
+        }
+        self.saturated_since = None;
+        if self.paused {
+            self.set_paused(false, consumer, shared, counters);
+        }
+    }
+
+    /// Whether the loop takes messages now.
+    pub(crate) fn taking(&self) -> bool {
+        self.saturated_since.is_none() || self.paused
+    }
+
+    /// When a saturated loop pauses its partitions, if nothing settles before.
+    pub(crate) fn stall_deadline(&self) -> Option<Instant> {
+        match self.saturated_since {
+            Some(t) if !self.paused => Some(t + STALL),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn set_paused(
+        &mut self,
+        pause: bool,
+        consumer: &StreamConsumer<RunnerContext>,
+        shared: &Mutex<Shared>,
+        counters: &Counters,
+    ) {
+        let Ok(assignment) = consumer.assignment() else {
+            return;
+        };
+        let r = if pause {
+            consumer.pause(&assignment)
+        } else {
+            consumer.resume(&assignment)
+        };
+        if let Err(e) = r {
+            warn!(error = %e, pause, "pause/resume failed");
+            return;
+        }
+        self.paused = pause;
+        lock(shared).paused = pause;
+        if pause {
+            counters.pauses.add(1);
+        }
+        debug!(pause, "backpressure");
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+pub(crate) async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
