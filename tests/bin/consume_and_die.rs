@@ -4,15 +4,22 @@
 //!
 //! Usage: `dedup-consume-and-die <brokers> <group> <topic> <database-url> <redis-url> [k=v ...]`
 //! (`k=v`: extra librdkafka properties).
+//!
+//! With `DEDUP_TX_DELAY_MS` set, it runs the transaction-mode runner instead (`TxRunner`,
+//! batches of up to 20), each batch sleeping that long inside its transaction after writing its
+//! effects, so that the kill lands in the middle of a batch.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{Dedup, HandlerError, LeaseContext, TieredConfig, TieredStore};
-use dedup_kafka::{Delivery, Runner, RunnerConfig};
+use dedup_kafka::{Batching, Delivery, Runner, RunnerConfig, TxRunner};
 use dedup_pg::PgStore;
 use dedup_redis::RedisFastPath;
+
+#[path = "batch_ledger.rs"]
+mod batch_ledger;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -32,6 +39,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for kv in extra {
         let (k, v) = kv.split_once('=').ok_or("extra properties are k=v")?;
         config = config.with_client(k, v);
+    }
+    if let Ok(ms) = std::env::var("DEDUP_TX_DELAY_MS") {
+        let handler = batch_ledger::BatchLedger {
+            worker: "killed".to_owned(),
+            delay: Duration::from_millis(ms.parse()?),
+            ..Default::default()
+        };
+        let batching = Batching::new(20, Duration::from_millis(5));
+        TxRunner::new(config, batching, pg, handler)?
+            .run(std::future::pending())
+            .await?;
+        return Ok(());
     }
     let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
         let pg = pg.clone();

@@ -157,7 +157,6 @@ impl ConsumerContext for RunnerContext {
     }
 }
 
-
 /// The Kafka clients of a runner: the consumer (manual commits, offsets stored by the runner),
 /// subscribed to the configured topics, and the dead-letter producer (idempotent, `acks=all`).
 pub(crate) fn clients(

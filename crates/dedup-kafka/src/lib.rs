@@ -70,14 +70,18 @@ mod delivery;
 mod runner;
 mod stats;
 mod trace;
+#[cfg(feature = "pg")]
+mod tx;
 mod typed;
 
 pub use config::{
     Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, MAX_SETTING_DURATION, MissingKey,
     Ordering, OrderingKey, RunnerConfig,
 };
-pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
 pub use dead_letter::{DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC};
+pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
 pub use runner::{Handler, Runner, RunnerError};
 pub use stats::{RunnerStats, StatsHandle};
+#[cfg(feature = "pg")]
+pub use tx::{Acquired, BatchHandler, Batching, MAX_BATCH, TxRunner};
 pub use typed::{Ignore, OnResult, Typed};

@@ -102,6 +102,7 @@ pub(crate) struct Counters {
     pub(crate) max_held: Counter,
     pub(crate) panics: Counter,
     pub(crate) store_errors: Counter,
+    pub(crate) batches: Counter,
 }
 
 /// A live view of a runner's counters.
@@ -133,6 +134,7 @@ impl StatsHandle {
             max_held: c.max_held.get(),
             panics: c.panics.get(),
             store_errors: c.store_errors.get(),
+            batches: c.batches.get(),
             latency_p50_us: c.latency.quantile(0.5),
             latency_p99_us: c.latency.quantile(0.99),
         }
@@ -185,6 +187,8 @@ pub struct RunnerStats {
     /// Passing store errors (a failover, a statement timeout, a pool exhausted) that a message
     /// was retried after; each is also logged as a warning.
     pub store_errors: u64,
+    /// Batch transactions committed ([`TxRunner`](crate::TxRunner) only).
+    pub batches: u64,
     /// Median time from a message's start to its settlement (dedup decision, handler, completion
     /// or dead letter), in microseconds (within 12.5%).
     pub latency_p50_us: u64,

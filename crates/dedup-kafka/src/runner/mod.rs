@@ -194,17 +194,7 @@ where
         handler: H,
     ) -> Result<Self, RunnerError> {
         config.validate()?;
-        let scope =
-            Scope::new(config.scope.as_deref().unwrap_or(&config.group_id)).map_err(|e| {
-                ConfigError {
-                    setting: if config.scope.is_some() {
-                        "scope"
-                    } else {
-                        "group_id"
-                    },
-                    problem: format!("not usable as a dedup scope: {e}"),
-                }
-            })?;
+        let scope = scope_of(&config)?;
         Ok(Self {
             config,
             scope,
@@ -625,7 +615,11 @@ where
     async fn dead_letter(&self, job: &Job, reason: &str, attempts: u32) -> Settled {
         let mut retry = 0;
         loop {
-            match self.dead_letters.write(&job.delivery, reason, attempts).await {
+            match self
+                .dead_letters
+                .write(&job.delivery, reason, attempts)
+                .await
+            {
                 Ok(()) => return Settled::DeadLettered,
                 Err(e) => {
                     self.counters.dead_letter_errors.add(1);
@@ -640,8 +634,20 @@ where
     }
 }
 
+/// The dedup scope of a runner: the configured one, or the group id.
+pub(crate) fn scope_of(config: &RunnerConfig) -> Result<Scope, ConfigError> {
+    Scope::new(config.scope.as_deref().unwrap_or(&config.group_id)).map_err(|e| ConfigError {
+        setting: if config.scope.is_some() {
+            "scope"
+        } else {
+            "group_id"
+        },
+        problem: format!("not usable as a dedup scope: {e}"),
+    })
+}
+
 /// A panic's message, where it has one.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()
@@ -649,7 +655,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("a panic without a message")
 }
 
-struct DisplayHandlerError<'a, E>(&'a HandlerError<E>);
+pub(crate) struct DisplayHandlerError<'a, E>(pub(crate) &'a HandlerError<E>);
 
 impl<E: fmt::Display> fmt::Display for DisplayHandlerError<'_, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

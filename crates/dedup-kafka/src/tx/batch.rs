@@ -1,0 +1,322 @@
+//! One batch of one partition: its transaction, what each message's answer means for it, and its
+//! dead letters.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
+
+use dedup_core::{
+    AfterHandlerError, ClaimRequest, HandlerError, IdempotencyKey, Lease, OwnerId, Policy,
+    StoreError,
+};
+use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore};
+use futures_util::FutureExt;
+use futures_util::future::join_all;
+use sqlx::PgConnection;
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep};
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::{Acquired, BatchHandler, Batching, Done, Item};
+use crate::config::RunnerConfig;
+use crate::consumer::TopicPartition;
+use crate::dead_letter::DeadLetters;
+use crate::delivery::Delivery;
+use crate::runner::{DisplayHandlerError, panic_message};
+use crate::stats::Counters;
+
+/// How a message of a batch ended.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Settled {
+    Executed,
+    Replayed,
+    DeadLettered,
+    /// Left unsettled (revoked or shutting down): it will be redelivered.
+    Abandoned,
+}
+
+pub(crate) struct Inner<H> {
+    pub(crate) config: RunnerConfig,
+    pub(crate) batching: Batching,
+    pub(crate) store: PgStore,
+    pub(crate) policy: Policy,
+    pub(crate) handler: Arc<H>,
+    pub(crate) dead_letters: DeadLetters,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) stopping: watch::Receiver<bool>,
+    pub(crate) owner_prefix: String,
+    /// Claims made, for a per-claim owner id.
+    pub(crate) claims: AtomicU64,
+}
+
+/// Why a message goes to the dead-letter topic, and after how many attempts.
+struct Letter {
+    item: Item,
+    reason: String,
+    attempts: u32,
+}
+
+impl<H: BatchHandler> Inner<H> {
+    /// Runs one batch and says what became of each message. Never panics out: a panic anywhere
+    /// in the batch (the handler's are caught inside the transaction) leaves every message to
+    /// run again.
+    pub(crate) async fn run_batch(
+        &self,
+        tp: TopicPartition,
+        generation: u64,
+        items: Vec<Item>,
+        revoked: &AtomicBool,
+    ) -> Done {
+        let span = info_span!(
+            "dedup.kafka.batch",
+            "messaging.system" = "kafka",
+            "messaging.destination.name" = %tp.0,
+            "messaging.kafka.partition" = tp.1,
+            size = items.len(),
+            executed = tracing::field::Empty,
+            again = tracing::field::Empty,
+        );
+        // Kept for a panic (ours: the handler's are caught inside the transaction), after
+        // which every message runs again: the claims make that safe.
+        let backup = items.clone();
+        let body = AssertUnwindSafe(self.run(items, revoked).instrument(span.clone()));
+        let (settled, again) = match body.catch_unwind().await {
+            Ok(out) => out,
+            Err(panic) => {
+                self.counters.panics.add(1);
+                warn!(
+                    reason = panic_message(&*panic),
+                    "batch panicked; its messages run again"
+                );
+                (
+                    Vec::new(),
+                    backup.into_iter().map(|i| self.retry_later(i)).collect(),
+                )
+            }
+        };
+        span.record(
+            "executed",
+            settled
+                .iter()
+                .filter(|(_, s)| *s == Settled::Executed)
+                .count(),
+        );
+        span.record("again", again.len());
+        Done {
+            tp,
+            generation,
+            batch: true,
+            settled,
+            again,
+        }
+    }
+
+    async fn run(
+        &self,
+        items: Vec<Item>,
+        revoked: &AtomicBool,
+    ) -> (Vec<(i64, Settled)>, Vec<Item>) {
+        let reqs: Vec<ClaimRequest> = items
+            .iter()
+            .map(|i| {
+                ClaimRequest::new(i.key.clone(), self.owner())
+                    .with_fingerprint(i.fingerprint)
+                    .with_policy(self.policy)
+            })
+            .collect();
+        let groups: Vec<u64> = items.iter().map(|i| i.group).collect();
+        let mut deliveries: HashMap<IdempotencyKey, Arc<Delivery>> = HashMap::new();
+        for i in &items {
+            deliveries
+                .entry(i.key.clone())
+                .or_insert_with(|| i.delivery.clone());
+        }
+        let body = body(self.handler.clone(), deliveries);
+        let answers = self
+            .store
+            .transact_batch_ordered(&reqs, &groups, self.batching.transaction, body)
+            .await;
+        let mut settled = Vec::with_capacity(items.len());
+        let mut again = Vec::new();
+        let mut letters = Vec::new();
+        match answers {
+            Ok(answers) => {
+                self.counters.batches.add(1);
+                for (item, answer) in items.into_iter().zip(answers) {
+                    self.sort(item, answer, &mut settled, &mut again, &mut letters);
+                }
+            }
+            Err(e) if e.is_retryable() => {
+                self.counters.store_errors.add(1);
+                warn!(error = %e, messages = items.len(), "batch transaction failed; retrying");
+                for item in items {
+                    again.push(self.retry_later(item));
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, messages = items.len(), "batch transaction refused; dead-lettering");
+                let reason = format!("the batch transaction failed: {e}");
+                for item in items {
+                    letters.push(Letter {
+                        item,
+                        reason: reason.clone(),
+                        attempts: 0,
+                    });
+                }
+            }
+        }
+        // Dead letters, each acknowledged before its offset may move on.
+        let written = join_all(
+            letters
+                .iter()
+                .map(|l| self.dead_letter(&l.item.delivery, &l.reason, l.attempts, revoked)),
+        )
+        .await;
+        for (l, s) in letters.iter().zip(written) {
+            settled.push((l.item.delivery.offset, s));
+        }
+        for (offset, s) in &settled {
+            if matches!(s, Settled::Executed | Settled::Replayed) {
+                debug!(offset, settled = ?s, "settled");
+            }
+        }
+        (settled, again)
+    }
+
+    /// Files one message by its answer.
+    fn sort(
+        &self,
+        item: Item,
+        answer: BatchAnswer<H::Error>,
+        settled: &mut Vec<(i64, Settled)>,
+        again: &mut Vec<Item>,
+        letters: &mut Vec<Letter>,
+    ) {
+        let offset = item.delivery.offset;
+        let done = |s| {
+            let us = u64::try_from(item.received.elapsed().as_micros()).unwrap_or(u64::MAX);
+            self.counters.latency.record(us);
+            (offset, s)
+        };
+        match answer {
+            BatchAnswer::Executed { .. } => settled.push(done(Settled::Executed)),
+            BatchAnswer::Replayed { .. } => settled.push(done(Settled::Replayed)),
+            // Waits for an earlier message of its group: no backoff of its own.
+            BatchAnswer::Deferred => again.push(item),
+            BatchAnswer::Failed { reason, attempts } => letters.push(Letter {
+                item,
+                reason,
+                attempts,
+            }),
+            BatchAnswer::PayloadMismatch => letters.push(Letter {
+                reason: format!(
+                    "the idempotency key {} was used before with a different payload",
+                    item.key
+                ),
+                item,
+                attempts: 0,
+            }),
+            BatchAnswer::Handler {
+                error,
+                after: AfterHandlerError::Failed { attempts },
+            } => letters.push(Letter {
+                item,
+                reason: format!("the handler failed: {}", DisplayHandlerError(&error)),
+                attempts,
+            }),
+            BatchAnswer::Handler { error, .. } => {
+                debug!(offset, error = %DisplayHandlerError(&error), "retrying");
+                again.push(self.retry_later(item));
+            }
+            // InFlight (another holder), or an answer this runner does not know: again later.
+            _ => again.push(self.retry_later(item)),
+        }
+    }
+
+    fn retry_later(&self, mut item: Item) -> Item {
+        self.counters.retries.add(1);
+        item.retries = item.retries.saturating_add(1);
+        item.due = Some(Instant::now() + self.config.backoff.delay(item.retries));
+        item
+    }
+
+    fn owner(&self) -> OwnerId {
+        let n = self.claims.fetch_add(1, AtomicOrdering::Relaxed);
+        OwnerId::new(format!("{}#{n}", self.owner_prefix))
+    }
+
+    /// Writes a dead letter and waits for its acknowledgement, retrying with backoff; gives up
+    /// (the message is then redelivered) if the partition is revoked or the runner stops.
+    pub(crate) async fn dead_letter(
+        &self,
+        d: &Delivery,
+        reason: &str,
+        attempts: u32,
+        revoked: &AtomicBool,
+    ) -> Settled {
+        let mut retry = 0;
+        loop {
+            match self.dead_letters.write(d, reason, attempts).await {
+                Ok(()) => return Settled::DeadLettered,
+                Err(e) => {
+                    self.counters.dead_letter_errors.add(1);
+                    warn!(error = %e, topic = %self.dead_letters.topic, "dead-letter write failed; retrying");
+                    retry += 1;
+                    self.counters.retries.add(1);
+                    let mut stopping = self.stopping.clone();
+                    tokio::select! {
+                        () = sleep(self.config.backoff.delay(retry)) => {}
+                        _ = stopping.wait_for(|s| *s) => {}
+                    }
+                    if revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow() {
+                        return Settled::Abandoned;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The transaction's handler: the acquired leases matched to their messages, then the user's
+/// batch handler.
+fn body<H: BatchHandler>(
+    handler: Arc<H>,
+    deliveries: HashMap<IdempotencyKey, Arc<Delivery>>,
+) -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, H::Error> + Send {
+    move |tx, leases| {
+        let batch: Option<Vec<Acquired>> = leases
+            .iter()
+            .map(|l| {
+                deliveries.get(&l.key).map(|d| Acquired {
+                    delivery: d.clone(),
+                    lease: l.clone(),
+                })
+            })
+            .collect();
+        let handler = handler.clone();
+        Box::pin(async move {
+            let Some(batch) = batch else {
+                return Err(HandlerError::Store(StoreError::backend(Unmatched)));
+            };
+            let out = handler.handle(tx, &batch).await.map_err(no_withdraw)?;
+            Ok(out
+                .into_iter()
+                .map(|r| r.map_err(no_withdraw))
+                .collect::<Vec<ItemResult<H::Error>>>())
+        })
+    }
+}
+
+/// A message is retried until it settles, so a handler's `Withdraw` would retry it without end:
+/// the runner counts it as a retryable failure.
+fn no_withdraw<E>(e: HandlerError<E>) -> HandlerError<E> {
+    match e {
+        HandlerError::Withdraw(e) => HandlerError::Retryable(e),
+        other => other,
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("a claim of the batch matched no message")]
+struct Unmatched;

@@ -1,0 +1,624 @@
+//! Transaction mode by the batch: [`TxRunner`] takes what it has received for a partition, up to
+//! a size or a short wait, and runs it in one Postgres transaction
+//! ([`PgStore::transact_batch_ordered`]): every claim in one statement, the handler's writes for
+//! the whole batch, every completion in one statement, one COMMIT.
+//!
+//! ```text
+//! receive ──► per-partition queue ──(500 messages, or 5 ms)──► one transaction per batch
+//!                 ▲                                              │ executed / replayed: settled
+//!                 └── InFlight, deferred, released: again ◄──────┤ FAILED, mismatch: dead letter
+//!                     (backoff, in offset order per group)       ▼
+//!                                               offsets committed up to the first unsettled
+//! ```
+//!
+//! A partition has one batch running at a time; partitions run concurrently. Within a batch the
+//! messages of one ordering group (the partition under [`Ordering::PerPartition`], the ordering
+//! key under [`Ordering::PerKey`]) keep their order: once one does not settle, the group's later
+//! messages wait for it (see `transact_batch_ordered`), and the next batch takes them after it.
+
+mod batch;
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::future::Future;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::{Fingerprint, IdempotencyKey, Lease, Policy, Scope};
+use dedup_pg::{BatchBody, PgStore, TxBatchConfig};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::producer::Producer;
+use sqlx::PgConnection;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
+use crate::consumer::{
+    Backpressure, RunnerContext, Shared, TopicPartition, clients, commit, lock, sleep_until_opt,
+};
+use crate::dead_letter::DeadLetters;
+use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
+use crate::runner::RunnerError;
+use crate::stats::{Counters, RunnerStats, StatsHandle};
+
+/// A message of the batch whose key this transaction holds: the handler writes its effect.
+#[derive(Clone, Debug)]
+pub struct Acquired {
+    delivery: Arc<Delivery>,
+    lease: Lease,
+}
+
+impl Acquired {
+    /// The message.
+    pub fn delivery(&self) -> &Delivery {
+        &self.delivery
+    }
+
+    /// The claim it runs under (its key, fencing token and attempt).
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The fencing token as Postgres's `bigint`, to store beside the effect.
+    pub fn token(&self) -> i64 {
+        i64::try_from(self.lease.token.get()).unwrap_or(i64::MAX)
+    }
+}
+
+/// What [`TxRunner`] calls for each batch: the business writes of every acquired message, on the
+/// batch's transaction, in as few statements as it likes, and one answer per message, in order.
+///
+/// It may be called again on parts of the batch after a failure (under savepoints), and only ever
+/// sees its own writes of the current attempt. An error for the whole call fails every message
+/// in it (the batch then runs again in parts, so the message at fault ends alone). A message
+/// answered `Err(HandlerError::Retryable)` is released and retried with backoff; `Permanent`
+/// fails its key and dead-letters it. `Withdraw` counts as `Retryable` here (a message is retried
+/// until it settles, so a withdrawal would retry it without end). A per-message handler is a loop
+/// over `batch` inside `handle`.
+pub trait BatchHandler: Send + Sync + 'static {
+    /// The handler's own error.
+    type Error: fmt::Display + Send + 'static;
+
+    /// Writes the batch's effects.
+    fn handle<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        batch: &'c [Acquired],
+    ) -> BatchBody<'c, Self::Error>;
+}
+
+/// How [`TxRunner`] cuts batches.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Batching {
+    /// The most messages in one transaction. Default 500.
+    pub size: usize,
+    /// How long a partition's first waiting message waits for others before its batch runs
+    /// anyway. Default 5 ms.
+    pub wait: Duration,
+    /// The transaction's bounds (idle in transaction, lock waits).
+    pub transaction: TxBatchConfig,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Self {
+            size: 500,
+            wait: Duration::from_millis(5),
+            transaction: TxBatchConfig::default(),
+        }
+    }
+}
+
+impl Batching {
+    /// Sets the size and the wait.
+    pub fn new(size: usize, wait: Duration) -> Self {
+        Self {
+            size,
+            wait,
+            ..Self::default()
+        }
+    }
+
+    /// Sets the transaction's bounds.
+    pub fn with_transaction(mut self, transaction: TxBatchConfig) -> Self {
+        self.transaction = transaction;
+        self
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.size == 0 || self.size > MAX_BATCH {
+            return Err(ConfigError {
+                setting: "batching.size",
+                problem: format!("{} is not between 1 and {MAX_BATCH}", self.size),
+            });
+        }
+        if self.wait > MAX_BATCH_WAIT {
+            return Err(ConfigError {
+                setting: "batching.wait",
+                problem: format!("{:?} is longer than {MAX_BATCH_WAIT:?}", self.wait),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The largest batch: its arrays go to Postgres as statement parameters.
+pub const MAX_BATCH: usize = 10_000;
+const MAX_BATCH_WAIT: Duration = Duration::from_secs(10);
+
+/// An idempotent consumer in transaction mode by the batch (see the [module docs](self)): the
+/// effects of a whole batch, its claims and its completions commit in one Postgres transaction.
+/// Offsets are committed only up to the first message not settled (completed, replayed, or
+/// acknowledged by the dead-letter topic).
+#[derive(Debug)]
+pub struct TxRunner<H> {
+    config: RunnerConfig,
+    batching: Batching,
+    scope: Scope,
+    store: PgStore,
+    policy: Policy,
+    handler: Arc<H>,
+    counters: Arc<Counters>,
+    owner_prefix: String,
+}
+
+impl<H: BatchHandler> TxRunner<H> {
+    /// A runner writing through `store` and calling `handler` per batch. Every setting is
+    /// checked here, so a configuration that could fail at run time is refused now, named.
+    ///
+    /// # Errors
+    /// A setting that cannot work: the runner's ([`RunnerConfig::validate`]), the batching's, and
+    /// [`MissingKey::ProcessWithoutDedup`], which transaction mode cannot honour (every message
+    /// runs under a claim).
+    pub fn new(
+        config: RunnerConfig,
+        batching: Batching,
+        store: PgStore,
+        handler: H,
+    ) -> Result<Self, RunnerError> {
+        config.validate()?;
+        batching.validate()?;
+        if matches!(config.missing_key, MissingKey::ProcessWithoutDedup) {
+            return Err(ConfigError {
+                setting: "missing_key",
+                problem: "transaction mode runs every message under a claim: dead-letter keyless messages, or use the per-message Runner".to_owned(),
+            }
+            .into());
+        }
+        let scope = crate::runner::scope_of(&config)?;
+        Ok(Self {
+            config,
+            batching,
+            scope,
+            store,
+            policy: Policy::default(),
+            handler: Arc::new(handler),
+            counters: Arc::new(Counters::default()),
+            owner_prefix: format!(
+                "pid{}-{:x}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros())
+            ),
+        })
+    }
+
+    /// Sets the claim policy (lease, attempts, retention).
+    ///
+    /// # Errors
+    /// A policy that cannot work.
+    pub fn with_policy(mut self, policy: Policy) -> Result<Self, RunnerError> {
+        policy.validate().map_err(|e| ConfigError {
+            setting: "policy",
+            problem: e.to_string(),
+        })?;
+        self.policy = policy;
+        Ok(self)
+    }
+
+    /// A handle to the runner's counters, readable while it runs.
+    pub fn stats(&self) -> StatsHandle {
+        StatsHandle(self.counters.clone())
+    }
+
+    /// Consumes until `shutdown` completes, then lets running batches finish (up to the drain
+    /// timeout), commits and leaves the group.
+    ///
+    /// # Errors
+    /// The Kafka client could not start or subscribe.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let (consumer, producer) = clients(&self.config, &shared, &self.counters)?;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let dead_letter_topic = self.config.dead_letter_topic.clone();
+        let inner = Arc::new(batch::Inner {
+            config: self.config,
+            batching: self.batching,
+            store: self.store,
+            policy: self.policy,
+            handler: self.handler,
+            dead_letters: DeadLetters {
+                producer,
+                topic: dead_letter_topic,
+            },
+            counters: self.counters.clone(),
+            stopping: stop_rx,
+            owner_prefix: self.owner_prefix,
+            claims: AtomicU64::new(0),
+        });
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        let mut lp = Loop {
+            inner: inner.clone(),
+            consumer,
+            shared,
+            scope: self.scope,
+            parts: HashMap::new(),
+            held: 0,
+            running: 0,
+            pressure: Backpressure::default(),
+            done_tx,
+        };
+        let mut commit_tick = tokio::time::interval(inner.config.commit_interval);
+        commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            let next = lp.next_batch_at();
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                Some(done) = done_rx.recv() => lp.settle(done),
+                _ = commit_tick.tick() => lp.commit(CommitMode::Async),
+                () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
+                    lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.counters);
+                }
+                () = sleep_until_opt(next), if next.is_some() => {}
+                m = lp.consumer.recv(), if lp.pressure.taking() => match m {
+                    Ok(m) => {
+                        let delivery = Delivery::from_message(&m);
+                        drop(m);
+                        lp.receive(delivery);
+                    }
+                    Err(e) => {
+                        inner.counters.consumer_errors.add(1);
+                        warn!(error = %e, "consumer error");
+                    }
+                },
+            }
+            lp.dispatch_ready();
+            lp.pressure.update(
+                lp.held,
+                inner.config.max_in_flight,
+                &lp.consumer,
+                &lp.shared,
+                &inner.counters,
+            );
+        }
+
+        // Shutdown: running batches finish (their dead-letter retries stop), queued messages
+        // are left to redelivery, settled offsets are committed.
+        info!(held = lp.held, running = lp.running, "runner draining");
+        let _ = stop_tx.send(true);
+        let queued: usize = lp
+            .parts
+            .values_mut()
+            .map(|p| std::mem::take(&mut p.queue).len())
+            .sum();
+        lp.held -= queued;
+        inner.counters.abandoned.add(queued as u64);
+        let deadline = Instant::now() + inner.config.drain_timeout;
+        while lp.running > 0 {
+            tokio::select! {
+                Some(done) = done_rx.recv() => lp.settle(done),
+                // Keep serving rebalance callbacks; new messages are not taken.
+                _ = lp.consumer.recv() => {}
+                () = tokio::time::sleep_until(deadline) => {
+                    warn!(running = lp.running, "drain timed out; the rest will be redelivered");
+                    break;
+                }
+            }
+        }
+        lp.commit(CommitMode::Sync);
+        lp.consumer.unsubscribe();
+        if let Err(e) = inner.dead_letters.producer.flush(Duration::from_secs(10)) {
+            warn!(error = %e, "dead-letter producer flush");
+        }
+        info!("runner stopped");
+        Ok(StatsHandle(inner.counters.clone()).snapshot())
+    }
+}
+
+/// A message waiting for its batch.
+#[derive(Clone, Debug)]
+pub(crate) struct Item {
+    pub(crate) delivery: Arc<Delivery>,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) fingerprint: Option<Fingerprint>,
+    /// Its ordering group: the messages of one group keep their order.
+    pub(crate) group: u64,
+    /// Retries so far (for the backoff).
+    pub(crate) retries: u32,
+    /// Not before this (a retry's backoff).
+    pub(crate) due: Option<Instant>,
+    pub(crate) received: Instant,
+}
+
+/// What the loop hears when a batch (or a lone dead letter) is over.
+#[derive(Debug)]
+pub(crate) struct Done {
+    pub(crate) tp: TopicPartition,
+    pub(crate) generation: u64,
+    /// A batch (the partition may run its next one), or a message dead-lettered on its own.
+    pub(crate) batch: bool,
+    pub(crate) settled: Vec<(i64, batch::Settled)>,
+    /// Messages to run again (not settled; in offset order).
+    pub(crate) again: Vec<Item>,
+}
+
+/// A partition's messages waiting for a batch, under one ownership.
+#[derive(Debug)]
+struct Queue {
+    generation: u64,
+    revoked: Arc<AtomicBool>,
+    /// In offset order.
+    queue: Vec<Item>,
+    running: bool,
+    /// When the oldest waiting message began to wait.
+    since: Option<Instant>,
+}
+
+struct Loop<H> {
+    inner: Arc<batch::Inner<H>>,
+    consumer: StreamConsumer<RunnerContext>,
+    shared: Arc<Mutex<Shared>>,
+    scope: Scope,
+    parts: HashMap<TopicPartition, Queue>,
+    /// Messages received and not settled: queued, in a running batch, or being dead-lettered.
+    held: usize,
+    /// Tasks running (batches and lone dead letters).
+    running: usize,
+    pressure: Backpressure,
+    done_tx: mpsc::UnboundedSender<Done>,
+}
+
+/// The ordering group of messages without an ordering key under `PerKey`, and of every message
+/// under `PerPartition`.
+const PARTITION_GROUP: u64 = u64::MAX;
+
+impl<H: BatchHandler> Loop<H> {
+    fn commit(&self, mode: CommitMode) {
+        commit(&self.consumer, &self.shared, &self.inner.counters, mode);
+    }
+
+    fn receive(&mut self, delivery: Delivery) {
+        let c = &self.inner.counters;
+        c.received.add(1);
+        let tp = (delivery.topic.clone(), delivery.partition);
+        let (generation, revoked) = {
+            let mut shared = lock(&self.shared);
+            let Some(part) = shared.parts.get_mut(&tp) else {
+                // Not ours (a message fetched before a revocation): its new owner reads it.
+                debug!(topic = %tp.0, partition = tp.1, "message for a partition not assigned");
+                return;
+            };
+            part.pending.insert(delivery.offset);
+            part.next = Some(
+                part.next
+                    .map_or(delivery.offset + 1, |n| n.max(delivery.offset + 1)),
+            );
+            (part.generation, part.revoked.clone())
+        };
+        self.held += 1;
+        let delivery = Arc::new(delivery);
+        let key = match extract_key(&self.inner.config.key, &self.scope, &delivery) {
+            Ok(key) => key,
+            Err(e) => {
+                let reason = match &e {
+                    KeyError::Missing(why) => {
+                        c.missing_key.add(1);
+                        format!("no idempotency key: {why}")
+                    }
+                    e => {
+                        c.bad_key.add(1);
+                        e.to_string()
+                    }
+                };
+                warn!(topic = %tp.0, partition = tp.1, offset = delivery.offset, reason, "dead-lettering");
+                self.running += 1;
+                let (inner, tx) = (self.inner.clone(), self.done_tx.clone());
+                tokio::spawn(async move {
+                    let settled = inner.dead_letter(&delivery, &reason, 0, &revoked).await;
+                    let _ = tx.send(Done {
+                        tp,
+                        generation,
+                        batch: false,
+                        settled: vec![(delivery.offset, settled)],
+                        again: Vec::new(),
+                    });
+                });
+                return;
+            }
+        };
+        let group =
+            match self.inner.config.ordering {
+                Ordering::PerKey => ordering_key(&self.inner.config.ordering_key, &delivery)
+                    .map_or(PARTITION_GROUP, |k| {
+                        let mut h = DefaultHasher::new();
+                        k.hash(&mut h);
+                        h.finish()
+                    }),
+                _ => PARTITION_GROUP,
+            };
+        let fingerprint = self
+            .inner
+            .config
+            .check_payload
+            .then(|| Fingerprint::of(delivery.payload_bytes()));
+        let item = Item {
+            delivery,
+            key,
+            fingerprint,
+            group,
+            retries: 0,
+            due: None,
+            received: Instant::now(),
+        };
+        let q = self.parts.entry(tp).or_insert_with(|| Queue {
+            generation,
+            revoked: revoked.clone(),
+            queue: Vec::new(),
+            running: false,
+            since: None,
+        });
+        if q.generation != generation {
+            // A new ownership: what was queued under the old one is redelivered to its owner.
+            let old = std::mem::take(&mut q.queue).len();
+            self.held -= old;
+            c.abandoned.add(old as u64);
+            *q = Queue {
+                generation,
+                revoked,
+                queue: Vec::new(),
+                running: q.running,
+                since: None,
+            };
+        }
+        if q.queue.is_empty() {
+            q.since = Some(Instant::now());
+        }
+        q.queue.push(item);
+    }
+
+    /// When the next batch is due to run, if one waits.
+    fn next_batch_at(&self) -> Option<Instant> {
+        self.parts
+            .values()
+            .filter(|q| !q.running && !q.queue.is_empty())
+            .filter_map(|q| q.since.map(|s| s + self.inner.batching.wait))
+            .min()
+    }
+
+    /// Starts a batch on every partition whose batch is full or has waited long enough.
+    fn dispatch_ready(&mut self) {
+        let now = Instant::now();
+        let (size, wait) = (self.inner.batching.size, self.inner.batching.wait);
+        let stopping = *self.inner.stopping.borrow();
+        let mut abandoned = 0;
+        for (tp, q) in &mut self.parts {
+            if q.revoked.load(AtomicOrdering::Acquire) && !q.queue.is_empty() {
+                abandoned += std::mem::take(&mut q.queue).len();
+                continue;
+            }
+            if stopping || q.running || q.queue.is_empty() {
+                continue;
+            }
+            let full = q.queue.len() >= size;
+            if !full && q.since.is_some_and(|s| s + wait > now) {
+                continue;
+            }
+            // In offset order: a message is taken if it is due and nothing of its group stays
+            // behind before it.
+            let mut blocked: HashSet<u64> = HashSet::new();
+            let mut take = Vec::new();
+            let mut keep = Vec::new();
+            for item in std::mem::take(&mut q.queue) {
+                if take.len() < size
+                    && !blocked.contains(&item.group)
+                    && item.due.is_none_or(|d| d <= now)
+                {
+                    take.push(item);
+                } else {
+                    blocked.insert(item.group);
+                    keep.push(item);
+                }
+            }
+            q.queue = keep;
+            // What stays waits another round; a retry not yet due, until it is.
+            q.since = q
+                .queue
+                .iter()
+                .map(|i| {
+                    i.due
+                        .map_or(now, |d| d.checked_sub(wait).unwrap_or(d).max(now))
+                })
+                .min();
+            if take.is_empty() {
+                continue;
+            }
+            q.running = true;
+            self.running += 1;
+            let (inner, tx) = (self.inner.clone(), self.done_tx.clone());
+            let (tp, generation, revoked) = (tp.clone(), q.generation, q.revoked.clone());
+            tokio::spawn(async move {
+                let done = inner.run_batch(tp, generation, take, &revoked).await;
+                let _ = tx.send(done);
+            });
+        }
+        if abandoned > 0 {
+            self.held -= abandoned;
+            self.inner.counters.abandoned.add(abandoned as u64);
+        }
+    }
+
+    fn settle(&mut self, done: Done) {
+        self.running -= 1;
+        let c = &self.inner.counters;
+        self.held -= done.settled.len();
+        {
+            let mut shared = lock(&self.shared);
+            let part = shared
+                .parts
+                .get_mut(&done.tp)
+                .filter(|p| p.generation == done.generation);
+            let mut part = part;
+            for (offset, settled) in &done.settled {
+                match settled {
+                    batch::Settled::Executed => c.executed.add(1),
+                    batch::Settled::Replayed => c.replayed.add(1),
+                    batch::Settled::DeadLettered => c.dead_lettered.add(1),
+                    batch::Settled::Abandoned => {
+                        c.abandoned.add(1);
+                        continue;
+                    }
+                }
+                if let Some(p) = part.as_deref_mut() {
+                    p.pending.remove(offset);
+                }
+            }
+        }
+        let Some(q) = self.parts.get_mut(&done.tp) else {
+            self.held -= done.again.len();
+            c.abandoned.add(done.again.len() as u64);
+            return;
+        };
+        if done.batch && q.generation == done.generation {
+            q.running = false;
+        }
+        if q.generation != done.generation
+            || q.revoked.load(AtomicOrdering::Acquire)
+            || *self.inner.stopping.borrow()
+        {
+            self.held -= done.again.len();
+            c.abandoned.add(done.again.len() as u64);
+            return;
+        }
+        if !done.again.is_empty() {
+            let now = Instant::now();
+            q.queue.extend(done.again);
+            q.queue.sort_by_key(|i| i.delivery.offset);
+            let wait = self.inner.batching.wait;
+            q.since = q
+                .queue
+                .iter()
+                .map(|i| {
+                    i.due
+                        .map_or(now, |d| d.checked_sub(wait).unwrap_or(d).max(now))
+                })
+                .min();
+        }
+    }
+}

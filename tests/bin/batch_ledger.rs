@@ -1,0 +1,90 @@
+//! The batch ledger handler that the transaction-mode tests and the kill-test consumer share:
+//! every acquired message's effect row in one statement on the batch's transaction.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::HandlerError;
+use dedup_kafka::{Acquired, BatchHandler};
+use dedup_pg::{BatchBody, ItemResult};
+use sqlx::PgConnection;
+
+/// Writes one `effects` row per acquired message (`key` from the `idempotency-key` header, the
+/// fencing token, `worker`). A message whose JSON `amount` is negative is answered as a permanent
+/// failure; a key in `failing` is answered as a retryable failure as many times as its count
+/// says. With `delay`, the batch then sleeps inside its transaction (for kill tests).
+#[derive(Debug, Default)]
+pub(crate) struct BatchLedger {
+    pub(crate) worker: String,
+    pub(crate) delay: Duration,
+    pub(crate) failing: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+impl BatchHandler for BatchLedger {
+    type Error = String;
+
+    fn handle<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        batch: &'c [Acquired],
+    ) -> BatchBody<'c, String> {
+        Box::pin(async move {
+            let mut keys = Vec::with_capacity(batch.len());
+            let mut tokens = Vec::with_capacity(batch.len());
+            let mut answers: Vec<ItemResult<String>> = Vec::with_capacity(batch.len());
+            for a in batch {
+                let d = a.delivery();
+                let key = d
+                    .header("idempotency-key")
+                    .map(|k| String::from_utf8_lossy(k).into_owned())
+                    .unwrap_or_default();
+                let json: serde_json::Value = match serde_json::from_slice(d.payload_bytes()) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        answers.push(Err(HandlerError::Permanent(format!("payload: {e}"))));
+                        continue;
+                    }
+                };
+                if json["amount"].as_i64().unwrap_or(0) < 0 {
+                    answers.push(Err(HandlerError::Permanent("negative amount".to_owned())));
+                    continue;
+                }
+                let fail = {
+                    let mut failing = self
+                        .failing
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    match failing.get_mut(&key) {
+                        Some(n) if *n > 0 => {
+                            *n -= 1;
+                            true
+                        }
+                        _ => false,
+                    }
+                };
+                if fail {
+                    answers.push(Err(HandlerError::Retryable("not yet".to_owned())));
+                    continue;
+                }
+                answers.push(Ok(Bytes::from(format!("booked {key}"))));
+                keys.push(key);
+                tokens.push(a.token());
+            }
+            sqlx::query(
+                "INSERT INTO effects (key, token, worker) SELECT k, t, $3 FROM unnest($1::text[], $2::int8[]) AS u(k, t)",
+            )
+            .bind(&keys)
+            .bind(&tokens)
+            .bind(&self.worker)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+            if !self.delay.is_zero() {
+                tokio::time::sleep(self.delay).await;
+            }
+            Ok(answers)
+        })
+    }
+}

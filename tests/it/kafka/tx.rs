@@ -1,0 +1,356 @@
+//! The transaction-mode runner (`TxRunner`): whole batches of a partition in one Postgres
+//! transaction, on both brokers.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use dedup_core::Policy;
+use dedup_kafka::{
+    Batching, DLQ_REASON, MissingKey, Ordering, RunnerConfig, RunnerError, RunnerStats,
+    StatsHandle, TxRunner,
+};
+use dedup_pg::PgStore;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use super::{
+    Broker, Event, assert_one_row_per_key, committed, committed_to_the_end, event, eventually,
+    ledger_count, produce, produced_ends, read_dead_letters, unique,
+};
+use crate::support::{effects_table, url_of};
+
+#[path = "../../bin/batch_ledger.rs"]
+mod batch_ledger;
+use batch_ledger::BatchLedger;
+
+struct RunningTx {
+    stop: oneshot::Sender<()>,
+    handle: JoinHandle<Result<RunnerStats, RunnerError>>,
+    stats: StatsHandle,
+}
+
+impl RunningTx {
+    fn spawn(config: RunnerConfig, pool: &PgPool, handler: BatchLedger) -> Self {
+        let policy = Policy::default()
+            .with_lease(Duration::from_secs(5))
+            .with_max_attempts(10);
+        let runner = TxRunner::new(
+            config,
+            Batching::default(),
+            PgStore::new(pool.clone()),
+            handler,
+        )
+        .unwrap()
+        .with_policy(policy)
+        .unwrap();
+        let stats = runner.stats();
+        let (stop, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(runner.run(async {
+            let _ = rx.await;
+        }));
+        Self {
+            stop,
+            handle,
+            stats,
+        }
+    }
+
+    async fn stop(self) -> RunnerStats {
+        let _ = self.stop.send(());
+        self.handle.await.unwrap().unwrap()
+    }
+}
+
+fn ledger(worker: &str) -> BatchLedger {
+    BatchLedger {
+        worker: worker.to_owned(),
+        ..BatchLedger::default()
+    }
+}
+
+on_brokers!(
+    tx_a_stream_with_duplicates_poison_and_a_mismatch_books_each_key_once_in_batches,
+    tx_one_keys_failures_hold_back_only_that_keys_later_messages,
+    tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_the_end,
+);
+
+/// 600 events over 3 partitions (a third of them repeats), poison every 50th key, one key reused
+/// with another payload: each key's effect once, in batches; poison and the mismatch
+/// dead-lettered with their reason; offsets committed to the end.
+async fn tx_a_stream_with_duplicates_poison_and_a_mismatch_books_each_key_once_in_batches(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let topic = unique("tx-orders");
+    broker.create_topic(&topic, 3).await;
+    let mut events: Vec<Event> = (0..600u32)
+        .map(|i| {
+            let id = if i % 3 == 2 { i / 3 } else { i };
+            let mut e = event(id, 3);
+            if id % 50 == 7 {
+                e.payload = format!(r#"{{"id":{id},"amount":-1}}"#);
+            }
+            e.partition = i32::try_from(i).unwrap() % 3;
+            e
+        })
+        .collect();
+    // A producer bug: the last event reuses key evt-1 with another payload.
+    let mut reused = event(1, 3);
+    reused.payload = r#"{"id":1,"amount":999}"#.to_owned();
+    events.push(reused);
+    let poison = |k: &str| {
+        k.trim_start_matches("evt-")
+            .parse::<u32>()
+            .is_ok_and(|id| id % 50 == 7)
+    };
+    let keys: BTreeSet<String> = events.iter().filter_map(|e| e.key.clone()).collect();
+    let good: BTreeSet<String> = keys.iter().filter(|k| !poison(k)).cloned().collect();
+    let poisoned_events = events
+        .iter()
+        .filter(|e| e.key.as_deref().is_some_and(poison))
+        .count() as u64;
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let run = RunningTx::spawn(broker.config(&group, &topic), &pool, ledger("tx"));
+    let stats = run.stats.clone();
+    let total = events.len() as u64;
+    eventually(60, "every event settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed + s.dead_lettered == total }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 3).await;
+    let s = run.stop().await;
+    assert_eq!(s.executed, good.len() as u64);
+    assert_eq!(
+        s.dead_lettered,
+        poisoned_events + 1,
+        "poison and the mismatch"
+    );
+    assert!(
+        s.batches * 4 < s.executed,
+        "{} batches for {} executions: not batched",
+        s.batches,
+        s.executed
+    );
+    assert_one_row_per_key(&pool, good).await;
+    let letters = read_dead_letters(
+        broker,
+        &format!("{topic}.dlq"),
+        (poisoned_events + 1) as usize,
+    )
+    .await;
+    let reasons: Vec<&str> = letters
+        .iter()
+        .map(|(_, h)| h.get(DLQ_REASON).map_or("", String::as_str))
+        .collect();
+    assert!(
+        reasons.iter().any(|r| r.contains("different payload")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("negative amount")),
+        "{reasons:?}"
+    );
+}
+
+/// Under per-key order, one account's first message fails in three batches: the account's later
+/// messages wait behind it and run after it in their original order, while every other
+/// account's messages on the same partition settle before it recovers.
+async fn tx_one_keys_failures_hold_back_only_that_keys_later_messages(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    sqlx::query("ALTER TABLE effects ADD COLUMN seq bigserial")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let topic = unique("tx-accounts");
+    broker.create_topic(&topic, 1).await;
+    // Account A: events 0, 10, 20, ... 90; every other event its own account.
+    let events: Vec<Event> = (0..100u32)
+        .map(|id| {
+            let mut e = event(id, 1);
+            e.message_key = Some(if id % 10 == 0 {
+                "acct-A".to_owned()
+            } else {
+                format!("acct-{id}")
+            });
+            e
+        })
+        .collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let handler = ledger("tx");
+    // Six failed handler calls: each batch that holds evt-0 calls the handler on it twice (the
+    // whole batch, then evt-0 alone), so it takes three batches to recover.
+    handler
+        .failing
+        .lock()
+        .unwrap()
+        .insert("evt-0".to_owned(), 6);
+    let failing = handler.failing.clone();
+    let config = broker
+        .config(&group, &topic)
+        .with_ordering(Ordering::PerKey);
+    let run = RunningTx::spawn(config, &pool, handler);
+    let stats = run.stats.clone();
+    eventually(60, "every event settled", || {
+        let s = stats.snapshot();
+        async move { s.executed == 100 }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    let s = run.stop().await;
+    assert_eq!(
+        failing.lock().unwrap()["evt-0"],
+        0,
+        "every failure was spent"
+    );
+    assert!(s.retries >= 3, "{s:?}");
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT key, seq FROM effects ORDER BY seq")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 100);
+    let seq: HashMap<&str, i64> = rows.iter().map(|(k, s)| (k.as_str(), *s)).collect();
+    let a: Vec<&str> = rows
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .filter(|k| {
+            k.trim_start_matches("evt-")
+                .parse::<u32>()
+                .is_ok_and(|id| id % 10 == 0)
+        })
+        .collect();
+    let expected: Vec<String> = (0..10).map(|i| format!("evt-{}", i * 10)).collect();
+    assert_eq!(a, expected, "account A in its original order");
+    // The other accounts did not wait for A's failing head.
+    let others_before = rows
+        .iter()
+        .filter(|(k, s)| !a.contains(&k.as_str()) && *s < seq["evt-0"])
+        .count();
+    assert_eq!(
+        others_before, 90,
+        "every other account settled before A recovered"
+    );
+}
+
+/// A transaction-mode consumer process is killed with SIGKILL while its batches sleep inside
+/// their transactions (20 messages each, effects written, not committed): nothing of an
+/// uncommitted batch survives, and a restarted runner settles the rest: one row per key, offsets
+/// at the end.
+async fn tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_the_end(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = crate::support::RedisServer::start();
+    let topic = unique("tx-killed");
+    broker.create_topic(&topic, 4).await;
+    let events: Vec<Event> = (0..400u32).map(|i| event(i, 4)).collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let mut args = vec![
+        broker.bootstrap(),
+        group.clone(),
+        topic.clone(),
+        url_of(&pool),
+        redis.url(),
+    ];
+    args.extend(
+        broker
+            .client()
+            .iter()
+            .chain(&broker.fast_failover())
+            .map(|(k, v)| format!("{k}={v}")),
+    );
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"))
+        .args(&args)
+        .env("DEDUP_TX_DELAY_MS", "300")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually(60, "the first batches committed", || {
+        let pool = pool.clone();
+        async move { ledger_count(&pool).await >= 20 }
+    })
+    .await;
+    child.kill().await.unwrap();
+    assert!(!child.wait().await.unwrap().success());
+    let at_kill = ledger_count(&pool).await;
+    assert!(at_kill < 400, "killed after the end: {at_kill}");
+    // Batch transactions commit whole: the rows are whole batches of one partition.
+    assert_eq!(committed(broker, &group, &topic, 4).await, vec![-1; 4]);
+
+    let mut config = broker.config(&group, &topic);
+    for (k, v) in broker.fast_failover() {
+        config = config.with_client(k, v);
+    }
+    let second = RunningTx::spawn(config, &pool, ledger("second"));
+    let stats = second.stats.clone();
+    eventually(90, "all 400 settled again", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed == 400 }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 4).await;
+    let s = second.stop().await;
+    let killed_rows = u64::try_from(at_kill).unwrap();
+    assert_eq!(
+        s.executed,
+        400 - killed_rows,
+        "only what had not committed ran"
+    );
+    assert_eq!(s.replayed, killed_rows);
+    assert_one_row_per_key(&pool, events.iter().filter_map(|e| e.key.clone())).await;
+    assert_eq!(
+        committed(broker, &group, &topic, 4).await,
+        produced_ends(&topic, 4)
+    );
+}
+
+/// Settings transaction mode cannot honour are refused by name, before anything connects.
+#[tokio::test]
+async fn tx_runner_settings_that_cannot_work_are_refused_by_name() {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+        .unwrap();
+    let config = RunnerConfig::new("127.0.0.1:1", "g", ["t"]);
+    let refused = |config: RunnerConfig, batching: Batching| match TxRunner::new(
+        config,
+        batching,
+        PgStore::new(pool.clone()),
+        ledger("x"),
+    ) {
+        Err(RunnerError::Config(e)) => e.setting,
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted"),
+    };
+    assert_eq!(
+        refused(
+            config
+                .clone()
+                .with_missing_key(MissingKey::ProcessWithoutDedup),
+            Batching::default()
+        ),
+        "missing_key"
+    );
+    assert_eq!(
+        refused(config.clone(), Batching::new(0, Duration::from_millis(5))),
+        "batching.size"
+    );
+    assert_eq!(
+        refused(config.clone(), Batching::new(10, Duration::from_secs(60))),
+        "batching.wait"
+    );
+    let runner =
+        TxRunner::new(config, Batching::default(), PgStore::new(pool), ledger("x")).unwrap();
+    assert!(matches!(
+        runner.with_policy(Policy::default().with_max_attempts(0)),
+        Err(RunnerError::Config(_))
+    ));
+}
