@@ -130,8 +130,18 @@ fn serve(conn: std::net::TcpStream, sink: &Mutex<Vec<Span>>) {
 #[test]
 fn the_demo_books_every_key_once_and_its_spans_reach_an_otlp_receiver() {
     let (endpoint, spans) = receiver();
+    // One message at a time, where every delivery has its own span tree.
     let out = dedup()
-        .args(["demo", "--events", "400", "--partitions", "4", "--quiet"])
+        .args([
+            "demo",
+            "--events",
+            "400",
+            "--partitions",
+            "4",
+            "--mode",
+            "per-message",
+            "--quiet",
+        ])
         .env("DATABASE_URL", env("DATABASE_URL"))
         .env("REDIS_URL", env("REDIS_URL"))
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
@@ -203,6 +213,45 @@ fn the_demo_books_every_key_once_and_its_spans_reach_an_otlp_receiver() {
     );
 }
 
+/// The default demo: transaction mode by the batch. Every key once, a few hundred events per
+/// batch transaction, and one `dedup.kafka.batch` span per batch.
+#[test]
+fn the_demo_in_transaction_mode_books_every_key_once_in_batches() {
+    let (endpoint, spans) = receiver();
+    let out = dedup()
+        .args(["demo", "--events", "3000", "--partitions", "4", "--quiet"])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("ledger check           OK"), "{stdout}");
+    assert!(stdout.contains("transaction mode"), "{stdout}");
+    let batches: u64 = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("batch transactions"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no batch count in {stdout}"));
+    assert!(
+        (1..=300).contains(&batches),
+        "{batches} batch transactions for 3,000 events: {stdout}"
+    );
+    let spans = spans.lock().unwrap().clone();
+    let batch_spans: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "dedup.kafka.batch")
+        .collect();
+    assert!(
+        batch_spans.len() as u64 >= batches,
+        "a span per batch: {} spans",
+        batch_spans.len()
+    );
+    assert!(batch_spans.iter().all(|s| s.attrs.contains_key("size")));
+}
+
 #[test]
 fn migrate_inspect_and_purge_work_on_a_demo_run() {
     let db = env("DATABASE_URL");
@@ -214,8 +263,9 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(text(&out).0.contains("migrations applied"));
 
+    // One message at a time through the full engine, which backfills Redis after each commit.
     let out = dedup()
-        .args(["demo", "--events", "50", "--quiet"])
+        .args(["demo", "--events", "50", "--mode", "per-message", "--quiet"])
         .env("DATABASE_URL", &db)
         .env("REDIS_URL", &redis)
         .output()

@@ -1,16 +1,13 @@
-//! `dedup demo`: a stream with duplicates through Kafka and the full engine into a ledger.
+//! `dedup demo`: a stream with duplicates through Kafka and dedup into a ledger.
+
+mod consume;
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use clap::Args;
-use dedup_core::{
-    BatchConfig, Batched, Dedup, Fingerprint, HandlerError, LeaseContext, Policy, TieredConfig,
-    TieredStore,
-};
-use dedup_kafka::{Delivery, Ordering, Runner, RunnerConfig, RunnerStats};
+use dedup_core::Fingerprint;
+use dedup_kafka::{Ordering, RunnerConfig, RunnerStats};
 use dedup_pg::PgStore;
 use indicatif::{ProgressBar, ProgressStyle};
 use opentelemetry::propagation::Injector;
@@ -39,10 +36,15 @@ pub(crate) struct DemoArgs {
     /// Partitions of the demo topic.
     #[arg(long, default_value_t = 8)]
     partitions: i32,
-    /// Messages in flight at once (Postgres connections follow it, up to 64). On two cores with
-    /// Postgres on loopback, 32 gave the best throughput (more only queue on WAL flushes).
-    #[arg(long, default_value_t = 32)]
-    in_flight: usize,
+    /// How to consume: transaction mode by the batch (each partition's batch of up to 500
+    /// events in one Postgres transaction), or one event at a time through the full engine.
+    #[arg(long, value_enum, default_value_t = consume::Mode::Tx)]
+    mode: consume::Mode,
+    /// Messages held at once: with `--mode per-message`, those in flight (Postgres connections
+    /// follow it, up to 64; on two cores with Postgres on loopback, 32 gave the best
+    /// throughput); in transaction mode, messages received and not yet settled (default 4,096).
+    #[arg(long)]
+    in_flight: Option<usize>,
     /// Kafka bootstrap servers; without it, librdkafka's embedded mock cluster.
     #[arg(long, env = "KAFKA_BROKERS")]
     brokers: Option<String>,
@@ -150,7 +152,15 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let mut signals = Signals::install()?;
 
     // Postgres and Redis first: a bad URL should fail before anything is produced.
-    let conns = u32::try_from(args.in_flight.clamp(8, 64)).unwrap_or(64);
+    let in_flight = args.in_flight.unwrap_or(match args.mode {
+        consume::Mode::Tx => 4096,
+        consume::Mode::PerMessage => 32,
+    });
+    let conns = match args.mode {
+        // One transaction per partition at a time, and a few for the rest.
+        consume::Mode::Tx => u32::try_from(args.partitions.clamp(1, 60) + 4).unwrap_or(64),
+        consume::Mode::PerMessage => u32::try_from(in_flight.clamp(8, 64)).unwrap_or(64),
+    };
     let pool = connect_pg(&args.pg.database_url, conns).await?;
     dedup_pg::migrate(&pool)
         .await
@@ -262,22 +272,11 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     bar.finish_and_clear();
     let produce_secs = produce_started.elapsed().as_secs_f64();
 
-    // Consume through the full engine.
+    // Consume.
     let pg = PgStore::new(pool.clone());
-    let store =
-        TieredStore::new(pg.clone(), fast, TieredConfig::default()).with_background_backfill();
-    // Group commit: the claims of every message in flight go to Postgres as batches.
-    let store = Batched::new(store, BatchConfig::default());
-    let dedup = Arc::new(
-        Dedup::new(store)
-            .with_policy(Policy::default().with_lease(Duration::from_secs(10)))
-            .map_err(|e| CliError::Config(e.to_string()))?
-            .with_in_flight_wait(Duration::from_millis(200))
-            .map_err(|e| CliError::Config(e.to_string()))?,
-    );
     let mut config = RunnerConfig::new(bootstrap.clone(), run_id.clone(), [topic.clone()])
         .with_ordering(Ordering::PerKey)
-        .with_max_in_flight(args.in_flight.max(1));
+        .with_max_in_flight(in_flight.max(1));
     for (k, v) in &extra {
         config = config.with_client(k.clone(), v.clone());
     }
@@ -285,19 +284,10 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         // The embedded cluster assigns at once with the KIP-848 protocol.
         config = config.with_client("group.protocol", "consumer");
     }
-    let ledger_run = run_id.clone();
-    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
-        let (pg, run) = (pg.clone(), ledger_run.clone());
-        async move { book(&pg, &run, &d, lease).await }
-    };
-    let runner =
-        Runner::new(config, dedup.clone(), handler).map_err(|e| CliError::Config(e.to_string()))?;
-    let stats = runner.stats();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let started = consume::start(args.mode, config, pg, fast, run_id.clone(), stop_rx)?;
+    let (stats, task) = (started.stats.clone(), started.task);
     let consume_started = Instant::now();
-    let task = tokio::spawn(runner.run(async {
-        let _ = stop_rx.await;
-    }));
     let bar = progress(args.quiet, args.events, "consuming");
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     let mut interrupted = false;
@@ -321,10 +311,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let _ = stop_tx.send(());
     let s: RunnerStats = task
         .await
-        .map_err(|e| CliError::Failed(format!("runner: {e}")))?
-        .map_err(|e| CliError::Failed(format!("runner: {e}")))?;
-    let tiers = dedup.store().inner().stats();
-    let (claim_calls, claims, _, _) = dedup.store().batch_counts();
+        .map_err(|e| CliError::Failed(format!("runner: {e}")))??;
     drop(mock);
 
     // Check the ledger.
@@ -348,23 +335,20 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     println!("ledger rows            {rows:>10}   (distinct keys {keys}; expected {expected})");
     println!("handler executions     {:>10}", s.executed);
     println!("duplicates replayed    {:>10}", s.replayed);
-    println!(
-        "  answered by L1       {:>10}   Redis {}   Postgres {}",
-        tiers.l1_hits, tiers.l2_hits, tiers.authority_claims
-    );
-    println!("  Postgres claim calls {claim_calls:>10}   (batches carrying {claims} claims)");
-    println!(
-        "  backfills            {:>10}   Redis errors {}   timeouts {}",
-        tiers.backfills, tiers.l2_errors, tiers.l2_timeouts
-    );
+    for line in started.engine.lines(&s) {
+        println!("{line}");
+    }
     println!(
         "dead letters           {:>10}   (to {topic}.dlq)",
         s.dead_lettered
     );
     println!("retries                {:>10}", s.retries);
     println!(
-        "throughput             {rate:>10.0}   deliveries/s over {consume_secs:.1} s, {} in flight",
-        args.in_flight
+        "throughput             {rate:>10.0}   deliveries/s over {consume_secs:.1} s ({})",
+        match args.mode {
+            consume::Mode::Tx => "transaction mode, batches of up to 500".to_owned(),
+            consume::Mode::PerMessage => format!("one at a time, {in_flight} in flight"),
+        }
     );
     println!(
         "decision latency       p50 {:.2} ms   p99 {:.2} ms",
@@ -472,47 +456,4 @@ impl Signals {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
-}
-
-/// The demo's handler: one ledger row and the fenced completion in one transaction.
-async fn book(
-    pg: &PgStore,
-    run: &str,
-    d: &Delivery,
-    lease: Option<LeaseContext>,
-) -> Result<dedup_core::Completion, HandlerError<String>> {
-    let json: serde_json::Value = serde_json::from_slice(d.payload_bytes())
-        .map_err(|e| HandlerError::Permanent(format!("payload is not JSON: {e}")))?;
-    let field = |name: &str| {
-        json.get(name)
-            .and_then(serde_json::Value::as_i64)
-            .ok_or_else(|| HandlerError::Permanent(format!("payload has no integer {name:?}")))
-    };
-    let (account, amount) = (field("account")?, field("amount")?);
-    if amount <= 0 {
-        return Err(HandlerError::Permanent(format!(
-            "amount {amount} is not positive"
-        )));
-    }
-    let lease = lease.ok_or_else(|| HandlerError::Permanent("no idempotency key".to_owned()))?;
-    let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default()).into_owned();
-    let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
-    let run = run.to_owned();
-    pg.transact(&lease, move |tx| {
-        Box::pin(async move {
-            sqlx::query(
-                "INSERT INTO dedup_demo_ledger (run, key, account, amount, token) VALUES ($1, $2, $3, $4, $5)",
-            )
-            .bind(&run)
-            .bind(&key)
-            .bind(account)
-            .bind(amount)
-            .bind(token)
-            .execute(tx)
-            .await
-            .map_err(|e| HandlerError::Retryable(e.to_string()))?;
-            Ok(Bytes::from(format!("booked {key}: {amount} to {account}")))
-        })
-    })
-    .await
 }
