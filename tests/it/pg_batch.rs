@@ -282,9 +282,9 @@ async fn a_key_held_by_another_batch_answers_in_flight_without_waiting(pool: PgP
     assert_eq!(effect_rows(&pool).await.len(), 2);
 }
 
-/// A key a `claim_in` transaction holds uncommitted makes the batch's claim wait on its row, but
-/// only up to the batch's lock timeout: the batch then fails as a whole, retryably, having
-/// written nothing, and runs once the other transaction is gone.
+/// A key a `claim_in` transaction holds uncommitted makes the batch wait on its row, but only up
+/// to the batch's lock timeout: the batch then fails as a whole, retryably, having written
+/// nothing, and runs once the other transaction is gone.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_key_held_by_a_claim_in_transaction_holds_the_batch_no_longer_than_its_bound(
     pool: PgPool,
@@ -309,7 +309,14 @@ async fn a_key_held_by_a_claim_in_transaction_holds_the_batch_no_longer_than_its
         .expect_err("the lock timeout fails the batch");
     assert!(err.is_retryable() && !err.is_outcome_unknown(), "{err:?}");
     assert_eq!(dedup_pg::sqlstate(&err).as_deref(), Some("55P03"));
-    assert_eq!(calls.load(Ordering::SeqCst), 0, "no handler ran");
+    // The uncommitted row is invisible, so "held" looked fresh and the handler may have run;
+    // the insert of its completed row waited on the other transaction's row lock, and the whole
+    // batch rolled back.
+    assert!(
+        effect_rows(&pool).await.is_empty(),
+        "nothing of the batch was written"
+    );
+    assert!(store.get(&key("a")).await.unwrap().is_none());
     other.rollback().await.unwrap();
     let answers = store
         .transact_batch(&reqs(&["a", "held"]), bounded, ledger(calls, &[], &[]))
@@ -715,4 +722,70 @@ async fn an_ordered_batch_holds_back_behind_a_held_key_and_a_poisoned_message(po
         .collect();
     rows.sort();
     assert_eq!(rows, ["c1", "p1"]);
+}
+
+/// A fresh key (no row when the batch read it) is written only at the end, COMPLETED at once. A
+/// lease-mode claim that takes no advisory lock can write it in the meantime: the batch then
+/// fails whole, retryably, writing nothing, and run again it finds the key held.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_fresh_key_claimed_by_another_writer_during_the_batch_fails_it_whole(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let handler = racing(store.clone());
+    let err = store
+        .transact_batch(&reqs(&["x", "y"]), TxBatchConfig::default(), handler)
+        .await
+        .expect_err("the batch must not commit over the other writer's row");
+    assert!(err.is_retryable() && !err.is_outcome_unknown(), "{err:?}");
+    assert!(
+        effect_rows(&pool).await.is_empty(),
+        "nothing of the batch was written"
+    );
+    assert!(store.get(&key("y")).await.unwrap().is_none());
+    let x = store.get(&key("x")).await.unwrap().unwrap();
+    assert_eq!(
+        x.state,
+        State::InProgress,
+        "the other writer's claim stands"
+    );
+    let again = store
+        .transact_batch(
+            &reqs(&["x", "y"]),
+            TxBatchConfig::default(),
+            ledger(Arc::new(AtomicU32::new(0)), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(again[0], BatchAnswer::InFlight), "{:?}", again[0]);
+    assert!(
+        matches!(again[1], BatchAnswer::Executed { attempts: 1, .. }),
+        "{:?}",
+        again[1]
+    );
+    let y = store.get(&key("y")).await.unwrap().unwrap();
+    assert_eq!((y.state, y.attempts), (State::Completed, 1));
+}
+
+/// A batch handler that, on its first call, lets a lease-mode claim of "x" commit on another
+/// connection, then writes every message's effect.
+fn racing(
+    other: PgStore,
+) -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, Boom> + Send {
+    let mut raced = false;
+    move |tx, leases| {
+        let race = (!raced).then(|| other.clone());
+        raced = true;
+        Box::pin(async move {
+            if let Some(other) = race {
+                acquired(other.claim(&reqs(&["x"])[0]).await.unwrap());
+            }
+            for l in leases {
+                let name = String::from_utf8(l.key.key_bytes().to_vec()).unwrap();
+                crate::support::insert_effect(&mut *tx, &name, l.token, "batch")
+                    .await
+                    .unwrap();
+            }
+            Ok(leases.iter().map(|_| Ok(Bytes::from("ok"))).collect())
+        })
+    }
 }

@@ -251,3 +251,49 @@ pub(crate) const TRY_LOCK_SQL: &str = concat!(
     "   set_config('lock_timeout', $4, true)) AS s",
     " ORDER BY q.n"
 );
+
+/// Transaction mode by the batch, for keys its transaction has try-locked: which have no row at
+/// all (fresh: no claim statement needed), with a fencing token for each fresh one, and the
+/// server's clock. One row per key, in order. $1 scopes, $2 keys.
+pub(crate) const FRESH_SQL: &str = concat!(
+    "SELECT r.key IS NULL AS fresh,",
+    " CASE WHEN r.key IS NULL THEN nextval('dedup_token_seq') END AS token,",
+    " (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us",
+    " FROM unnest($1::text[], $2::bytea[]) WITH ORDINALITY AS q(scope, key, n)",
+    " LEFT JOIN dedup_records r ON r.scope = q.scope AND r.key = q.key",
+    " ORDER BY q.n"
+);
+
+/// Transaction mode by the batch: fresh keys whose handler succeeded, written COMPLETED at once
+/// (one row version per key instead of a claim and a completion). Answers the keys it wrote; a
+/// key missing from the answer was written meanwhile by a writer that does not take the batch's
+/// advisory locks (a lease-mode claim), and the batch must not commit.
+/// $1 scopes, $2 keys, $3 owners, $4 tokens, $5 fingerprints, $6 results, $7 retentions (µs).
+pub(crate) const INSERT_COMPLETED_SQL: &str = concat!(
+    "INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "  fingerprint, result, created_at, updated_at, expires_at)",
+    " SELECT q.scope, q.key, 'completed', q.owner, q.token, NULL, 1, q.fp, q.result,",
+    "  statement_timestamp(), statement_timestamp(),",
+    "  statement_timestamp() + q.ret_us::float8 * interval '1 microsecond'",
+    " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[], $5::bytea[], $6::bytea[],",
+    "  $7::int8[]) AS q(scope, key, owner, token, fp, result, ret_us)",
+    " ORDER BY q.scope, q.key",
+    " ON CONFLICT (scope, key) DO NOTHING RETURNING r.scope, r.key"
+);
+
+/// Transaction mode by the batch: fresh keys whose handler failed, written as the claim would
+/// have left them (IN_PROGRESS under their token, first attempt), so that the failure is then
+/// recorded as for any claim. Answers the keys it wrote (see [`INSERT_COMPLETED_SQL`]).
+/// $1 scopes, $2 keys, $3 owners, $4 tokens, $5 fingerprints, $6 leases (µs), $7 retentions (µs).
+pub(crate) const INSERT_CLAIMED_SQL: &str = concat!(
+    "INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "  fingerprint, created_at, updated_at, expires_at)",
+    " SELECT q.scope, q.key, 'in_progress', q.owner, q.token,",
+    "  statement_timestamp() + q.lease_us::float8 * interval '1 microsecond', 1, q.fp,",
+    "  statement_timestamp(), statement_timestamp(),",
+    "  statement_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
+    " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[], $5::bytea[], $6::int8[],",
+    "  $7::int8[]) AS q(scope, key, owner, token, fp, lease_us, ret_us)",
+    " ORDER BY q.scope, q.key",
+    " ON CONFLICT (scope, key) DO NOTHING RETURNING r.scope, r.key"
+);

@@ -32,6 +32,7 @@
 //! `idle_in_transaction_session_timeout` ([`TxBatchConfig::idle_timeout`]) ends its session: the
 //! batch rolls back whole, and nothing it wrote survives.
 
+mod fresh;
 mod parts;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -52,6 +53,7 @@ use crate::claim::{claim_counted, claim_many};
 use crate::classify::classify;
 use crate::complete::complete_many;
 use crate::sql::TRY_LOCK_SQL;
+use fresh::{insert_claimed, insert_completed, read_fresh};
 use parts::{call, handler_reason, record_failure, withdraw};
 
 /// How a batch transaction is run.
@@ -360,15 +362,30 @@ impl PgStore {
             }
             let index: HashMap<usize, usize> =
                 distinct.iter().enumerate().map(|(n, &i)| (i, n)).collect();
-            // Claim every locked key in one statement; what it leaves out, one by one.
+            // Fresh keys (no row at all) are granted without a claim statement; the others are
+            // claimed in one statement, and what it leaves out one by one.
             let mut outcomes: HashMap<usize, ClaimOutcome> = HashMap::new();
+            let mut unwritten: HashSet<usize> = HashSet::new();
+            let mut existing = Vec::new();
             if !locked.is_empty() {
                 self.count(1);
-                for (i, answer, _) in claim_many(&mut tx, reqs, &locked).await? {
+                for (&i, lease) in locked.iter().zip(read_fresh(&mut tx, reqs, &locked).await?) {
+                    match lease {
+                        Some(lease) => {
+                            unwritten.insert(i);
+                            outcomes.insert(i, ClaimOutcome::Acquired(lease));
+                        }
+                        None => existing.push(i),
+                    }
+                }
+            }
+            if !existing.is_empty() {
+                self.count(1);
+                for (i, answer, _) in claim_many(&mut tx, reqs, &existing).await? {
                     outcomes.insert(i, answer?);
                 }
                 // Left out: a lost race, or a key out of attempts (the single claim marks it).
-                let left: Vec<usize> = locked
+                let left: Vec<usize> = existing
                     .iter()
                     .copied()
                     .filter(|i| !outcomes.contains_key(i))
@@ -389,8 +406,11 @@ impl PgStore {
                 };
                 answers[n] = Some(match outcome {
                     ClaimOutcome::Acquired(lease) if held.waits(i) => {
-                        withdraw(&mut tx, &lease).await?;
-                        self.count(1);
+                        // A fresh key has nothing written to give back.
+                        if !unwritten.contains(&i) {
+                            withdraw(&mut tx, &lease).await?;
+                            self.count(1);
+                        }
                         BatchAnswer::Deferred
                     }
                     ClaimOutcome::Acquired(lease) => {
@@ -516,14 +536,32 @@ impl PgStore {
                     results
                 }
             };
-            // Record: successes completed in one statement; each failure on its own; a message
-            // that waited on its group given back.
+            // Record: fresh successes written COMPLETED in one statement, the other successes
+            // completed in one; each failure on its own (a fresh key's claim written first); a
+            // message that waited on its group given back.
+            let fresh_failed: Vec<&Lease> = results
+                .iter()
+                .enumerate()
+                .filter(|(k, r)| matches!(r, Some(Err(_))) && unwritten.contains(&req_of(*k)))
+                .map(|(k, _)| &leases[k])
+                .collect();
+            if !fresh_failed.is_empty() {
+                self.count(1);
+                insert_claimed(&mut tx, &fresh_failed).await?;
+            }
             let mut done = Vec::new();
             let mut done_at = Vec::new();
+            let mut written = Vec::new();
+            let mut written_at = Vec::new();
             for (k, r) in results.into_iter().enumerate() {
                 let n = positions[k];
                 let lease = &leases[k];
+                let fresh = unwritten.contains(&req_of(k));
                 match r {
+                    Some(Ok(result)) if fresh => {
+                        written.push((lease.clone(), result));
+                        written_at.push(k);
+                    }
                     Some(Ok(result)) => {
                         done.push((lease.clone(), result));
                         done_at.push(k);
@@ -533,10 +571,23 @@ impl PgStore {
                         self.count(1);
                     }
                     None => {
-                        withdraw(&mut tx, lease).await?;
-                        self.count(1);
+                        if !fresh {
+                            withdraw(&mut tx, lease).await?;
+                            self.count(1);
+                        }
                         answers[n] = Some(BatchAnswer::Deferred);
                     }
+                }
+            }
+            if !written.is_empty() {
+                self.count(1);
+                insert_completed(&mut tx, &written).await?;
+                for (k, (lease, result)) in written_at.iter().zip(&written) {
+                    answers[positions[*k]] = Some(BatchAnswer::Executed {
+                        result: result.clone(),
+                        token: lease.token,
+                        attempts: lease.attempts,
+                    });
                 }
             }
             if !done.is_empty() {
@@ -562,7 +613,7 @@ impl PgStore {
             self.count(1);
             if let Err(e) = tx.commit().await {
                 let err = classify(e, true);
-                let landed = match (err.is_outcome_unknown(), done.first()) {
+                let landed = match (err.is_outcome_unknown(), done.first().or(written.first())) {
                     (true, Some((lease, _))) => matches!(
                         self.get(&lease.key).await,
                         Ok(Some(r)) if r.token == lease.token && r.state == State::Completed
@@ -570,7 +621,7 @@ impl PgStore {
                     _ => false,
                 };
                 if !landed {
-                    return Err(if err.is_outcome_unknown() && !done.is_empty() {
+                    return Err(if err.is_outcome_unknown() && !(done.is_empty() && written.is_empty()) {
                         StoreError::unavailable(BatchRetried("the batch's commit did not land"))
                     } else {
                         err

@@ -1,0 +1,161 @@
+//! Fresh keys in a batch transaction: keys with no row at all. The transaction holds their
+//! advisory locks, so no other batch can write them; their leases are granted without a claim
+//! statement (a token from the sequence), and their rows are written once, at the end: COMPLETED
+//! for a success (one row version per key instead of a claim and a completion), or as the claim
+//! would have left them for a failure, which is then recorded like any other.
+//!
+//! A writer that takes no advisory lock (a lease-mode claim) may write one of these keys in the
+//! meantime: the final insert then leaves that key out, and the batch must not commit
+//! ([`Taken`]): rolled back whole and run again, it finds the row and claims it as usual.
+
+use bytes::Bytes;
+use dedup_core::{ClaimRequest, FencingToken, Lease, Record, State, StoreError, Timestamp, micros};
+use sqlx::Row;
+use sqlx::postgres::PgConnection;
+
+use crate::classify::classify;
+use crate::rows::token_i64;
+use crate::sql::{FRESH_SQL, INSERT_CLAIMED_SQL, INSERT_COMPLETED_SQL};
+
+/// A fresh key was written by another writer while the batch ran.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "a key of the batch was claimed by another writer while the batch ran; the batch is run again"
+)]
+pub(crate) struct Taken;
+
+/// For `reqs[i]`, `i` in `locked`: the lease of each fresh key (`None`: the key has a row, and
+/// goes through the claim statement).
+pub(crate) async fn read_fresh(
+    conn: &mut PgConnection,
+    reqs: &[ClaimRequest],
+    locked: &[usize],
+) -> Result<Vec<Option<Lease>>, StoreError> {
+    let scopes: Vec<&str> = locked
+        .iter()
+        .map(|&i| reqs[i].key.scope().as_str())
+        .collect();
+    let keys: Vec<&[u8]> = locked.iter().map(|&i| reqs[i].key.key_bytes()).collect();
+    let rows = sqlx::query(FRESH_SQL)
+        .bind(&scopes)
+        .bind(&keys)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| classify(e, false))?;
+    let mut out = Vec::with_capacity(locked.len());
+    for (&i, row) in locked.iter().zip(&rows) {
+        let req = &reqs[i];
+        let fresh: bool = row.try_get("fresh").map_err(|e| classify(e, false))?;
+        let token: Option<i64> = row.try_get("token").map_err(|e| classify(e, false))?;
+        let now_us: i64 = row.try_get("now_us").map_err(|e| classify(e, false))?;
+        out.push(match (fresh, token) {
+            (true, Some(token)) => {
+                let now = Timestamp::from_micros(now_us);
+                let mut record = Record::new(
+                    req.key.clone(),
+                    State::InProgress,
+                    FencingToken::new(u64::try_from(token).unwrap_or(0)),
+                    1,
+                    now,
+                    now,
+                );
+                record.lease_until = Some(Timestamp::from_micros(
+                    now_us.saturating_add(micros(req.policy.lease)),
+                ));
+                record.fingerprint = req.fingerprint;
+                Some(Lease::granted(&record, req))
+            }
+            _ => None,
+        });
+    }
+    Ok(out)
+}
+
+/// Writes fresh keys COMPLETED with their results, in one statement.
+pub(crate) async fn insert_completed(
+    conn: &mut PgConnection,
+    items: &[(Lease, Bytes)],
+) -> Result<(), StoreError> {
+    let n = items.len();
+    let (mut scopes, mut keys, mut owners, mut tokens) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut fps, mut results, mut rets) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for (lease, result) in items {
+        scopes.push(lease.key.scope().as_str());
+        keys.push(lease.key.key_bytes());
+        owners.push(lease.owner.as_str());
+        tokens.push(token_i64(lease.token));
+        fps.push(lease.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()));
+        results.push(result.as_ref());
+        rets.push(micros(lease.policy.retention));
+    }
+    let written = sqlx::query(INSERT_COMPLETED_SQL)
+        .bind(&scopes)
+        .bind(&keys)
+        .bind(&owners)
+        .bind(&tokens)
+        .bind(&fps)
+        .bind(&results)
+        .bind(&rets)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| classify(e, true))?;
+    if written.len() == n {
+        Ok(())
+    } else {
+        Err(StoreError::unavailable(Taken))
+    }
+}
+
+/// Writes fresh keys as their claims would have left them (IN_PROGRESS, first attempt), in one
+/// statement, so that their failures are recorded like any other.
+pub(crate) async fn insert_claimed(
+    conn: &mut PgConnection,
+    leases: &[&Lease],
+) -> Result<(), StoreError> {
+    let n = leases.len();
+    let (mut scopes, mut keys, mut owners, mut tokens) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut fps, mut lease_us, mut rets) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for lease in leases {
+        scopes.push(lease.key.scope().as_str());
+        keys.push(lease.key.key_bytes());
+        owners.push(lease.owner.as_str());
+        tokens.push(token_i64(lease.token));
+        fps.push(lease.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()));
+        lease_us.push(micros(lease.policy.lease));
+        rets.push(micros(lease.policy.retention));
+    }
+    let written = sqlx::query(INSERT_CLAIMED_SQL)
+        .bind(&scopes)
+        .bind(&keys)
+        .bind(&owners)
+        .bind(&tokens)
+        .bind(&fps)
+        .bind(&lease_us)
+        .bind(&rets)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| classify(e, true))?;
+    if written.len() == n {
+        Ok(())
+    } else {
+        Err(StoreError::unavailable(Taken))
+    }
+}
