@@ -150,7 +150,8 @@ impl Batching {
 pub const MAX_BATCH: usize = 10_000;
 const MAX_BATCH_WAIT: Duration = Duration::from_secs(10);
 
-/// An idempotent consumer in transaction mode by the batch (see the [module docs](self)): the
+/// An idempotent consumer in transaction mode by the batch (per partition, up to a size or a
+/// short wait, one batch at a time; ordering groups kept as `transact_batch_ordered` keeps them): the
 /// effects of a whole batch, its claims and its completions commit in one Postgres transaction.
 /// Offsets are committed only up to the first message not settled (completed, replayed, or
 /// acknowledged by the dead-letter topic).

@@ -3,12 +3,18 @@
 //! ```text
 //! BEGIN
 //!   try-lock every key (pg_try_advisory_xact_lock): a key another transaction holds answers
-//!   InFlight at once, so no batch ever waits on another's uncommitted claims
-//!   claim the locked keys in one statement            (the uncommitted rows are the locks)
+//!   InFlight at once, so no batch ever waits on another's uncommitted writes
+//!   read which locked keys have no row at all (fresh), with a fencing token for each
+//!   claim the others in one statement                 (replays, takeovers, retries)
 //!   the handler: every acquired message at once, on this transaction
-//!   complete every success in one statement
+//!   write the fresh successes COMPLETED in one statement; complete the others in one
 //! COMMIT                                              (one WAL flush for the batch)
 //! ```
+//!
+//! A fresh key is written once, at the end, instead of a claim and then a completion: the
+//! advisory lock is what keeps other batches off it meanwhile, and if a writer that takes no
+//! advisory lock (a lease-mode claim) wrote it in between, the final insert says so and the batch
+//! rolls back whole, retryably (see `fresh.rs`).
 //!
 //! On the happy path there is no savepoint. When the handler fails as a whole, or reports
 //! messages as failed, the transaction is rolled back and the batch runs again with a savepoint
@@ -162,7 +168,7 @@ impl<E> BatchAnswer<E> {
 type Part = Vec<usize>;
 
 impl PgStore {
-    /// Runs a batch in one transaction (see the [module docs](self)): claims, the handler's
+    /// Runs a batch in one transaction: claims (fresh keys need none), the handler's
     /// writes for every acquired message, and the completions commit together, with one WAL
     /// flush. One answer per request, in order; a key that appears twice is answered after the
     /// commit as the duplicate of its first appearance. The messages are independent: one that
