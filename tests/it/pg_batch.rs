@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{AfterHandlerError, ClaimRequest, Fingerprint, HandlerError, Lease, State, Store};
-use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxBatchConfig};
+use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxBatchConfig, TxOffsets};
 use sqlx::{PgConnection, PgPool};
 
 use crate::support::{Boom, acquired, effect_rows, effects_table, key, req};
@@ -788,4 +788,104 @@ fn racing(
             Ok(leases.iter().map(|_| Ok(Bytes::from("ok"))).collect())
         })
     }
+}
+
+/// Offsets in the transaction: the batch stores its partition's position with its effects, up
+/// to its first message that did not settle (a retryable failure, a failure to be dead-lettered),
+/// and never moves it back (an instance that lost the partition cannot rewind it).
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let position = || async {
+        store
+            .stored_offsets("g", &[("t".to_owned(), 0)])
+            .await
+            .unwrap()
+            .get(&("t".to_owned(), 0))
+            .copied()
+    };
+    let calls = Arc::new(AtomicU32::new(0));
+    let batch = |names: &[&str], offsets: Vec<i64>, end: i64| {
+        (
+            reqs(names),
+            (0..names.len() as u64).collect::<Vec<u64>>(),
+            TxOffsets::new("g", "t", 0, offsets, end),
+        )
+    };
+    // "c" fails retryably: the position stops at it.
+    let (r, g, o) = batch(&["a", "b", "c", "d"], vec![10, 11, 12, 13], 14);
+    store
+        .transact_batch_with_offsets(
+            &r,
+            &g,
+            &o,
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &["c"]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(position().await, Some(12));
+    // Then everything settles: the position is the batch's end.
+    let (r, g, o) = batch(&["c", "e"], vec![12, 14], 15);
+    store
+        .transact_batch_with_offsets(
+            &r,
+            &g,
+            &o,
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(position().await, Some(15));
+    // A late batch of an earlier owner cannot move it back.
+    let (r, g, o) = batch(&["f"], vec![5], 6);
+    store
+        .transact_batch_with_offsets(
+            &r,
+            &g,
+            &o,
+            TxBatchConfig::default(),
+            ledger(calls.clone(), &[], &[]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(position().await, Some(15));
+    // A message to be dead-lettered holds the position until its dead letter is acknowledged.
+    let (r, g, o) = batch(&["p", "h"], vec![15, 16], 17);
+    let answers = store
+        .transact_batch_with_offsets(
+            &r,
+            &g,
+            &o,
+            TxBatchConfig::default(),
+            ledger(calls, &["p"], &[]),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        answers[0],
+        BatchAnswer::Handler {
+            after: AfterHandlerError::Failed { .. },
+            ..
+        }
+    ));
+    assert_eq!(position().await, Some(15));
+    store.store_offsets("g", &[("t", 0, 17)]).await.unwrap();
+    assert_eq!(position().await, Some(17));
+    store.store_offsets("g", &[("t", 0, 3)]).await.unwrap();
+    assert_eq!(position().await, Some(17), "never back");
+    // A mismatched offset list is refused before anything runs.
+    let err = store
+        .transact_batch_with_offsets(
+            &reqs(&["x"]),
+            &[0],
+            &TxOffsets::new("g", "t", 0, vec![], 1),
+            TxBatchConfig::default(),
+            ledger(Arc::new(AtomicU32::new(0)), &[], &[]),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, dedup_core::StoreError::Input(_)), "{err:?}");
 }

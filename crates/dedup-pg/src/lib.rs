@@ -77,11 +77,13 @@ mod batch_tx;
 mod claim;
 mod classify;
 mod complete;
+mod offsets;
 mod rows;
 mod sql;
 mod store;
 
 pub use batch_tx::{BatchAnswer, BatchBody, ItemResult, TxBatchConfig};
+pub use offsets::{TxOffsets, stored_offsets_on};
 
 use claim::claim_counted;
 pub use classify::{classify, is_passing, sqlstate};

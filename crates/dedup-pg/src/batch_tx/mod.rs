@@ -58,6 +58,7 @@ use crate::PgStore;
 use crate::claim::{claim_counted, claim_many};
 use crate::classify::classify;
 use crate::complete::complete_many;
+use crate::offsets::{TxOffsets, store_offsets_on};
 use crate::sql::TRY_LOCK_SQL;
 use fresh::{insert_claimed, insert_completed, read_fresh};
 use parts::{call, handler_reason, record_failure, withdraw};
@@ -190,7 +191,7 @@ impl PgStore {
         E: std::fmt::Display + Send,
         H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
     {
-        self.transact_many(reqs, None, config, handler).await
+        self.transact_many(reqs, None, None, config, handler).await
     }
 
     /// [`transact_batch`](Self::transact_batch) for messages that keep an order within their
@@ -223,7 +224,46 @@ impl PgStore {
                 problem: "needs one ordering group per request",
             }));
         }
-        self.transact_many(reqs, Some(groups), config, handler)
+        self.transact_many(reqs, Some(groups), None, config, handler)
+            .await
+    }
+
+    /// [`transact_batch_ordered`](Self::transact_batch_ordered) that also stores the consumer's
+    /// position in the batch's transaction (`dedup_offsets`): the batch's effects and the
+    /// position commit together, so a consumer restarted from the stored position never hands
+    /// a committed batch to its handler again. The position stored is `offsets.end`, or the
+    /// offset of the batch's first message that did not settle (InFlight, deferred, failed or
+    /// to be dead-lettered: a dead letter moves the position only once it is acknowledged, with
+    /// [`store_offsets`](Self::store_offsets)), whichever is lower; it only ever moves forward.
+    ///
+    /// # Errors
+    /// As `transact_batch_ordered`; `offsets.offsets` must have one entry per request
+    /// ([`InputError::Setting`] otherwise).
+    pub async fn transact_batch_with_offsets<E, H>(
+        &self,
+        reqs: &[ClaimRequest],
+        groups: &[u64],
+        offsets: &TxOffsets,
+        config: TxBatchConfig,
+        handler: H,
+    ) -> Result<Vec<BatchAnswer<E>>, StoreError>
+    where
+        E: std::fmt::Display + Send,
+        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+    {
+        if groups.len() != reqs.len() {
+            return Err(StoreError::Input(InputError::Setting {
+                setting: "groups",
+                problem: "needs one ordering group per request",
+            }));
+        }
+        if offsets.offsets.len() != reqs.len() {
+            return Err(StoreError::Input(InputError::Setting {
+                setting: "offsets",
+                problem: "needs one offset per request",
+            }));
+        }
+        self.transact_many(reqs, Some(groups), Some(offsets), config, handler)
             .await
     }
 
@@ -231,6 +271,7 @@ impl PgStore {
         &self,
         reqs: &[ClaimRequest],
         groups: Option<&[u64]>,
+        offsets: Option<&TxOffsets>,
         config: TxBatchConfig,
         mut handler: H,
     ) -> Result<Vec<BatchAnswer<E>>, StoreError>
@@ -256,7 +297,15 @@ impl PgStore {
         for pass in 0..2 {
             let parts = (pass == 1).then(|| failed_before.clone());
             match self
-                .run_once(reqs, groups, &distinct, config, &mut handler, parts)
+                .run_once(
+                    reqs,
+                    groups,
+                    offsets,
+                    &distinct,
+                    config,
+                    &mut handler,
+                    parts,
+                )
                 .await?
             {
                 Pass::Done(a) => {
@@ -322,6 +371,7 @@ impl PgStore {
         &self,
         reqs: &[ClaimRequest],
         groups: Option<&[u64]>,
+        offsets: Option<&TxOffsets>,
         distinct: &[usize],
         config: TxBatchConfig,
         handler: &mut H,
@@ -613,6 +663,22 @@ impl PgStore {
                     });
                 }
             }
+            // The consumer's position, with the effects.
+            if let Some(offsets) = offsets {
+                let first: HashMap<&dedup_core::IdempotencyKey, usize> = distinct
+                    .iter()
+                    .enumerate()
+                    .map(|(n, &i)| (&reqs[i].key, n))
+                    .collect();
+                let position = offsets.position(|i| settles(reqs, distinct, &first, &answers, i));
+                self.count(1);
+                store_offsets_on(
+                    &mut tx,
+                    &offsets.consumer_group,
+                    &[(&offsets.topic, offsets.partition, position)],
+                )
+                .await?;
+            }
             // A commit whose reply is lost is read back through one completed lease (a
             // transaction commits whole); whatever did not commit is a passing failure of the
             // whole batch, which a retry settles (every claim is read again).
@@ -647,6 +713,30 @@ impl PgStore {
         }
         out
     }
+}
+
+/// Whether request `i` settles with this pass's answers (`answers[n]` for `distinct[n]`):
+/// executed or replayed, or a repeat of a key that does (with a compatible payload). A failure
+/// or mismatch is not settled here: its dead letter is not written yet.
+fn settles<E>(
+    reqs: &[ClaimRequest],
+    distinct: &[usize],
+    first: &HashMap<&dedup_core::IdempotencyKey, usize>,
+    answers: &[Option<BatchAnswer<E>>],
+    i: usize,
+) -> bool {
+    let Some(&n) = first.get(&reqs[i].key) else {
+        return false;
+    };
+    let first = &reqs[distinct[n]];
+    let compatible = reqs[i].fingerprint.is_none()
+        || first.fingerprint.is_none()
+        || reqs[i].fingerprint == first.fingerprint;
+    compatible
+        && matches!(
+            answers[n],
+            Some(BatchAnswer::Executed { .. } | BatchAnswer::Replayed { .. })
+        )
 }
 
 /// The ordering groups of a batch in which a message did not settle: the group's later messages
