@@ -2,6 +2,7 @@
 //! every acquired message's effect row in one statement on the batch's transaction.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +21,8 @@ pub(crate) struct BatchLedger {
     pub(crate) worker: String,
     pub(crate) delay: Duration,
     pub(crate) failing: Arc<Mutex<HashMap<String, u32>>>,
+    /// Messages handed to the handler, counted on every call (parts after a failure too).
+    pub(crate) calls: Arc<AtomicU64>,
 }
 
 impl BatchHandler for BatchLedger {
@@ -30,6 +33,7 @@ impl BatchHandler for BatchLedger {
         tx: &'c mut PgConnection,
         batch: &'c [Acquired],
     ) -> BatchBody<'c, String> {
+        self.calls.fetch_add(batch.len() as u64, Ordering::Relaxed);
         Box::pin(async move {
             let mut keys = Vec::with_capacity(batch.len());
             let mut tokens = Vec::with_capacity(batch.len());

@@ -7,7 +7,8 @@
 //!
 //! With `DEDUP_TX_DELAY_MS` set, it runs the transaction-mode runner instead (`TxRunner`,
 //! batches of up to 20), each batch sleeping that long inside its transaction after writing its
-//! effects, so that the kill lands in the middle of a batch.
+//! effects, so that the kill lands in the middle of a batch; with `DEDUP_TX_OFFSETS` set too,
+//! each batch also stores its partition's position in its transaction.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,9 +48,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..Default::default()
         };
         let batching = Batching::new(20, Duration::from_millis(5));
-        TxRunner::new(config, batching, pg, handler)?
-            .run(std::future::pending())
-            .await?;
+        let mut runner = TxRunner::new(config, batching, pg, handler)?;
+        if std::env::var_os("DEDUP_TX_OFFSETS").is_some() {
+            runner = runner.with_offsets_in_transaction(Duration::from_secs(5))?;
+        }
+        runner.run(std::future::pending()).await?;
         return Ok(());
     }
     let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {

@@ -47,11 +47,22 @@ pub(crate) struct Shared {
     pub(crate) parts: HashMap<TopicPartition, Part>,
     pub(crate) generation: u64,
     pub(crate) paused: bool,
+    /// Stored start positions of the partitions being assigned (from `pre_rebalance` to
+    /// `post_rebalance`).
+    pub(crate) starts: HashMap<TopicPartition, i64>,
 }
 
 pub(crate) struct RunnerContext {
     pub(crate) shared: Arc<Mutex<Shared>>,
     pub(crate) counters: Arc<Counters>,
+    /// Where assigned partitions start, if the runner stores positions itself.
+    pub(crate) start_offsets: Option<Arc<dyn StartOffsets>>,
+}
+
+/// Positions a runner stores itself (offsets in the transaction), read when partitions are
+/// assigned; `None` (not in time, or an error): start from Kafka's committed offsets.
+pub(crate) trait StartOffsets: Send + Sync {
+    fn stored(&self, partitions: &[(String, i32)]) -> Option<HashMap<(String, i32), i64>>;
 }
 
 pub(crate) fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
@@ -67,6 +78,30 @@ impl ConsumerContext for RunnerContext {
         consumer: &rdkafka::consumer::BaseConsumer<Self>,
         rebalance: &Rebalance<'_>,
     ) {
+        if let (Rebalance::Assign(tpl), Some(source)) = (rebalance, &self.start_offsets) {
+            // Start each partition where the stored position says (set in the list that is about
+            // to be assigned: a seek right after the assignment would fail).
+            let partitions: Vec<(String, i32)> = tpl
+                .elements()
+                .iter()
+                .map(|e| (e.topic().to_owned(), e.partition()))
+                .collect();
+            let found = source.stored(&partitions).unwrap_or_default();
+            for ((topic, partition), next) in &found {
+                if let Some(mut e) = tpl.find_partition(topic, *partition)
+                    && e.set_offset(Offset::Offset(*next)).is_ok()
+                {
+                    debug!(topic, partition, next, "starting from the stored position");
+                }
+            }
+            info!(
+                stored = found.len(),
+                partitions = partitions.len(),
+                "assigned partitions start from stored positions where there are some"
+            );
+            lock(&self.shared).starts = found;
+            return;
+        }
         let Rebalance::Revoke(tpl) = rebalance else {
             return;
         };
@@ -110,14 +145,18 @@ impl ConsumerContext for RunnerContext {
                     let mut shared = lock(&self.shared);
                     shared.generation += 1;
                     let generation = shared.generation;
+                    let starts = std::mem::take(&mut shared.starts);
                     for e in tpl.elements() {
+                        let tp = (e.topic().to_owned(), e.partition());
+                        // From a stored position, that is the position until a message comes.
+                        let next = starts.get(&tp).copied();
                         shared.parts.insert(
-                            (e.topic().to_owned(), e.partition()),
+                            tp,
                             Part {
                                 generation,
                                 revoked: Arc::new(AtomicBool::new(false)),
                                 pending: BTreeSet::new(),
-                                next: None,
+                                next,
                                 committed: None,
                             },
                         );
@@ -163,6 +202,7 @@ pub(crate) fn clients(
     config: &RunnerConfig,
     shared: &Arc<Mutex<Shared>>,
     counters: &Arc<Counters>,
+    start_offsets: Option<Arc<dyn StartOffsets>>,
 ) -> Result<(StreamConsumer<RunnerContext>, FutureProducer), KafkaError> {
     let base = || {
         let mut c = ClientConfig::new();
@@ -183,6 +223,7 @@ pub(crate) fn clients(
     let consumer: StreamConsumer<RunnerContext> = cc.create_with_context(RunnerContext {
         shared: shared.clone(),
         counters: counters.clone(),
+        start_offsets,
     })?;
     let mut pc = base();
     pc.set("enable.idempotence", "true").set("acks", "all");

@@ -32,10 +32,19 @@ struct RunningTx {
 
 impl RunningTx {
     fn spawn(config: RunnerConfig, pool: &PgPool, handler: BatchLedger) -> Self {
+        Self::spawn_with(config, pool, handler, false)
+    }
+
+    fn spawn_with(
+        config: RunnerConfig,
+        pool: &PgPool,
+        handler: BatchLedger,
+        offsets_in_tx: bool,
+    ) -> Self {
         let policy = Policy::default()
             .with_lease(Duration::from_secs(5))
             .with_max_attempts(10);
-        let runner = TxRunner::new(
+        let mut runner = TxRunner::new(
             config,
             Batching::default(),
             PgStore::new(pool.clone()),
@@ -44,6 +53,11 @@ impl RunningTx {
         .unwrap()
         .with_policy(policy)
         .unwrap();
+        if offsets_in_tx {
+            runner = runner
+                .with_offsets_in_transaction(Duration::from_secs(5))
+                .unwrap();
+        }
         let stats = runner.stats();
         let (stop, rx) = oneshot::channel::<()>();
         let handle = tokio::spawn(runner.run(async {
@@ -73,6 +87,7 @@ on_brokers!(
     tx_a_stream_with_duplicates_poison_and_a_mismatch_books_each_key_once_in_batches,
     tx_one_keys_failures_hold_back_only_that_keys_later_messages,
     tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_the_end,
+    tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads_nothing_again,
 );
 
 /// 600 events over 3 partitions (a third of them repeats), poison every 50th key, one key reused
@@ -347,10 +362,122 @@ async fn tx_runner_settings_that_cannot_work_are_refused_by_name() {
         refused(config.clone(), Batching::new(10, Duration::from_secs(60))),
         "batching.wait"
     );
-    let runner =
-        TxRunner::new(config, Batching::default(), PgStore::new(pool), ledger("x")).unwrap();
+    let runner = || {
+        TxRunner::new(
+            config.clone(),
+            Batching::default(),
+            PgStore::new(pool.clone()),
+            ledger("x"),
+        )
+        .unwrap()
+    };
+    for wait in [Duration::ZERO, Duration::from_secs(3600)] {
+        match runner().with_offsets_in_transaction(wait) {
+            Err(RunnerError::Config(e)) => assert_eq!(e.setting, "offsets_in_transaction"),
+            other => panic!("{wait:?} accepted: {:?}", other.map(|_| ())),
+        }
+    }
+    let runner = runner();
     assert!(matches!(
         runner.with_policy(Policy::default().with_max_attempts(0)),
         Err(RunnerError::Config(_))
     ));
+}
+
+/// Offsets in the transaction. A consumer process commits every batch (effects and positions)
+/// in Postgres and is killed with SIGKILL before it ever commits an offset to Kafka. Restarted,
+/// the runner starts each partition from its stored position: no message is read again, so no
+/// handler runs again and no claim is made (counted: messages received, messages handed to the
+/// handler); Kafka's committed offsets then catch up with the stored ones, for tooling.
+async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads_nothing_again(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = crate::support::RedisServer::start();
+    let topic = unique("tx-offsets");
+    broker.create_topic(&topic, 4).await;
+    // A third of the events repeat an earlier key.
+    let events: Vec<Event> = (0..300u32)
+        .map(|i| {
+            let mut e = event(if i % 3 == 2 { i / 3 } else { i }, 4);
+            e.partition = i32::try_from(i).unwrap() % 4;
+            e
+        })
+        .collect();
+    let keys: BTreeSet<String> = events.iter().filter_map(|e| e.key.clone()).collect();
+    produce(broker, &topic, &events).await;
+    let ends = produced_ends(&topic, 4);
+    let group = unique("g");
+    let mut args = vec![
+        broker.bootstrap(),
+        group.clone(),
+        topic.clone(),
+        url_of(&pool),
+        redis.url(),
+    ];
+    args.extend(
+        broker
+            .client()
+            .iter()
+            .chain(&broker.fast_failover())
+            .map(|(k, v)| format!("{k}={v}")),
+    );
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"))
+        .args(&args)
+        .env("DEDUP_TX_DELAY_MS", "0")
+        .env("DEDUP_TX_OFFSETS", "1")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stored = |pool: PgPool, group: String, topic: String| async move {
+        let rows: Vec<(i32, i64)> = sqlx::query_as(
+            "SELECT partition, next_offset FROM dedup_offsets WHERE consumer_group = $1 AND topic = $2 ORDER BY partition",
+        )
+        .bind(&group)
+        .bind(&topic)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        (0..4)
+            .map(|p| rows.iter().find(|r| r.0 == p).map_or(-1, |r| r.1))
+            .collect::<Vec<i64>>()
+    };
+    eventually(60, "every batch and position committed in Postgres", || {
+        let (pool, group, topic, ends) = (pool.clone(), group.clone(), topic.clone(), ends.clone());
+        async move { stored(pool, group, topic).await == ends }
+    })
+    .await;
+    child.kill().await.unwrap();
+    assert!(!child.wait().await.unwrap().success());
+    assert_eq!(
+        committed(broker, &group, &topic, 4).await,
+        vec![-1; 4],
+        "the killed consumer never committed to Kafka"
+    );
+    assert_one_row_per_key(&pool, keys.iter().cloned()).await;
+
+    let mut config = broker.config(&group, &topic);
+    for (k, v) in broker.fast_failover() {
+        config = config.with_client(k, v);
+    }
+    let handler = ledger("second");
+    let calls = handler.calls.clone();
+    let second = RunningTx::spawn_with(config, &pool, handler, true);
+    let stats = second.stats.clone();
+    eventually(60, "the restarted runner assigned", || {
+        let s = stats.snapshot();
+        async move { s.assigned > 0 }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 4).await;
+    let s = second.stop().await;
+    assert_eq!(s.received, 0, "nothing was read again: {s:?}");
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "no handler ran again"
+    );
+    assert_eq!(s.executed + s.replayed, 0);
+    assert_one_row_per_key(&pool, keys).await;
 }

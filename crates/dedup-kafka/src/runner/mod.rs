@@ -213,7 +213,7 @@ where
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = self.scope.clone();
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let (consumer, producer) = clients(&self.config, &shared, &self.counters)?;
+        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None)?;
 
         let (stop_tx, stop_rx) = watch::channel(false);
         let dead_letter_topic = self.config.dead_letter_topic.clone();

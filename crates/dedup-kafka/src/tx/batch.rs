@@ -10,7 +10,7 @@ use dedup_core::{
     AfterHandlerError, ClaimRequest, HandlerError, IdempotencyKey, Lease, OwnerId, Policy,
     StoreError,
 };
-use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore};
+use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxOffsets};
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use sqlx::PgConnection;
@@ -48,6 +48,8 @@ pub(crate) struct Inner<H> {
     pub(crate) owner_prefix: String,
     /// Claims made, for a per-claim owner id.
     pub(crate) claims: AtomicU64,
+    /// Whether each batch stores its partition's position in its transaction.
+    pub(crate) offsets_in_tx: bool,
 }
 
 /// Why a message goes to the dead-letter topic, and after how many attempts.
@@ -66,6 +68,7 @@ impl<H: BatchHandler> Inner<H> {
         tp: TopicPartition,
         generation: u64,
         items: Vec<Item>,
+        end: Option<i64>,
         revoked: &AtomicBool,
     ) -> Done {
         let span = info_span!(
@@ -80,7 +83,19 @@ impl<H: BatchHandler> Inner<H> {
         // Kept for a panic (ours: the handler's are caught inside the transaction), after
         // which every message runs again: the claims make that safe.
         let backup = items.clone();
-        let body = AssertUnwindSafe(self.run(items, revoked).instrument(span.clone()));
+        let position = end.map(|end| {
+            TxOffsets::new(
+                self.config.group_id.clone(),
+                tp.0.clone(),
+                tp.1,
+                items.iter().map(|i| i.delivery.offset).collect(),
+                end,
+            )
+        });
+        let body = AssertUnwindSafe(
+            self.run(items, position.as_ref(), revoked)
+                .instrument(span.clone()),
+        );
         let (settled, again) = match body.catch_unwind().await {
             Ok(out) => out,
             Err(panic) => {
@@ -115,6 +130,7 @@ impl<H: BatchHandler> Inner<H> {
     async fn run(
         &self,
         items: Vec<Item>,
+        position: Option<&TxOffsets>,
         revoked: &AtomicBool,
     ) -> (Vec<(i64, Settled)>, Vec<Item>) {
         let reqs: Vec<ClaimRequest> = items
@@ -133,10 +149,24 @@ impl<H: BatchHandler> Inner<H> {
                 .or_insert_with(|| i.delivery.clone());
         }
         let body = body(self.handler.clone(), deliveries);
-        let answers = self
-            .store
-            .transact_batch_ordered(&reqs, &groups, self.batching.transaction, body)
-            .await;
+        let answers = match position {
+            Some(position) => {
+                self.store
+                    .transact_batch_with_offsets(
+                        &reqs,
+                        &groups,
+                        position,
+                        self.batching.transaction,
+                        body,
+                    )
+                    .await
+            }
+            None => {
+                self.store
+                    .transact_batch_ordered(&reqs, &groups, self.batching.transaction, body)
+                    .await
+            }
+        };
         let mut settled = Vec::with_capacity(items.len());
         let mut again = Vec::new();
         let mut letters = Vec::new();

@@ -17,6 +17,7 @@
 //! messages wait for it (see `transact_batch_ordered`), and the next batch takes them after it.
 
 mod batch;
+mod offsets;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -37,7 +38,8 @@ use tracing::{debug, info, warn};
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
-    Backpressure, RunnerContext, Shared, TopicPartition, clients, commit, lock, sleep_until_opt,
+    Backpressure, RunnerContext, Shared, StartOffsets, TopicPartition, clients, commit, lock,
+    sleep_until_opt,
 };
 use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
@@ -165,7 +167,12 @@ pub struct TxRunner<H> {
     handler: Arc<H>,
     counters: Arc<Counters>,
     owner_prefix: String,
+    /// Offsets in the transaction: on, with the bound on reading them at assignment.
+    offsets: Option<Duration>,
 }
+
+/// The longest a rebalance callback may wait for stored positions (it holds the poll).
+pub const MAX_ASSIGNMENT_WAIT: Duration = Duration::from_secs(60);
 
 impl<H: BatchHandler> TxRunner<H> {
     /// A runner writing through `store` and calling `handler` per batch. Every setting is
@@ -206,7 +213,32 @@ impl<H: BatchHandler> TxRunner<H> {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_micros())
             ),
+            offsets: None,
         })
+    }
+
+    /// Offsets in the transaction: each batch stores its partition's position (`dedup_offsets`)
+    /// in its own transaction, so the effects and the consumer's position commit together; on
+    /// assignment each partition starts from its stored position, read with a bounded `wait`
+    /// (the rebalance callback holds the poll meanwhile), and from Kafka's committed offset when
+    /// there is none or it is not read in time (safe: claims deduplicate what is read again).
+    /// A dead-lettered message's offset is stored once its dead letter is acknowledged. Kafka
+    /// offset commits go on as before, for tooling and lag monitoring.
+    ///
+    /// # Errors
+    /// `wait` is zero or longer than [`MAX_ASSIGNMENT_WAIT`].
+    pub fn with_offsets_in_transaction(mut self, wait: Duration) -> Result<Self, RunnerError> {
+        if wait.is_zero() || wait > MAX_ASSIGNMENT_WAIT {
+            return Err(ConfigError {
+                setting: "offsets_in_transaction",
+                problem: format!(
+                    "the wait {wait:?} is not between 1 ns and {MAX_ASSIGNMENT_WAIT:?}"
+                ),
+            }
+            .into());
+        }
+        self.offsets = Some(wait);
+        Ok(self)
     }
 
     /// Sets the claim policy (lease, attempts, retention).
@@ -234,7 +266,21 @@ impl<H: BatchHandler> TxRunner<H> {
     /// The Kafka client could not start or subscribe.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let (consumer, producer) = clients(&self.config, &shared, &self.counters)?;
+        let start_offsets: Option<Arc<dyn StartOffsets>> = match self.offsets {
+            Some(wait) => Some(Arc::new(
+                offsets::OffsetReader::start(
+                    self.store.pool().connect_options(),
+                    self.config.group_id.clone(),
+                    wait,
+                )
+                .map_err(|e| ConfigError {
+                    setting: "offsets_in_transaction",
+                    problem: format!("starting the offset reader thread: {e}"),
+                })?,
+            )),
+            None => None,
+        };
+        let (consumer, producer) = clients(&self.config, &shared, &self.counters, start_offsets)?;
         let (stop_tx, stop_rx) = watch::channel(false);
         let dead_letter_topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(batch::Inner {
@@ -251,6 +297,7 @@ impl<H: BatchHandler> TxRunner<H> {
             stopping: stop_rx,
             owner_prefix: self.owner_prefix,
             claims: AtomicU64::new(0),
+            offsets_in_tx: self.offsets.is_some(),
         });
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
         let mut lp = Loop {
@@ -263,6 +310,7 @@ impl<H: BatchHandler> TxRunner<H> {
             running: 0,
             pressure: Backpressure::default(),
             done_tx,
+            stored: HashMap::new(),
         };
         let mut commit_tick = tokio::time::interval(inner.config.commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -324,6 +372,9 @@ impl<H: BatchHandler> TxRunner<H> {
             }
         }
         lp.commit(CommitMode::Sync);
+        if let Some(last) = lp.store_positions() {
+            let _ = last.await;
+        }
         lp.consumer.unsubscribe();
         if let Err(e) = inner.dead_letters.producer.flush(Duration::from_secs(10)) {
             warn!(error = %e, "dead-letter producer flush");
@@ -384,6 +435,8 @@ struct Loop<H> {
     running: usize,
     pressure: Backpressure,
     done_tx: mpsc::UnboundedSender<Done>,
+    /// Offsets in the transaction: the positions last stored outside a batch.
+    stored: HashMap<TopicPartition, i64>,
 }
 
 /// The ordering group of messages without an ordering key under `PerKey`, and of every message
@@ -391,8 +444,44 @@ struct Loop<H> {
 const PARTITION_GROUP: u64 = u64::MAX;
 
 impl<H: BatchHandler> Loop<H> {
-    fn commit(&self, mode: CommitMode) {
+    fn commit(&mut self, mode: CommitMode) {
         commit(&self.consumer, &self.shared, &self.inner.counters, mode);
+        drop(self.store_positions());
+    }
+
+    /// Offsets in the transaction: stores the positions that moved without a batch (dead letters
+    /// acknowledged, a partition started from its stored position), forward only.
+    fn store_positions(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+        if !self.inner.offsets_in_tx {
+            return None;
+        }
+        let mut moved = Vec::new();
+        {
+            let shared = lock(&self.shared);
+            for (tp, part) in &shared.parts {
+                if let Some(pos) = part.position()
+                    && self.stored.get(tp).is_none_or(|&s| pos > s)
+                {
+                    moved.push((tp.clone(), pos));
+                }
+            }
+        }
+        if moved.is_empty() {
+            return None;
+        }
+        for (tp, pos) in &moved {
+            self.stored.insert(tp.clone(), *pos);
+        }
+        let (store, group) = (self.inner.store.clone(), self.inner.config.group_id.clone());
+        Some(tokio::spawn(async move {
+            let positions: Vec<(&str, i32, i64)> = moved
+                .iter()
+                .map(|((t, p), o)| (t.as_str(), *p, *o))
+                .collect();
+            if let Err(e) = store.store_offsets(&group, &positions).await {
+                warn!(error = %e, "storing positions failed; the next batch or commit stores them");
+            }
+        }))
     }
 
     fn receive(&mut self, delivery: Delivery) {
@@ -508,6 +597,7 @@ impl<H: BatchHandler> Loop<H> {
         let now = Instant::now();
         let (size, wait) = (self.inner.batching.size, self.inner.batching.wait);
         let stopping = *self.inner.stopping.borrow();
+        let shared = self.shared.clone();
         let mut abandoned = 0;
         for (tp, q) in &mut self.parts {
             if q.revoked.load(AtomicOrdering::Acquire) && !q.queue.is_empty() {
@@ -550,12 +640,29 @@ impl<H: BatchHandler> Loop<H> {
             if take.is_empty() {
                 continue;
             }
+            // Offsets in the transaction: the position if the whole batch settles.
+            let end = if self.inner.offsets_in_tx {
+                let taken: HashSet<i64> = take.iter().map(|i| i.delivery.offset).collect();
+                lock(&shared)
+                    .parts
+                    .get(tp)
+                    .filter(|p| p.generation == q.generation)
+                    .and_then(|p| {
+                        p.pending
+                            .iter()
+                            .find(|o| !taken.contains(o))
+                            .copied()
+                            .or(p.next)
+                    })
+            } else {
+                None
+            };
             q.running = true;
             self.running += 1;
             let (inner, tx) = (self.inner.clone(), self.done_tx.clone());
             let (tp, generation, revoked) = (tp.clone(), q.generation, q.revoked.clone());
             tokio::spawn(async move {
-                let done = inner.run_batch(tp, generation, take, &revoked).await;
+                let done = inner.run_batch(tp, generation, take, end, &revoked).await;
                 let _ = tx.send(done);
             });
         }

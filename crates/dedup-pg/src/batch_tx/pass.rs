@@ -1,0 +1,472 @@
+//! One pass of a batch transaction: BEGIN, the locks, the claims (fresh keys need none), the
+//! handler (whole, or in parts after a failure), the completions, the position, COMMIT.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use dedup_core::{ClaimOutcome, ClaimRequest, Lease, State, Store, StoreError};
+use sqlx::postgres::PgConnection;
+use tracing::debug;
+
+use super::fresh::{insert_claimed, insert_completed, read_fresh};
+use super::parts::{call, handler_reason, record_failure, withdraw};
+use super::{BatchAnswer, BatchBody, BatchRetried, ItemResult, TxBatchConfig};
+use crate::PgStore;
+use crate::claim::{claim_counted, claim_many};
+use crate::classify::classify;
+use crate::complete::complete_many;
+use crate::offsets::{TxOffsets, store_offsets_on};
+use crate::sql::TRY_LOCK_SQL;
+
+/// A part of the acquired messages, run under one savepoint in the second pass.
+type Part = Vec<usize>;
+
+/// What a pass runs over: the requests, their ordering groups and the position to store, if
+/// any; `distinct` the first appearance of each key.
+#[derive(Clone, Copy)]
+pub(super) struct Plan<'a> {
+    pub(super) reqs: &'a [ClaimRequest],
+    pub(super) groups: Option<&'a [u64]>,
+    pub(super) offsets: Option<&'a TxOffsets>,
+    pub(super) distinct: &'a [usize],
+    pub(super) config: TxBatchConfig,
+}
+
+impl PgStore {
+    /// One transaction over the distinct requests. `alone`: `None` on the happy path (no
+    /// savepoint); in the second pass, the messages that failed in the first, each to be run
+    /// alone. `groups`: the ordering group of each request, if the batch keeps an order.
+    #[allow(clippy::too_many_lines)]
+    pub(super) async fn run_once<E, H>(
+        &self,
+        plan: &Plan<'_>,
+        handler: &mut H,
+        alone: Option<Vec<usize>>,
+    ) -> Result<Pass<E>, StoreError>
+    where
+        E: std::fmt::Display + Send,
+        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+    {
+        let Plan {
+            reqs,
+            groups,
+            offsets,
+            distinct,
+            config,
+        } = *plan;
+        let mut conn = self.conn().await?;
+        let out = async {
+            let mut tx = sqlx::Connection::begin(&mut **conn)
+                .await
+                .map_err(|e| classify(e, false))?;
+            self.count(1);
+            // Ordering groups with a message that did not settle: their later messages wait.
+            let mut held = Held::new(groups);
+            // Lock what can be locked at once; the rest is InFlight.
+            let scopes: Vec<&str> = distinct.iter().map(|&i| reqs[i].key.scope().as_str()).collect();
+            let keys: Vec<&[u8]> = distinct.iter().map(|&i| reqs[i].key.key_bytes()).collect();
+            let idle = format!("{}ms", config.idle_timeout.as_millis().max(1));
+            let wait = format!("{}ms", config.lock_timeout.as_millis().max(1));
+            let got: Vec<bool> = sqlx::query_scalar(TRY_LOCK_SQL)
+                .bind(&scopes)
+                .bind(&keys)
+                .bind(&idle)
+                .bind(&wait)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| classify(e, false))?;
+            self.count(1);
+            let mut answers: Vec<Option<BatchAnswer<E>>> = distinct.iter().map(|_| None).collect();
+            let mut locked = Vec::with_capacity(distinct.len());
+            for (n, ok) in got.into_iter().enumerate() {
+                let i = distinct[n];
+                if held.waits(i) {
+                    answers[n] = Some(BatchAnswer::Deferred);
+                } else if ok {
+                    locked.push(i);
+                } else {
+                    held.hold(i);
+                    answers[n] = Some(BatchAnswer::InFlight);
+                }
+            }
+            let index: HashMap<usize, usize> =
+                distinct.iter().enumerate().map(|(n, &i)| (i, n)).collect();
+            // Fresh keys (no row at all) are granted without a claim statement; the others are
+            // claimed in one statement, and what it leaves out one by one.
+            let mut outcomes: HashMap<usize, ClaimOutcome> = HashMap::new();
+            let mut unwritten: HashSet<usize> = HashSet::new();
+            let mut existing = Vec::new();
+            if !locked.is_empty() {
+                self.count(1);
+                for (&i, lease) in locked.iter().zip(read_fresh(&mut tx, reqs, &locked).await?) {
+                    match lease {
+                        Some(lease) => {
+                            unwritten.insert(i);
+                            outcomes.insert(i, ClaimOutcome::Acquired(lease));
+                        }
+                        None => existing.push(i),
+                    }
+                }
+            }
+            if !existing.is_empty() {
+                self.count(1);
+                for (i, answer, _) in claim_many(&mut tx, reqs, &existing).await? {
+                    outcomes.insert(i, answer?);
+                }
+                // Left out: a lost race, or a key out of attempts (the single claim marks it).
+                let left: Vec<usize> = existing
+                    .iter()
+                    .copied()
+                    .filter(|i| !outcomes.contains_key(i))
+                    .collect();
+                for i in left {
+                    let (answer, statements) = claim_counted(&mut tx, &reqs[i]).await;
+                    self.count(statements);
+                    outcomes.insert(i, answer?);
+                }
+            }
+            // In request order, so that a group's InFlight holds back only its later messages.
+            let mut leases: Vec<(usize, Lease)> = Vec::new();
+            for &i in &locked {
+                let n = index[&i];
+                let Some(outcome) = outcomes.remove(&i) else {
+                    answers[n] = Some(BatchAnswer::InFlight);
+                    continue;
+                };
+                answers[n] = Some(match outcome {
+                    ClaimOutcome::Acquired(lease) if held.waits(i) => {
+                        // A fresh key has nothing written to give back.
+                        if !unwritten.contains(&i) {
+                            withdraw(&mut tx, &lease).await?;
+                            self.count(1);
+                        }
+                        BatchAnswer::Deferred
+                    }
+                    ClaimOutcome::Acquired(lease) => {
+                        leases.push((n, lease));
+                        continue;
+                    }
+                    ClaimOutcome::Completed { result, .. } => BatchAnswer::Replayed { result },
+                    ClaimOutcome::Failed { reason, attempts } => {
+                        BatchAnswer::Failed { reason, attempts }
+                    }
+                    ClaimOutcome::PayloadMismatch => BatchAnswer::PayloadMismatch,
+                    _ => {
+                        held.hold(i);
+                        BatchAnswer::InFlight
+                    }
+                });
+            }
+            let (positions, leases): (Vec<usize>, Vec<Lease>) = leases.into_iter().unzip();
+            let req_of = |k: usize| reqs_index(&positions, distinct, k);
+            // The handler: the whole batch at once, or in parts under savepoints.
+            let results: Vec<Option<ItemResult<E>>> = match &alone {
+                _ if leases.is_empty() => Vec::new(),
+                None => {
+                    let whole = call(handler, &mut tx, &leases).await;
+                    match whole {
+                        Ok(results) if results.iter().all(Result::is_ok) => {
+                            results.into_iter().map(Some).collect()
+                        }
+                        Ok(results) => {
+                            let failed = results
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, r)| r.is_err())
+                                .map(|(k, _)| req_of(k))
+                                .collect();
+                            debug!("batch handler reported failures; running again in parts");
+                            // Before the second pass takes its locks: let go of this one's.
+                            tx.rollback().await.map_err(|e| classify(e, false))?;
+                            return Ok(Pass::Retry(failed));
+                        }
+                        Err(e) => {
+                            debug!(error = %handler_reason(&e), "batch handler failed; running again in parts");
+                            tx.rollback().await.map_err(|e| classify(e, false))?;
+                            return Ok(Pass::Retry(Vec::new()));
+                        }
+                    }
+                }
+                Some(alone) => {
+                    // Parts in request order: each message that failed before on its own, the
+                    // runs between them together.
+                    let mut parts: VecDeque<Part> =
+                        segments((0..leases.len()).collect(), |k| alone.contains(&req_of(k)));
+                    let mut results: Vec<Option<ItemResult<E>>> =
+                        (0..leases.len()).map(|_| None).collect();
+                    while let Some(part) = parts.pop_front() {
+                        // A message whose group had a failure before it waits (left as None).
+                        let part: Part = part.into_iter().filter(|&k| !held.waits(req_of(k))).collect();
+                        if part.is_empty() {
+                            continue;
+                        }
+                        let sub: Vec<Lease> = part.iter().map(|&k| leases[k].clone()).collect();
+                        sqlx::query("SAVEPOINT dedup_part")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| classify(e, false))?;
+                        self.count(1);
+                        let out = call(handler, &mut tx, &sub).await;
+                        let all_ok = matches!(&out, Ok(r) if r.iter().all(Result::is_ok));
+                        if all_ok {
+                            sqlx::query("RELEASE SAVEPOINT dedup_part")
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(|e| classify(e, false))?;
+                            self.count(1);
+                            if let Ok(r) = out {
+                                for (&k, r) in part.iter().zip(r) {
+                                    results[k] = Some(r);
+                                }
+                            }
+                            continue;
+                        }
+                        // Undone, and released too, so that failed parts do not nest.
+                        sqlx::query("ROLLBACK TO SAVEPOINT dedup_part")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| classify(e, false))?;
+                        sqlx::query("RELEASE SAVEPOINT dedup_part")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| classify(e, false))?;
+                        self.count(2);
+                        match out {
+                            // The message at fault, alone: its group's later messages wait.
+                            Ok(mut r) if part.len() == 1 => {
+                                held.hold(req_of(part[0]));
+                                results[part[0]] = r.pop();
+                            }
+                            Err(e) if part.len() == 1 => {
+                                held.hold(req_of(part[0]));
+                                results[part[0]] = Some(Err(e));
+                            }
+                            // The handler said which failed: those alone, the runs between
+                            // together, still in request order.
+                            Ok(r) => {
+                                let bad: HashSet<usize> = part
+                                    .iter()
+                                    .zip(&r)
+                                    .filter(|(_, r)| r.is_err())
+                                    .map(|(&k, _)| k)
+                                    .collect();
+                                for p in segments(part, |k| bad.contains(&k)).into_iter().rev() {
+                                    parts.push_front(p);
+                                }
+                            }
+                            // Failed as a whole: halves, until the message at fault is alone.
+                            Err(_) => {
+                                let mid = part.len() / 2;
+                                parts.push_front(part[mid..].to_vec());
+                                parts.push_front(part[..mid].to_vec());
+                            }
+                        }
+                    }
+                    results
+                }
+            };
+            // Record: fresh successes written COMPLETED in one statement, the other successes
+            // completed in one; each failure on its own (a fresh key's claim written first); a
+            // message that waited on its group given back.
+            let fresh_failed: Vec<&Lease> = results
+                .iter()
+                .enumerate()
+                .filter(|(k, r)| matches!(r, Some(Err(_))) && unwritten.contains(&req_of(*k)))
+                .map(|(k, _)| &leases[k])
+                .collect();
+            if !fresh_failed.is_empty() {
+                self.count(1);
+                insert_claimed(&mut tx, &fresh_failed).await?;
+            }
+            let mut done = Vec::new();
+            let mut done_at = Vec::new();
+            let mut written = Vec::new();
+            let mut written_at = Vec::new();
+            for (k, r) in results.into_iter().enumerate() {
+                let n = positions[k];
+                let lease = &leases[k];
+                let fresh = unwritten.contains(&req_of(k));
+                match r {
+                    Some(Ok(result)) if fresh => {
+                        written.push((lease.clone(), result));
+                        written_at.push(k);
+                    }
+                    Some(Ok(result)) => {
+                        done.push((lease.clone(), result));
+                        done_at.push(k);
+                    }
+                    Some(Err(error)) => {
+                        answers[n] = Some(record_failure(&mut tx, lease, error).await?);
+                        self.count(1);
+                    }
+                    None => {
+                        if !fresh {
+                            withdraw(&mut tx, lease).await?;
+                            self.count(1);
+                        }
+                        answers[n] = Some(BatchAnswer::Deferred);
+                    }
+                }
+            }
+            if !written.is_empty() {
+                self.count(1);
+                insert_completed(&mut tx, &written).await?;
+                for (k, (lease, result)) in written_at.iter().zip(&written) {
+                    answers[positions[*k]] = Some(BatchAnswer::Executed {
+                        result: result.clone(),
+                        token: lease.token,
+                        attempts: lease.attempts,
+                    });
+                }
+            }
+            if !done.is_empty() {
+                let (completed, failed, statements) = complete_many(&mut tx, &done).await;
+                self.count(statements);
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                for ((k, r), (lease, result)) in done_at.iter().zip(completed).zip(&done) {
+                    // Our own uncommitted claims: only an oversized result can refuse here,
+                    // and that fails the whole batch before anything is recorded wrongly.
+                    r?;
+                    answers[positions[*k]] = Some(BatchAnswer::Executed {
+                        result: result.clone(),
+                        token: lease.token,
+                        attempts: lease.attempts,
+                    });
+                }
+            }
+            // The consumer's position, with the effects.
+            if let Some(offsets) = offsets {
+                let first: HashMap<&dedup_core::IdempotencyKey, usize> = distinct
+                    .iter()
+                    .enumerate()
+                    .map(|(n, &i)| (&reqs[i].key, n))
+                    .collect();
+                let position = offsets.position(|i| settles(reqs, distinct, &first, &answers, i));
+                self.count(1);
+                store_offsets_on(
+                    &mut tx,
+                    &offsets.consumer_group,
+                    &[(&offsets.topic, offsets.partition, position)],
+                )
+                .await?;
+            }
+            // A commit whose reply is lost is read back through one completed lease (a
+            // transaction commits whole); whatever did not commit is a passing failure of the
+            // whole batch, which a retry settles (every claim is read again).
+            self.count(1);
+            if let Err(e) = tx.commit().await {
+                let err = classify(e, true);
+                let landed = match (err.is_outcome_unknown(), done.first().or(written.first())) {
+                    (true, Some((lease, _))) => matches!(
+                        self.get(&lease.key).await,
+                        Ok(Some(r)) if r.token == lease.token && r.state == State::Completed
+                    ),
+                    _ => false,
+                };
+                if !landed {
+                    return Err(if err.is_outcome_unknown() && !(done.is_empty() && written.is_empty()) {
+                        StoreError::unavailable(BatchRetried("the batch's commit did not land"))
+                    } else {
+                        err
+                    });
+                }
+            }
+            Ok(Pass::Done(answers))
+        }
+        .await;
+        if let Err(e) = &out {
+            conn.saw(e);
+            // A transaction dropped on an error only queues its ROLLBACK: send it now, so that
+            // its advisory locks are gone before the caller retries the batch.
+            if !crate::classify::must_discard(e) {
+                let _ = sqlx::Connection::ping(&mut **conn).await;
+            }
+        }
+        out
+    }
+}
+
+/// Whether request `i` settles with this pass's answers (`answers[n]` for `distinct[n]`):
+/// executed or replayed, or a repeat of a key that does (with a compatible payload). A failure
+/// or mismatch is not settled here: its dead letter is not written yet.
+fn settles<E>(
+    reqs: &[ClaimRequest],
+    distinct: &[usize],
+    first: &HashMap<&dedup_core::IdempotencyKey, usize>,
+    answers: &[Option<BatchAnswer<E>>],
+    i: usize,
+) -> bool {
+    let Some(&n) = first.get(&reqs[i].key) else {
+        return false;
+    };
+    let first = &reqs[distinct[n]];
+    let compatible = reqs[i].fingerprint.is_none()
+        || first.fingerprint.is_none()
+        || reqs[i].fingerprint == first.fingerprint;
+    compatible
+        && matches!(
+            answers[n],
+            Some(BatchAnswer::Executed { .. } | BatchAnswer::Replayed { .. })
+        )
+}
+
+/// The ordering groups of a batch in which a message did not settle: the group's later messages
+/// wait. Without groups, nothing waits.
+struct Held<'g> {
+    groups: Option<&'g [u64]>,
+    held: HashSet<u64>,
+}
+
+impl<'g> Held<'g> {
+    fn new(groups: Option<&'g [u64]>) -> Self {
+        Self {
+            groups,
+            held: HashSet::new(),
+        }
+    }
+
+    /// Request `i` did not settle: its group's later messages wait.
+    fn hold(&mut self, i: usize) {
+        if let Some(g) = self.groups {
+            self.held.insert(g[i]);
+        }
+    }
+
+    /// Whether request `i` waits for an earlier message of its group.
+    fn waits(&self, i: usize) -> bool {
+        self.groups.is_some_and(|g| self.held.contains(&g[i]))
+    }
+}
+
+/// `items` in order, cut so that each one `alone` says is a part by itself and the runs between
+/// them are parts.
+fn segments(items: Part, alone: impl Fn(usize) -> bool) -> VecDeque<Part> {
+    let mut parts = VecDeque::new();
+    let mut run = Vec::new();
+    for k in items {
+        if alone(k) {
+            if !run.is_empty() {
+                parts.push_back(std::mem::take(&mut run));
+            }
+            parts.push_back(vec![k]);
+        } else {
+            run.push(k);
+        }
+    }
+    if !run.is_empty() {
+        parts.push_back(run);
+    }
+    parts
+}
+
+/// The outcome of one transaction over the batch.
+pub(super) enum Pass<E> {
+    Done(Vec<Option<BatchAnswer<E>>>),
+    /// Rolled back after a handler failure; these requests (indices into `reqs`) failed alone.
+    Retry(Vec<usize>),
+}
+
+fn reqs_index(positions: &[usize], distinct: &[usize], k: usize) -> usize {
+    distinct[positions[k]]
+}
