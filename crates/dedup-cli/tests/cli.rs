@@ -263,9 +263,8 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(text(&out).0.contains("migrations applied"));
 
-    // One message at a time through the full engine, which backfills Redis after each commit.
     let out = dedup()
-        .args(["demo", "--events", "50", "--mode", "per-message", "--quiet"])
+        .args(["demo", "--events", "50", "--quiet"])
         .env("DATABASE_URL", &db)
         .env("REDIS_URL", &redis)
         .output()

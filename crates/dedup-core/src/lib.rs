@@ -66,7 +66,10 @@ pub use record::{
     Timestamp, micros,
 };
 pub use store::{MemoryStore, Store};
-pub use tiered::{Cached, FastPath, L1Policy, NoFastPath, TierStats, TieredConfig, TieredStore};
+pub use tiered::{
+    BatchCache, CacheFuture, Cached, FastPath, L1Policy, NoFastPath, TierStats, TieredConfig,
+    TieredStore,
+};
 pub use typed::{ResultCodec, TypedProcessed};
 
 /// The README's examples run as doctests, so they cannot rot.

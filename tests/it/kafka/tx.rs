@@ -4,7 +4,9 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use dedup_core::Policy;
+use std::sync::Arc;
+
+use dedup_core::{BatchCache, Policy};
 use dedup_kafka::{
     Batching, DLQ_REASON, MissingKey, Ordering, RunnerConfig, RunnerError, RunnerStats,
     StatsHandle, TxRunner,
@@ -18,7 +20,7 @@ use super::{
     Broker, Event, assert_one_row_per_key, committed, committed_to_the_end, event, eventually,
     ledger_count, produce, produced_ends, read_dead_letters, unique,
 };
-use crate::support::{effects_table, url_of};
+use crate::support::{RedisServer, effects_table, tiered, url_of};
 
 #[path = "../../bin/batch_ledger.rs"]
 mod batch_ledger;
@@ -41,6 +43,16 @@ impl RunningTx {
         handler: BatchLedger,
         offsets_in_tx: bool,
     ) -> Self {
+        Self::spawn_full(config, pool, handler, offsets_in_tx, None)
+    }
+
+    fn spawn_full(
+        config: RunnerConfig,
+        pool: &PgPool,
+        handler: BatchLedger,
+        offsets_in_tx: bool,
+        caches: Option<Arc<dyn BatchCache>>,
+    ) -> Self {
         let policy = Policy::default()
             .with_lease(Duration::from_secs(5))
             .with_max_attempts(10);
@@ -57,6 +69,9 @@ impl RunningTx {
             runner = runner
                 .with_offsets_in_transaction(Duration::from_secs(5))
                 .unwrap();
+        }
+        if let Some(caches) = caches {
+            runner = runner.with_caches(caches);
         }
         let stats = runner.stats();
         let (stop, rx) = oneshot::channel::<()>();
@@ -88,6 +103,7 @@ on_brokers!(
     tx_one_keys_failures_hold_back_only_that_keys_later_messages,
     tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_the_end,
     tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads_nothing_again,
+    tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_transaction,
 );
 
 /// 600 events over 3 partitions (a third of them repeats), poison every 50th key, one key reused
@@ -479,5 +495,59 @@ async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads
         "no handler ran again"
     );
     assert_eq!(s.executed + s.replayed, 0);
+    assert_one_row_per_key(&pool, keys).await;
+}
+
+/// Caches in front of the transactions: a first consumer group books a stream (its commits copy
+/// every completed key to Redis); a second group in the same dedup scope, with an empty L1, reads
+/// the stream again and every message is answered from the caches: no transaction runs, and
+/// Postgres is asked nothing.
+async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_transaction(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("tx-cached");
+    broker.create_topic(&topic, 2).await;
+    let events: Vec<Event> = (0..200u32)
+        .map(|i| {
+            let mut e = event(if i % 2 == 1 { i / 2 } else { i }, 2);
+            e.partition = i32::try_from(i).unwrap() % 2;
+            e
+        })
+        .collect();
+    let keys: BTreeSet<String> = events.iter().filter_map(|e| e.key.clone()).collect();
+    produce(broker, &topic, &events).await;
+    let scope = unique("scope");
+    let first = Arc::new(tiered(pool.clone(), &redis).await);
+    let config = broker
+        .config(&unique("g"), &topic)
+        .with_scope(scope.clone());
+    let run = RunningTx::spawn_full(config, &pool, ledger("first"), false, Some(first.clone()));
+    let stats = run.stats.clone();
+    eventually(60, "the first group settled the stream", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed == 200 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!(s.executed, keys.len() as u64);
+    assert_one_row_per_key(&pool, keys.iter().cloned()).await;
+
+    let second = Arc::new(tiered(pool.clone(), &redis).await);
+    let config = broker.config(&unique("g"), &topic).with_scope(scope);
+    let run = RunningTx::spawn_full(config, &pool, ledger("second"), false, Some(second.clone()));
+    let stats = run.stats.clone();
+    eventually(60, "the second group settled the stream", || {
+        let s = stats.snapshot();
+        async move { s.replayed == 200 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.batches), (0, 0), "no transaction ran: {s:?}");
+    let tiers = second.stats();
+    assert_eq!(tiers.authority_claims, 0, "{tiers:?}");
+    assert!(tiers.l2_hits >= keys.len() as u64, "{tiers:?}");
     assert_one_row_per_key(&pool, keys).await;
 }

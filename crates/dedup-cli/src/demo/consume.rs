@@ -21,7 +21,8 @@ use crate::connect::CliError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Mode {
     /// Transaction mode by the batch: each partition's batch (up to 500 messages) in one Postgres
-    /// transaction, its ledger rows in one statement.
+    /// transaction, its ledger rows in one statement; moka and Redis in front answer keys already
+    /// settled, and learn each commit's completions after it.
     Tx,
     /// One message at a time through the full engine (moka, Redis, Postgres; claims grouped by
     /// `Batched`), each ledger row and its completion in a transaction of its own.
@@ -37,7 +38,7 @@ pub(crate) struct Started {
 
 /// What the report says about the engine after the run.
 pub(crate) enum Engine {
-    Tx,
+    Tx(Arc<TieredStore<PgStore, RedisFastPath>>),
     PerMessage(Arc<Dedup<Batched<TieredStore<PgStore, RedisFastPath>>>>),
 }
 
@@ -45,13 +46,24 @@ impl Engine {
     /// The report's engine lines.
     pub(crate) fn lines(&self, s: &dedup_kafka::RunnerStats) -> Vec<String> {
         match self {
-            Self::Tx => {
+            Self::Tx(caches) => {
+                let tiers = caches.stats();
                 #[allow(clippy::cast_precision_loss)]
-                let per = (s.executed + s.replayed) as f64 / s.batches.max(1) as f64;
-                vec![format!(
-                    "  batch transactions   {:>10}   ({per:.0} messages settled per batch)",
-                    s.batches
-                )]
+                let per = tiers.authority_claims as f64 / s.batches.max(1) as f64;
+                vec![
+                    format!(
+                        "  answered by L1       {:>10}   Redis {}   Postgres {}",
+                        tiers.l1_hits, tiers.l2_hits, tiers.authority_claims
+                    ),
+                    format!(
+                        "  batch transactions   {:>10}   ({per:.0} messages per transaction)",
+                        s.batches
+                    ),
+                    format!(
+                        "  backfills            {:>10}   Redis errors {}   timeouts {}",
+                        tiers.backfills, tiers.l2_errors, tiers.l2_timeouts
+                    ),
+                ]
             }
             Self::PerMessage(dedup) => {
                 let tiers = dedup.store().inner().stats();
@@ -89,10 +101,17 @@ pub(crate) fn start(
     };
     match mode {
         Mode::Tx => {
+            // The caches: keys they hold settled are answered without a transaction; each
+            // commit's completions are copied to them (in the background) after it.
+            let caches = Arc::new(
+                TieredStore::new(pg.clone(), fast, TieredConfig::default())
+                    .with_background_backfill(),
+            );
             let runner = TxRunner::new(config, Batching::default(), pg, Ledger { run })
                 .map_err(|e| CliError::Config(e.to_string()))?
                 .with_policy(policy)
-                .map_err(|e| CliError::Config(e.to_string()))?;
+                .map_err(|e| CliError::Config(e.to_string()))?
+                .with_caches(caches.clone());
             let stats = runner.stats();
             let task = tokio::spawn(async move {
                 runner
@@ -103,7 +122,7 @@ pub(crate) fn start(
             Ok(Started {
                 stats,
                 task,
-                engine: Engine::Tx,
+                engine: Engine::Tx(caches),
             })
         }
         Mode::PerMessage => {

@@ -27,10 +27,12 @@ use crate::machine;
 use crate::record::{AfterFailure, ClaimOutcome, ClaimRequest, Lease, Record, State, Timestamp};
 use crate::store::Store;
 
+mod batch_cache;
 mod cache;
 mod config;
 mod span;
 
+pub use batch_cache::{BatchCache, CacheFuture};
 pub use cache::{Cached, FastPath, NoFastPath};
 use config::{Counters, bump};
 pub use config::{L1Policy, TierStats, TieredConfig};

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 
 use dedup_core::{
-    AfterHandlerError, ClaimRequest, HandlerError, IdempotencyKey, Lease, OwnerId, Policy,
-    StoreError,
+    AfterHandlerError, BatchCache, Cached, ClaimOutcome, ClaimRequest, HandlerError,
+    IdempotencyKey, Lease, OwnerId, Policy, State, StoreError,
 };
 use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxOffsets};
 use futures_util::FutureExt;
@@ -50,6 +50,8 @@ pub(crate) struct Inner<H> {
     pub(crate) claims: AtomicU64,
     /// Whether each batch stores its partition's position in its transaction.
     pub(crate) offsets_in_tx: bool,
+    /// Caches in front of the transaction, if any.
+    pub(crate) caches: Option<Arc<dyn BatchCache>>,
 }
 
 /// Why a message goes to the dead-letter topic, and after how many attempts.
@@ -83,19 +85,7 @@ impl<H: BatchHandler> Inner<H> {
         // Kept for a panic (ours: the handler's are caught inside the transaction), after
         // which every message runs again: the claims make that safe.
         let backup = items.clone();
-        let position = end.map(|end| {
-            TxOffsets::new(
-                self.config.group_id.clone(),
-                tp.0.clone(),
-                tp.1,
-                items.iter().map(|i| i.delivery.offset).collect(),
-                end,
-            )
-        });
-        let body = AssertUnwindSafe(
-            self.run(items, position.as_ref(), revoked)
-                .instrument(span.clone()),
-        );
+        let body = AssertUnwindSafe(self.run(&tp, items, end, revoked).instrument(span.clone()));
         let (settled, again) = match body.catch_unwind().await {
             Ok(out) => out,
             Err(panic) => {
@@ -129,11 +119,15 @@ impl<H: BatchHandler> Inner<H> {
 
     async fn run(
         &self,
+        tp: &TopicPartition,
         items: Vec<Item>,
-        position: Option<&TxOffsets>,
+        end: Option<i64>,
         revoked: &AtomicBool,
     ) -> (Vec<(i64, Settled)>, Vec<Item>) {
-        let reqs: Vec<ClaimRequest> = items
+        let mut settled = Vec::with_capacity(items.len());
+        let mut again = Vec::new();
+        let mut letters = Vec::new();
+        let mut reqs: Vec<ClaimRequest> = items
             .iter()
             .map(|i| {
                 ClaimRequest::new(i.key.clone(), self.owner())
@@ -141,6 +135,51 @@ impl<H: BatchHandler> Inner<H> {
                     .with_policy(self.policy)
             })
             .collect();
+        // Keys the caches hold settled are answered at once; the rest go to the transaction.
+        let (items, end) = match &self.caches {
+            Some(caches) => {
+                let cached = caches.settled_many(&reqs).await;
+                let mut rest = Vec::with_capacity(items.len());
+                let mut rest_reqs = Vec::with_capacity(items.len());
+                let mut end = end;
+                for ((item, req), answer) in items.into_iter().zip(reqs).zip(cached) {
+                    match answer {
+                        Some(ClaimOutcome::Completed { .. }) => {
+                            settled.push(self.done(&item, Settled::Replayed));
+                        }
+                        Some(ClaimOutcome::Failed { reason, attempts }) => {
+                            end = end.map(|e| e.min(item.delivery.offset));
+                            letters.push(Letter {
+                                item,
+                                reason,
+                                attempts,
+                            });
+                        }
+                        Some(ClaimOutcome::PayloadMismatch) => {
+                            end = end.map(|e| e.min(item.delivery.offset));
+                            letters.push(mismatch(item));
+                        }
+                        _ => {
+                            rest.push(item);
+                            rest_reqs.push(req);
+                        }
+                    }
+                }
+                reqs = rest_reqs;
+                (rest, end)
+            }
+            None => (items, end),
+        };
+        let position = end.map(|end| {
+            TxOffsets::new(
+                self.config.group_id.clone(),
+                tp.0.clone(),
+                tp.1,
+                items.iter().map(|i| i.delivery.offset).collect(),
+                end,
+            )
+        });
+        let position = position.as_ref();
         let groups: Vec<u64> = items.iter().map(|i| i.group).collect();
         let mut deliveries: HashMap<IdempotencyKey, Arc<Delivery>> = HashMap::new();
         for i in &items {
@@ -150,6 +189,7 @@ impl<H: BatchHandler> Inner<H> {
         }
         let body = body(self.handler.clone(), deliveries);
         let answers = match position {
+            _ if items.is_empty() => Ok(Vec::new()),
             Some(position) => {
                 self.store
                     .transact_batch_with_offsets(
@@ -167,14 +207,32 @@ impl<H: BatchHandler> Inner<H> {
                     .await
             }
         };
-        let mut settled = Vec::with_capacity(items.len());
-        let mut again = Vec::new();
-        let mut letters = Vec::new();
         match answers {
             Ok(answers) => {
-                self.counters.batches.add(1);
+                if !items.is_empty() {
+                    self.counters.batches.add(1);
+                }
+                let mut copies = Vec::new();
                 for (item, answer) in items.into_iter().zip(answers) {
+                    if let BatchAnswer::Executed {
+                        result,
+                        token,
+                        attempts,
+                    } = &answer
+                    {
+                        let mut copy = Cached::new(State::Completed, *token);
+                        copy.fingerprint = item.fingerprint;
+                        copy.attempts = *attempts;
+                        copy.result = Some(result.clone());
+                        copies.push((item.key.clone(), copy, self.policy.retention));
+                    }
                     self.sort(item, answer, &mut settled, &mut again, &mut letters);
+                }
+                // After the commit: the caches learn what it settled.
+                if let Some(caches) = &self.caches
+                    && !copies.is_empty()
+                {
+                    caches.committed_many(copies).await;
                 }
             }
             Err(e) if e.is_retryable() => {
@@ -224,14 +282,9 @@ impl<H: BatchHandler> Inner<H> {
         letters: &mut Vec<Letter>,
     ) {
         let offset = item.delivery.offset;
-        let done = |s| {
-            let us = u64::try_from(item.received.elapsed().as_micros()).unwrap_or(u64::MAX);
-            self.counters.latency.record(us);
-            (offset, s)
-        };
         match answer {
-            BatchAnswer::Executed { .. } => settled.push(done(Settled::Executed)),
-            BatchAnswer::Replayed { .. } => settled.push(done(Settled::Replayed)),
+            BatchAnswer::Executed { .. } => settled.push(self.done(&item, Settled::Executed)),
+            BatchAnswer::Replayed { .. } => settled.push(self.done(&item, Settled::Replayed)),
             // Waits for an earlier message of its group: no backoff of its own.
             BatchAnswer::Deferred => again.push(item),
             BatchAnswer::Failed { reason, attempts } => letters.push(Letter {
@@ -239,14 +292,7 @@ impl<H: BatchHandler> Inner<H> {
                 reason,
                 attempts,
             }),
-            BatchAnswer::PayloadMismatch => letters.push(Letter {
-                reason: format!(
-                    "the idempotency key {} was used before with a different payload",
-                    item.key
-                ),
-                item,
-                attempts: 0,
-            }),
+            BatchAnswer::PayloadMismatch => letters.push(mismatch(item)),
             BatchAnswer::Handler {
                 error,
                 after: AfterHandlerError::Failed { attempts },
@@ -262,6 +308,13 @@ impl<H: BatchHandler> Inner<H> {
             // InFlight (another holder), or an answer this runner does not know: again later.
             _ => again.push(self.retry_later(item)),
         }
+    }
+
+    /// A message settled: its latency counted.
+    fn done(&self, item: &Item, s: Settled) -> (i64, Settled) {
+        let us = u64::try_from(item.received.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.counters.latency.record(us);
+        (item.delivery.offset, s)
     }
 
     fn retry_later(&self, mut item: Item) -> Item {
@@ -305,6 +358,18 @@ impl<H: BatchHandler> Inner<H> {
                 }
             }
         }
+    }
+}
+
+/// The dead letter of a key reused with another payload.
+fn mismatch(item: Item) -> Letter {
+    Letter {
+        reason: format!(
+            "the idempotency key {} was used before with a different payload",
+            item.key
+        ),
+        item,
+        attempts: 0,
     }
 }
 

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dedup_core::{Fingerprint, IdempotencyKey, Lease, Policy, Scope};
+use dedup_core::{BatchCache, Fingerprint, IdempotencyKey, Lease, Policy, Scope};
 use dedup_pg::{BatchBody, PgStore, TxBatchConfig};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::producer::Producer;
@@ -169,6 +169,7 @@ pub struct TxRunner<H> {
     owner_prefix: String,
     /// Offsets in the transaction: on, with the bound on reading them at assignment.
     offsets: Option<Duration>,
+    caches: Option<Arc<dyn BatchCache>>,
 }
 
 /// The longest a rebalance callback may wait for stored positions (it holds the poll).
@@ -214,7 +215,18 @@ impl<H: BatchHandler> TxRunner<H> {
                     .map_or(0, |d| d.as_micros())
             ),
             offsets: None,
+            caches: None,
         })
+    }
+
+    /// Puts caches in front of the transactions (a [`TieredStore`](dedup_core::TieredStore)
+    /// over the same Postgres, for example, with Redis as its fast path): keys they hold settled
+    /// (completed, failed, used with another payload) are answered without a transaction, in one
+    /// L1 pass and one fast-path call per batch; after each commit the keys it completed are
+    /// copied to them, in one call. Nothing is copied before the commit.
+    pub fn with_caches(mut self, caches: Arc<dyn BatchCache>) -> Self {
+        self.caches = Some(caches);
+        self
     }
 
     /// Offsets in the transaction: each batch stores its partition's position (`dedup_offsets`)
@@ -298,6 +310,7 @@ impl<H: BatchHandler> TxRunner<H> {
             owner_prefix: self.owner_prefix,
             claims: AtomicU64::new(0),
             offsets_in_tx: self.offsets.is_some(),
+            caches: self.caches,
         });
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
         let mut lp = Loop {
