@@ -54,6 +54,7 @@ pub(crate) struct Faults<S> {
     pub(crate) refused_completes: AtomicU32,
     pub(crate) complete_tries: AtomicU32,
     pub(crate) in_flight: AtomicU32,
+    pub(crate) refused_extends: AtomicU32,
 }
 
 impl<S> Faults<S> {
@@ -67,7 +68,15 @@ impl<S> Faults<S> {
             refused_completes: AtomicU32::new(0),
             complete_tries: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
+            refused_extends: AtomicU32::new(0),
         }
+    }
+
+    /// Refuses the next `n` lease extensions as unavailable (a heartbeat that cannot reach the
+    /// store, so the lease runs out).
+    pub(crate) fn refusing_extends(self, n: u32) -> Self {
+        self.refused_extends.store(n, Ordering::SeqCst);
+        self
     }
 
     /// Loses the replies of the next `n` claims (after they applied).
@@ -143,6 +152,9 @@ impl<S: Store> Store for Faults<S> {
         self.inner.withdraw(lease).await
     }
     async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
+        if take(&self.refused_extends) {
+            return Err(StoreError::unavailable(ReplyLost));
+        }
         self.inner.extend(lease).await
     }
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {

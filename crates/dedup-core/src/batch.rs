@@ -217,6 +217,13 @@ impl<S: Store> Store for Batched<S> {
     ) -> impl Future<Output = Vec<Result<(), StoreError>>> + Send {
         self.inner.complete_batch(items)
     }
+
+    fn extend_batch(
+        &self,
+        leases: &[Lease],
+    ) -> impl Future<Output = Vec<Result<Timestamp, StoreError>>> + Send {
+        self.inner.extend_batch(leases)
+    }
 }
 
 /// The leader carrying a request was dropped mid-batch: the batch may or may not have applied.

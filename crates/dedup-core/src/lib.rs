@@ -58,8 +58,8 @@ pub use batch::{BatchConfig, Batched};
 pub use error::{BoxError, InputError, StoreError};
 pub use key::{Fingerprint, IdempotencyKey, MAX_KEY_LEN, MAX_SCOPE_LEN, Scope};
 pub use process::{
-    AfterHandlerError, Completion, Dedup, HandlerError, LeaseContext, MAX_WAIT, ProcessError,
-    Processed,
+    AfterHandlerError, BatchItem, Completion, Dedup, HandlerError, LeaseContext, MAX_WAIT,
+    ProcessError, Processed,
 };
 pub use record::{
     AfterFailure, ClaimOutcome, ClaimRequest, FencingToken, Lease, OwnerId, Policy, Record, State,

@@ -1,4 +1,8 @@
-//! The API a consumer calls: [`Dedup::process`].
+//! The API a consumer calls: [`Dedup::process`], and [`Dedup::process_batch`] (in `batch.rs`).
+
+mod batch;
+
+pub use batch::BatchItem;
 
 use std::fmt;
 use std::future::Future;
@@ -561,13 +565,25 @@ impl<S: Store> Dedup<S> {
                 self.store.committed(&lease, &result).await;
                 Ok(executed(result))
             }
-            Err(HandlerError::Retryable(source)) => {
-                let after = match self.store.fail_retryable(&lease, &source.to_string()).await {
+            Err(e) => self.recorded_failure(&lease, e).await,
+        }
+    }
+
+    /// Records a handler's failure on its key (released, FAILED, given back, or resolved from
+    /// the store for the handler's own store call), and answers it.
+    async fn recorded_failure<E: fmt::Display>(
+        &self,
+        lease: &Lease,
+        error: HandlerError<E>,
+    ) -> Result<Processed, ProcessError<E>> {
+        match error {
+            HandlerError::Retryable(source) => {
+                let after = match self.store.fail_retryable(lease, &source.to_string()).await {
                     Ok(AfterFailure::Released { attempts }) => {
                         AfterHandlerError::Released { attempts }
                     }
                     Ok(AfterFailure::Failed { attempts }) => AfterHandlerError::Failed { attempts },
-                    Err(e) => return Err(self.unrecorded(&lease, e, source)),
+                    Err(e) => return Err(self.unrecorded(lease, e, source)),
                 };
                 Err(ProcessError::Handler {
                     key: lease.key.clone(),
@@ -575,8 +591,8 @@ impl<S: Store> Dedup<S> {
                     after,
                 })
             }
-            Err(HandlerError::Permanent(source)) => {
-                match self.store.fail_permanent(&lease, &source.to_string()).await {
+            HandlerError::Permanent(source) => {
+                match self.store.fail_permanent(lease, &source.to_string()).await {
                     Ok(()) => Err(ProcessError::Handler {
                         key: lease.key.clone(),
                         source,
@@ -584,15 +600,15 @@ impl<S: Store> Dedup<S> {
                             attempts: lease.attempts,
                         },
                     }),
-                    Err(e) => Err(self.unrecorded(&lease, e, source)),
+                    Err(e) => Err(self.unrecorded(lease, e, source)),
                 }
             }
-            Err(HandlerError::Withdraw(source)) => {
-                let after = match self.store.withdraw(&lease).await {
+            HandlerError::Withdraw(source) => {
+                let after = match self.store.withdraw(lease).await {
                     Ok(()) => AfterHandlerError::Released {
                         attempts: lease.attempts.saturating_sub(1),
                     },
-                    Err(e) => return Err(self.unrecorded(&lease, e, source)),
+                    Err(e) => return Err(self.unrecorded(lease, e, source)),
                 };
                 Err(ProcessError::Handler {
                     key: lease.key.clone(),
@@ -600,7 +616,7 @@ impl<S: Store> Dedup<S> {
                     after,
                 })
             }
-            Err(HandlerError::Store(e)) => self.handler_store_error(&lease, e).await,
+            HandlerError::Store(e) => self.handler_store_error(lease, e).await,
         }
     }
 
@@ -796,6 +812,10 @@ enum Claimed {
 struct Granted(Mutex<Instant>);
 
 impl Granted {
+    fn new(until: Instant) -> Self {
+        Self(Mutex::new(until))
+    }
+
     fn until(&self) -> Instant {
         *self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -112,6 +112,21 @@ pub trait Store: Send + Sync {
         }
     }
 
+    /// Extends many leases (a heartbeat for every live lease of a batch at once); one answer per
+    /// lease, in order, each as [`extend`](Self::extend) would answer it.
+    fn extend_batch(
+        &self,
+        leases: &[Lease],
+    ) -> impl Future<Output = Vec<Result<Timestamp, StoreError>>> + Send {
+        async move {
+            let mut out = Vec::with_capacity(leases.len());
+            for lease in leases {
+                out.push(self.extend(lease).await);
+            }
+            out
+        }
+    }
+
     /// Completes many leases; one answer per item, in order, each as
     /// [`complete`](Self::complete) would answer it.
     fn complete_batch(
@@ -284,6 +299,9 @@ macro_rules! forward_store {
             }
             fn complete_batch(&self, items: &[(Lease, bytes::Bytes)]) -> impl Future<Output = Vec<Result<(), StoreError>>> + Send {
                 (**self).complete_batch(items)
+            }
+            fn extend_batch(&self, leases: &[Lease]) -> impl Future<Output = Vec<Result<Timestamp, StoreError>>> + Send {
+                (**self).extend_batch(leases)
             }
         }
     )*};

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{IdempotencyKey, Lease, State, StoreError, micros};
+use dedup_core::{IdempotencyKey, Lease, State, StoreError, Timestamp, micros};
 use sqlx::Row;
 use sqlx::postgres::PgConnection;
 
@@ -100,6 +100,63 @@ pub(crate) async fn complete_many(
         })
         .collect();
     (out, failed, statements)
+}
+
+/// Runs [`EXTEND_BATCH_SQL`] on `conn`: one answer per lease, in order (a lease the statement did
+/// not extend was lost: taken over, or ended). A failed statement fails every lease alike.
+pub(crate) async fn extend_many(
+    conn: &mut PgConnection,
+    leases: &[Lease],
+) -> Result<Vec<Result<Timestamp, StoreError>>, StoreError> {
+    let n = leases.len();
+    let (mut scopes, mut keys, mut tokens, mut lease_us, mut rets) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for lease in leases {
+        scopes.push(lease.key.scope().as_str());
+        keys.push(lease.key.key_bytes());
+        tokens.push(token_i64(lease.token));
+        lease_us.push(micros(lease.policy.lease));
+        rets.push(micros(lease.policy.retention));
+    }
+    let rows = sqlx::query(EXTEND_BATCH_SQL)
+        .bind(&scopes)
+        .bind(&keys)
+        .bind(&tokens)
+        .bind(&lease_us)
+        .bind(&rets)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| classify(e, true))?;
+    let mut until: HashMap<(String, Vec<u8>, i64), i64> = HashMap::with_capacity(rows.len());
+    for row in rows {
+        let scope: String = row.try_get("scope").map_err(|e| classify(e, false))?;
+        let key: Vec<u8> = row.try_get("key").map_err(|e| classify(e, false))?;
+        let token: i64 = row.try_get("token").map_err(|e| classify(e, false))?;
+        let us: i64 = row.try_get("until_us").map_err(|e| classify(e, false))?;
+        until.insert((scope, key, token), us);
+    }
+    Ok(leases
+        .iter()
+        .map(|lease| {
+            let id = (
+                lease.key.scope().as_str().to_owned(),
+                lease.key.key_bytes().to_vec(),
+                token_i64(lease.token),
+            );
+            until
+                .get(&id)
+                .map(|&us| Timestamp::from_micros(us))
+                .ok_or_else(|| StoreError::LeaseLost {
+                    key: lease.key.clone(),
+                    token: lease.token,
+                })
+        })
+        .collect())
 }
 
 /// A batch statement failed as a whole: each of its items is told so.

@@ -316,3 +316,17 @@ pub(crate) const STORED_OFFSETS_SQL: &str = concat!(
     " JOIN unnest($2::text[], $3::int4[]) AS q(topic, partition)",
     " ON o.topic = q.topic AND o.partition = q.partition WHERE o.consumer_group = $1"
 );
+
+/// [`EXTEND_SQL`] for many leases at once (a heartbeat for a whole batch); answers the keys it
+/// extended, with their new lease end. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
+/// $5 retentions (µs).
+pub(crate) const EXTEND_BATCH_SQL: &str = concat!(
+    "UPDATE dedup_records AS r SET updated_at = statement_timestamp(),",
+    " lease_until = statement_timestamp() + q.lease_us::float8 * interval '1 microsecond',",
+    " expires_at = greatest(r.expires_at,",
+    "   statement_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond')",
+    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[])",
+    "   AS q(scope, key, token, lease_us, ret_us)",
+    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
+    " RETURNING r.scope, r.key, r.token, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS until_us"
+);

@@ -236,6 +236,24 @@ impl Store for PgStore {
         conn.checked(until)
     }
 
+    async fn extend_batch(&self, leases: &[Lease]) -> Vec<Result<Timestamp, StoreError>> {
+        if leases.is_empty() {
+            return Vec::new();
+        }
+        let mut conn = match self.conn().await {
+            Ok(conn) => conn,
+            Err(e) => return leases.iter().map(|_| Err(echo(&e))).collect(),
+        };
+        self.count(1);
+        match extend_many(&mut conn, leases).await {
+            Ok(out) => out,
+            Err(e) => {
+                conn.saw(&e);
+                leases.iter().map(|_| Err(echo(&e))).collect()
+            }
+        }
+    }
+
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         self.count(1);
         let mut conn = self.conn().await?;

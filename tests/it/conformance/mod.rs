@@ -7,6 +7,7 @@
 
 mod cases;
 mod process;
+mod process_batch;
 mod typed;
 
 macro_rules! conformance {
@@ -63,6 +64,7 @@ macro_rules! conformance {
         mod run {
             pub(super) use super::cases::*;
             pub(super) use super::process::*;
+            pub(super) use super::process_batch::*;
             pub(super) use super::typed::*;
         }
     };
@@ -109,6 +111,12 @@ conformance!(
     process_gives_up_completing_at_the_callers_deadline,
     process_catches_a_panicking_handler,
     process_withdraw_spends_no_attempt,
+    // lease mode by the batch
+    process_batch_runs_each_key_once_and_answers_repeats,
+    process_batch_fails_each_message_alone,
+    process_batch_does_not_wait_for_a_held_key,
+    process_batch_heartbeat_outlives_the_lease,
+    process_batch_taken_over_is_fenced_whole,
     // typed results
     typed_result_is_replayed_equal,
     typed_result_of_another_type_is_refused,

@@ -539,6 +539,14 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
         Ok(until)
     }
 
+    /// The authority extends every lease in one call. IN_PROGRESS markers in the fast path are
+    /// not extended: one that expires before its lease only makes a concurrent duplicate ask the
+    /// authority, which answers InFlight.
+    async fn extend_batch(&self, leases: &[Lease]) -> Vec<Result<Timestamp, StoreError>> {
+        bump(&self.counters.authority_calls);
+        self.authority.extend_batch(leases).await
+    }
+
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         bump(&self.counters.authority_calls);
         self.authority.get(key).await

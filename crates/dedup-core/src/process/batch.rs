@@ -1,0 +1,352 @@
+//! Lease mode by the batch: [`Dedup::process_batch`]. A batch of messages whose effects are
+//! outside the store (an email, a payment API) is claimed in one call, its handlers run
+//! concurrently, one heartbeat extends every live lease in one call, and its completions are
+//! recorded in one call.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::future::join_all;
+use tokio::time::{Instant, sleep};
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::{
+    Completion, Dedup, Granted, HandlerError, LeaseContext, ProcessError, Processed, panic_message,
+};
+use crate::error::StoreError;
+use crate::key::{Fingerprint, IdempotencyKey};
+use crate::machine;
+use crate::record::{ClaimOutcome, ClaimRequest, Lease};
+use crate::store::Store;
+
+/// One message of a batch for [`Dedup::process_batch`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct BatchItem {
+    /// Its idempotency key.
+    pub key: IdempotencyKey,
+    /// Its payload's fingerprint (`None`: no payload check).
+    pub fingerprint: Option<Fingerprint>,
+}
+
+impl BatchItem {
+    /// A message of `key` with `fingerprint`.
+    pub fn new(key: IdempotencyKey, fingerprint: Option<Fingerprint>) -> Self {
+        Self { key, fingerprint }
+    }
+}
+
+/// One acquired message of the batch, while its handler runs and its end is recorded.
+struct Running {
+    item: usize,
+    lease: Lease,
+    lost: Arc<AtomicBool>,
+    granted: Granted,
+    /// Its end is recorded: the heartbeat leaves it.
+    done: AtomicBool,
+}
+
+impl<S: Store> Dedup<S> {
+    /// Runs each message's effect once, a whole batch at a time, for effects outside the store:
+    /// the keys are claimed in one call ([`Store::claim_batch`]: L1, one fast-path call and one
+    /// authority statement with a tiered store), every acquired message's handler runs
+    /// concurrently (`handler(index, lease)`), one heartbeat extends every live lease in one
+    /// call ([`Store::extend_batch`]), and the successes are completed in one call
+    /// ([`Store::complete_batch`]). One answer per item, in order, each what
+    /// [`process`](Self::process) would have answered, with two differences: a key another
+    /// holder runs answers [`ProcessError::InFlight`] at once (no waiting: retry it later), and
+    /// a key that appears twice is answered after its first appearance settled, as its
+    /// duplicate.
+    ///
+    /// Everything `process` guarantees holds per message: a handler that panics fails its own
+    /// message (retryably), a completion that meets a passing error is retried while its lease
+    /// can be held, an unknown outcome is read back, a lease taken over is reported lost.
+    pub async fn process_batch<F, Fut, E>(
+        &self,
+        items: &[BatchItem],
+        handler: F,
+    ) -> Vec<Result<Processed, ProcessError<E>>>
+    where
+        F: Fn(usize, LeaseContext) -> Fut,
+        Fut: Future<Output = Result<Completion, HandlerError<E>>>,
+        E: fmt::Display,
+    {
+        let span = info_span!(
+            "dedup.process_batch",
+            size = items.len(),
+            acquired = tracing::field::Empty,
+            executed = tracing::field::Empty,
+        );
+        async move {
+            let mut out: Vec<Option<Result<Processed, ProcessError<E>>>> =
+                items.iter().map(|_| None).collect();
+            // First appearances are claimed; repeats are answered after them.
+            let mut first: HashMap<&IdempotencyKey, usize> = HashMap::new();
+            let mut distinct = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                first.entry(&item.key).or_insert_with(|| {
+                    distinct.push(i);
+                    i
+                });
+            }
+            let reqs: Vec<ClaimRequest> = distinct
+                .iter()
+                .map(|&i| {
+                    ClaimRequest::new(items[i].key.clone(), self.next_owner())
+                        .with_fingerprint(items[i].fingerprint)
+                        .with_policy(self.policy)
+                })
+                .collect();
+            // The leases cannot have started before the claims left.
+            let sent = Instant::now();
+            let claims = self.store.claim_batch(&reqs).await;
+            let mut running = Vec::new();
+            for ((&i, req), claim) in distinct.iter().zip(&reqs).zip(claims) {
+                let claim = match claim {
+                    // A lost reply: read back, as a single claim would be.
+                    Err(e) if e.is_outcome_unknown() => self.claim_resolved(req).await,
+                    other => other,
+                };
+                out[i] = Some(match claim {
+                    Ok(ClaimOutcome::Acquired(lease)) => {
+                        running.push(Running {
+                            item: i,
+                            granted: Granted::new(sent + lease.policy.lease),
+                            lease,
+                            lost: Arc::new(AtomicBool::new(false)),
+                            done: AtomicBool::new(false),
+                        });
+                        continue;
+                    }
+                    Ok(ClaimOutcome::Completed { result, .. }) => {
+                        Ok(Processed::Replayed { result })
+                    }
+                    Ok(ClaimOutcome::Failed { reason, attempts }) => Err(ProcessError::Failed {
+                        key: req.key.clone(),
+                        reason,
+                        attempts,
+                    }),
+                    Ok(ClaimOutcome::PayloadMismatch) => Err(ProcessError::PayloadMismatch {
+                        key: req.key.clone(),
+                    }),
+                    Ok(ClaimOutcome::InFlight { owner, lease_until }) => {
+                        Err(ProcessError::InFlight {
+                            key: req.key.clone(),
+                            owner,
+                            lease_until,
+                        })
+                    }
+                    Err(e) => Err(ProcessError::Store(e)),
+                });
+            }
+            tracing::Span::current().record("acquired", running.len());
+            if !running.is_empty() {
+                let beat = self.heartbeat_many(&running);
+                tokio::pin!(beat);
+                let work = self.run_many(&running, &handler);
+                tokio::pin!(work);
+                let answers = tokio::select! {
+                    biased;
+                    answers = &mut work => answers,
+                    never = &mut beat => match never {},
+                };
+                for (r, answer) in running.iter().zip(answers) {
+                    out[r.item] = Some(answer);
+                }
+            }
+            let executed = out
+                .iter()
+                .filter(|a| matches!(a, Some(Ok(Processed::Executed { .. }))))
+                .count();
+            tracing::Span::current().record("executed", executed);
+            // Repeats: the duplicate of their first appearance, now that it has settled.
+            for (i, item) in items.iter().enumerate() {
+                if out[i].is_some() {
+                    continue;
+                }
+                let f = first[&item.key];
+                let answer = match &out[f] {
+                    _ if machine::mismatch(items[f].fingerprint, item.fingerprint) => {
+                        Err(ProcessError::PayloadMismatch {
+                            key: item.key.clone(),
+                        })
+                    }
+                    Some(Ok(
+                        Processed::Executed { result, .. } | Processed::Replayed { result },
+                    )) => Ok(Processed::Replayed {
+                        result: result.clone(),
+                    }),
+                    Some(Err(ProcessError::Failed {
+                        reason, attempts, ..
+                    })) => Err(ProcessError::Failed {
+                        key: item.key.clone(),
+                        reason: reason.clone(),
+                        attempts: *attempts,
+                    }),
+                    Some(Err(ProcessError::PayloadMismatch { .. })) => {
+                        Err(ProcessError::PayloadMismatch {
+                            key: item.key.clone(),
+                        })
+                    }
+                    // Its first is not settled (it failed retryably, is held elsewhere, ...):
+                    // this one is retried with it.
+                    _ => Err(ProcessError::InFlight {
+                        key: item.key.clone(),
+                        owner: None,
+                        lease_until: None,
+                    }),
+                };
+                out[i] = Some(answer);
+            }
+            out.into_iter()
+                .zip(items)
+                .map(|(a, item)| {
+                    // Every index was answered above; a hole would be a bug, reported, not a panic.
+                    a.unwrap_or_else(|| {
+                        Err(ProcessError::Store(StoreError::Corrupt {
+                            key: item.key.clone(),
+                            detail: "the batch left this message unanswered".into(),
+                        }))
+                    })
+                })
+                .collect()
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Runs every acquired message's handler concurrently, then records the ends: the
+    /// completions in one call, each failure on its own.
+    async fn run_many<F, Fut, E>(
+        &self,
+        running: &[Running],
+        handler: &F,
+    ) -> Vec<Result<Processed, ProcessError<E>>>
+    where
+        F: Fn(usize, LeaseContext) -> Fut,
+        Fut: Future<Output = Result<Completion, HandlerError<E>>>,
+        E: fmt::Display,
+    {
+        let outcomes = join_all(running.iter().map(|r| {
+            let ctx = LeaseContext {
+                lease: r.lease.clone(),
+                lost: Arc::clone(&r.lost),
+            };
+            // A panicking handler fails its own message, not the batch.
+            AssertUnwindSafe(handler(r.item, ctx)).catch_unwind()
+        }))
+        .await;
+        let mut answers: Vec<Option<Result<Processed, ProcessError<E>>>> =
+            running.iter().map(|_| None).collect();
+        let mut to_complete: Vec<(usize, Bytes)> = Vec::new();
+        for (k, (r, outcome)) in running.iter().zip(outcomes).enumerate() {
+            let lease = &r.lease;
+            let answer = match outcome {
+                Ok(Ok(Completion::Store(result))) => {
+                    to_complete.push((k, result));
+                    continue;
+                }
+                Ok(Ok(Completion::Committed(result))) => {
+                    self.store.committed(lease, &result).await;
+                    Ok(executed(lease, result))
+                }
+                Ok(Err(e)) => self.recorded_failure(lease, e).await,
+                Err(panic) => Err(self.panicked(lease, panic_message(&*panic)).await),
+            };
+            r.done.store(true, Ordering::Release);
+            answers[k] = Some(answer);
+        }
+        if !to_complete.is_empty() {
+            let batch: Vec<(Lease, Bytes)> = to_complete
+                .iter()
+                .map(|(k, result)| (running[*k].lease.clone(), result.clone()))
+                .collect();
+            let done = self.store.complete_batch(&batch).await;
+            for ((k, result), done) in to_complete.into_iter().zip(done) {
+                let r = &running[k];
+                let done = match done {
+                    // A passing error: retried on its own while the lease can be held.
+                    Err(e) if e.is_retryable() => {
+                        debug!(key = %r.lease.key, error = %e, "batch completion failed; completing alone");
+                        self.complete_resolved(&r.lease, &result, &r.lost, &r.granted)
+                            .await
+                    }
+                    other => other,
+                };
+                let answer = match done {
+                    Ok(()) => Ok(executed(&r.lease, result)),
+                    Err(StoreError::Input(e)) => {
+                        // The effect ran but its result cannot be stored: FAILED keeps it at one.
+                        let reason = format!("the effect ran but its result was refused: {e}");
+                        let _ = self.store.fail_permanent(&r.lease, &reason).await;
+                        Err(ProcessError::Store(StoreError::Input(e)))
+                    }
+                    Err(e) => Err(self.lease_error(&r.lease, e)),
+                };
+                r.done.store(true, Ordering::Release);
+                answers[k] = Some(answer);
+            }
+        }
+        answers
+            .into_iter()
+            .zip(running)
+            .map(|(a, r)| {
+                a.unwrap_or_else(|| {
+                    Err(ProcessError::Store(StoreError::Corrupt {
+                        key: r.lease.key.clone(),
+                        detail: "the batch left this message unanswered".into(),
+                    }))
+                })
+            })
+            .collect()
+    }
+
+    /// Extends every live lease of the batch in one call, every third of the lease; never
+    /// returns. A lease the store no longer grants is marked lost (its handler can see it); a
+    /// failed call is tried again sooner, every twelfth of the lease.
+    async fn heartbeat_many(&self, running: &[Running]) -> std::convert::Infallible {
+        let every = (self.policy.lease / 3).max(Duration::from_millis(1));
+        let mut wait = every;
+        loop {
+            sleep(wait).await;
+            let live: Vec<&Running> = running
+                .iter()
+                .filter(|r| !r.done.load(Ordering::Acquire) && !r.lost.load(Ordering::Acquire))
+                .collect();
+            wait = every;
+            if live.is_empty() {
+                continue;
+            }
+            let leases: Vec<Lease> = live.iter().map(|r| r.lease.clone()).collect();
+            let sent = Instant::now();
+            for (r, answer) in live.iter().zip(self.store.extend_batch(&leases).await) {
+                match answer {
+                    Ok(_) => r.granted.extended(sent + r.lease.policy.lease),
+                    Err(e) if e.is_lease_lost() => {
+                        warn!(key = %r.lease.key, token = r.lease.token.get(), "heartbeat found the lease taken over");
+                        r.lost.store(true, Ordering::Release);
+                    }
+                    Err(e) => {
+                        wait = (every / 4).max(Duration::from_millis(1));
+                        warn!(key = %r.lease.key, error = %e, "heartbeat failed; retrying");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn executed(lease: &Lease, result: Bytes) -> Processed {
+    Processed::Executed {
+        result,
+        token: lease.token,
+        attempts: lease.attempts,
+    }
+}
