@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dedup_core::{
-    Batched, Completion, Dedup, HandlerError, IdempotencyKey, Scope, Store, TierStats,
+    BatchItem, Batched, Completion, Dedup, HandlerError, IdempotencyKey, Scope, Store, TierStats,
     TieredConfig, TieredStore,
 };
 use dedup_pg::PgStore;
@@ -102,4 +102,118 @@ fn process_one<S: Store + 'static>(
                 .map_err(|e| e.to_string())
         })
     }
+}
+
+/// (f): lease mode by the batch, `Dedup::process_batch` on the tiered store: each batch of the
+/// stream claimed in one call, its handlers run concurrently (the effect: a counter, outside the
+/// database), one heartbeat statement for its leases, its completions in one call. Messages that
+/// another batch holds come again in the worker's next batch.
+pub(super) async fn lease_batches(
+    ctx: &Ctx,
+    pool: &PgPool,
+    url: &str,
+) -> Result<Outcome, CliError> {
+    let workers = ctx.tx_workers.max(1);
+    let size = (ctx.concurrency / workers).max(1);
+    ctx.note(&format!(
+        "(f) dedup: lease mode by the batch, {workers} batches of up to {size} at once"
+    ));
+    let pg = PgStore::new(pool.clone());
+    let fast = connect_redis(url, &format!("dedup-bench-f-{}", ctx.run_id)).await?;
+    let store =
+        TieredStore::new(pg.clone(), fast, TieredConfig::default()).with_background_backfill();
+    let scope = Scope::new(format!("bench-f-{}", ctx.run_id))
+        .map_err(|e| CliError::Config(format!("scope: {e}")))?;
+    let dedup = Arc::new(Dedup::new(store));
+    let effects = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = std::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..workers {
+        let (dedup, scope, stream, next) = (
+            Arc::clone(&dedup),
+            scope.clone(),
+            Arc::clone(&ctx.stream),
+            Arc::clone(&next),
+        );
+        let (effects, errors) = (Arc::clone(&effects), Arc::clone(&errors));
+        tasks.spawn(async move {
+            let mut latencies = Vec::new();
+            let mut again: Vec<u64> = Vec::new();
+            let mut failures = 0u32;
+            loop {
+                let take = size.saturating_sub(again.len());
+                let from = next.fetch_add(take, Ordering::Relaxed);
+                let fresh = stream.get(from.min(stream.len())..(from + take).min(stream.len()));
+                let mut ids: Vec<u64> = std::mem::take(&mut again);
+                ids.extend(fresh.unwrap_or_default());
+                if ids.is_empty() {
+                    break;
+                }
+                let items: Vec<BatchItem> = ids
+                    .iter()
+                    .filter_map(|id| {
+                        IdempotencyKey::new(scope.clone(), format!("e{id}"))
+                            .ok()
+                            .map(|k| BatchItem::new(k, None))
+                    })
+                    .collect();
+                let t = std::time::Instant::now();
+                let answers = dedup
+                    .process_batch(&items, |i, _lease| {
+                        let (effects, id) = (&effects, ids[i]);
+                        async move {
+                            effects.fetch_add(1, Ordering::Relaxed);
+                            Ok::<_, HandlerError<std::io::Error>>(Completion::store(result_of(id)))
+                        }
+                    })
+                    .await;
+                let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
+                for (id, a) in ids.iter().zip(answers) {
+                    match a {
+                        Ok(_) => latencies.push(us),
+                        Err(e) if e.is_retryable() && failures < 10_000 => {
+                            failures += 1;
+                            again.push(*id);
+                        }
+                        Err(e) => {
+                            if errors.fetch_add(1, Ordering::Relaxed) < 5 {
+                                eprintln!("[bench] (f) event {id}: {e}");
+                            }
+                        }
+                    }
+                }
+                if !again.is_empty() {
+                    // Held by the other worker's batch: let it finish first.
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            }
+            latencies
+        });
+    }
+    let mut latencies_us = Vec::with_capacity(ctx.stream.len());
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(l) => latencies_us.extend(l),
+            Err(_) => {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    latencies_us.sort_unstable();
+    Ok(Outcome {
+        name: "(f)",
+        label: "dedup: lease mode by the batch",
+        durable: true,
+        elapsed,
+        latencies_us,
+        effects: effects.load(Ordering::Relaxed),
+        errors: errors.load(Ordering::Relaxed),
+        pg_trips: Some(pg.statements()),
+        server_statements: None,
+        tiers: tier_counts(&dedup.store().stats()),
+        batches: None,
+    })
 }

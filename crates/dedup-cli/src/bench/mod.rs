@@ -207,6 +207,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             "c" => tiered(&ctx, &pool, &args.redis_url, false).await?,
             "d" => tiered(&ctx, &pool, &args.redis_url, true).await?,
             "e" => txmode::transaction_mode(&ctx, &pool, false).await?,
+            "f" => engine::lease_batches(&ctx, &pool, &args.redis_url).await?,
             "a'" => usual_postgres(&ctx, &pool, true).await?,
             "b'" => usual_redis(&ctx, &args.redis_url, Some(&pool)).await?,
             "e'" => txmode::transaction_mode(&ctx, &pool, true).await?,
@@ -259,8 +260,8 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
 }
 
 /// Every contender, in the order they run.
-const CONTENDERS: [&str; 10] = [
-    "a", "b", "c", "d", "e", "a'", "b'", "e'", "ceiling", "claim",
+const CONTENDERS: [&str; 11] = [
+    "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ceiling", "claim",
 ];
 
 struct Ctx {

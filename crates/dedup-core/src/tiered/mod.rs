@@ -344,7 +344,11 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             let answers = self.authority.claim_batch(&sub).await;
             let mut fills = Vec::new();
             for ((i, req), answer) in pending.into_iter().zip(sub).zip(answers) {
+                // A batch writes no IN_PROGRESS markers: a concurrent duplicate elsewhere asks
+                // the authority, which answers InFlight in its own batch statement, and each
+                // unique key costs the fast path one lookup and one terminal copy, not three.
                 if let Ok(outcome) = &answer
+                    && !matches!(outcome, ClaimOutcome::Acquired(_))
                     && let Some((copy, ttl)) = authority_copy(&req, outcome)
                 {
                     fills.push((req.key, copy, ttl));
@@ -567,7 +571,7 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
 
 /// The copy the fast tiers get after the authority answered a claim, and for how long: a granted
 /// lease's IN_PROGRESS marker (concurrent duplicates then get InFlight from L2 without asking the
-/// authority), or the completed record the authority showed (restoring the fast tiers after a
+/// authority; single claims only), or the completed record the authority showed (restoring the fast tiers after a
 /// flush, a restart or an eviction). Failed answers are not copied: their token is not known
 /// here, and poison keys are rare.
 fn authority_copy(req: &ClaimRequest, outcome: &ClaimOutcome) -> Option<(Cached, Duration)> {
