@@ -62,11 +62,11 @@ pub(crate) struct BenchArgs {
     /// Postgres connections, the same pool for every contender that uses Postgres.
     #[arg(long, default_value_t = 64)]
     pg_connections: u32,
-    /// Contenders to run, among a, b, c, d, e, a', b', e', ceiling and claim (the claim statement
+    /// Contenders to run, among a, b, c, d, e, f, a', b', e', ceiling and claim (the claim statement
     /// alone on new keys, beside the ceiling).
     #[arg(
         long,
-        default_value = "a,b,c,d,e,a',b',e',ceiling,claim",
+        default_value = "a,b,c,d,e,f,a',b',e',ceiling,claim",
         value_delimiter = ','
     )]
     only: Vec<String>,

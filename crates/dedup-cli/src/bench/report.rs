@@ -48,9 +48,11 @@ impl Report<'_> {
     }
 
     /// The ratios the targets are stated in, with the contenders' absolute rates.
-    const RATIOS: [(&'static str, &'static str, &'static str); 6] = [
+    const RATIOS: [(&'static str, &'static str, &'static str); 8] = [
         ("d/a", "(d)", "(a)"),
         ("d/b", "(d)", "(b)"),
+        ("f/a", "(f)", "(a)"),
+        ("f/b", "(f)", "(b)"),
         ("c/a", "(c)", "(a)"),
         ("e/a", "(e)", "(a)"),
         ("e'/a'", "(e')", "(a')"),
