@@ -101,7 +101,9 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
     "WITH clock AS (SELECT statement_timestamp() AS t), ",
     "q AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
     "  $6::int8[], $7::int4[]) AS q(scope, key, owner, fp, lease_us, ret_us, max_attempts)), ",
-    "cur AS (SELECT r.* FROM dedup_records r JOIN q ON r.scope = q.scope AND r.key = q.key), ",
+    // New keys first, with no read before: a key that has a row is a conflict, which
+    // `DO NOTHING` skips without a lock or a write. A batch of new keys costs about what
+    // inserting its rows costs.
     "ins AS (",
     "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
     "    fingerprint, created_at, updated_at, expires_at)",
@@ -109,10 +111,14 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
     "    c.t + q.lease_us::float8 * interval '1 microsecond', 1, q.fp, c.t, c.t,",
     "    c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
     "  FROM q, clock c",
-    "  WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.scope = q.scope AND cur.key = q.key)",
     // One lock order for every batch, so two batches never wait on each other in a cycle.
     "  ORDER BY q.scope, q.key",
     "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
+    // The keys the insert left out, read from the statement's snapshot. A key whose row was
+    // committed after the snapshot is in neither: it lost a race, and is claimed on its own.
+    "qc AS (SELECT q.* FROM q WHERE NOT EXISTS",
+    "  (SELECT 1 FROM ins WHERE ins.scope = q.scope AND ins.key = q.key)), ",
+    "cur AS (SELECT r.* FROM dedup_records r JOIN qc ON r.scope = qc.scope AND r.key = qc.key), ",
     "upd AS (",
     "  UPDATE dedup_records AS r SET state = 'in_progress', owner = q.owner,",
     "    token = nextval('dedup_token_seq'),",
@@ -124,7 +130,7 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
     "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
     "    updated_at = c.t,",
     "    expires_at = c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
-    "  FROM clock c, q",
+    "  FROM clock c, qc q",
     "  WHERE r.scope = q.scope AND r.key = q.key AND (r.expires_at <= c.t OR (r.attempts < q.max_attempts",
     "    AND (q.fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.fp)",
     "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
@@ -141,8 +147,7 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
     "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
     record_cols!("cur"),
     " FROM cur ",
-    "WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.scope = cur.scope AND ins.key = cur.key)",
-    " AND NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key)"
+    "WHERE NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key)"
 );
 
 /// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
