@@ -23,6 +23,8 @@ pub(crate) struct BatchLedger {
     pub(crate) failing: Arc<Mutex<HashMap<String, u32>>>,
     /// Messages handed to the handler, counted on every call (parts after a failure too).
     pub(crate) calls: Arc<AtomicU64>,
+    /// If set, each call waits inside its transaction until it reads true.
+    pub(crate) gate: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl BatchHandler for BatchLedger {
@@ -87,6 +89,10 @@ impl BatchHandler for BatchLedger {
             .map_err(|e| HandlerError::Retryable(e.to_string()))?;
             if !self.delay.is_zero() {
                 tokio::time::sleep(self.delay).await;
+            }
+            if let Some(gate) = &self.gate {
+                let mut gate = gate.clone();
+                let _ = gate.wait_for(|open| *open).await;
             }
             Ok(answers)
         })

@@ -301,6 +301,32 @@ async fn ledger_count(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
+/// The arguments of a `dedup-consume-and-die` process: the broker, the group and topic, the
+/// servers, and the broker's client properties with fast failover.
+fn consumer_args(
+    broker: &Broker,
+    group: &str,
+    topic: &str,
+    pool: &PgPool,
+    redis: &RedisServer,
+) -> Vec<String> {
+    let mut args = vec![
+        broker.bootstrap(),
+        group.to_owned(),
+        topic.to_owned(),
+        url_of(pool),
+        redis.url(),
+    ];
+    args.extend(
+        broker
+            .client()
+            .iter()
+            .chain(&broker.fast_failover())
+            .map(|(k, v)| format!("{k}={v}")),
+    );
+    args
+}
+
 /// Waits until `done` holds, or fails the test after `secs`.
 async fn eventually<F, Fut>(secs: u64, what: &str, mut done: F)
 where
@@ -511,22 +537,8 @@ async fn killed_after_the_handler_and_before_the_commit_replays_on_restart(
     // The first consumer is a process of its own: it runs every handler (each effect commits
     // with its completion) and is killed with SIGKILL before any offset is committed (its commit
     // interval is an hour; a kill runs no revocation and no shutdown).
-    let mut args = vec![
-        broker.bootstrap(),
-        group.clone(),
-        topic.clone(),
-        url_of(&pool),
-        redis.url(),
-    ];
-    args.extend(
-        broker
-            .client()
-            .iter()
-            .chain(&broker.fast_failover())
-            .map(|(k, v)| format!("{k}={v}")),
-    );
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"))
-        .args(&args)
+        .args(consumer_args(broker, &group, &topic, &pool, &redis))
         .kill_on_drop(true)
         .spawn()
         .unwrap();

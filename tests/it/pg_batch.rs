@@ -889,3 +889,71 @@ async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(po
         .unwrap_err();
     assert!(matches!(err, dedup_core::StoreError::Input(_)), "{err:?}");
 }
+
+/// A handler that answers every message as done but left the transaction aborted (it ignored a
+/// failed statement, here for "bad"): the batch is not lost, nor dead-lettered whole. It runs
+/// again in parts, the message at fault fails alone, and its neighbours commit.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_handler_that_leaves_the_transaction_aborted_fails_only_its_message(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let answers = store
+        .transact_batch(
+            &reqs(&["a", "bad", "c", "d"]),
+            TxBatchConfig::default(),
+            ignoring_a_failure(),
+        )
+        .await
+        .unwrap();
+    for (i, a) in answers.iter().enumerate() {
+        if i == 1 {
+            assert!(
+                matches!(
+                    a,
+                    BatchAnswer::Handler {
+                        after: AfterHandlerError::Released { attempts: 1 },
+                        ..
+                    }
+                ),
+                "{a:?}"
+            );
+        } else {
+            assert!(matches!(a, BatchAnswer::Executed { .. }), "{i}: {a:?}");
+        }
+    }
+    let mut rows: Vec<String> = effect_rows(&pool)
+        .await
+        .into_iter()
+        .map(|(k, _, _)| k)
+        .collect();
+    rows.sort();
+    assert_eq!(rows, ["a", "c", "d"]);
+    assert_eq!(
+        store.get(&key("bad")).await.unwrap().unwrap().state,
+        State::Released
+    );
+}
+
+/// Writes every message's effect, then, for "bad", runs a statement that fails and ignores the
+/// error (the transaction is then aborted), and answers every message as done.
+fn ignoring_a_failure()
+-> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, Boom> + Send {
+    move |tx, leases| {
+        Box::pin(async move {
+            let mut bad = false;
+            for l in leases {
+                let name = String::from_utf8(l.key.key_bytes().to_vec()).unwrap();
+                crate::support::insert_effect(&mut *tx, &name, l.token, "batch")
+                    .await
+                    .unwrap();
+                bad |= name == "bad";
+            }
+            if bad {
+                let _ignored = sqlx::query("SELECT * FROM no_such_table")
+                    .execute(&mut *tx)
+                    .await;
+            }
+            Ok(leases.iter().map(|_| Ok(Bytes::from("ok"))).collect())
+        })
+    }
+}

@@ -451,8 +451,18 @@ impl<S: Store> Dedup<S> {
     /// again. A retried claim that finds our own owner id in flight adopts that lease too, rather
     /// than waiting it out.
     async fn claim_resolved(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_resolved_as(req, false).await
+    }
+
+    /// [`claim_resolved`](Self::claim_resolved), told whether an earlier claim of `req` may
+    /// have landed without its answer (then our own owner id in flight is adopted at once).
+    async fn claim_resolved_as(
+        &self,
+        req: &ClaimRequest,
+        unknown: bool,
+    ) -> Result<ClaimOutcome, StoreError> {
         let mut tries = 0;
-        let mut unknown = false;
+        let mut unknown = unknown;
         loop {
             tries += 1;
             let outcome = match self.store.claim(req).await {

@@ -277,3 +277,30 @@ pub(crate) async fn process_batch_taken_over_is_fenced_whole<S: Store>(s: Arc<S>
         );
     }
 }
+
+/// The replies of two claims are lost after they applied: the batch reads them back and adopts
+/// its own leases (its owner ids) at once, rather than waiting them out as someone else's.
+pub(crate) async fn process_batch_adopts_its_own_claims_after_lost_replies<S: Store>(s: Arc<S>) {
+    let lossy = Faults::new(Arc::clone(&s)).losing_claims(2);
+    let dedup = Dedup::new(&lossy)
+        .with_policy(Policy::default().with_lease(Duration::from_secs(30)))
+        .unwrap();
+    let items: Vec<BatchItem> = ["l1", "l2", "l3"].iter().map(|n| item(n, b"p")).collect();
+    let runs = AtomicU32::new(0);
+    let answers = tokio::time::timeout(
+        Duration::from_secs(20),
+        dedup.process_batch(&items, |_, _| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, HandlerError<Boom>>(Completion::store(bytes("ran"))) }
+        }),
+    )
+    .await
+    .expect("the batch waited out its own leases");
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, Ok(Processed::Executed { .. }))),
+        "{answers:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}

@@ -20,7 +20,7 @@ use super::{
     Broker, Event, assert_one_row_per_key, committed, committed_to_the_end, event, eventually,
     ledger_count, produce, produced_ends, read_dead_letters, unique,
 };
-use crate::support::{RedisServer, effects_table, tiered, url_of};
+use crate::support::{RedisServer, effects_table, tiered};
 
 #[path = "../../bin/batch_ledger.rs"]
 mod batch_ledger;
@@ -104,6 +104,7 @@ on_brokers!(
     tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_the_end,
     tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads_nothing_again,
     tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_transaction,
+    tx_a_rebalance_while_batches_run_loses_stalls_and_doubles_nothing,
 );
 
 /// 600 events over 3 partitions (a third of them repeats), poison every 50th key, one key reused
@@ -285,22 +286,8 @@ async fn tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_th
     let events: Vec<Event> = (0..400u32).map(|i| event(i, 4)).collect();
     produce(broker, &topic, &events).await;
     let group = unique("g");
-    let mut args = vec![
-        broker.bootstrap(),
-        group.clone(),
-        topic.clone(),
-        url_of(&pool),
-        redis.url(),
-    ];
-    args.extend(
-        broker
-            .client()
-            .iter()
-            .chain(&broker.fast_failover())
-            .map(|(k, v)| format!("{k}={v}")),
-    );
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"))
-        .args(&args)
+        .args(super::consumer_args(broker, &group, &topic, &pool, &redis))
         .env("DEDUP_TX_DELAY_MS", "300")
         .kill_on_drop(true)
         .spawn()
@@ -425,22 +412,8 @@ async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads
     produce(broker, &topic, &events).await;
     let ends = produced_ends(&topic, 4);
     let group = unique("g");
-    let mut args = vec![
-        broker.bootstrap(),
-        group.clone(),
-        topic.clone(),
-        url_of(&pool),
-        redis.url(),
-    ];
-    args.extend(
-        broker
-            .client()
-            .iter()
-            .chain(&broker.fast_failover())
-            .map(|(k, v)| format!("{k}={v}")),
-    );
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"))
-        .args(&args)
+        .args(super::consumer_args(broker, &group, &topic, &pool, &redis))
         .env("DEDUP_TX_DELAY_MS", "0")
         .env("DEDUP_TX_OFFSETS", "1")
         .kill_on_drop(true)
@@ -550,4 +523,59 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
     assert_eq!(tiers.authority_claims, 0, "{tiers:?}");
     assert!(tiers.l2_hits >= keys.len() as u64, "{tiers:?}");
     assert_one_row_per_key(&pool, keys).await;
+}
+
+/// A second member joins while the first one's batches are held inside their transactions: the
+/// first is revoked (on an eager protocol, all of its partitions, some of which come straight
+/// back) while those batches run. Once they finish, every partition goes on, under whichever
+/// member owns it: every key booked once, offsets at the end, nothing stalled.
+async fn tx_a_rebalance_while_batches_run_loses_stalls_and_doubles_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let topic = unique("tx-rebalance");
+    broker.create_topic(&topic, 4).await;
+    let events: Vec<Event> = (0..1200u32)
+        .map(|i| {
+            let mut e = event(if i % 3 == 2 { i / 2 } else { i }, 4);
+            e.partition = i32::try_from(i).unwrap() % 4;
+            e
+        })
+        .collect();
+    let keys: BTreeSet<String> = events.iter().filter_map(|e| e.key.clone()).collect();
+    let group = unique("g");
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let mut held = ledger("a");
+    held.gate = Some(gate);
+    let calls = held.calls.clone();
+    let a = RunningTx::spawn(broker.config(&group, &topic), &pool, held);
+    produce(broker, &topic, &events[..600]).await;
+    eventually(
+        60,
+        "the first member's batches held in their transactions",
+        || {
+            let n = calls.load(std::sync::atomic::Ordering::Relaxed);
+            async move { n > 0 }
+        },
+    )
+    .await;
+    let b = RunningTx::spawn(broker.config(&group, &topic), &pool, ledger("b"));
+    let (a_stats, b_stats) = (a.stats.clone(), b.stats.clone());
+    eventually(90, "the second member assigned, the first revoked", || {
+        let (sa, sb) = (a_stats.snapshot(), b_stats.snapshot());
+        async move { sb.assigned > 0 && sa.revoked > 0 }
+    })
+    .await;
+    open.send(true).unwrap();
+    produce(broker, &topic, &events[600..]).await;
+    committed_to_the_end(broker, &group, &topic, 4).await;
+    let (sa, sb) = (a.stop().await, b.stop().await);
+    assert_one_row_per_key(&pool, keys.iter().cloned()).await;
+    assert_eq!(
+        sa.executed + sb.executed,
+        keys.len() as u64,
+        "{sa:?} {sb:?}"
+    );
+    assert_eq!(sa.dead_lettered + sb.dead_lettered, 0);
 }

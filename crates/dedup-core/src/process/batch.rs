@@ -110,8 +110,13 @@ impl<S: Store> Dedup<S> {
             let mut running = Vec::new();
             for ((&i, req), claim) in distinct.iter().zip(&reqs).zip(claims) {
                 let claim = match claim {
-                    // A lost reply: read back, as a single claim would be.
-                    Err(e) if e.is_outcome_unknown() => self.claim_resolved(req).await,
+                    // A lost reply: read back, as a single claim would be; our own owner id
+                    // found in flight (a batch whose reply was lost, claimed again one by one)
+                    // is our lease, adopted rather than waited out.
+                    Err(e) if e.is_outcome_unknown() => self.claim_resolved_as(req, true).await,
+                    Ok(ClaimOutcome::InFlight { owner: Some(o), .. }) if o == req.owner => {
+                        self.claim_resolved_as(req, true).await
+                    }
                     other => other,
                 };
                 out[i] = Some(match claim {

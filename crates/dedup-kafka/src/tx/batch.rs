@@ -242,8 +242,18 @@ impl<H: BatchHandler> Inner<H> {
                     again.push(self.retry_later(item));
                 }
             }
+            // Failed for good as a whole: the messages run again one per batch, so that one at
+            // fault is found and dead-lettered alone; a message alone is dead-lettered.
+            Err(e) if items.len() > 1 => {
+                self.counters.store_errors.add(1);
+                warn!(error = %e, messages = items.len(), "batch transaction refused; running its messages alone");
+                for mut item in items {
+                    item.solo = true;
+                    again.push(self.retry_later(item));
+                }
+            }
             Err(e) => {
-                warn!(error = %e, messages = items.len(), "batch transaction refused; dead-lettering");
+                warn!(error = %e, "transaction refused for a message alone; dead-lettering it");
                 let reason = format!("the batch transaction failed: {e}");
                 for item in items {
                     letters.push(Letter {

@@ -323,7 +323,8 @@ impl<H: BatchHandler> TxRunner<H> {
             running: 0,
             pressure: Backpressure::default(),
             done_tx,
-            stored: HashMap::new(),
+            stored: Arc::new(Mutex::new(HashMap::new())),
+            storing: None,
         };
         let mut commit_tick = tokio::time::interval(inner.config.commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -384,7 +385,11 @@ impl<H: BatchHandler> TxRunner<H> {
                 }
             }
         }
-        lp.commit(CommitMode::Sync);
+        commit(&lp.consumer, &lp.shared, &inner.counters, CommitMode::Sync);
+        // The positions last: after any write under way, whatever moved since.
+        if let Some(under_way) = lp.storing.take() {
+            let _ = under_way.await;
+        }
         if let Some(last) = lp.store_positions() {
             let _ = last.await;
         }
@@ -409,6 +414,8 @@ pub(crate) struct Item {
     pub(crate) retries: u32,
     /// Not before this (a retry's backoff).
     pub(crate) due: Option<Instant>,
+    /// Runs in a batch of its own (its batch failed as a whole for good).
+    pub(crate) solo: bool,
     pub(crate) received: Instant,
 }
 
@@ -431,7 +438,9 @@ struct Queue {
     revoked: Arc<AtomicBool>,
     /// In offset order.
     queue: Vec<Item>,
-    running: bool,
+    /// The generation of the batch running on this partition, if one is: a batch of an earlier
+    /// ownership still holds the partition until it is over, whatever the generation is now.
+    running: Option<u64>,
     /// When the oldest waiting message began to wait.
     since: Option<Instant>,
 }
@@ -448,8 +457,30 @@ struct Loop<H> {
     running: usize,
     pressure: Backpressure,
     done_tx: mpsc::UnboundedSender<Done>,
-    /// Offsets in the transaction: the positions last stored outside a batch.
-    stored: HashMap<TopicPartition, i64>,
+    /// Offsets in the transaction: the positions stored outside a batch (updated once stored).
+    stored: Arc<Mutex<HashMap<TopicPartition, i64>>>,
+    /// The write of those positions under way, if one is.
+    storing: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// When a partition's waiting messages should run, less the batch wait: now for those that can
+/// run now (they wait another round), and for a retry, or a message of its group behind it, the
+/// retry's due time. `None` for an empty queue.
+fn waiting_since(queue: &[Item], now: Instant, wait: Duration) -> Option<Instant> {
+    let mut ready_by_group: HashMap<u64, Instant> = HashMap::new();
+    queue
+        .iter()
+        .map(|i| {
+            let behind = ready_by_group.get(&i.group).copied().unwrap_or(now);
+            let ready = i.due.unwrap_or(now).max(behind);
+            ready_by_group.insert(i.group, ready);
+            if ready <= now {
+                now
+            } else {
+                ready.checked_sub(wait).unwrap_or(ready).max(now)
+            }
+        })
+        .min()
 }
 
 /// The ordering group of messages without an ordering key under `PerKey`, and of every message
@@ -459,21 +490,32 @@ const PARTITION_GROUP: u64 = u64::MAX;
 impl<H: BatchHandler> Loop<H> {
     fn commit(&mut self, mode: CommitMode) {
         commit(&self.consumer, &self.shared, &self.inner.counters, mode);
-        drop(self.store_positions());
+        if self
+            .storing
+            .as_ref()
+            .is_none_or(tokio::task::JoinHandle::is_finished)
+        {
+            self.storing = self.store_positions();
+        }
     }
 
     /// Offsets in the transaction: stores the positions that moved without a batch (dead letters
-    /// acknowledged, a partition started from its stored position), forward only.
-    fn store_positions(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+    /// acknowledged, a partition started from its stored position), forward only. A position is
+    /// taken as stored once the write succeeded; a failed one is written again next time.
+    fn store_positions(&self) -> Option<tokio::task::JoinHandle<()>> {
         if !self.inner.offsets_in_tx {
             return None;
         }
         let mut moved = Vec::new();
         {
             let shared = lock(&self.shared);
+            let stored = self
+                .stored
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             for (tp, part) in &shared.parts {
                 if let Some(pos) = part.position()
-                    && self.stored.get(tp).is_none_or(|&s| pos > s)
+                    && stored.get(tp).is_none_or(|&s| pos > s)
                 {
                     moved.push((tp.clone(), pos));
                 }
@@ -482,17 +524,26 @@ impl<H: BatchHandler> Loop<H> {
         if moved.is_empty() {
             return None;
         }
-        for (tp, pos) in &moved {
-            self.stored.insert(tp.clone(), *pos);
-        }
         let (store, group) = (self.inner.store.clone(), self.inner.config.group_id.clone());
+        let stored = Arc::clone(&self.stored);
         Some(tokio::spawn(async move {
             let positions: Vec<(&str, i32, i64)> = moved
                 .iter()
                 .map(|((t, p), o)| (t.as_str(), *p, *o))
                 .collect();
-            if let Err(e) = store.store_offsets(&group, &positions).await {
-                warn!(error = %e, "storing positions failed; the next batch or commit stores them");
+            match store.store_offsets(&group, &positions).await {
+                Ok(()) => {
+                    let mut stored = stored
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    for (tp, pos) in moved {
+                        let s = stored.entry(tp).or_insert(pos);
+                        *s = (*s).max(pos);
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "storing positions failed; the next commit tries again");
+                }
             }
         }))
     }
@@ -568,13 +619,14 @@ impl<H: BatchHandler> Loop<H> {
             group,
             retries: 0,
             due: None,
+            solo: false,
             received: Instant::now(),
         };
         let q = self.parts.entry(tp).or_insert_with(|| Queue {
             generation,
             revoked: revoked.clone(),
             queue: Vec::new(),
-            running: false,
+            running: None,
             since: None,
         });
         if q.generation != generation {
@@ -600,7 +652,7 @@ impl<H: BatchHandler> Loop<H> {
     fn next_batch_at(&self) -> Option<Instant> {
         self.parts
             .values()
-            .filter(|q| !q.running && !q.queue.is_empty())
+            .filter(|q| q.running.is_none() && !q.queue.is_empty())
             .filter_map(|q| q.since.map(|s| s + self.inner.batching.wait))
             .min()
     }
@@ -617,7 +669,7 @@ impl<H: BatchHandler> Loop<H> {
                 abandoned += std::mem::take(&mut q.queue).len();
                 continue;
             }
-            if stopping || q.running || q.queue.is_empty() {
+            if stopping || q.running.is_some() || q.queue.is_empty() {
                 continue;
             }
             let full = q.queue.len() >= size;
@@ -626,14 +678,20 @@ impl<H: BatchHandler> Loop<H> {
             }
             // In offset order: a message is taken if it is due and nothing of its group stays
             // behind before it.
+            // A message whose batch failed as a whole for good runs in a batch of its own, so that
+            // only it can be dead-lettered for that.
             let mut blocked: HashSet<u64> = HashSet::new();
-            let mut take = Vec::new();
+            let mut take: Vec<Item> = Vec::new();
             let mut keep = Vec::new();
+            let mut closed = false;
             for item in std::mem::take(&mut q.queue) {
-                if take.len() < size
+                let free = !closed
+                    && take.len() < size
                     && !blocked.contains(&item.group)
                     && item.due.is_none_or(|d| d <= now)
-                {
+                    && (!item.solo || take.is_empty());
+                if free {
+                    closed = item.solo;
                     take.push(item);
                 } else {
                     blocked.insert(item.group);
@@ -641,15 +699,8 @@ impl<H: BatchHandler> Loop<H> {
                 }
             }
             q.queue = keep;
-            // What stays waits another round; a retry not yet due, until it is.
-            q.since = q
-                .queue
-                .iter()
-                .map(|i| {
-                    i.due
-                        .map_or(now, |d| d.checked_sub(wait).unwrap_or(d).max(now))
-                })
-                .min();
+            // What stays waits another round; a retry, and what waits behind it, until it is due.
+            q.since = waiting_since(&q.queue, now, wait);
             if take.is_empty() {
                 continue;
             }
@@ -670,7 +721,7 @@ impl<H: BatchHandler> Loop<H> {
             } else {
                 None
             };
-            q.running = true;
+            q.running = Some(q.generation);
             self.running += 1;
             let (inner, tx) = (self.inner.clone(), self.done_tx.clone());
             let (tp, generation, revoked) = (tp.clone(), q.generation, q.revoked.clone());
@@ -716,8 +767,9 @@ impl<H: BatchHandler> Loop<H> {
             c.abandoned.add(done.again.len() as u64);
             return;
         };
-        if done.batch && q.generation == done.generation {
-            q.running = false;
+        // The partition's batch is over, of whichever ownership it was.
+        if done.batch && q.running == Some(done.generation) {
+            q.running = None;
         }
         if q.generation != done.generation
             || q.revoked.load(AtomicOrdering::Acquire)
@@ -731,15 +783,7 @@ impl<H: BatchHandler> Loop<H> {
             let now = Instant::now();
             q.queue.extend(done.again);
             q.queue.sort_by_key(|i| i.delivery.offset);
-            let wait = self.inner.batching.wait;
-            q.since = q
-                .queue
-                .iter()
-                .map(|i| {
-                    i.due
-                        .map_or(now, |d| d.checked_sub(wait).unwrap_or(d).max(now))
-                })
-                .min();
+            q.since = waiting_since(&q.queue, now, self.inner.batching.wait);
         }
     }
 }

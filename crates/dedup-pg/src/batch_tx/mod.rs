@@ -210,12 +210,12 @@ impl PgStore {
         E: std::fmt::Display + Send,
         H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
     {
-        if groups.len() != reqs.len() {
-            return Err(StoreError::Input(InputError::Setting {
-                setting: "groups",
-                problem: "needs one ordering group per request",
-            }));
-        }
+        one_per_request(
+            reqs,
+            groups.len(),
+            "groups",
+            "needs one ordering group per request",
+        )?;
         self.transact_many(reqs, Some(groups), None, config, handler)
             .await
     }
@@ -243,18 +243,18 @@ impl PgStore {
         E: std::fmt::Display + Send,
         H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
     {
-        if groups.len() != reqs.len() {
-            return Err(StoreError::Input(InputError::Setting {
-                setting: "groups",
-                problem: "needs one ordering group per request",
-            }));
-        }
-        if offsets.offsets.len() != reqs.len() {
-            return Err(StoreError::Input(InputError::Setting {
-                setting: "offsets",
-                problem: "needs one offset per request",
-            }));
-        }
+        one_per_request(
+            reqs,
+            groups.len(),
+            "groups",
+            "needs one ordering group per request",
+        )?;
+        one_per_request(
+            reqs,
+            offsets.offsets.len(),
+            "offsets",
+            "needs one offset per request",
+        )?;
         self.transact_many(reqs, Some(groups), Some(offsets), config, handler)
             .await
     }
@@ -355,6 +355,20 @@ impl PgStore {
             .into_iter()
             .map(|a| a.unwrap_or(BatchAnswer::InFlight))
             .collect())
+    }
+}
+
+/// Refuses a per-request list of another length than the requests, naming it.
+fn one_per_request(
+    reqs: &[ClaimRequest],
+    len: usize,
+    setting: &'static str,
+    problem: &'static str,
+) -> Result<(), StoreError> {
+    if len == reqs.len() {
+        Ok(())
+    } else {
+        Err(StoreError::Input(InputError::Setting { setting, problem }))
     }
 }
 

@@ -9,6 +9,8 @@ use tracing::debug;
 
 use super::fresh::{insert_claimed, insert_completed, read_fresh};
 use super::parts::{call, handler_reason, record_failure, withdraw};
+use dedup_core::HandlerError;
+
 use super::{BatchAnswer, BatchBody, BatchRetried, ItemResult, TxBatchConfig};
 use crate::PgStore;
 use crate::claim::{claim_counted, claim_many};
@@ -16,6 +18,20 @@ use crate::classify::classify;
 use crate::complete::complete_many;
 use crate::offsets::{TxOffsets, store_offsets_on};
 use crate::sql::TRY_LOCK_SQL;
+
+/// Whether `e` says the transaction was aborted by an earlier failed statement (SQLSTATE 25P02).
+fn aborted(e: &StoreError) -> bool {
+    crate::classify::sqlstate(e).as_deref() == Some("25P02")
+}
+
+/// Runs a savepoint statement (SAVEPOINT, RELEASE, ROLLBACK TO).
+async fn savepoint(conn: &mut PgConnection, sql: &'static str) -> Result<(), StoreError> {
+    sqlx::query(sql)
+        .execute(&mut *conn)
+        .await
+        .map(drop)
+        .map_err(|e| classify(e, false))
+}
 
 /// A part of the acquired messages, run under one savepoint in the second pass.
 type Part = Vec<usize>;
@@ -118,9 +134,17 @@ impl PgStore {
                     .copied()
                     .filter(|i| !outcomes.contains_key(i))
                     .collect();
+                // Each under a savepoint: a single claim that met a lock timeout answers InFlight
+                // but leaves the transaction aborted, which rolling back to it undoes.
                 for i in left {
+                    savepoint(&mut tx, "SAVEPOINT dedup_claim").await?;
                     let (answer, statements) = claim_counted(&mut tx, &reqs[i]).await;
-                    self.count(statements);
+                    let keep = matches!(&answer, Ok(o) if !matches!(o, ClaimOutcome::InFlight { .. }));
+                    if !keep {
+                        savepoint(&mut tx, "ROLLBACK TO SAVEPOINT dedup_claim").await?;
+                    }
+                    savepoint(&mut tx, "RELEASE SAVEPOINT dedup_claim").await?;
+                    self.count(statements + if keep { 2 } else { 3 });
                     outcomes.insert(i, answer?);
                 }
             }
@@ -205,20 +229,32 @@ impl PgStore {
                             .await
                             .map_err(|e| classify(e, false))?;
                         self.count(1);
-                        let out = call(handler, &mut tx, &sub).await;
+                        let mut out = call(handler, &mut tx, &sub).await;
                         let all_ok = matches!(&out, Ok(r) if r.iter().all(Result::is_ok));
                         if all_ok {
-                            sqlx::query("RELEASE SAVEPOINT dedup_part")
+                            let released = sqlx::query("RELEASE SAVEPOINT dedup_part")
                                 .execute(&mut *tx)
                                 .await
-                                .map_err(|e| classify(e, false))?;
+                                .map_err(|e| classify(e, false));
                             self.count(1);
-                            if let Ok(r) = out {
-                                for (&k, r) in part.iter().zip(r) {
-                                    results[k] = Some(r);
+                            match released {
+                                Ok(_) => {
+                                    if let Ok(r) = out {
+                                        for (&k, r) in part.iter().zip(r) {
+                                            results[k] = Some(r);
+                                        }
+                                    }
+                                    continue;
                                 }
+                                // The handler said yes but left the transaction aborted (a
+                                // statement of its failed): the part failed as a whole.
+                                Err(e) if aborted(&e) => {
+                                    out = Err(HandlerError::Store(StoreError::backend(
+                                        BatchRetried("the handler left the transaction aborted"),
+                                    )));
+                                }
+                                Err(e) => return Err(e),
                             }
-                            continue;
                         }
                         // Undone, and released too, so that failed parts do not nest.
                         sqlx::query("ROLLBACK TO SAVEPOINT dedup_part")
@@ -307,9 +343,19 @@ impl PgStore {
                     }
                 }
             }
+            // A handler that answered every message as done but left the transaction aborted (one
+            // of its statements failed) shows here, at the first write after it: the batch runs
+            // again in parts, so that the message at fault is found.
+            let retry_whole = alone.is_none();
             if !written.is_empty() {
                 self.count(1);
-                insert_completed(&mut tx, &written).await?;
+                if let Err(e) = insert_completed(&mut tx, &written).await {
+                    if retry_whole && aborted(&e) {
+                        tx.rollback().await.map_err(|e| classify(e, false))?;
+                        return Ok(Pass::Retry(Vec::new()));
+                    }
+                    return Err(e);
+                }
                 for (k, (lease, result)) in written_at.iter().zip(&written) {
                     answers[positions[*k]] = Some(BatchAnswer::Executed {
                         result: result.clone(),
@@ -322,6 +368,10 @@ impl PgStore {
                 let (completed, failed, statements) = complete_many(&mut tx, &done).await;
                 self.count(statements);
                 if let Some(e) = failed {
+                    if retry_whole && aborted(&e) {
+                        tx.rollback().await.map_err(|e| classify(e, false))?;
+                        return Ok(Pass::Retry(Vec::new()));
+                    }
                     return Err(e);
                 }
                 for ((k, r), (lease, result)) in done_at.iter().zip(completed).zip(&done) {
@@ -344,12 +394,19 @@ impl PgStore {
                     .collect();
                 let position = offsets.position(|i| settles(reqs, distinct, &first, &answers, i));
                 self.count(1);
-                store_offsets_on(
+                if let Err(e) = store_offsets_on(
                     &mut tx,
                     &offsets.consumer_group,
                     &[(&offsets.topic, offsets.partition, position)],
                 )
-                .await?;
+                .await
+                {
+                    if retry_whole && aborted(&e) {
+                        tx.rollback().await.map_err(|e| classify(e, false))?;
+                        return Ok(Pass::Retry(Vec::new()));
+                    }
+                    return Err(e);
+                }
             }
             // A commit whose reply is lost is read back through one completed lease (a
             // transaction commits whole); whatever did not commit is a passing failure of the
