@@ -8,7 +8,8 @@
 //! With `DEDUP_TX_DELAY_MS` set, it runs the transaction-mode runner instead (`TxRunner`,
 //! batches of up to 20), each batch sleeping that long inside its transaction after writing its
 //! effects, so that the kill lands in the middle of a batch; with `DEDUP_TX_OFFSETS` set too,
-//! each batch also stores its partition's position in its transaction.
+//! each batch also stores its partition's position in its transaction; `DEDUP_TX_IDLE_MS` sets
+//! how long a batch's session may sit idle in its transaction before the server ends it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dedup_core::{Dedup, HandlerError, LeaseContext, TieredConfig, TieredStore};
 use dedup_kafka::{Batching, Delivery, Runner, RunnerConfig, TxRunner};
-use dedup_pg::PgStore;
+use dedup_pg::{PgStore, TxBatchConfig};
 use dedup_redis::RedisFastPath;
 
 #[path = "batch_ledger.rs"]
@@ -47,7 +48,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             delay: Duration::from_millis(ms.parse()?),
             ..Default::default()
         };
-        let batching = Batching::new(20, Duration::from_millis(5));
+        let mut batching = Batching::new(20, Duration::from_millis(5));
+        if let Ok(ms) = std::env::var("DEDUP_TX_IDLE_MS") {
+            batching = batching.with_transaction(
+                TxBatchConfig::default().with_idle_timeout(Duration::from_millis(ms.parse()?)),
+            );
+        }
         let mut runner = TxRunner::new(config, batching, pg, handler)?;
         if std::env::var_os("DEDUP_TX_OFFSETS").is_some() {
             runner = runner.with_offsets_in_transaction(Duration::from_secs(5))?;

@@ -105,6 +105,7 @@ on_brokers!(
     tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads_nothing_again,
     tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_transaction,
     tx_a_rebalance_while_batches_run_loses_stalls_and_doubles_nothing,
+    tx_a_consumer_stopped_mid_batch_has_its_batch_rolled_back_by_the_server,
 );
 
 /// 600 events over 3 partitions (a third of them repeats), poison every 50th key, one key reused
@@ -578,4 +579,95 @@ async fn tx_a_rebalance_while_batches_run_loses_stalls_and_doubles_nothing(
         "{sa:?} {sb:?}"
     );
     assert_eq!(sa.dead_lettered + sb.dead_lettered, 0);
+}
+
+/// A consumer process is stopped with SIGSTOP while its batches sit inside their transactions
+/// (effects written, not committed). The server ends those sessions after the batch's idle bound
+/// (2 s here), rolling each batch back whole; another member takes the partitions over and books
+/// every key. The stopped process then resumes (SIGCONT): its late commits find their sessions
+/// gone, and no effect runs twice.
+async fn tx_a_consumer_stopped_mid_batch_has_its_batch_rolled_back_by_the_server(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("tx-stopped");
+    broker.create_topic(&topic, 4).await;
+    let events: Vec<Event> = (0..400u32).map(|i| event(i, 4)).collect();
+    let keys: BTreeSet<String> = events.iter().filter_map(|e| e.key.clone()).collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"))
+        .args(super::consumer_args(broker, &group, &topic, &pool, &redis))
+        .env("DEDUP_TX_DELAY_MS", "1500")
+        .env("DEDUP_TX_IDLE_MS", "2000")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let db: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let idle_in_tx = |pool: PgPool, db: String| async move {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND state = 'idle in transaction'",
+        )
+        .bind(db)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    eventually(60, "a batch of the consumer inside its transaction", || {
+        let (pool, db) = (pool.clone(), db.clone());
+        async move { idle_in_tx(pool, db).await > 0 }
+    })
+    .await;
+    let pid = child.id().unwrap().to_string();
+    let signal = |s: &str| {
+        assert!(
+            std::process::Command::new("kill")
+                .args([s, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    signal("-STOP");
+    let at_stop = ledger_count(&pool).await;
+    // The server ends the stopped client's sessions: nothing of those batches stays.
+    eventually(
+        30,
+        "the stopped batches' sessions ended by the server",
+        || {
+            let (pool, db) = (pool.clone(), db.clone());
+            async move { idle_in_tx(pool, db).await == 0 }
+        },
+    )
+    .await;
+    assert_eq!(
+        ledger_count(&pool).await,
+        at_stop,
+        "an uncommitted batch left nothing"
+    );
+    let mut config = broker.config(&group, &topic);
+    for (k, v) in broker.fast_failover() {
+        config = config.with_client(k, v);
+    }
+    let other = RunningTx::spawn(config, &pool, ledger("other"));
+    eventually(90, "every key booked by the other member", || {
+        let pool = pool.clone();
+        let n = keys.len();
+        async move { ledger_count(&pool).await >= i64::try_from(n).unwrap() }
+    })
+    .await;
+    // The stopped consumer goes on: its transactions are gone, and it may try them again.
+    signal("-CONT");
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    child.kill().await.unwrap();
+    let _ = child.wait().await;
+    committed_to_the_end(broker, &group, &topic, 4).await;
+    let s = other.stop().await;
+    assert_one_row_per_key(&pool, keys).await;
+    assert_eq!(s.dead_lettered, 0);
 }
