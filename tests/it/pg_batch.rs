@@ -110,13 +110,13 @@ async fn a_batch_commits_claims_effects_and_completions_together(pool: PgPool) {
         }
     }
     assert!(
-        matches!(&answers[100], BatchAnswer::Replayed { result } if result == "booked k1"),
+        matches!(&answers[100], BatchAnswer::Replayed { result, .. } if result == "booked k1"),
         "{:?}",
         answers[100]
     );
     assert!(matches!(&answers[101], BatchAnswer::Replayed { .. }));
     assert!(
-        matches!(&answers[102], BatchAnswer::Replayed { result } if result == "old result"),
+        matches!(&answers[102], BatchAnswer::Replayed { result, .. } if result == "old result"),
         "{:?}",
         answers[102]
     );
@@ -275,7 +275,7 @@ async fn a_key_held_by_another_batch_answers_in_flight_without_waiting(pool: PgP
         .await
         .unwrap();
     assert!(
-        matches!(&retried[0], BatchAnswer::Replayed { result } if result == "other"),
+        matches!(&retried[0], BatchAnswer::Replayed { result, .. } if result == "other"),
         "{:?}",
         retried[0]
     );

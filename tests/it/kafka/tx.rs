@@ -475,7 +475,7 @@ async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads
 /// Caches in front of the transactions: a first consumer group books a stream (its commits copy
 /// every completed key to Redis); a second group in the same dedup scope, with an empty L1, reads
 /// the stream again and every message is answered from the caches: no transaction runs, and
-/// Postgres is asked nothing.
+/// Postgres is asked nothing. After a Redis flush, Postgres's replays refill the caches.
 async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_transaction(
     broker: &Broker,
     pool: PgPool,
@@ -510,7 +510,9 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
     assert_one_row_per_key(&pool, keys.iter().cloned()).await;
 
     let second = Arc::new(tiered(pool.clone(), &redis).await);
-    let config = broker.config(&unique("g"), &topic).with_scope(scope);
+    let config = broker
+        .config(&unique("g"), &topic)
+        .with_scope(scope.clone());
     let run = RunningTx::spawn_full(config, &pool, ledger("second"), false, Some(second.clone()));
     let stats = run.stats.clone();
     eventually(60, "the second group settled the stream", || {
@@ -523,6 +525,40 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
     let tiers = second.stats();
     assert_eq!(tiers.authority_claims, 0, "{tiers:?}");
     assert!(tiers.l2_hits >= keys.len() as u64, "{tiers:?}");
+
+    // Redis flushed: a third group's replays come from Postgres, which refills Redis after its
+    // transactions, so that a fourth group is answered by the caches again.
+    let mut conn = redis.client().await;
+    let _: () = dedup_redis::redis::cmd("FLUSHALL")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for (n, from_postgres) in [(3, true), (4, false)] {
+        let caches = Arc::new(tiered(pool.clone(), &redis).await);
+        let config = broker
+            .config(&unique("g"), &topic)
+            .with_scope(scope.clone());
+        let run =
+            RunningTx::spawn_full(config, &pool, ledger("again"), false, Some(caches.clone()));
+        let stats = run.stats.clone();
+        eventually(60, "the group settled the stream", || {
+            let s = stats.snapshot();
+            async move { s.replayed == 200 }
+        })
+        .await;
+        let s = run.stop().await;
+        assert_eq!(s.executed, 0, "group {n}: {s:?}");
+        let tiers = caches.stats();
+        if from_postgres {
+            assert!(
+                tiers.authority_claims >= keys.len() as u64,
+                "group {n}: {tiers:?}"
+            );
+            assert!(tiers.backfills >= keys.len() as u64, "group {n}: {tiers:?}");
+        } else {
+            assert_eq!(tiers.authority_claims, 0, "group {n}: {tiers:?}");
+        }
+    }
     assert_one_row_per_key(&pool, keys).await;
 }
 

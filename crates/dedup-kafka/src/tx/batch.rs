@@ -214,15 +214,25 @@ impl<H: BatchHandler> Inner<H> {
                 }
                 let mut copies = Vec::new();
                 for (item, answer) in items.into_iter().zip(answers) {
-                    if let BatchAnswer::Executed {
-                        result,
-                        token,
-                        attempts,
-                    } = &answer
-                    {
-                        let mut copy = Cached::new(State::Completed, *token);
-                        copy.fingerprint = item.fingerprint;
-                        copy.attempts = *attempts;
+                    // What the commit completed, and what Postgres replayed (the caches had
+                    // lost it: a flush, a restart, an eviction), go to the caches.
+                    let copy = match &answer {
+                        BatchAnswer::Executed {
+                            result,
+                            token,
+                            attempts,
+                        } => Some((result, *token, item.fingerprint, *attempts)),
+                        BatchAnswer::Replayed {
+                            result,
+                            token,
+                            fingerprint,
+                        } => Some((result, *token, *fingerprint, 1)),
+                        _ => None,
+                    };
+                    if let Some((result, token, fingerprint, attempts)) = copy {
+                        let mut copy = Cached::new(State::Completed, token);
+                        copy.fingerprint = fingerprint;
+                        copy.attempts = attempts;
                         copy.result = Some(result.clone());
                         copies.push((item.key.clone(), copy, self.policy.retention));
                     }

@@ -49,7 +49,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{
-    AfterHandlerError, ClaimRequest, FencingToken, HandlerError, InputError, Lease, StoreError,
+    AfterHandlerError, ClaimRequest, FencingToken, Fingerprint, HandlerError, InputError, Lease,
+    StoreError,
 };
 use sqlx::postgres::PgConnection;
 
@@ -122,6 +123,10 @@ pub enum BatchAnswer<E> {
     Replayed {
         /// The stored result.
         result: Bytes,
+        /// The token it was completed under.
+        token: FencingToken,
+        /// The fingerprint the record holds (a cache copy must carry it).
+        fingerprint: Option<Fingerprint>,
     },
     /// Another holder has the key (a live lease, or another transaction's uncommitted claim).
     /// Retry later.
@@ -329,11 +334,20 @@ impl PgStore {
                 {
                     BatchAnswer::PayloadMismatch
                 }
-                Some(BatchAnswer::Executed { result, .. } | BatchAnswer::Replayed { result }) => {
-                    BatchAnswer::Replayed {
-                        result: result.clone(),
-                    }
-                }
+                Some(BatchAnswer::Executed { result, token, .. }) => BatchAnswer::Replayed {
+                    result: result.clone(),
+                    token: *token,
+                    fingerprint: reqs[f].fingerprint,
+                },
+                Some(BatchAnswer::Replayed {
+                    result,
+                    token,
+                    fingerprint,
+                }) => BatchAnswer::Replayed {
+                    result: result.clone(),
+                    token: *token,
+                    fingerprint: *fingerprint,
+                },
                 Some(BatchAnswer::Failed { reason, attempts }) => BatchAnswer::Failed {
                     reason: reason.clone(),
                     attempts: *attempts,

@@ -169,7 +169,15 @@ impl PgStore {
                         leases.push((n, lease));
                         continue;
                     }
-                    ClaimOutcome::Completed { result, .. } => BatchAnswer::Replayed { result },
+                    ClaimOutcome::Completed {
+                        result,
+                        token,
+                        fingerprint,
+                    } => BatchAnswer::Replayed {
+                        result,
+                        token,
+                        fingerprint,
+                    },
                     ClaimOutcome::Failed { reason, attempts } => {
                         BatchAnswer::Failed { reason, attempts }
                     }
