@@ -1357,4 +1357,5 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
     assert_eq!(committed(broker, &group, &topic, 1).await, vec![30]);
 }
 
+mod lease;
 mod tx;

@@ -83,5 +83,7 @@ pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
 pub use runner::{Handler, Runner, RunnerError};
 pub use stats::{RunnerStats, StatsHandle};
 #[cfg(feature = "pg")]
-pub use tx::{Acquired, BatchHandler, Batching, MAX_ASSIGNMENT_WAIT, MAX_BATCH, TxRunner};
+pub use tx::{
+    Acquired, BatchHandler, Batching, LeaseRunner, MAX_ASSIGNMENT_WAIT, MAX_BATCH, TxRunner,
+};
 pub use typed::{Ignore, OnResult, Typed};

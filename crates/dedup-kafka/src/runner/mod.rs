@@ -79,7 +79,9 @@ where
 
 /// A message is retried until it settles, so a handler's `Withdraw` (give the key back, spend no
 /// attempt) would retry it without end: the runner counts it as a retryable failure.
-fn no_withdraw<E>(r: Result<Completion, HandlerError<E>>) -> Result<Completion, HandlerError<E>> {
+pub(crate) fn no_withdraw<E>(
+    r: Result<Completion, HandlerError<E>>,
+) -> Result<Completion, HandlerError<E>> {
     match r {
         Err(HandlerError::Withdraw(e)) => Err(HandlerError::Retryable(e)),
         other => other,
@@ -547,18 +549,7 @@ where
                 }
                 continue;
             }
-            let attempts = match &err {
-                ProcessError::Failed { attempts, .. } => *attempts,
-                ProcessError::Handler {
-                    after: AfterHandlerError::Failed { attempts },
-                    ..
-                }
-                | ProcessError::Panicked {
-                    after: AfterHandlerError::Failed { attempts },
-                    ..
-                } => *attempts,
-                _ => retry + 1,
-            };
+            let attempts = attempts_of(&err, retry + 1);
             warn!(key = %key, error = %err, attempts, "dead-lettering");
             return self.dead_letter(job, &err.to_string(), attempts).await;
         }
@@ -631,6 +622,22 @@ where
                 }
             }
         }
+    }
+}
+
+/// The attempts an error says were made, or `otherwise`.
+pub(crate) fn attempts_of<E>(err: &ProcessError<E>, otherwise: u32) -> u32 {
+    match err {
+        ProcessError::Failed { attempts, .. } => *attempts,
+        ProcessError::Handler {
+            after: AfterHandlerError::Failed { attempts },
+            ..
+        }
+        | ProcessError::Panicked {
+            after: AfterHandlerError::Failed { attempts },
+            ..
+        } => *attempts,
+        _ => otherwise,
     }
 }
 

@@ -14,37 +14,19 @@ use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxOffsets};
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use sqlx::PgConnection;
-use tokio::sync::watch;
-use tokio::time::{Instant, sleep};
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::{Acquired, BatchHandler, Batching, Done, Item};
-use crate::config::RunnerConfig;
+use super::exec::{Common, Exec, Settled};
+use super::{Acquired, BatchHandler, Done, Item};
 use crate::consumer::TopicPartition;
-use crate::dead_letter::DeadLetters;
 use crate::delivery::Delivery;
 use crate::runner::{DisplayHandlerError, panic_message};
-use crate::stats::Counters;
-
-/// How a message of a batch ended.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Settled {
-    Executed,
-    Replayed,
-    DeadLettered,
-    /// Left unsettled (revoked or shutting down): it will be redelivered.
-    Abandoned,
-}
 
 pub(crate) struct Inner<H> {
-    pub(crate) config: RunnerConfig,
-    pub(crate) batching: Batching,
+    pub(crate) common: Common,
     pub(crate) store: PgStore,
     pub(crate) policy: Policy,
     pub(crate) handler: Arc<H>,
-    pub(crate) dead_letters: DeadLetters,
-    pub(crate) counters: Arc<Counters>,
-    pub(crate) stopping: watch::Receiver<bool>,
     pub(crate) owner_prefix: String,
     /// Claims made, for a per-claim owner id.
     pub(crate) claims: AtomicU64,
@@ -61,11 +43,23 @@ struct Letter {
     attempts: u32,
 }
 
-impl<H: BatchHandler> Inner<H> {
+impl<H: BatchHandler> Exec for Inner<H> {
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    fn positions(&self) -> Option<&PgStore> {
+        self.offsets_in_tx.then_some(&self.store)
+    }
+
+    fn groups_in_batch(&self) -> bool {
+        true
+    }
+
     /// Runs one batch and says what became of each message. Never panics out: a panic anywhere
     /// in the batch (the handler's are caught inside the transaction) leaves every message to
     /// run again.
-    pub(crate) async fn run_batch(
+    async fn run_batch(
         &self,
         tp: TopicPartition,
         generation: u64,
@@ -89,14 +83,17 @@ impl<H: BatchHandler> Inner<H> {
         let (settled, again) = match body.catch_unwind().await {
             Ok(out) => out,
             Err(panic) => {
-                self.counters.panics.add(1);
+                self.common.counters.panics.add(1);
                 warn!(
                     reason = panic_message(&*panic),
                     "batch panicked; its messages run again"
                 );
                 (
                     Vec::new(),
-                    backup.into_iter().map(|i| self.retry_later(i)).collect(),
+                    backup
+                        .into_iter()
+                        .map(|i| self.common.retry_later(i))
+                        .collect(),
                 )
             }
         };
@@ -116,7 +113,9 @@ impl<H: BatchHandler> Inner<H> {
             again,
         }
     }
+}
 
+impl<H: BatchHandler> Inner<H> {
     async fn run(
         &self,
         tp: &TopicPartition,
@@ -145,7 +144,7 @@ impl<H: BatchHandler> Inner<H> {
                 for ((item, req), answer) in items.into_iter().zip(reqs).zip(cached) {
                     match answer {
                         Some(ClaimOutcome::Completed { .. }) => {
-                            settled.push(self.done(&item, Settled::Replayed));
+                            settled.push(self.common.done(&item, Settled::Replayed));
                         }
                         Some(ClaimOutcome::Failed { reason, attempts }) => {
                             end = end.map(|e| e.min(item.delivery.offset));
@@ -172,7 +171,7 @@ impl<H: BatchHandler> Inner<H> {
         };
         let position = end.map(|end| {
             TxOffsets::new(
-                self.config.group_id.clone(),
+                self.common.config.group_id.clone(),
                 tp.0.clone(),
                 tp.1,
                 items.iter().map(|i| i.delivery.offset).collect(),
@@ -196,21 +195,21 @@ impl<H: BatchHandler> Inner<H> {
                         &reqs,
                         &groups,
                         position,
-                        self.batching.transaction,
+                        self.common.batching.transaction,
                         body,
                     )
                     .await
             }
             None => {
                 self.store
-                    .transact_batch_ordered(&reqs, &groups, self.batching.transaction, body)
+                    .transact_batch_ordered(&reqs, &groups, self.common.batching.transaction, body)
                     .await
             }
         };
         match answers {
             Ok(answers) => {
                 if !items.is_empty() {
-                    self.counters.batches.add(1);
+                    self.common.counters.batches.add(1);
                 }
                 let mut copies = Vec::new();
                 for (item, answer) in items.into_iter().zip(answers) {
@@ -246,20 +245,20 @@ impl<H: BatchHandler> Inner<H> {
                 }
             }
             Err(e) if e.is_retryable() => {
-                self.counters.store_errors.add(1);
+                self.common.counters.store_errors.add(1);
                 warn!(error = %e, messages = items.len(), "batch transaction failed; retrying");
                 for item in items {
-                    again.push(self.retry_later(item));
+                    again.push(self.common.retry_later(item));
                 }
             }
             // Failed for good as a whole: the messages run again one per batch, so that one at
             // fault is found and dead-lettered alone; a message alone is dead-lettered.
             Err(e) if items.len() > 1 => {
-                self.counters.store_errors.add(1);
+                self.common.counters.store_errors.add(1);
                 warn!(error = %e, messages = items.len(), "batch transaction refused; running its messages alone");
                 for mut item in items {
                     item.solo = true;
-                    again.push(self.retry_later(item));
+                    again.push(self.common.retry_later(item));
                 }
             }
             Err(e) => {
@@ -275,11 +274,10 @@ impl<H: BatchHandler> Inner<H> {
             }
         }
         // Dead letters, each acknowledged before its offset may move on.
-        let written = join_all(
-            letters
-                .iter()
-                .map(|l| self.dead_letter(&l.item.delivery, &l.reason, l.attempts, revoked)),
-        )
+        let written = join_all(letters.iter().map(|l| {
+            self.common
+                .dead_letter(&l.item.delivery, &l.reason, l.attempts, revoked)
+        }))
         .await;
         for (l, s) in letters.iter().zip(written) {
             settled.push((l.item.delivery.offset, s));
@@ -303,8 +301,12 @@ impl<H: BatchHandler> Inner<H> {
     ) {
         let offset = item.delivery.offset;
         match answer {
-            BatchAnswer::Executed { .. } => settled.push(self.done(&item, Settled::Executed)),
-            BatchAnswer::Replayed { .. } => settled.push(self.done(&item, Settled::Replayed)),
+            BatchAnswer::Executed { .. } => {
+                settled.push(self.common.done(&item, Settled::Executed))
+            }
+            BatchAnswer::Replayed { .. } => {
+                settled.push(self.common.done(&item, Settled::Replayed))
+            }
             // Waits for an earlier message of its group: no backoff of its own.
             BatchAnswer::Deferred => again.push(item),
             BatchAnswer::Failed { reason, attempts } => letters.push(Letter {
@@ -323,61 +325,16 @@ impl<H: BatchHandler> Inner<H> {
             }),
             BatchAnswer::Handler { error, .. } => {
                 debug!(offset, error = %DisplayHandlerError(&error), "retrying");
-                again.push(self.retry_later(item));
+                again.push(self.common.retry_later(item));
             }
             // InFlight (another holder), or an answer this runner does not know: again later.
-            _ => again.push(self.retry_later(item)),
+            _ => again.push(self.common.retry_later(item)),
         }
-    }
-
-    /// A message settled: its latency counted.
-    fn done(&self, item: &Item, s: Settled) -> (i64, Settled) {
-        let us = u64::try_from(item.received.elapsed().as_micros()).unwrap_or(u64::MAX);
-        self.counters.latency.record(us);
-        (item.delivery.offset, s)
-    }
-
-    fn retry_later(&self, mut item: Item) -> Item {
-        self.counters.retries.add(1);
-        item.retries = item.retries.saturating_add(1);
-        item.due = Some(Instant::now() + self.config.backoff.delay(item.retries));
-        item
     }
 
     fn owner(&self) -> OwnerId {
         let n = self.claims.fetch_add(1, AtomicOrdering::Relaxed);
         OwnerId::new(format!("{}#{n}", self.owner_prefix))
-    }
-
-    /// Writes a dead letter and waits for its acknowledgement, retrying with backoff; gives up
-    /// (the message is then redelivered) if the partition is revoked or the runner stops.
-    pub(crate) async fn dead_letter(
-        &self,
-        d: &Delivery,
-        reason: &str,
-        attempts: u32,
-        revoked: &AtomicBool,
-    ) -> Settled {
-        let mut retry = 0;
-        loop {
-            match self.dead_letters.write(d, reason, attempts).await {
-                Ok(()) => return Settled::DeadLettered,
-                Err(e) => {
-                    self.counters.dead_letter_errors.add(1);
-                    warn!(error = %e, topic = %self.dead_letters.topic, "dead-letter write failed; retrying");
-                    retry += 1;
-                    self.counters.retries.add(1);
-                    let mut stopping = self.stopping.clone();
-                    tokio::select! {
-                        () = sleep(self.config.backoff.delay(retry)) => {}
-                        _ = stopping.wait_for(|s| *s) => {}
-                    }
-                    if revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow() {
-                        return Settled::Abandoned;
-                    }
-                }
-            }
-        }
     }
 }
 

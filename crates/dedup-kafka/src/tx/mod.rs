@@ -17,7 +17,11 @@
 //! messages wait for it (see `transact_batch_ordered`), and the next batch takes them after it.
 
 mod batch;
+mod exec;
+mod lease;
 mod offsets;
+
+pub use lease::LeaseRunner;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -45,6 +49,7 @@ use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::runner::RunnerError;
 use crate::stats::{Counters, RunnerStats, StatsHandle};
+use exec::{Common, Exec, Settled};
 
 /// A message of the batch whose key this transaction holds: the handler writes its effect.
 #[derive(Clone, Debug)]
@@ -296,110 +301,135 @@ impl<H: BatchHandler> TxRunner<H> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let dead_letter_topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(batch::Inner {
-            config: self.config,
-            batching: self.batching,
+            common: Common {
+                config: self.config,
+                batching: self.batching,
+                dead_letters: DeadLetters {
+                    producer,
+                    topic: dead_letter_topic,
+                },
+                counters: self.counters.clone(),
+                stopping: stop_rx,
+            },
             store: self.store,
             policy: self.policy,
             handler: self.handler,
-            dead_letters: DeadLetters {
-                producer,
-                topic: dead_letter_topic,
-            },
-            counters: self.counters.clone(),
-            stopping: stop_rx,
             owner_prefix: self.owner_prefix,
             claims: AtomicU64::new(0),
             offsets_in_tx: self.offsets.is_some(),
             caches: self.caches,
         });
-        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
-        let mut lp = Loop {
-            inner: inner.clone(),
-            consumer,
-            shared,
-            scope: self.scope,
-            parts: HashMap::new(),
-            held: 0,
-            running: 0,
-            pressure: Backpressure::default(),
-            done_tx,
-            stored: Arc::new(Mutex::new(HashMap::new())),
-            storing: None,
-        };
-        let mut commit_tick = tokio::time::interval(inner.config.commit_interval);
-        commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tokio::pin!(shutdown);
-        loop {
-            let next = lp.next_batch_at();
-            tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                Some(done) = done_rx.recv() => lp.settle(done),
-                _ = commit_tick.tick() => lp.commit(CommitMode::Async),
-                () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
-                    lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.counters);
-                }
-                () = sleep_until_opt(next), if next.is_some() => {}
-                m = lp.consumer.recv(), if lp.pressure.taking() => match m {
-                    Ok(m) => {
-                        let delivery = Delivery::from_message(&m);
-                        drop(m);
-                        lp.receive(delivery);
-                    }
-                    Err(e) => {
-                        inner.counters.consumer_errors.add(1);
-                        warn!(error = %e, "consumer error");
-                    }
-                },
-            }
-            lp.dispatch_ready();
-            lp.pressure.update(
-                lp.held,
-                inner.config.max_in_flight,
-                &lp.consumer,
-                &lp.shared,
-                &inner.counters,
-            );
-        }
-
-        // Shutdown: running batches finish (their dead-letter retries stop), queued messages
-        // are left to redelivery, settled offsets are committed.
-        info!(held = lp.held, running = lp.running, "runner draining");
-        let _ = stop_tx.send(true);
-        let queued: usize = lp
-            .parts
-            .values_mut()
-            .map(|p| std::mem::take(&mut p.queue).len())
-            .sum();
-        lp.held -= queued;
-        inner.counters.abandoned.add(queued as u64);
-        let deadline = Instant::now() + inner.config.drain_timeout;
-        while lp.running > 0 {
-            tokio::select! {
-                Some(done) = done_rx.recv() => lp.settle(done),
-                // Keep serving rebalance callbacks; new messages are not taken.
-                _ = lp.consumer.recv() => {}
-                () = tokio::time::sleep_until(deadline) => {
-                    warn!(running = lp.running, "drain timed out; the rest will be redelivered");
-                    break;
-                }
-            }
-        }
-        commit(&lp.consumer, &lp.shared, &inner.counters, CommitMode::Sync);
-        // The positions last: after any write under way, whatever moved since.
-        if let Some(under_way) = lp.storing.take() {
-            let _ = under_way.await;
-        }
-        if let Some(last) = lp.store_positions() {
-            let _ = last.await;
-        }
-        lp.consumer.unsubscribe();
-        if let Err(e) = inner.dead_letters.producer.flush(Duration::from_secs(10)) {
-            warn!(error = %e, "dead-letter producer flush");
-        }
-        info!("runner stopped");
-        Ok(StatsHandle(inner.counters.clone()).snapshot())
+        Ok(run_loop(inner, consumer, shared, self.scope, stop_tx, shutdown).await)
     }
+}
+
+/// The loop of a runner of batches: receive, queue per partition, run batches, settle, commit;
+/// then drain, commit and leave the group.
+pub(crate) async fn run_loop<X: Exec>(
+    inner: Arc<X>,
+    consumer: StreamConsumer<RunnerContext>,
+    shared: Arc<Mutex<Shared>>,
+    scope: Scope,
+    stop_tx: watch::Sender<bool>,
+    shutdown: impl Future<Output = ()>,
+) -> RunnerStats {
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let mut lp = Loop {
+        inner: inner.clone(),
+        consumer,
+        shared,
+        scope,
+        parts: HashMap::new(),
+        held: 0,
+        running: 0,
+        pressure: Backpressure::default(),
+        done_tx,
+        stored: Arc::new(Mutex::new(HashMap::new())),
+        storing: None,
+    };
+    let mut commit_tick = tokio::time::interval(inner.common().config.commit_interval);
+    commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        let next = lp.next_batch_at();
+        tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            Some(done) = done_rx.recv() => lp.settle(done),
+            _ = commit_tick.tick() => lp.commit(CommitMode::Async),
+            () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
+                lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.common().counters);
+            }
+            () = sleep_until_opt(next), if next.is_some() => {}
+            m = lp.consumer.recv(), if lp.pressure.taking() => match m {
+                Ok(m) => {
+                    let delivery = Delivery::from_message(&m);
+                    drop(m);
+                    lp.receive(delivery);
+                }
+                Err(e) => {
+                    inner.common().counters.consumer_errors.add(1);
+                    warn!(error = %e, "consumer error");
+                }
+            },
+        }
+        lp.dispatch_ready();
+        lp.pressure.update(
+            lp.held,
+            inner.common().config.max_in_flight,
+            &lp.consumer,
+            &lp.shared,
+            &inner.common().counters,
+        );
+    }
+
+    // Shutdown: running batches finish (their dead-letter retries stop), queued messages
+    // are left to redelivery, settled offsets are committed.
+    info!(held = lp.held, running = lp.running, "runner draining");
+    let _ = stop_tx.send(true);
+    let queued: usize = lp
+        .parts
+        .values_mut()
+        .map(|p| std::mem::take(&mut p.queue).len())
+        .sum();
+    lp.held -= queued;
+    inner.common().counters.abandoned.add(queued as u64);
+    let deadline = Instant::now() + inner.common().config.drain_timeout;
+    while lp.running > 0 {
+        tokio::select! {
+            Some(done) = done_rx.recv() => lp.settle(done),
+            // Keep serving rebalance callbacks; new messages are not taken.
+            _ = lp.consumer.recv() => {}
+            () = tokio::time::sleep_until(deadline) => {
+                warn!(running = lp.running, "drain timed out; the rest will be redelivered");
+                break;
+            }
+        }
+    }
+    commit(
+        &lp.consumer,
+        &lp.shared,
+        &inner.common().counters,
+        CommitMode::Sync,
+    );
+    // The positions last: after any write under way, whatever moved since.
+    if let Some(under_way) = lp.storing.take() {
+        let _ = under_way.await;
+    }
+    if let Some(last) = lp.store_positions() {
+        let _ = last.await;
+    }
+    lp.consumer.unsubscribe();
+    if let Err(e) = inner
+        .common()
+        .dead_letters
+        .producer
+        .flush(Duration::from_secs(10))
+    {
+        warn!(error = %e, "dead-letter producer flush");
+    }
+    info!("runner stopped");
+    StatsHandle(inner.common().counters.clone()).snapshot()
 }
 
 /// A message waiting for its batch.
@@ -426,7 +456,7 @@ pub(crate) struct Done {
     pub(crate) generation: u64,
     /// A batch (the partition may run its next one), or a message dead-lettered on its own.
     pub(crate) batch: bool,
-    pub(crate) settled: Vec<(i64, batch::Settled)>,
+    pub(crate) settled: Vec<(i64, Settled)>,
     /// Messages to run again (not settled; in offset order).
     pub(crate) again: Vec<Item>,
 }
@@ -445,8 +475,8 @@ struct Queue {
     since: Option<Instant>,
 }
 
-struct Loop<H> {
-    inner: Arc<batch::Inner<H>>,
+struct Loop<X> {
+    inner: Arc<X>,
     consumer: StreamConsumer<RunnerContext>,
     shared: Arc<Mutex<Shared>>,
     scope: Scope,
@@ -487,9 +517,14 @@ fn waiting_since(queue: &[Item], now: Instant, wait: Duration) -> Option<Instant
 /// under `PerPartition`.
 const PARTITION_GROUP: u64 = u64::MAX;
 
-impl<H: BatchHandler> Loop<H> {
+impl<X: Exec> Loop<X> {
     fn commit(&mut self, mode: CommitMode) {
-        commit(&self.consumer, &self.shared, &self.inner.counters, mode);
+        commit(
+            &self.consumer,
+            &self.shared,
+            &self.inner.common().counters,
+            mode,
+        );
         if self
             .storing
             .as_ref()
@@ -503,9 +538,7 @@ impl<H: BatchHandler> Loop<H> {
     /// acknowledged, a partition started from its stored position), forward only. A position is
     /// taken as stored once the write succeeded; a failed one is written again next time.
     fn store_positions(&self) -> Option<tokio::task::JoinHandle<()>> {
-        if !self.inner.offsets_in_tx {
-            return None;
-        }
+        let store = self.inner.positions()?.clone();
         let mut moved = Vec::new();
         {
             let shared = lock(&self.shared);
@@ -524,7 +557,7 @@ impl<H: BatchHandler> Loop<H> {
         if moved.is_empty() {
             return None;
         }
-        let (store, group) = (self.inner.store.clone(), self.inner.config.group_id.clone());
+        let group = self.inner.common().config.group_id.clone();
         let stored = Arc::clone(&self.stored);
         Some(tokio::spawn(async move {
             let positions: Vec<(&str, i32, i64)> = moved
@@ -549,7 +582,7 @@ impl<H: BatchHandler> Loop<H> {
     }
 
     fn receive(&mut self, delivery: Delivery) {
-        let c = &self.inner.counters;
+        let c = &self.inner.common().counters;
         c.received.add(1);
         let tp = (delivery.topic.clone(), delivery.partition);
         let (generation, revoked) = {
@@ -568,7 +601,7 @@ impl<H: BatchHandler> Loop<H> {
         };
         self.held += 1;
         let delivery = Arc::new(delivery);
-        let key = match extract_key(&self.inner.config.key, &self.scope, &delivery) {
+        let key = match extract_key(&self.inner.common().config.key, &self.scope, &delivery) {
             Ok(key) => key,
             Err(e) => {
                 let reason = match &e {
@@ -585,7 +618,10 @@ impl<H: BatchHandler> Loop<H> {
                 self.running += 1;
                 let (inner, tx) = (self.inner.clone(), self.done_tx.clone());
                 tokio::spawn(async move {
-                    let settled = inner.dead_letter(&delivery, &reason, 0, &revoked).await;
+                    let settled = inner
+                        .common()
+                        .dead_letter(&delivery, &reason, 0, &revoked)
+                        .await;
                     let _ = tx.send(Done {
                         tp,
                         generation,
@@ -597,18 +633,18 @@ impl<H: BatchHandler> Loop<H> {
                 return;
             }
         };
-        let group =
-            match self.inner.config.ordering {
-                Ordering::PerKey => ordering_key(&self.inner.config.ordering_key, &delivery)
-                    .map_or(PARTITION_GROUP, |k| {
-                        let mut h = DefaultHasher::new();
-                        k.hash(&mut h);
-                        h.finish()
-                    }),
-                _ => PARTITION_GROUP,
-            };
+        let group = match self.inner.common().config.ordering {
+            Ordering::PerKey => ordering_key(&self.inner.common().config.ordering_key, &delivery)
+                .map_or(PARTITION_GROUP, |k| {
+                    let mut h = DefaultHasher::new();
+                    k.hash(&mut h);
+                    h.finish()
+                }),
+            _ => PARTITION_GROUP,
+        };
         let fingerprint = self
             .inner
+            .common()
             .config
             .check_payload
             .then(|| Fingerprint::of(delivery.payload_bytes()));
@@ -653,15 +689,18 @@ impl<H: BatchHandler> Loop<H> {
         self.parts
             .values()
             .filter(|q| q.running.is_none() && !q.queue.is_empty())
-            .filter_map(|q| q.since.map(|s| s + self.inner.batching.wait))
+            .filter_map(|q| q.since.map(|s| s + self.inner.common().batching.wait))
             .min()
     }
 
     /// Starts a batch on every partition whose batch is full or has waited long enough.
     fn dispatch_ready(&mut self) {
         let now = Instant::now();
-        let (size, wait) = (self.inner.batching.size, self.inner.batching.wait);
-        let stopping = *self.inner.stopping.borrow();
+        let (size, wait) = (
+            self.inner.common().batching.size,
+            self.inner.common().batching.wait,
+        );
+        let stopping = *self.inner.common().stopping.borrow();
         let shared = self.shared.clone();
         let mut abandoned = 0;
         for (tp, q) in &mut self.parts {
@@ -680,7 +719,11 @@ impl<H: BatchHandler> Loop<H> {
             // behind before it.
             // A message whose batch failed as a whole for good runs in a batch of its own, so that
             // only it can be dead-lettered for that.
+            // Where a batch runs its handlers at once, a group gives it one key (with its
+            // repeats) at a time.
+            let one_key = !self.inner.groups_in_batch();
             let mut blocked: HashSet<u64> = HashSet::new();
+            let mut group_key: HashMap<u64, IdempotencyKey> = HashMap::new();
             let mut take: Vec<Item> = Vec::new();
             let mut keep = Vec::new();
             let mut closed = false;
@@ -689,9 +732,15 @@ impl<H: BatchHandler> Loop<H> {
                     && take.len() < size
                     && !blocked.contains(&item.group)
                     && item.due.is_none_or(|d| d <= now)
-                    && (!item.solo || take.is_empty());
+                    && (!item.solo || take.is_empty())
+                    && !(one_key && group_key.get(&item.group).is_some_and(|k| *k != item.key));
                 if free {
                     closed = item.solo;
+                    if one_key {
+                        group_key
+                            .entry(item.group)
+                            .or_insert_with(|| item.key.clone());
+                    }
                     take.push(item);
                 } else {
                     blocked.insert(item.group);
@@ -705,7 +754,7 @@ impl<H: BatchHandler> Loop<H> {
                 continue;
             }
             // Offsets in the transaction: the position if the whole batch settles.
-            let end = if self.inner.offsets_in_tx {
+            let end = if self.inner.positions().is_some() {
                 let taken: HashSet<i64> = take.iter().map(|i| i.delivery.offset).collect();
                 lock(&shared)
                     .parts
@@ -732,13 +781,13 @@ impl<H: BatchHandler> Loop<H> {
         }
         if abandoned > 0 {
             self.held -= abandoned;
-            self.inner.counters.abandoned.add(abandoned as u64);
+            self.inner.common().counters.abandoned.add(abandoned as u64);
         }
     }
 
     fn settle(&mut self, done: Done) {
         self.running -= 1;
-        let c = &self.inner.counters;
+        let c = &self.inner.common().counters;
         self.held -= done.settled.len();
         {
             let mut shared = lock(&self.shared);
@@ -749,10 +798,10 @@ impl<H: BatchHandler> Loop<H> {
             let mut part = part;
             for (offset, settled) in &done.settled {
                 match settled {
-                    batch::Settled::Executed => c.executed.add(1),
-                    batch::Settled::Replayed => c.replayed.add(1),
-                    batch::Settled::DeadLettered => c.dead_lettered.add(1),
-                    batch::Settled::Abandoned => {
+                    Settled::Executed => c.executed.add(1),
+                    Settled::Replayed => c.replayed.add(1),
+                    Settled::DeadLettered => c.dead_lettered.add(1),
+                    Settled::Abandoned => {
                         c.abandoned.add(1);
                         continue;
                     }
@@ -773,7 +822,7 @@ impl<H: BatchHandler> Loop<H> {
         }
         if q.generation != done.generation
             || q.revoked.load(AtomicOrdering::Acquire)
-            || *self.inner.stopping.borrow()
+            || *self.inner.common().stopping.borrow()
         {
             self.held -= done.again.len();
             c.abandoned.add(done.again.len() as u64);
@@ -783,7 +832,7 @@ impl<H: BatchHandler> Loop<H> {
             let now = Instant::now();
             q.queue.extend(done.again);
             q.queue.sort_by_key(|i| i.delivery.offset);
-            q.since = waiting_since(&q.queue, now, self.inner.batching.wait);
+            q.since = waiting_since(&q.queue, now, self.inner.common().batching.wait);
         }
     }
 }

@@ -1,0 +1,110 @@
+//! What the batch loop needs from a way of running batches: the parts every runner of batches
+//! shares (`Common`), and `Exec`, the batch itself (transaction mode, or lease mode).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+
+use dedup_pg::PgStore;
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep};
+use tracing::warn;
+
+use super::{Batching, Done, Item};
+use crate::config::RunnerConfig;
+use crate::consumer::TopicPartition;
+use crate::dead_letter::DeadLetters;
+use crate::delivery::Delivery;
+use crate::stats::Counters;
+
+/// How a message of a batch ended.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Settled {
+    Executed,
+    Replayed,
+    DeadLettered,
+    /// Left unsettled (revoked or shutting down): it will be redelivered.
+    Abandoned,
+}
+
+/// What every runner of batches holds.
+pub(crate) struct Common {
+    pub(crate) config: RunnerConfig,
+    pub(crate) batching: Batching,
+    pub(crate) dead_letters: DeadLetters,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) stopping: watch::Receiver<bool>,
+}
+
+impl Common {
+    /// A message settled: its latency counted.
+    pub(crate) fn done(&self, item: &Item, s: Settled) -> (i64, Settled) {
+        let us = u64::try_from(item.received.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.counters.latency.record(us);
+        (item.delivery.offset, s)
+    }
+
+    /// A message to run again after its backoff.
+    pub(crate) fn retry_later(&self, mut item: Item) -> Item {
+        self.counters.retries.add(1);
+        item.retries = item.retries.saturating_add(1);
+        item.due = Some(Instant::now() + self.config.backoff.delay(item.retries));
+        item
+    }
+
+    /// Writes a dead letter and waits for its acknowledgement, retrying with backoff; gives up
+    /// (the message is then redelivered) if the partition is revoked or the runner stops.
+    pub(crate) async fn dead_letter(
+        &self,
+        d: &Delivery,
+        reason: &str,
+        attempts: u32,
+        revoked: &AtomicBool,
+    ) -> Settled {
+        let mut retry = 0;
+        loop {
+            match self.dead_letters.write(d, reason, attempts).await {
+                Ok(()) => return Settled::DeadLettered,
+                Err(e) => {
+                    self.counters.dead_letter_errors.add(1);
+                    warn!(error = %e, topic = %self.dead_letters.topic, "dead-letter write failed; retrying");
+                    retry += 1;
+                    self.counters.retries.add(1);
+                    let mut stopping = self.stopping.clone();
+                    tokio::select! {
+                        () = sleep(self.config.backoff.delay(retry)) => {}
+                        _ = stopping.wait_for(|s| *s) => {}
+                    }
+                    if revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow() {
+                        return Settled::Abandoned;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A way of running one partition's batch.
+pub(crate) trait Exec: Send + Sync + 'static {
+    fn common(&self) -> &Common;
+
+    /// Offsets in the transaction: where positions are stored, if they are.
+    fn positions(&self) -> Option<&PgStore> {
+        None
+    }
+
+    /// Whether one batch may hold several distinct keys of one ordering group: transaction mode
+    /// keeps their order inside its transaction; lease mode runs a batch's handlers at once, so a
+    /// group gives a batch one key (and its repeats) at a time.
+    fn groups_in_batch(&self) -> bool;
+
+    /// Runs the batch and says what became of each message; never panics out.
+    fn run_batch(
+        &self,
+        tp: TopicPartition,
+        generation: u64,
+        items: Vec<Item>,
+        end: Option<i64>,
+        revoked: &AtomicBool,
+    ) -> impl Future<Output = Done> + Send;
+}

@@ -1,0 +1,246 @@
+//! Lease mode by the batch for Kafka: [`LeaseRunner`], for handlers whose effects are outside the
+//! database. The same per-partition batches as [`TxRunner`](super::TxRunner), each run with
+//! [`Dedup::process_batch`]: one claim call, the handlers at once under one heartbeat, one
+//! completion call.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use dedup_core::{BatchItem, Dedup, ProcessError, Processed, Store};
+use futures_util::FutureExt;
+use futures_util::future::join_all;
+use tokio::sync::watch;
+use tracing::{Instrument, info_span, warn};
+
+use super::exec::{Common, Exec, Settled};
+use super::{Batching, Done, Item, run_loop};
+use crate::config::{ConfigError, MissingKey, RunnerConfig};
+use crate::consumer::{Shared, TopicPartition, clients};
+use crate::dead_letter::DeadLetters;
+use crate::runner::{Handler, RunnerError, attempts_of, no_withdraw, panic_message, scope_of};
+use crate::stats::{Counters, RunnerStats, StatsHandle};
+
+/// An idempotent consumer in lease mode by the batch: each partition's messages are taken in
+/// batches (as [`TxRunner`](super::TxRunner) takes them), and a batch is run by
+/// [`Dedup::process_batch`]: its keys claimed in one call, its acquired messages' handlers run at
+/// once under one heartbeat for all their leases, its completions recorded in one call. For
+/// effects outside the database (an email, a payment API); [`Handler`] is the per-message
+/// handler the [`Runner`](crate::Runner) takes.
+///
+/// Since a batch's handlers run at once, one ordering group (the partition under
+/// [`Ordering::PerPartition`](crate::Ordering::PerPartition), the ordering key under `PerKey`)
+/// gives a batch one key at a time; distinct groups fill it. Offsets are committed only up to the
+/// first message not settled.
+#[derive(Debug)]
+pub struct LeaseRunner<S, H> {
+    config: RunnerConfig,
+    batching: Batching,
+    dedup: Arc<Dedup<S>>,
+    handler: H,
+    counters: Arc<Counters>,
+}
+
+impl<S, H> LeaseRunner<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    /// A runner over `dedup` calling `handler` for each acquired message.
+    ///
+    /// # Errors
+    /// A setting that cannot work, named: the runner's, the batching's, and
+    /// [`MissingKey::ProcessWithoutDedup`] (every message of a batch runs under a claim).
+    pub fn new(
+        config: RunnerConfig,
+        batching: Batching,
+        dedup: Arc<Dedup<S>>,
+        handler: H,
+    ) -> Result<Self, RunnerError> {
+        config.validate()?;
+        batching.validate()?;
+        if matches!(config.missing_key, MissingKey::ProcessWithoutDedup) {
+            return Err(ConfigError {
+                setting: "missing_key",
+                problem: "lease mode by the batch runs every message under a claim: dead-letter keyless messages, or use the per-message Runner".to_owned(),
+            }
+            .into());
+        }
+        scope_of(&config)?;
+        Ok(Self {
+            config,
+            batching,
+            dedup,
+            handler,
+            counters: Arc::new(Counters::default()),
+        })
+    }
+
+    /// A handle to the runner's counters, readable while it runs.
+    pub fn stats(&self) -> StatsHandle {
+        StatsHandle(self.counters.clone())
+    }
+
+    /// Consumes until `shutdown` completes, then lets running batches finish (up to the drain
+    /// timeout), commits and leaves the group.
+    ///
+    /// # Errors
+    /// The Kafka client could not start or subscribe.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
+        let scope = scope_of(&self.config)?;
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None)?;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let topic = self.config.dead_letter_topic.clone();
+        let inner = Arc::new(Inner {
+            common: Common {
+                config: self.config,
+                batching: self.batching,
+                dead_letters: DeadLetters { producer, topic },
+                counters: self.counters.clone(),
+                stopping: stop_rx,
+            },
+            dedup: self.dedup,
+            handler: self.handler,
+        });
+        Ok(run_loop(inner, consumer, shared, scope, stop_tx, shutdown).await)
+    }
+}
+
+struct Inner<S, H> {
+    common: Common,
+    dedup: Arc<Dedup<S>>,
+    handler: H,
+}
+
+impl<S, H> Exec for Inner<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    fn groups_in_batch(&self) -> bool {
+        false
+    }
+
+    async fn run_batch(
+        &self,
+        tp: TopicPartition,
+        generation: u64,
+        items: Vec<Item>,
+        _end: Option<i64>,
+        revoked: &AtomicBool,
+    ) -> Done {
+        let span = info_span!(
+            "dedup.kafka.batch",
+            "messaging.system" = "kafka",
+            "messaging.destination.name" = %tp.0,
+            "messaging.kafka.partition" = tp.1,
+            size = items.len(),
+            mode = "lease",
+        );
+        // Kept for a panic of ours (the handlers' are caught by `process_batch`), after which
+        // every message runs again: the claims make that safe.
+        let backup = items.clone();
+        let body = AssertUnwindSafe(self.run(items, revoked).instrument(span));
+        let (settled, again) = match body.catch_unwind().await {
+            Ok(out) => out,
+            Err(panic) => {
+                self.common.counters.panics.add(1);
+                warn!(
+                    reason = panic_message(&*panic),
+                    "batch panicked; its messages run again"
+                );
+                let again = backup
+                    .into_iter()
+                    .map(|i| self.common.retry_later(i))
+                    .collect();
+                (Vec::new(), again)
+            }
+        };
+        Done {
+            tp,
+            generation,
+            batch: true,
+            settled,
+            again,
+        }
+    }
+}
+
+impl<S, H> Inner<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    async fn run(
+        &self,
+        items: Vec<Item>,
+        revoked: &AtomicBool,
+    ) -> (Vec<(i64, Settled)>, Vec<Item>) {
+        let batch: Vec<BatchItem> = items
+            .iter()
+            .map(|i| BatchItem::new(i.key.clone(), i.fingerprint))
+            .collect();
+        let handler = &self.handler;
+        let answers = self
+            .dedup
+            .process_batch(&batch, |k, lease| {
+                handler
+                    .handle(items[k].delivery.clone(), Some(lease))
+                    .map(no_withdraw)
+            })
+            .await;
+        self.common.counters.batches.add(1);
+        let mut settled = Vec::with_capacity(items.len());
+        let mut again = Vec::new();
+        let mut letters = Vec::new();
+        for (item, answer) in items.into_iter().zip(answers) {
+            let err = match answer {
+                Ok(processed) => match self.handler.check_result(&item.delivery, &processed) {
+                    Ok(()) => {
+                        let s = match processed {
+                            Processed::Executed { .. } => Settled::Executed,
+                            _ => Settled::Replayed,
+                        };
+                        settled.push(self.common.done(&item, s));
+                        continue;
+                    }
+                    Err(source) => ProcessError::Undecodable {
+                        key: item.key.clone(),
+                        source,
+                    },
+                },
+                Err(e) => e,
+            };
+            if matches!(err, ProcessError::Panicked { .. }) {
+                self.common.counters.panics.add(1);
+            }
+            if err.is_retryable() {
+                if matches!(err, ProcessError::Store(_)) {
+                    self.common.counters.store_errors.add(1);
+                    warn!(key = %item.key, error = %err, "store unavailable; retrying");
+                }
+                again.push(self.common.retry_later(item));
+            } else {
+                let attempts = attempts_of(&err, item.retries + 1);
+                warn!(key = %item.key, error = %err, attempts, "dead-lettering");
+                letters.push((item, err.to_string(), attempts));
+            }
+        }
+        // Dead letters, each acknowledged before its offset may move on.
+        let written = join_all(letters.iter().map(|(item, reason, attempts)| {
+            self.common
+                .dead_letter(&item.delivery, reason, *attempts, revoked)
+        }))
+        .await;
+        for ((item, _, _), s) in letters.iter().zip(written) {
+            settled.push((item.delivery.offset, s));
+        }
+        (settled, again)
+    }
+}
