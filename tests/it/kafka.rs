@@ -386,8 +386,19 @@ async fn committed(broker: &Broker, group: &str, topic: &str, partitions: i32) -
 
 /// Waits until the group has committed every partition of `topic` to its end.
 async fn committed_to_the_end(broker: &Broker, group: &str, topic: &str, partitions: i32) {
+    committed_to_the_end_within(broker, group, topic, partitions, 60).await;
+}
+
+/// [`committed_to_the_end`] with a bound of `secs` (for scenarios that wait on rebalances).
+async fn committed_to_the_end_within(
+    broker: &Broker,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+    secs: u64,
+) {
     let ends = produced_ends(topic, partitions);
-    eventually(60, "offsets committed to the end", || {
+    eventually(secs, "offsets committed to the end", || {
         let ends = ends.clone();
         async move { committed(broker, group, topic, partitions).await == ends }
     })

@@ -86,16 +86,19 @@ pub(crate) async fn process_batch_runs_each_key_once_and_answers_repeats<S: Stor
 }
 
 /// Each message's failure is its own: a retryable failure releases its key, a permanent one
-/// makes it FAILED, a panic counts as retryable; the neighbours complete.
+/// makes it FAILED, a panic counts as retryable (also one before the handler's first await); the
+/// neighbours complete.
 pub(crate) async fn process_batch_fails_each_message_alone<S: Store>(s: Arc<S>) {
     let dedup = Dedup::new(Arc::clone(&s));
-    let items: Vec<BatchItem> = ["ok1", "retry", "perm", "panic", "ok2"]
+    let items: Vec<BatchItem> = ["ok1", "retry", "perm", "panic", "ok2", "panic_now"]
         .iter()
         .map(|n| item(n, n.as_bytes()))
         .collect();
     let answers = dedup
         .process_batch(&items, |i, _lease| {
             let name = name_of(&items, i);
+            // Before its first await: the call itself panics.
+            assert!(name != "panic_now", "the handler fell over at once");
             async move {
                 match name.as_str() {
                     "retry" => Res::Err(HandlerError::Retryable(Boom("later"))),
@@ -131,6 +134,15 @@ pub(crate) async fn process_batch_fails_each_message_alone<S: Store>(s: Arc<S>) 
         answers[3]
     );
     assert!(matches!(answers[4], Ok(Processed::Executed { .. })));
+    assert!(
+        matches!(
+            &answers[5],
+            Err(ProcessError::Panicked { message, after: AfterHandlerError::Released { attempts: 1 }, .. })
+                if message.contains("at once")
+        ),
+        "{:?}",
+        answers[5]
+    );
     let state = |n: &'static str| {
         let s = Arc::clone(&s);
         async move { s.get(&key(n)).await.unwrap().unwrap().state }
@@ -140,6 +152,7 @@ pub(crate) async fn process_batch_fails_each_message_alone<S: Store>(s: Arc<S>) 
     assert_eq!(state("perm").await, State::Failed);
     assert_eq!(state("panic").await, State::Released);
     assert_eq!(state("ok2").await, State::Completed);
+    assert_eq!(state("panic_now").await, State::Released);
 }
 
 /// A key another holder runs answers InFlight at once (the batch does not wait for it, however

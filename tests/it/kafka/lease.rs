@@ -56,6 +56,7 @@ impl RunningLease {
 on_brokers!(
     lease_a_stream_with_duplicates_and_poison_books_each_key_once_in_batches,
     lease_one_keys_failures_hold_back_only_that_keys_later_messages,
+    lease_a_handler_that_panics_at_once_fails_only_its_message,
 );
 
 /// 600 events over 3 partitions, a third of them repeats, poison every 50th key: each key's
@@ -227,4 +228,62 @@ async fn lease_one_keys_failures_hold_back_only_that_keys_later_messages(
     // The later messages of A never ran before its head had run.
     let calls = calls.lock().unwrap();
     assert!(expected[1..].iter().all(|k| calls[k] == 1), "{calls:?}");
+}
+
+/// A handler that panics at once (before its first await) on one message: that message alone is
+/// retried and, past its attempts, dead-lettered with the panic's message; its neighbours in the
+/// same batches run once each.
+async fn lease_a_handler_that_panics_at_once_fails_only_its_message(broker: &Broker, pool: PgPool) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("lease-panic");
+    broker.create_topic(&topic, 1).await;
+    let events: Vec<Event> = (0..30u32)
+        .map(|id| {
+            let mut e = event(id, 1);
+            e.message_key = Some(format!("order-{id}"));
+            e
+        })
+        .collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let dedup = engine(&pool, &redis).await;
+    let store = dedup.store().inner().authority().clone();
+    let booked = ledger_handler(store, "lease");
+    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| -> HandlerFuture {
+        let key =
+            String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default()).into_owned();
+        assert!(key != "evt-7", "no future for evt-7");
+        booked(d, lease)
+    };
+    let run = RunningLease::spawn(
+        broker
+            .config(&group, &topic)
+            .with_ordering(KeyOrdering::PerKey),
+        dedup,
+        handler,
+    );
+    let stats = run.stats.clone();
+    eventually(60, "every event settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.dead_lettered == 30 }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.dead_lettered), (29, 1), "{s:?}");
+    assert!(s.panics >= 1, "{s:?}");
+    let good: BTreeSet<String> = (0..30u32)
+        .filter(|&id| id != 7)
+        .map(|id| format!("evt-{id}"))
+        .collect();
+    assert_one_row_per_key(&pool, good).await;
+    let letters = read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    assert!(
+        letters[0]
+            .1
+            .get(DLQ_REASON)
+            .is_some_and(|r| r.contains("no future for evt-7")),
+        "{letters:?}"
+    );
 }

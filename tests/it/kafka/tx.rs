@@ -691,7 +691,9 @@ async fn tx_a_consumer_stopped_mid_batch_has_its_batch_rolled_back_by_the_server
         config = config.with_client(k, v);
     }
     let other = RunningTx::spawn(config, &pool, ledger("other"));
-    eventually(90, "every key booked by the other member", || {
+    // Waits on the stopped member's session timeout and a rebalance: generous bounds, for a
+    // loaded machine.
+    eventually(180, "every key booked by the other member", || {
         let pool = pool.clone();
         let n = keys.len();
         async move { ledger_count(&pool).await >= i64::try_from(n).unwrap() }
@@ -702,7 +704,8 @@ async fn tx_a_consumer_stopped_mid_batch_has_its_batch_rolled_back_by_the_server
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     child.kill().await.unwrap();
     let _ = child.wait().await;
-    committed_to_the_end(broker, &group, &topic, 4).await;
+    // Its leaving (the kill) may cost another session timeout and rebalance.
+    super::committed_to_the_end_within(broker, &group, &topic, 4, 180).await;
     let s = other.stop().await;
     assert_one_row_per_key(&pool, keys).await;
     assert_eq!(s.dead_lettered, 0);

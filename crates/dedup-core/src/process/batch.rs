@@ -151,6 +151,31 @@ impl<S: Store> Dedup<S> {
                     Err(e) => Err(ProcessError::Store(e)),
                 });
             }
+            // Resolving lost replies one by one may have taken a while: the leases granted so
+            // far are extended before any handler starts, and one lost meanwhile is not run.
+            if !running.is_empty() && sent.elapsed() > self.policy.lease / 3 {
+                let leases: Vec<Lease> = running.iter().map(|r| r.lease.clone()).collect();
+                let at = Instant::now();
+                let answers = self.store.extend_batch(&leases).await;
+                let mut kept = Vec::with_capacity(running.len());
+                for (r, answer) in running.into_iter().zip(answers) {
+                    match answer {
+                        Err(e) if e.is_lease_lost() => {
+                            out[r.item] = Some(Err(ProcessError::LeaseLost {
+                                key: r.lease.key.clone(),
+                                token: r.lease.token,
+                            }));
+                        }
+                        Ok(_) => {
+                            r.granted.extended(at + r.lease.policy.lease);
+                            kept.push(r);
+                        }
+                        // Not extended now: the heartbeat tries again.
+                        Err(_) => kept.push(r),
+                    }
+                }
+                running = kept;
+            }
             tracing::Span::current().record("acquired", running.len());
             if !running.is_empty() {
                 let beat = self.heartbeat_many(&running);
@@ -178,6 +203,15 @@ impl<S: Store> Dedup<S> {
                 }
                 let f = first[&item.key];
                 let answer = match &out[f] {
+                    // Its first was refused as a reuse of the key: this one may be the true
+                    // redelivery, which a claim of its own answers.
+                    Some(Err(ProcessError::PayloadMismatch { .. })) => {
+                        Err(ProcessError::InFlight {
+                            key: item.key.clone(),
+                            owner: None,
+                            lease_until: None,
+                        })
+                    }
                     _ if machine::mismatch(items[f].fingerprint, item.fingerprint) => {
                         Err(ProcessError::PayloadMismatch {
                             key: item.key.clone(),
@@ -195,11 +229,6 @@ impl<S: Store> Dedup<S> {
                         reason: reason.clone(),
                         attempts: *attempts,
                     }),
-                    Some(Err(ProcessError::PayloadMismatch { .. })) => {
-                        Err(ProcessError::PayloadMismatch {
-                            key: item.key.clone(),
-                        })
-                    }
                     // Its first is not settled (it failed retryably, is held elsewhere, ...):
                     // this one is retried with it.
                     _ => Err(ProcessError::InFlight {
@@ -244,8 +273,10 @@ impl<S: Store> Dedup<S> {
                 lease: r.lease.clone(),
                 lost: Arc::clone(&r.lost),
             };
-            // A panicking handler fails its own message, not the batch.
-            AssertUnwindSafe(handler(r.item, ctx)).catch_unwind()
+            let item = r.item;
+            // A panicking handler fails its own message, not the batch: the call itself is
+            // inside the catch too (a handler may panic before its first await).
+            AssertUnwindSafe(async move { handler(item, ctx).await }).catch_unwind()
         }))
         .await;
         let mut answers: Vec<Option<Result<Processed, ProcessError<E>>>> =

@@ -76,25 +76,14 @@ impl<H: BatchHandler> Exec for Inner<H> {
             executed = tracing::field::Empty,
             again = tracing::field::Empty,
         );
-        // Kept for a panic (ours: the handler's are caught inside the transaction), after
-        // which every message runs again: the claims make that safe.
+        // Kept for a panic outside the handler (its own are caught inside the transaction).
         let backup = items.clone();
         let body = AssertUnwindSafe(self.run(&tp, items, end, revoked).instrument(span.clone()));
         let (settled, again) = match body.catch_unwind().await {
             Ok(out) => out,
             Err(panic) => {
-                self.common.counters.panics.add(1);
-                warn!(
-                    reason = panic_message(&*panic),
-                    "batch panicked; its messages run again"
-                );
-                (
-                    Vec::new(),
-                    backup
-                        .into_iter()
-                        .map(|i| self.common.retry_later(i))
-                        .collect(),
-                )
+                let message = panic_message(&*panic).to_owned();
+                self.common.after_panic(backup, &message, revoked).await
             }
         };
         span.record(

@@ -52,6 +52,43 @@ impl Common {
         item
     }
 
+    /// After a panic in a batch (ours, or a user's code outside the handler, which dedup
+    /// catches): a batch of several runs again one message per batch, so that the message at
+    /// fault is found; a message that panics alone is dead-lettered with the panic's message, as
+    /// the per-message runner does. A lease a panic left held expires; if the panic came after a
+    /// handler's effect and before its completion, that effect runs again after the lease.
+    pub(crate) async fn after_panic(
+        &self,
+        items: Vec<Item>,
+        message: &str,
+        revoked: &AtomicBool,
+    ) -> (Vec<(i64, Settled)>, Vec<Item>) {
+        self.counters.panics.add(1);
+        if let [item] = items.as_slice()
+            && item.solo
+        {
+            warn!(
+                offset = item.delivery.offset,
+                message, "a message panicked alone: dead-lettering it"
+            );
+            let reason = format!("the runner panicked: {message}");
+            let s = self.dead_letter(&item.delivery, &reason, 0, revoked).await;
+            return (vec![(item.delivery.offset, s)], Vec::new());
+        }
+        warn!(
+            messages = items.len(),
+            message, "a batch panicked; its messages run again alone"
+        );
+        let again = items
+            .into_iter()
+            .map(|mut i| {
+                i.solo = true;
+                self.retry_later(i)
+            })
+            .collect();
+        (Vec::new(), again)
+    }
+
     /// Writes a dead letter and waits for its acknowledgement, retrying with backoff; gives up
     /// (the message is then redelivered) if the partition is revoked or the runner stops.
     pub(crate) async fn dead_letter(

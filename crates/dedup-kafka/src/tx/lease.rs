@@ -31,8 +31,10 @@ use crate::stats::{Counters, RunnerStats, StatsHandle};
 ///
 /// Since a batch's handlers run at once, one ordering group (the partition under
 /// [`Ordering::PerPartition`](crate::Ordering::PerPartition), the ordering key under `PerKey`)
-/// gives a batch one key at a time; distinct groups fill it. Offsets are committed only up to the
-/// first message not settled.
+/// gives a batch one key at a time; distinct groups fill it. So use
+/// [`Ordering::PerKey`](crate::Ordering::PerKey): under the default `PerPartition` a batch holds
+/// one key (with its repeats) and this runner is no faster than the per-message `Runner`.
+/// Offsets are committed only up to the first message not settled.
 #[derive(Debug)]
 pub struct LeaseRunner<S, H> {
     config: RunnerConfig,
@@ -143,23 +145,14 @@ where
             size = items.len(),
             mode = "lease",
         );
-        // Kept for a panic of ours (the handlers' are caught by `process_batch`), after which
-        // every message runs again: the claims make that safe.
+        // Kept for a panic outside the handlers (theirs are caught by `process_batch`).
         let backup = items.clone();
         let body = AssertUnwindSafe(self.run(items, revoked).instrument(span));
         let (settled, again) = match body.catch_unwind().await {
             Ok(out) => out,
             Err(panic) => {
-                self.common.counters.panics.add(1);
-                warn!(
-                    reason = panic_message(&*panic),
-                    "batch panicked; its messages run again"
-                );
-                let again = backup
-                    .into_iter()
-                    .map(|i| self.common.retry_later(i))
-                    .collect();
-                (Vec::new(), again)
+                let message = panic_message(&*panic).to_owned();
+                self.common.after_panic(backup, &message, revoked).await
             }
         };
         Done {
@@ -201,8 +194,10 @@ where
         let mut letters = Vec::new();
         for (item, answer) in items.into_iter().zip(answers) {
             let err = match answer {
-                Ok(processed) => match self.handler.check_result(&item.delivery, &processed) {
-                    Ok(()) => {
+                Ok(processed) => match std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    self.handler.check_result(&item.delivery, &processed)
+                })) {
+                    Ok(Ok(())) => {
                         let s = match processed {
                             Processed::Executed { .. } => Settled::Executed,
                             _ => Settled::Replayed,
@@ -210,10 +205,19 @@ where
                         settled.push(self.common.done(&item, s));
                         continue;
                     }
-                    Err(source) => ProcessError::Undecodable {
+                    Ok(Err(source)) => ProcessError::Undecodable {
                         key: item.key.clone(),
                         source,
                     },
+                    Err(panic) => {
+                        // The user's result check panicked on this message: it alone goes.
+                        self.common.counters.panics.add(1);
+                        let reason =
+                            format!("the result check panicked: {}", panic_message(&*panic));
+                        warn!(key = %item.key, reason, "dead-lettering");
+                        letters.push((item, reason, 0));
+                        continue;
+                    }
                 },
                 Err(e) => e,
             };

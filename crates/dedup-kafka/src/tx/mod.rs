@@ -678,9 +678,11 @@ impl<X: Exec> Loop<X> {
                 since: None,
             };
         }
-        if q.queue.is_empty() {
-            q.since = Some(Instant::now());
-        }
+        // The batch is due one wait after its oldest runnable message arrived; a queue waiting
+        // only on a retry's backoff gets a new runnable message now (the dispatch then works out
+        // what really waits behind that retry).
+        let now = Instant::now();
+        q.since = Some(q.since.map_or(now, |s| s.min(now)));
         q.queue.push(item);
     }
 

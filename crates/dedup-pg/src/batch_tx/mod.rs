@@ -328,6 +328,9 @@ impl PgStore {
             }
             let f = first[&req.key];
             let repeat = match &out[f] {
+                // Its first was refused as a reuse of the key: this one may be the true
+                // redelivery, which a claim of its own answers.
+                Some(BatchAnswer::PayloadMismatch) => BatchAnswer::InFlight,
                 _ if req.fingerprint.is_some()
                     && reqs[f].fingerprint.is_some()
                     && req.fingerprint != reqs[f].fingerprint =>
@@ -359,7 +362,6 @@ impl PgStore {
                     reason: handler_reason(error),
                     attempts: *attempts,
                 },
-                Some(BatchAnswer::PayloadMismatch) => BatchAnswer::PayloadMismatch,
                 Some(BatchAnswer::Deferred) => BatchAnswer::Deferred,
                 _ => BatchAnswer::InFlight,
             };

@@ -21,8 +21,11 @@ pub(super) async fn call<E, H>(
 where
     H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
 {
-    let fut = handler(conn, leases);
-    match AssertUnwindSafe(fut).catch_unwind().await {
+    // The call itself is inside the catch too: a handler may panic before its first await.
+    match AssertUnwindSafe(async { handler(conn, leases).await })
+        .catch_unwind()
+        .await
+    {
         // A result too large to store fails its message (its writes are then undone under its
         // savepoint, and the key FAILED), not the batch.
         Ok(Ok(results)) if results.len() == leases.len() => Ok(results

@@ -71,7 +71,16 @@ impl PgStore {
         } = *plan;
         let mut conn = self.conn().await?;
         let out = async {
-            let mut tx = sqlx::Connection::begin(&mut **conn)
+            // The bounds are set with BEGIN, in its round trip, so that a client stopped at any
+            // point of the transaction (even before its first statement) holds its session no
+            // longer than the idle bound.
+            let begin = format!(
+                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
+                 SET LOCAL lock_timeout = '{}ms'",
+                config.idle_timeout.as_millis().max(1),
+                config.lock_timeout.as_millis().max(1)
+            );
+            let mut tx = sqlx::Connection::begin_with(&mut **conn, sqlx::AssertSqlSafe(begin))
                 .await
                 .map_err(|e| classify(e, false))?;
             self.count(1);
