@@ -55,6 +55,8 @@ pub(crate) struct Faults<S> {
     pub(crate) complete_tries: AtomicU32,
     pub(crate) in_flight: AtomicU32,
     pub(crate) refused_extends: AtomicU32,
+    /// The most leases one `extend_batch` call carried.
+    pub(crate) extend_batch_max: AtomicU32,
 }
 
 impl<S> Faults<S> {
@@ -69,6 +71,7 @@ impl<S> Faults<S> {
             complete_tries: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
             refused_extends: AtomicU32::new(0),
+            extend_batch_max: AtomicU32::new(0),
         }
     }
 
@@ -156,6 +159,20 @@ impl<S: Store> Store for Faults<S> {
             return Err(StoreError::unavailable(ReplyLost));
         }
         self.inner.extend(lease).await
+    }
+    async fn extend_batch(&self, leases: &[Lease]) -> Vec<Result<Timestamp, StoreError>> {
+        self.extend_batch_max.fetch_max(
+            u32::try_from(leases.len()).unwrap_or(u32::MAX),
+            Ordering::SeqCst,
+        );
+        if self.refused_extends.load(Ordering::SeqCst) > 0 {
+            let mut out = Vec::with_capacity(leases.len());
+            for lease in leases {
+                out.push(self.extend(lease).await);
+            }
+            return out;
+        }
+        self.inner.extend_batch(leases).await
     }
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         if take(&self.refused_gets) {

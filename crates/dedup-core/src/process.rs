@@ -1,6 +1,7 @@
 //! The API a consumer calls: [`Dedup::process`], and [`Dedup::process_batch`] (in `batch.rs`).
 
 mod batch;
+mod heartbeat;
 
 pub use batch::BatchItem;
 
@@ -50,6 +51,8 @@ pub struct Dedup<S> {
     completion_deadline: Option<Duration>,
     owner_prefix: Arc<str>,
     claims: AtomicU64,
+    /// The leases of this instance's running batches, extended together.
+    beats: heartbeat::Heartbeats,
 }
 
 /// What [`Dedup::process`] did.
@@ -294,6 +297,7 @@ impl<S: Store> Dedup<S> {
             completion_deadline: None,
             owner_prefix: format!("pid{}-{:x}", process::id(), Timestamp::now().as_micros()).into(),
             claims: AtomicU64::new(0),
+            beats: heartbeat::Heartbeats::default(),
         }
     }
 

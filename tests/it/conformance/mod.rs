@@ -118,6 +118,7 @@ conformance!(
     process_batch_heartbeat_outlives_the_lease,
     process_batch_taken_over_is_fenced_whole,
     process_batch_adopts_its_own_claims_after_lost_replies,
+    process_batch_one_heartbeat_serves_every_running_batch,
     // typed results
     typed_result_is_replayed_equal,
     typed_result_of_another_type_is_refused,

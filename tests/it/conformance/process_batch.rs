@@ -317,3 +317,28 @@ pub(crate) async fn process_batch_adopts_its_own_claims_after_lost_replies<S: St
     );
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
+
+/// Two batches run at once with handlers that outlive their leases: one heartbeat extends the
+/// leases of both (a call carries both batches' leases), not one heartbeat per batch.
+pub(crate) async fn process_batch_one_heartbeat_serves_every_running_batch<S: Store>(s: Arc<S>) {
+    let counted = Faults::new(Arc::clone(&s));
+    let dedup = Dedup::new(&counted)
+        .with_policy(Policy::default().with_lease(ms(300)))
+        .unwrap();
+    let first = vec![item("hb1", b"p")];
+    let second = vec![item("hb2", b"p")];
+    let slow = |_, _| async {
+        tokio::time::sleep(ms(1200)).await;
+        Ok::<_, HandlerError<Boom>>(Completion::store(bytes("ran")))
+    };
+    let (a, b) = tokio::join!(
+        dedup.process_batch(&first, slow),
+        dedup.process_batch(&second, slow)
+    );
+    assert!(matches!(a[0], Ok(Processed::Executed { .. })), "{a:?}");
+    assert!(matches!(b[0], Ok(Processed::Executed { .. })), "{b:?}");
+    assert!(
+        counted.extend_batch_max.load(Ordering::SeqCst) >= 2,
+        "no heartbeat carried both batches' leases"
+    );
+}

@@ -15,8 +15,9 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use tokio::time::{Instant, sleep};
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, info_span};
 
+use super::heartbeat::Beat;
 use super::{
     Completion, Dedup, Granted, HandlerError, LeaseContext, ProcessError, Processed, panic_message,
 };
@@ -48,9 +49,9 @@ struct Running {
     item: usize,
     lease: Lease,
     lost: Arc<AtomicBool>,
-    granted: Granted,
+    granted: Arc<Granted>,
     /// Its end is recorded: the heartbeat leaves it.
-    done: AtomicBool,
+    done: Arc<AtomicBool>,
 }
 
 impl<S: Store> Dedup<S> {
@@ -123,10 +124,10 @@ impl<S: Store> Dedup<S> {
                     Ok(ClaimOutcome::Acquired(lease)) => {
                         running.push(Running {
                             item: i,
-                            granted: Granted::new(sent + lease.policy.lease),
+                            granted: Arc::new(Granted::new(sent + lease.policy.lease)),
                             lease,
                             lost: Arc::new(AtomicBool::new(false)),
-                            done: AtomicBool::new(false),
+                            done: Arc::new(AtomicBool::new(false)),
                         });
                         continue;
                     }
@@ -178,7 +179,20 @@ impl<S: Store> Dedup<S> {
             }
             tracing::Span::current().record("acquired", running.len());
             if !running.is_empty() {
-                let beat = self.heartbeat_many(&running);
+                // One heartbeat for the instance: these leases join the registry of every
+                // running batch's, until this batch is over (or dropped).
+                let _registered = self.beats.register(
+                    running
+                        .iter()
+                        .map(|r| Beat {
+                            lease: r.lease.clone(),
+                            lost: Arc::clone(&r.lost),
+                            granted: Arc::clone(&r.granted),
+                            done: Arc::clone(&r.done),
+                        })
+                        .collect(),
+                );
+                let beat = self.heartbeat_many();
                 tokio::pin!(beat);
                 let work = self.run_many(&running, &handler);
                 tokio::pin!(work);
@@ -344,37 +358,19 @@ impl<S: Store> Dedup<S> {
             .collect()
     }
 
-    /// Extends every live lease of the batch in one call, every third of the lease; never
-    /// returns. A lease the store no longer grants is marked lost (its handler can see it); a
-    /// failed call is tried again sooner, every twelfth of the lease.
-    async fn heartbeat_many(&self, running: &[Running]) -> std::convert::Infallible {
+    /// This batch's heartbeat timer, every third of the lease; never returns. Its turn extends
+    /// every live lease of the instance's batches in one call, unless another batch's turn just
+    /// did; a failed call is tried again sooner, every twelfth of the lease.
+    async fn heartbeat_many(&self) -> std::convert::Infallible {
         let every = (self.policy.lease / 3).max(Duration::from_millis(1));
         let mut wait = every;
         loop {
             sleep(wait).await;
-            let live: Vec<&Running> = running
-                .iter()
-                .filter(|r| !r.done.load(Ordering::Acquire) && !r.lost.load(Ordering::Acquire))
-                .collect();
-            wait = every;
-            if live.is_empty() {
-                continue;
-            }
-            let leases: Vec<Lease> = live.iter().map(|r| r.lease.clone()).collect();
-            let sent = Instant::now();
-            for (r, answer) in live.iter().zip(self.store.extend_batch(&leases).await) {
-                match answer {
-                    Ok(_) => r.granted.extended(sent + r.lease.policy.lease),
-                    Err(e) if e.is_lease_lost() => {
-                        warn!(key = %r.lease.key, token = r.lease.token.get(), "heartbeat found the lease taken over");
-                        r.lost.store(true, Ordering::Release);
-                    }
-                    Err(e) => {
-                        wait = (every / 4).max(Duration::from_millis(1));
-                        warn!(key = %r.lease.key, error = %e, "heartbeat failed; retrying");
-                    }
-                }
-            }
+            wait = if self.beats.beat(&self.store, every).await {
+                (every / 4).max(Duration::from_millis(1))
+            } else {
+                every
+            };
         }
     }
 }
