@@ -52,6 +52,26 @@ pub(crate) struct Shared {
     pub(crate) starts: HashMap<TopicPartition, i64>,
 }
 
+impl Shared {
+    /// A message of `tp` at `offset` was received: it is pending until it settles, and the next
+    /// offset moves past it. Answers the partition's generation and revoked flag, or `None` if
+    /// the partition is not this member's (a message fetched before a revocation: its new owner
+    /// reads it).
+    pub(crate) fn received(
+        &mut self,
+        tp: &TopicPartition,
+        offset: i64,
+    ) -> Option<(u64, Arc<AtomicBool>)> {
+        let Some(part) = self.parts.get_mut(tp) else {
+            debug!(topic = %tp.0, partition = tp.1, "message for a partition not assigned");
+            return None;
+        };
+        part.pending.insert(offset);
+        part.next = Some(part.next.map_or(offset + 1, |n| n.max(offset + 1)));
+        Some((part.generation, part.revoked.clone()))
+    }
+}
+
 pub(crate) struct RunnerContext {
     pub(crate) shared: Arc<Mutex<Shared>>,
     pub(crate) counters: Arc<Counters>,

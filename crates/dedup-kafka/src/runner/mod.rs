@@ -325,19 +325,8 @@ where
     fn receive(&mut self, delivery: Delivery) {
         self.inner.counters.received.add(1);
         let tp = (delivery.topic.clone(), delivery.partition);
-        let (generation, revoked) = {
-            let mut shared = lock(&self.shared);
-            let Some(part) = shared.parts.get_mut(&tp) else {
-                // Not ours (a message fetched before a revocation): its new owner reads it.
-                debug!(topic = %tp.0, partition = tp.1, "message for a partition not assigned");
-                return;
-            };
-            part.pending.insert(delivery.offset);
-            part.next = Some(
-                part.next
-                    .map_or(delivery.offset + 1, |n| n.max(delivery.offset + 1)),
-            );
-            (part.generation, part.revoked.clone())
+        let Some((generation, revoked)) = lock(&self.shared).received(&tp, delivery.offset) else {
+            return;
         };
         let key = extract_key(&self.inner.config.key, &self.scope, &delivery);
         let lane = Lane {

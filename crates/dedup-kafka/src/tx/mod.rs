@@ -38,7 +38,7 @@ use rdkafka::producer::Producer;
 use sqlx::PgConnection;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
@@ -585,19 +585,8 @@ impl<X: Exec> Loop<X> {
         let c = &self.inner.common().counters;
         c.received.add(1);
         let tp = (delivery.topic.clone(), delivery.partition);
-        let (generation, revoked) = {
-            let mut shared = lock(&self.shared);
-            let Some(part) = shared.parts.get_mut(&tp) else {
-                // Not ours (a message fetched before a revocation): its new owner reads it.
-                debug!(topic = %tp.0, partition = tp.1, "message for a partition not assigned");
-                return;
-            };
-            part.pending.insert(delivery.offset);
-            part.next = Some(
-                part.next
-                    .map_or(delivery.offset + 1, |n| n.max(delivery.offset + 1)),
-            );
-            (part.generation, part.revoked.clone())
+        let Some((generation, revoked)) = lock(&self.shared).received(&tp, delivery.offset) else {
+            return;
         };
         self.held += 1;
         let delivery = Arc::new(delivery);

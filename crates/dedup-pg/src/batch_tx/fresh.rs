@@ -71,48 +71,79 @@ pub(crate) async fn read_fresh(
     Ok(out)
 }
 
+/// The columns both inserts of fresh keys bind: each lease's identity, token, fingerprint and
+/// retention.
+struct Columns<'a> {
+    scopes: Vec<&'a str>,
+    keys: Vec<&'a [u8]>,
+    owners: Vec<&'a str>,
+    tokens: Vec<i64>,
+    fps: Vec<Option<&'a [u8]>>,
+    rets: Vec<i64>,
+}
+
+impl<'a> Columns<'a> {
+    fn of(leases: impl ExactSizeIterator<Item = &'a Lease>) -> Self {
+        let n = leases.len();
+        let mut c = Self {
+            scopes: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
+            owners: Vec::with_capacity(n),
+            tokens: Vec::with_capacity(n),
+            fps: Vec::with_capacity(n),
+            rets: Vec::with_capacity(n),
+        };
+        for lease in leases {
+            c.scopes.push(lease.key.scope().as_str());
+            c.keys.push(lease.key.key_bytes());
+            c.owners.push(lease.owner.as_str());
+            c.tokens.push(token_i64(lease.token));
+            c.fps
+                .push(lease.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()));
+            c.rets.push(micros(lease.policy.retention));
+        }
+        c
+    }
+
+    /// Runs `sql` with these columns and `middle` (the statement's own column, bound as $6)
+    /// between the fingerprints and the retentions; every row must be written.
+    async fn insert<T>(
+        &self,
+        conn: &mut PgConnection,
+        sql: &'static str,
+        middle: &T,
+    ) -> Result<(), StoreError>
+    where
+        T: for<'q> sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Sync,
+    {
+        let written = sqlx::query(sql)
+            .bind(&self.scopes)
+            .bind(&self.keys)
+            .bind(&self.owners)
+            .bind(&self.tokens)
+            .bind(&self.fps)
+            .bind(middle)
+            .bind(&self.rets)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| classify(e, true))?;
+        if written.len() == self.keys.len() {
+            Ok(())
+        } else {
+            Err(StoreError::unavailable(Taken))
+        }
+    }
+}
+
 /// Writes fresh keys COMPLETED with their results, in one statement.
 pub(crate) async fn insert_completed(
     conn: &mut PgConnection,
     items: &[(Lease, Bytes)],
 ) -> Result<(), StoreError> {
-    let n = items.len();
-    let (mut scopes, mut keys, mut owners, mut tokens) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    let (mut fps, mut results, mut rets) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for (lease, result) in items {
-        scopes.push(lease.key.scope().as_str());
-        keys.push(lease.key.key_bytes());
-        owners.push(lease.owner.as_str());
-        tokens.push(token_i64(lease.token));
-        fps.push(lease.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()));
-        results.push(result.as_ref());
-        rets.push(micros(lease.policy.retention));
-    }
-    let written = sqlx::query(INSERT_COMPLETED_SQL)
-        .bind(&scopes)
-        .bind(&keys)
-        .bind(&owners)
-        .bind(&tokens)
-        .bind(&fps)
-        .bind(&results)
-        .bind(&rets)
-        .fetch_all(&mut *conn)
+    let results: Vec<&[u8]> = items.iter().map(|(_, r)| r.as_ref()).collect();
+    Columns::of(items.iter().map(|(l, _)| l))
+        .insert(conn, INSERT_COMPLETED_SQL, &results)
         .await
-        .map_err(|e| classify(e, true))?;
-    if written.len() == n {
-        Ok(())
-    } else {
-        Err(StoreError::unavailable(Taken))
-    }
 }
 
 /// Writes fresh keys as their claims would have left them (IN_PROGRESS, first attempt), in one
@@ -121,41 +152,8 @@ pub(crate) async fn insert_claimed(
     conn: &mut PgConnection,
     leases: &[&Lease],
 ) -> Result<(), StoreError> {
-    let n = leases.len();
-    let (mut scopes, mut keys, mut owners, mut tokens) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    let (mut fps, mut lease_us, mut rets) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for lease in leases {
-        scopes.push(lease.key.scope().as_str());
-        keys.push(lease.key.key_bytes());
-        owners.push(lease.owner.as_str());
-        tokens.push(token_i64(lease.token));
-        fps.push(lease.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()));
-        lease_us.push(micros(lease.policy.lease));
-        rets.push(micros(lease.policy.retention));
-    }
-    let written = sqlx::query(INSERT_CLAIMED_SQL)
-        .bind(&scopes)
-        .bind(&keys)
-        .bind(&owners)
-        .bind(&tokens)
-        .bind(&fps)
-        .bind(&lease_us)
-        .bind(&rets)
-        .fetch_all(&mut *conn)
+    let lease_us: Vec<i64> = leases.iter().map(|l| micros(l.policy.lease)).collect();
+    Columns::of(leases.iter().copied())
+        .insert(conn, INSERT_CLAIMED_SQL, &lease_us)
         .await
-        .map_err(|e| classify(e, true))?;
-    if written.len() == n {
-        Ok(())
-    } else {
-        Err(StoreError::unavailable(Taken))
-    }
 }
