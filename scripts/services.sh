@@ -49,6 +49,10 @@ ensure_build_tools() {
   command -v cc >/dev/null || missing+=(gcc libc6-dev)
   command -v make >/dev/null || missing+=(make)
   command -v perl >/dev/null || missing+=(perl)
+  # librdkafka's TLS and SASL SCRAM link the system's OpenSSL; tests make certificates with openssl.
+  command -v pkg-config >/dev/null || missing+=(pkg-config)
+  [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
+  command -v openssl >/dev/null || missing+=(openssl)
   [ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
 }
 

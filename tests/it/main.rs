@@ -15,4 +15,5 @@ mod kill;
 mod pg;
 mod pg_batch;
 mod pg_faults;
+mod pg_tls;
 mod redis;

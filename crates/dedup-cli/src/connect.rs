@@ -1,12 +1,12 @@
 //! Connections from configuration, with errors that name what to fix (and never a password).
 
 use std::process::ExitCode;
-use std::str::FromStr;
 use std::time::Duration;
 
+use dedup_pg::ConnectError;
 use dedup_redis::RedisFastPath;
 use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
@@ -33,37 +33,22 @@ impl CliError {
 
 /// `url` without its user and password, for messages.
 pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}{}", &url[..s + 3], &url[at + 1..]),
-        _ => url.to_owned(),
-    }
+    dedup_pg::redact_url(url)
 }
 
+/// A pool on `DATABASE_URL`, TLS as its `sslmode` says.
 pub(crate) async fn connect_pg(url: &str, max: u32) -> Result<PgPool, CliError> {
-    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
-        return Err(CliError::Config(format!(
-            "DATABASE_URL ({}) is not a valid postgres:// URL",
-            redact(url)
-        )));
-    }
-    let options = PgConnectOptions::from_str(url).map_err(|e| {
-        CliError::Config(format!(
-            "DATABASE_URL ({}) is not a valid postgres:// URL: {e}",
-            redact(url)
-        ))
-    })?;
-    let place = format!("{}:{}", options.get_host(), options.get_port());
-    PgPoolOptions::new()
+    let options = PgPoolOptions::new()
         .max_connections(max)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options)
-        .await
-        .map_err(|e| {
-            CliError::Unreachable(format!(
-                "cannot connect to Postgres at {place} (DATABASE_URL): {e}. Is it running? \
-                 `source scripts/services.sh && ensure_postgres` starts one"
-            ))
-        })
+        .acquire_timeout(Duration::from_secs(5));
+    dedup_pg::connect(url, options).await.map_err(|e| match e {
+        ConnectError::Unreachable { .. } => CliError::Unreachable(format!(
+            "{e} (DATABASE_URL). Is it running? \
+             `source scripts/services.sh && ensure_postgres` starts one"
+        )),
+        ConnectError::Url { .. } => CliError::Config(format!("DATABASE_URL: {e}")),
+        other => CliError::Config(format!("{other} (DATABASE_URL)")),
+    })
 }
 
 pub(crate) async fn connect_redis(url: &str, prefix: &str) -> Result<RedisFastPath, CliError> {

@@ -326,7 +326,10 @@ fn bad_configuration_is_named_and_passwords_are_not_printed() {
         (
             &["migrate"],
             vec![("DATABASE_URL", "mysql://app:s3cret@host/x".to_owned())],
-            &["DATABASE_URL", "not a valid postgres:// URL"],
+            &[
+                "DATABASE_URL",
+                "is not valid: it must start with postgres://",
+            ],
         ),
         (
             &["demo", "--events", "10", "--quiet"],

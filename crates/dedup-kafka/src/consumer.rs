@@ -2,15 +2,16 @@
 //! them, the rebalance callbacks, offset commits, backpressure, and the Kafka clients.
 
 use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering as AtomicOrdering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
-use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tokio::time::Instant;
@@ -72,7 +73,55 @@ impl Shared {
     }
 }
 
+/// Whether the consumer has reached the cluster, and the first TLS or authentication failure
+/// before it did. A certificate the client does not trust, or a refused password, is a
+/// configuration error: the runner stops with it ([`crate::RunnerError::Refused`]) instead of
+/// retrying for ever. After the first assignment such an error is only logged (a broker
+/// restarting mid-handshake looks the same) and librdkafka keeps reconnecting.
+#[derive(Debug, Default)]
+pub(crate) struct Contact {
+    reached: AtomicBool,
+    refused: Mutex<Option<String>>,
+    notify: tokio::sync::Notify,
+}
+
+impl Contact {
+    pub(crate) fn reached(&self) {
+        self.reached.store(true, AtomicOrdering::Release);
+    }
+
+    fn refused(&self, reason: String) {
+        if self.reached.load(AtomicOrdering::Acquire) {
+            return;
+        }
+        let mut slot = self
+            .refused
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if slot.is_none() {
+            *slot = Some(reason);
+            self.notify.notify_one();
+        }
+    }
+
+    /// Completes with the reason once the cluster refused this client before it was reached.
+    pub(crate) async fn refusal(&self) -> String {
+        loop {
+            if let Some(r) = self
+                .refused
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone()
+            {
+                return r;
+            }
+            self.notify.notified().await;
+        }
+    }
+}
+
 pub(crate) struct RunnerContext {
+    pub(crate) contact: Arc<Contact>,
     pub(crate) shared: Arc<Mutex<Shared>>,
     pub(crate) counters: Arc<Counters>,
     /// Where assigned partitions start, if the runner stores positions itself.
@@ -90,7 +139,23 @@ pub(crate) fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-impl ClientContext for RunnerContext {}
+impl ClientContext for RunnerContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        // librdkafka names the broker in `reason` ("ssl://host:port/bootstrap: SSL handshake
+        // failed: ..."); it never logs a password.
+        if matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::SSL
+                    | RDKafkaErrorCode::Authentication
+                    | RDKafkaErrorCode::SaslAuthenticationFailed
+            )
+        ) {
+            self.contact.refused(format!("{error}: {reason}"));
+        }
+        warn!(error = %error, reason, "kafka client error");
+    }
+}
 
 impl ConsumerContext for RunnerContext {
     fn pre_rebalance(
@@ -161,6 +226,7 @@ impl ConsumerContext for RunnerContext {
     ) {
         match rebalance {
             Rebalance::Assign(tpl) => {
+                self.contact.reached();
                 let paused = {
                     let mut shared = lock(&self.shared);
                     shared.generation += 1;
@@ -216,6 +282,37 @@ impl ConsumerContext for RunnerContext {
     }
 }
 
+/// `shutdown`, or the cluster refusing this client before it was reached (the reason is then in
+/// the returned cell): what a runner's loop runs until.
+pub(crate) fn until_refused(
+    shutdown: impl Future<Output = ()>,
+    contact: &Arc<Contact>,
+) -> (impl Future<Output = ()>, Arc<OnceLock<String>>) {
+    let cell = Arc::new(OnceLock::new());
+    let (contact, out) = (contact.clone(), cell.clone());
+    let stop = async move {
+        tokio::select! {
+            () = shutdown => {}
+            reason = contact.refusal() => {
+                warn!(reason, "the Kafka cluster refused this client; stopping");
+                let _ = out.set(reason);
+            }
+        }
+    };
+    (stop, cell)
+}
+
+/// The runner's end: refused, or stopped with these counters.
+pub(crate) fn refused_or(
+    refused: Arc<OnceLock<String>>,
+    stats: crate::RunnerStats,
+) -> Result<crate::RunnerStats, crate::RunnerError> {
+    match refused.get() {
+        Some(reason) => Err(crate::RunnerError::Refused(reason.clone())),
+        None => Ok(stats),
+    }
+}
+
 /// The Kafka clients of a runner: the consumer (manual commits, offsets stored by the runner),
 /// subscribed to the configured topics, and the dead-letter producer (idempotent, `acks=all`).
 pub(crate) fn clients(
@@ -223,6 +320,7 @@ pub(crate) fn clients(
     shared: &Arc<Mutex<Shared>>,
     counters: &Arc<Counters>,
     start_offsets: Option<Arc<dyn StartOffsets>>,
+    contact: &Arc<Contact>,
 ) -> Result<(StreamConsumer<RunnerContext>, FutureProducer), KafkaError> {
     let base = || {
         let mut c = ClientConfig::new();
@@ -241,6 +339,7 @@ pub(crate) fn clients(
         cc.set("auto.offset.reset", "earliest");
     }
     let consumer: StreamConsumer<RunnerContext> = cc.create_with_context(RunnerContext {
+        contact: contact.clone(),
         shared: shared.clone(),
         counters: counters.clone(),
         start_offsets,

@@ -24,7 +24,8 @@ use futures_util::FutureExt;
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
-    Backpressure, RunnerContext, Shared, clients, commit, lock, sleep_until_opt,
+    Backpressure, Contact, RunnerContext, Shared, clients, commit, lock, sleep_until_opt,
+    until_refused,
 };
 use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
@@ -98,6 +99,11 @@ pub enum RunnerError {
     /// The Kafka client failed to start or to subscribe.
     #[error("kafka: {0}")]
     Kafka(#[from] KafkaError),
+    /// The cluster refused this client before it ever joined: a certificate it does not trust
+    /// (or one that does not name the broker), or a refused SASL login. The reason names the
+    /// broker; retrying without a change of configuration cannot help.
+    #[error("the Kafka cluster refused this client (TLS or SASL): {0}")]
+    Refused(String),
 }
 
 impl RunnerError {
@@ -215,7 +221,9 @@ where
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = self.scope.clone();
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None)?;
+        let contact = Arc::new(Contact::default());
+        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None, &contact)?;
+        let (shutdown, refused) = until_refused(shutdown, &contact);
 
         let (stop_tx, stop_rx) = watch::channel(false);
         let dead_letter_topic = self.config.dead_letter_topic.clone();
@@ -301,6 +309,9 @@ where
             warn!(error = %e, "dead-letter producer flush");
         }
         info!("runner stopped");
+        if let Some(reason) = refused.get() {
+            return Err(RunnerError::Refused(reason.clone()));
+        }
         Ok(StatsHandle(inner.counters.clone()).snapshot())
     }
 }

@@ -17,7 +17,7 @@ use tracing::{Instrument, info_span, warn};
 use super::exec::{Common, Exec, Settled};
 use super::{Batching, Done, Item, run_loop};
 use crate::config::{ConfigError, MissingKey, RunnerConfig};
-use crate::consumer::{Shared, TopicPartition, clients};
+use crate::consumer::{Contact, Shared, TopicPartition, clients, refused_or, until_refused};
 use crate::dead_letter::DeadLetters;
 use crate::runner::{Handler, RunnerError, attempts_of, no_withdraw, panic_message, scope_of};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
@@ -92,7 +92,9 @@ where
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = scope_of(&self.config)?;
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None)?;
+        let contact = Arc::new(Contact::default());
+        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None, &contact)?;
+        let (shutdown, refused) = until_refused(shutdown, &contact);
         let (stop_tx, stop_rx) = watch::channel(false);
         let topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(Inner {
@@ -106,7 +108,8 @@ where
             dedup: self.dedup,
             handler: self.handler,
         });
-        Ok(run_loop(inner, consumer, shared, scope, stop_tx, shutdown).await)
+        let stats = run_loop(inner, consumer, shared, scope, stop_tx, shutdown).await;
+        refused_or(refused, stats)
     }
 }
 

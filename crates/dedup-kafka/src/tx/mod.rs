@@ -42,8 +42,8 @@ use tracing::{info, warn};
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
-    Backpressure, RunnerContext, Shared, StartOffsets, TopicPartition, clients, commit, lock,
-    sleep_until_opt,
+    Backpressure, Contact, RunnerContext, Shared, StartOffsets, TopicPartition, clients, commit,
+    lock, refused_or, sleep_until_opt, until_refused,
 };
 use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
@@ -297,7 +297,15 @@ impl<H: BatchHandler> TxRunner<H> {
             )),
             None => None,
         };
-        let (consumer, producer) = clients(&self.config, &shared, &self.counters, start_offsets)?;
+        let contact = Arc::new(Contact::default());
+        let (consumer, producer) = clients(
+            &self.config,
+            &shared,
+            &self.counters,
+            start_offsets,
+            &contact,
+        )?;
+        let (shutdown, refused) = until_refused(shutdown, &contact);
         let (stop_tx, stop_rx) = watch::channel(false);
         let dead_letter_topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(batch::Inner {
@@ -319,7 +327,8 @@ impl<H: BatchHandler> TxRunner<H> {
             offsets_in_tx: self.offsets.is_some(),
             caches: self.caches,
         });
-        Ok(run_loop(inner, consumer, shared, self.scope, stop_tx, shutdown).await)
+        let stats = run_loop(inner, consumer, shared, self.scope, stop_tx, shutdown).await;
+        refused_or(refused, stats)
     }
 }
 
