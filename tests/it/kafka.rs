@@ -47,6 +47,8 @@ fn unique(prefix: &str) -> String {
 enum Broker {
     Mock(MockCluster<'static, DefaultProducerContext>),
     Nisshi(crate::support::NisshiServer),
+    /// A nisshi process behind a TLS front, with the client properties to reach it.
+    Secure(tls::SecureBroker),
 }
 
 impl Broker {
@@ -62,19 +64,32 @@ impl Broker {
         match self {
             Self::Mock(m) => m.bootstrap_servers(),
             Self::Nisshi(n) => n.bootstrap(),
+            Self::Secure(s) => s.bootstrap(),
         }
     }
 
     /// Client properties every client of this broker needs.
-    fn client(&self) -> Vec<(&'static str, &'static str)> {
+    fn client(&self) -> Vec<(&'static str, String)> {
+        let nisshi = [
+            ("broker.address.family", "v4"),
+            ("session.timeout.ms", "6000"),
+            ("heartbeat.interval.ms", "500"),
+        ];
+        let owned = |props: &[(&'static str, &str)]| {
+            props
+                .iter()
+                .map(|(k, v)| (*k, (*v).to_owned()))
+                .collect::<Vec<_>>()
+        };
         match self {
             // The KIP-848 protocol assigns in milliseconds; the classic one waits 3 s first.
-            Self::Mock(_) => vec![("group.protocol", "consumer")],
-            Self::Nisshi(_) => vec![
-                ("broker.address.family", "v4"),
-                ("session.timeout.ms", "6000"),
-                ("heartbeat.interval.ms", "500"),
-            ],
+            Self::Mock(_) => owned(&[("group.protocol", "consumer")]),
+            Self::Nisshi(_) => owned(&nisshi),
+            Self::Secure(s) => {
+                let mut props = owned(&nisshi);
+                props.extend(s.props.iter().cloned());
+                props
+            }
         }
     }
 
@@ -87,7 +102,7 @@ impl Broker {
                 ("session.timeout.ms", "6000"),
                 ("heartbeat.interval.ms", "500"),
             ],
-            Self::Nisshi(_) => vec![],
+            Self::Nisshi(_) | Self::Secure(_) => vec![],
         }
     }
 
@@ -103,7 +118,7 @@ impl Broker {
     async fn create_topic(&self, name: &str, partitions: i32) {
         match self {
             Self::Mock(m) => m.create_topic(name, partitions, 1).unwrap(),
-            Self::Nisshi(_) => {
+            Self::Nisshi(_) | Self::Secure(_) => {
                 let mut c = self.client_config();
                 c.remove("session.timeout.ms");
                 c.remove("heartbeat.interval.ms");
@@ -321,8 +336,13 @@ fn consumer_args(
         broker
             .client()
             .iter()
-            .chain(&broker.fast_failover())
-            .map(|(k, v)| format!("{k}={v}")),
+            .map(|(k, v)| format!("{k}={v}"))
+            .chain(
+                broker
+                    .fast_failover()
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}")),
+            ),
     );
     args
 }
@@ -846,6 +866,7 @@ async fn the_broker_down_mid_stream_and_back_loses_and_doubles_nothing(
             m.broker_up(1).unwrap();
         }
         Broker::Nisshi(n) => n.stop_for(Duration::from_secs(5)).await,
+        Broker::Secure(s) => s.nisshi.stop_for(Duration::from_secs(5)).await,
     }
     produce(broker, &topic, &events[200..]).await;
     eventually(120, "every key booked after the restart", || {
@@ -1369,4 +1390,5 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
 }
 
 mod lease;
+mod tls;
 mod tx;

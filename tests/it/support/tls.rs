@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 
 use super::pg_server::run;
 
@@ -136,7 +135,10 @@ pub(crate) struct TlsFront {
     listener: Option<TcpListener>,
     acceptor: tokio_rustls::TlsAcceptor,
     handshakes: Arc<AtomicU32>,
-    task: Option<JoinHandle<()>>,
+    running: Option<(
+        tokio::sync::oneshot::Sender<()>,
+        std::thread::JoinHandle<()>,
+    )>,
 }
 
 impl TlsFront {
@@ -161,33 +163,49 @@ impl TlsFront {
             listener: Some(listener),
             acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
             handshakes: Arc::default(),
-            task: None,
+            running: None,
         }
     }
 
+    /// Serves on a thread and runtime of its own, as a server process would: a test runtime
+    /// blocked in a Kafka client's close must not stop the front that close is talking to.
     pub(crate) fn serve(&mut self, backend: SocketAddr) {
         let listener = self.listener.take().expect("served once");
+        let listener = listener.into_std().unwrap();
         let (acceptor, handshakes) = (self.acceptor.clone(), self.handshakes.clone());
-        self.task = Some(tokio::spawn(async move {
-            loop {
-                let Ok((socket, _)) = listener.accept().await else {
-                    return;
-                };
-                let (acceptor, handshakes) = (acceptor.clone(), handshakes.clone());
-                tokio::spawn(async move {
-                    // A client that fails the handshake (it does not trust the certificate) is
-                    // dropped, as a server would.
-                    let Ok(mut tls) = acceptor.accept(socket).await else {
-                        return;
+        let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = TcpListener::from_std(listener).unwrap();
+                loop {
+                    let socket = tokio::select! {
+                        _ = &mut stop_rx => return,
+                        accepted = listener.accept() => match accepted {
+                            Ok((socket, _)) => socket,
+                            Err(_) => return,
+                        },
                     };
-                    handshakes.fetch_add(1, Ordering::Relaxed);
-                    let Ok(mut plain) = TcpStream::connect(backend).await else {
-                        return;
-                    };
-                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
-                });
-            }
-        }));
+                    let (acceptor, handshakes) = (acceptor.clone(), handshakes.clone());
+                    tokio::spawn(async move {
+                        // A client that fails the handshake (it does not trust the certificate)
+                        // is dropped, as a server would.
+                        let Ok(mut tls) = acceptor.accept(socket).await else {
+                            return;
+                        };
+                        handshakes.fetch_add(1, Ordering::Relaxed);
+                        let Ok(mut plain) = TcpStream::connect(backend).await else {
+                            return;
+                        };
+                        let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                    });
+                }
+            });
+        });
+        self.running = Some((stop_tx, thread));
     }
 
     /// `localhost:port`: the name the certificate carries.
@@ -215,8 +233,9 @@ impl std::fmt::Debug for TlsFront {
 
 impl Drop for TlsFront {
     fn drop(&mut self) {
-        if let Some(t) = &self.task {
-            t.abort();
+        if let Some((stop, thread)) = self.running.take() {
+            let _ = stop.send(());
+            let _ = thread.join();
         }
     }
 }
