@@ -4,7 +4,9 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{ClaimOutcome, Dedup, LeaseContext, Processed, State, Store};
+use dedup_core::{
+    Adoption, ClaimOutcome, Dedup, HandlerError, InstanceId, LeaseContext, Processed, State, Store,
+};
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -83,4 +85,81 @@ async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
         (rec.state, rec.token, rec.attempts),
         (State::Completed, token, 2)
     );
+}
+
+/// A worker with an instance identity, alive (stopped, even) while it holds a key: a second
+/// process with the same identity adopts nothing. Killed: its successor adopts the lease at once
+/// and runs the key under a new token, long before the lease would have ended.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_live_identity_is_not_adopted_and_a_dead_one_is_at_once(pool: PgPool) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dedup-claim-and-hang"))
+        // A 10-minute lease: waiting it out would fail the test.
+        .args([
+            url_of(&pool).as_str(),
+            "test",
+            "order-9",
+            "600000",
+            "node-a",
+        ])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let stdout = child.stdout.take().unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        BufReader::new(stdout).read_line(&mut line),
+    )
+    .await
+    .expect("the worker claims within 30 s")
+    .unwrap();
+    let dead_token: u64 = line
+        .trim()
+        .strip_prefix("claimed token=")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let pid = child.id().unwrap().to_string();
+    let signal = |s: &str| {
+        assert!(
+            std::process::Command::new("kill")
+                .args([s, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    // Stopped, not dead: its session (and the identity's lock) stands.
+    signal("-STOP");
+    let store = PgStore::new(pool.clone());
+    let successor = Dedup::new(store.clone())
+        .with_instance(InstanceId::new("node-a").unwrap())
+        .with_in_flight_wait(Duration::ZERO)
+        .unwrap();
+    assert_eq!(successor.adopt().await.unwrap(), Adoption::HeldElsewhere);
+    let k = key("order-9");
+    let early = store.claim(&req(&k, "early")).await.unwrap();
+    assert!(matches!(early, ClaimOutcome::InFlight { .. }), "{early:?}");
+
+    child.kill().await.unwrap(); // SIGKILL (a stopped process dies too)
+    child.wait().await.unwrap();
+    let adopted = successor.adopt().await.unwrap();
+    assert_eq!(adopted.adopted(), 1, "{adopted:?}");
+    let done = successor
+        .process(&k, None, |_| async {
+            Ok::<_, HandlerError<String>>(dedup_core::Completion::store(Bytes::from_static(
+                b"shipped",
+            )))
+        })
+        .await
+        .unwrap();
+    let Processed::Executed {
+        token, attempts, ..
+    } = done
+    else {
+        panic!("expected the adopted key to run, got {done:?}");
+    };
+    assert!(token.get() > dead_token);
+    assert_eq!(attempts, 2);
 }

@@ -196,6 +196,14 @@ impl<S: Store> Store for Batched<S> {
         self.inner.purge(limit)
     }
 
+    fn adopt(
+        &self,
+        instance: &crate::InstanceId,
+        mine: &str,
+    ) -> impl Future<Output = Result<crate::Adoption, StoreError>> + Send {
+        self.inner.adopt(instance, mine)
+    }
+
     fn committed(&self, lease: &Lease, result: &[u8]) -> impl Future<Output = ()> + Send {
         self.inner.committed(lease, result)
     }

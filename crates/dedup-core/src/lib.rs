@@ -46,6 +46,7 @@
 
 mod batch;
 mod error;
+mod instance;
 mod key;
 pub mod machine;
 mod process;
@@ -56,6 +57,7 @@ pub mod typed;
 
 pub use batch::{BatchConfig, Batched};
 pub use error::{BoxError, InputError, StoreError};
+pub use instance::{Adoption, InstanceId, MAX_INSTANCE_ID_LEN};
 pub use key::{Fingerprint, IdempotencyKey, MAX_KEY_LEN, MAX_SCOPE_LEN, Scope};
 pub use process::{
     AfterHandlerError, BatchItem, Completion, Dedup, HandlerError, LeaseContext, MAX_WAIT,

@@ -2,6 +2,7 @@
 
 mod batch;
 mod heartbeat;
+mod instance;
 
 pub use batch::BatchItem;
 
@@ -50,6 +51,8 @@ pub struct Dedup<S> {
     in_flight_wait: Duration,
     completion_deadline: Option<Duration>,
     owner_prefix: Arc<str>,
+    /// The stable identity, if configured (`with_instance`).
+    instance: Option<crate::InstanceId>,
     claims: AtomicU64,
     /// The leases of this instance's running batches, extended together.
     beats: heartbeat::Heartbeats,
@@ -296,6 +299,7 @@ impl<S: Store> Dedup<S> {
             in_flight_wait: Duration::from_secs(5),
             completion_deadline: None,
             owner_prefix: format!("pid{}-{:x}", process::id(), Timestamp::now().as_micros()).into(),
+            instance: None,
             claims: AtomicU64::new(0),
             beats: heartbeat::Heartbeats::default(),
         }
@@ -354,6 +358,11 @@ impl<S: Store> Dedup<S> {
     /// The policy.
     pub fn policy(&self) -> Policy {
         self.policy
+    }
+
+    /// The stable identity, if configured.
+    pub fn instance(&self) -> Option<&crate::InstanceId> {
+        self.instance.as_ref()
     }
 
     fn next_owner(&self) -> OwnerId {

@@ -366,6 +366,23 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// The lease an IN_PROGRESS `record` stands for (with the default policy: the record does not
+    /// keep the one it was claimed with), or `None` for a record in another state.
+    pub fn of_record(record: &Record) -> Option<Self> {
+        if record.state != State::InProgress {
+            return None;
+        }
+        Some(Self {
+            key: record.key.clone(),
+            token: record.token,
+            owner: record.owner.clone()?,
+            lease_until: record.lease_until?,
+            attempts: record.attempts,
+            fingerprint: record.fingerprint,
+            policy: Policy::default(),
+        })
+    }
+
     /// The lease that `record` (IN_PROGRESS, just written by `req`'s claim) grants.
     pub fn granted(record: &Record, req: &ClaimRequest) -> Self {
         Self {

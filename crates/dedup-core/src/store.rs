@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use crate::error::StoreError;
+use crate::instance::{Adoption, InstanceId};
 use crate::key::IdempotencyKey;
 use crate::machine::{self, ClaimStep};
 use crate::record::{
@@ -127,6 +128,21 @@ pub trait Store: Send + Sync {
         }
     }
 
+    /// Ends, at once, the live leases of earlier incarnations of `instance`: owners that start
+    /// with [`InstanceId::owner_prefix`] but not with `mine` (this incarnation's prefix). Their
+    /// keys can then be taken over at once, under new tokens. Only while this process holds the
+    /// identity (a store that can tell a live holder, as Postgres does with a session lock, gates
+    /// it, and keeps holding the identity afterwards); otherwise [`Adoption::HeldElsewhere`].
+    /// The default: [`Adoption::Unsupported`].
+    fn adopt(
+        &self,
+        instance: &InstanceId,
+        mine: &str,
+    ) -> impl Future<Output = Result<Adoption, StoreError>> + Send {
+        let _ = (instance, mine);
+        async { Ok(Adoption::Unsupported) }
+    }
+
     /// Completes many leases; one answer per item, in order, each as
     /// [`complete`](Self::complete) would answer it.
     fn complete_batch(
@@ -242,6 +258,30 @@ impl Store for MemoryStore {
         Ok(self.with(|map| map.get(key).cloned()))
     }
 
+    /// In one process the identity is always this instance's: every live lease of an earlier
+    /// incarnation ends.
+    async fn adopt(&self, instance: &InstanceId, mine: &str) -> Result<Adoption, StoreError> {
+        let now = Timestamp::now();
+        let prefix = instance.owner_prefix();
+        Ok(Adoption::Adopted(self.with(|map| {
+            let mut out = Vec::new();
+            for rec in map.values_mut() {
+                let theirs = rec.owner.as_ref().is_some_and(|o| {
+                    o.as_str().starts_with(&prefix) && !o.as_str().starts_with(mine)
+                });
+                if theirs
+                    && rec.state == crate::record::State::InProgress
+                    && rec.lease_until.is_some_and(|t| t > now)
+                {
+                    rec.lease_until = Some(now);
+                    rec.updated_at = now;
+                    out.push(rec.clone());
+                }
+            }
+            out
+        })))
+    }
+
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
         let now = Timestamp::now();
         self.with(|map| {
@@ -302,6 +342,9 @@ macro_rules! forward_store {
             }
             fn extend_batch(&self, leases: &[Lease]) -> impl Future<Output = Vec<Result<Timestamp, StoreError>>> + Send {
                 (**self).extend_batch(leases)
+            }
+            fn adopt(&self, instance: &InstanceId, mine: &str) -> impl Future<Output = Result<Adoption, StoreError>> + Send {
+                (**self).adopt(instance, mine)
             }
         }
     )*};

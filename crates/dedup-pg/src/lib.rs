@@ -78,6 +78,7 @@ mod claim;
 mod classify;
 mod complete;
 mod connect;
+mod instance;
 mod offsets;
 mod rows;
 mod sql;
@@ -111,6 +112,8 @@ pub(crate) const CLAIM_RACE_TRIES: u32 = 16;
 pub struct PgStore {
     pool: PgPool,
     statements: Arc<AtomicU64>,
+    /// The instance identity this store holds (`Store::adopt`), shared by its clones.
+    identity: Arc<tokio::sync::Mutex<instance::Identity>>,
 }
 
 /// The body of a transaction run by [`PgStore::transact`]: business writes on the transaction's
@@ -123,6 +126,7 @@ impl PgStore {
         Self {
             pool,
             statements: Arc::default(),
+            identity: Arc::default(),
         }
     }
 

@@ -335,3 +335,21 @@ pub(crate) const EXTEND_BATCH_SQL: &str = concat!(
     " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
     " RETURNING r.scope, r.key, r.token, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS until_us"
 );
+
+/// The first half of an instance identity's advisory lock key (the two-`int4` form, a key space
+/// apart from the one-`bigint` form that transaction mode's per-key locks use): "dedu".
+pub(crate) const IDENTITY_LOCK_CLASS: i32 = 0x6465_6475;
+
+/// Takes an instance identity's session lock if no other session holds it.
+/// $1 the class, $2 the identity.
+pub(crate) const IDENTITY_LOCK_SQL: &str = "SELECT pg_try_advisory_lock($1::int4, hashtext($2))";
+
+/// Ends the live leases of an identity's earlier incarnations (owners LIKE $1, not LIKE $2; both
+/// patterns escaped with `\`); the partial index on live owners finds them.
+pub(crate) const ADOPT_SQL: &str = concat!(
+    "UPDATE dedup_records r SET lease_until = statement_timestamp(), updated_at = statement_timestamp()",
+    " WHERE r.state = 'in_progress' AND r.owner LIKE $1 AND r.owner NOT LIKE $2",
+    " AND r.lease_until > statement_timestamp()",
+    " RETURNING ",
+    record_cols!("r")
+);

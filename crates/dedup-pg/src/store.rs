@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use bytes::Bytes;
 use dedup_core::machine::{self, ClaimStep};
 use dedup_core::{
-    AfterFailure, ClaimOutcome, ClaimRequest, IdempotencyKey, Lease, Record, State, Store,
-    StoreError, Timestamp, micros,
+    Adoption, AfterFailure, ClaimOutcome, ClaimRequest, IdempotencyKey, InstanceId, Lease, Record,
+    State, Store, StoreError, Timestamp, micros,
 };
 use sqlx::Postgres;
 use tracing::{debug, warn};
@@ -266,6 +266,14 @@ impl Store for PgStore {
         conn.checked(row)?
             .map(|row| record_from_row(key, &row))
             .transpose()
+    }
+
+    /// Takes the identity's session lock on a connection of its own (kept for the life of the
+    /// store, so the server releases it only when this process or its session dies), waiting a
+    /// few seconds for a dead predecessor's session to end; then ends the live leases of the
+    /// identity's other incarnations in one statement.
+    async fn adopt(&self, instance: &InstanceId, mine: &str) -> Result<Adoption, StoreError> {
+        self.adopt_leases(instance, mine).await
     }
 
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {

@@ -6,6 +6,7 @@
 //! (group commit).
 
 mod cases;
+mod instance;
 mod process;
 mod process_batch;
 mod typed;
@@ -63,6 +64,7 @@ macro_rules! conformance {
         }
         mod run {
             pub(super) use super::cases::*;
+            pub(super) use super::instance::*;
             pub(super) use super::process::*;
             pub(super) use super::process_batch::*;
             pub(super) use super::typed::*;
@@ -119,6 +121,9 @@ conformance!(
     process_batch_taken_over_is_fenced_whole,
     process_batch_adopts_its_own_claims_after_lost_replies,
     process_batch_one_heartbeat_serves_every_running_batch,
+    // instance identities
+    adopt_ends_only_a_dead_predecessors_leases,
+    adopt_needs_a_valid_identity,
     // typed results
     typed_result_is_replayed_equal,
     typed_result_of_another_type_is_refused,

@@ -22,6 +22,7 @@ use tokio::time::timeout;
 use tracing::{Instrument, info_span, warn};
 
 use crate::error::StoreError;
+use crate::instance::{Adoption, InstanceId};
 use crate::key::IdempotencyKey;
 use crate::machine;
 use crate::record::{AfterFailure, ClaimOutcome, ClaimRequest, Lease, Record, State, Timestamp};
@@ -554,6 +555,25 @@ impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         bump(&self.counters.authority_calls);
         self.authority.get(key).await
+    }
+
+    /// The authority adopts; then the adopted leases' IN_PROGRESS markers are dropped, so that a
+    /// duplicate asks the authority (and takes the key over) instead of waiting out a marker. A
+    /// marker that could not be dropped (the fast path is down) only delays its key until it
+    /// expires with the old lease.
+    async fn adopt(&self, instance: &InstanceId, mine: &str) -> Result<Adoption, StoreError> {
+        bump(&self.counters.authority_calls);
+        let adoption = self.authority.adopt(instance, mine).await?;
+        if let Adoption::Adopted(records) = &adoption {
+            let leases: Vec<Lease> = records.iter().filter_map(Lease::of_record).collect();
+            futures_util::future::join_all(
+                leases
+                    .iter()
+                    .map(|lease| self.fast("release", &lease.key, self.fast.release(lease))),
+            )
+            .await;
+        }
+        Ok(adoption)
     }
 
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
