@@ -10,12 +10,18 @@
 //! effects, so that the kill lands in the middle of a batch; with `DEDUP_TX_OFFSETS` set too,
 //! each batch also stores its partition's position in its transaction; `DEDUP_TX_IDLE_MS` sets
 //! how long a batch's session may sit idle in its transaction before the server ends it.
+//!
+//! In lease mode, `DEDUP_INSTANCE` gives the engine a stable instance identity (and the group
+//! member a static `group.instance.id`), `DEDUP_LEASE_MS` the lease, and `DEDUP_HANG_KEY` a key
+//! whose handler never returns (a process killed in the middle of an effect).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{Dedup, HandlerError, LeaseContext, TieredConfig, TieredStore};
+use dedup_core::{
+    Dedup, HandlerError, InstanceId, LeaseContext, Policy, TieredConfig, TieredStore,
+};
 use dedup_kafka::{Batching, Delivery, Runner, RunnerConfig, TxRunner};
 use dedup_pg::{PgStore, TxBatchConfig};
 use dedup_redis::RedisFastPath;
@@ -35,9 +41,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         RedisFastPath::connect(redis).await?,
         TieredConfig::default(),
     );
-    let dedup = Arc::new(Dedup::new(store));
+    let mut dedup = Dedup::new(store);
     let mut config = RunnerConfig::new(brokers.as_str(), group.as_str(), [topic.as_str()])
         .with_commit_interval(Duration::from_secs(3600));
+    if let Ok(id) = std::env::var("DEDUP_INSTANCE") {
+        let id = InstanceId::new(id)?;
+        config = config.with_instance_id(&id);
+        dedup = dedup.with_instance(id);
+    }
+    if let Ok(ms) = std::env::var("DEDUP_LEASE_MS") {
+        dedup =
+            dedup.with_policy(Policy::default().with_lease(Duration::from_millis(ms.parse()?)))?;
+    }
+    let dedup = Arc::new(dedup);
+    let hang = std::env::var("DEDUP_HANG_KEY").ok();
     for kv in extra {
         let (k, v) = kv.split_once('=').ok_or("extra properties are k=v")?;
         config = config.with_client(k, v);
@@ -63,10 +80,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
         let pg = pg.clone();
+        let hang = hang.clone();
         async move {
             let lease = lease.ok_or(HandlerError::Permanent("no key".to_owned()))?;
             let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default())
                 .into_owned();
+            if hang.as_deref() == Some(key.as_str()) {
+                std::future::pending::<()>().await;
+            }
             let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
             pg.transact(&lease, move |tx| {
                 Box::pin(async move {

@@ -499,6 +499,7 @@ macro_rules! on_brokers {
 on_brokers!(
     a_stream_with_duplicates_books_each_key_once_and_commits_to_the_end,
     killed_after_the_handler_and_before_the_commit_replays_on_restart,
+    a_restarted_instance_adopts_what_it_left_in_flight,
     two_consumers_with_a_rebalance_mid_stream_lose_and_double_nothing,
     poison_goes_to_the_dead_letter_topic_and_the_stream_goes_on,
     keyless_messages_are_dead_lettered_by_default,
@@ -605,6 +606,66 @@ async fn killed_after_the_handler_and_before_the_commit_replays_on_restart(
             .all(|(_, _, w)| w == "killed")
     );
     assert_eq!(committed(broker, &group, &topic, 2).await, vec![20, 20]);
+}
+
+/// A consumer with a stable identity is killed while one handler is in the middle of its effect
+/// (holding a 10-minute lease). Restarted with the same identity, it adopts that lease at start
+/// and runs the key under a new token as soon as the message comes again: long before the lease
+/// would have ended. Nothing runs twice.
+async fn a_restarted_instance_adopts_what_it_left_in_flight(broker: &Broker, pool: PgPool) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("adopt");
+    broker.create_topic(&topic, 2).await;
+    let events: Vec<Event> = (0..20).map(|i| event(i, 2)).collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let instance = unique("node");
+    let spawn = |hang: Option<&str>| {
+        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"));
+        c.args(consumer_args(broker, &group, &topic, &pool, &redis))
+            .env("DEDUP_INSTANCE", &instance)
+            .env("DEDUP_LEASE_MS", "600000")
+            .kill_on_drop(true);
+        if let Some(k) = hang {
+            c.env("DEDUP_HANG_KEY", k);
+        }
+        c.spawn().unwrap()
+    };
+    let mut first = spawn(Some("evt-3"));
+    // Partition 0 (even ids) all booked; partition 1 stops behind evt-3 (evt-1 booked before it).
+    eventually(60, "11 effects, evt-3 hanging", || {
+        let pool = pool.clone();
+        async move { ledger_count(&pool).await == 11 }
+    })
+    .await;
+    let k = crate::support::key_in(&group, "evt-3");
+    let held = dedup_core::Store::get(&PgStore::new(pool.clone()), &k)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(held.state, dedup_core::State::InProgress);
+    first.kill().await.unwrap();
+    first.wait().await.unwrap();
+
+    let started = Instant::now();
+    let mut second = spawn(None);
+    eventually(60, "evt-3 booked by the restarted instance", || {
+        let pool = pool.clone();
+        async move { ledger_count(&pool).await == 20 }
+    })
+    .await;
+    let took = started.elapsed();
+    second.kill().await.unwrap();
+    let rec = dedup_core::Store::get(&PgStore::new(pool.clone()), &k)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.state, dedup_core::State::Completed);
+    assert!(rec.token > held.token);
+    assert_eq!(rec.attempts, 2);
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    assert_one_row_per_key(&pool, events.iter().filter_map(|e| e.key.clone())).await;
 }
 
 async fn two_consumers_with_a_rebalance_mid_stream_lose_and_double_nothing(

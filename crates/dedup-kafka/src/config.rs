@@ -196,6 +196,16 @@ impl RunnerConfig {
         }
     }
 
+    /// Static group membership: `group.instance.id` = `id`, the same stable identity the engine
+    /// is given ([`dedup_core::Dedup::with_instance`]). A member restarted within the session
+    /// timeout gets its partitions back without a rebalance; the others keep theirs. The cost: a
+    /// static member that stops sends no LeaveGroup, so on scale-down its partitions sit idle
+    /// until `session.timeout.ms` passes. Whether a restart keeps the assignment is the broker's
+    /// doing: Kafka does from 2.3 (KIP-345).
+    pub fn with_instance_id(self, id: &dedup_core::InstanceId) -> Self {
+        self.with_client("group.instance.id", id.as_str())
+    }
+
     /// Sets the dead-letter topic.
     pub fn with_dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
         self.dead_letter_topic = topic.into();

@@ -13,6 +13,11 @@ pub(crate) fn scope(name: &str) -> Scope {
     Scope::new(name).unwrap()
 }
 
+/// A key in `scope` (a runner's default scope is its group id).
+pub(crate) fn key_in(scope_name: &str, name: &str) -> IdempotencyKey {
+    IdempotencyKey::new(scope(scope_name), name).unwrap()
+}
+
 pub(crate) fn key(name: impl AsRef<[u8]>) -> IdempotencyKey {
     IdempotencyKey::new(scope("test"), name).unwrap()
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use dedup_core::typed::CodecError;
 use dedup_core::{
-    AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, LeaseContext,
-    ProcessError, Processed, Scope, Store,
+    Adoption, AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey,
+    LeaseContext, ProcessError, Processed, Scope, Store,
 };
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
@@ -221,6 +221,7 @@ where
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = self.scope.clone();
         let shared = Arc::new(Mutex::new(Shared::default()));
+        adopt_at_start(&self.dedup).await;
         let contact = Arc::new(Contact::default());
         let (consumer, producer) = clients(&self.config, &shared, &self.counters, None, &contact)?;
         let (shutdown, refused) = until_refused(shutdown, &contact);
@@ -621,6 +622,24 @@ where
                     }
                 }
             }
+        }
+    }
+}
+
+/// With an instance identity, ends the leases an earlier incarnation of it left behind, before
+/// anything is consumed (their messages are redelivered to us, or to whoever owns them now, and
+/// taken over at once). A failure only leaves those leases to run out.
+pub(crate) async fn adopt_at_start<S: Store>(dedup: &Dedup<S>) {
+    match dedup.adopt().await {
+        Ok(Adoption::Adopted(records)) => {
+            info!(adopted = records.len(), instance = ?dedup.instance(), "adopted the leases of earlier incarnations");
+        }
+        Ok(Adoption::HeldElsewhere) => {
+            warn!(instance = ?dedup.instance(), "another live process has this instance identity: its leases are left to run out");
+        }
+        Ok(_) => {}
+        Err(e) => {
+            warn!(error = %e, "adopting earlier incarnations' leases failed: they run out as usual")
         }
     }
 }

@@ -92,6 +92,7 @@ where
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = scope_of(&self.config)?;
         let shared = Arc::new(Mutex::new(Shared::default()));
+        crate::runner::adopt_at_start(&self.dedup).await;
         let contact = Arc::new(Contact::default());
         let (consumer, producer) = clients(&self.config, &shared, &self.counters, None, &contact)?;
         let (shutdown, refused) = until_refused(shutdown, &contact);
