@@ -14,13 +14,11 @@ use tokio::process::Command;
 
 use crate::support::{effect_in_tx, effect_rows, effects_table, key, req, url_of};
 
-#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
-    effects_table(&pool).await;
+/// Starts a `dedup-claim-and-hang` worker with `args` and waits for its claim: the process and
+/// the token it holds.
+async fn claim_and_hang(args: &[&str]) -> (tokio::process::Child, u64) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_dedup-claim-and-hang"))
-        // An 8 s lease: long enough that the check right after the kill sees it standing on a
-        // machine of any speed (one core included), short enough to wait out below.
-        .args([url_of(&pool).as_str(), "test", "order-7", "8000"])
+        .args(args)
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -34,12 +32,22 @@ async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
     .await
     .expect("the worker claims within 30 s")
     .unwrap();
-    let dead_token: u64 = line
+    let token = line
         .trim()
         .strip_prefix("claimed token=")
         .unwrap()
         .parse()
         .unwrap();
+    (child, token)
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
+    effects_table(&pool).await;
+    // An 8 s lease: long enough that the check right after the kill sees it standing on a
+    // machine of any speed (one core included), short enough to wait out below.
+    let (mut child, dead_token) =
+        claim_and_hang(&[url_of(&pool).as_str(), "test", "order-7", "8000"]).await;
 
     child.kill().await.unwrap(); // SIGKILL: no cleanup, no release
     let status = child.wait().await.unwrap();
@@ -92,34 +100,15 @@ async fn a_worker_killed_after_its_claim_is_taken_over_once(pool: PgPool) {
 /// and runs the key under a new token, long before the lease would have ended.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_live_identity_is_not_adopted_and_a_dead_one_is_at_once(pool: PgPool) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dedup-claim-and-hang"))
-        // A 10-minute lease: waiting it out would fail the test.
-        .args([
-            url_of(&pool).as_str(),
-            "test",
-            "order-9",
-            "600000",
-            "node-a",
-        ])
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    let stdout = child.stdout.take().unwrap();
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        BufReader::new(stdout).read_line(&mut line),
-    )
-    .await
-    .expect("the worker claims within 30 s")
-    .unwrap();
-    let dead_token: u64 = line
-        .trim()
-        .strip_prefix("claimed token=")
-        .unwrap()
-        .parse()
-        .unwrap();
+    // A 10-minute lease: waiting it out would fail the test.
+    let (mut child, dead_token) = claim_and_hang(&[
+        url_of(&pool).as_str(),
+        "test",
+        "order-9",
+        "600000",
+        "node-a",
+    ])
+    .await;
     let pid = child.id().unwrap().to_string();
     let signal = |s: &str| {
         assert!(

@@ -88,30 +88,33 @@ pub async fn connect(url: &str, options: PgPoolOptions) -> Result<PgPool, Connec
     let connect = PgConnectOptions::from_str(url).map_err(|e| bad_url(e.to_string()))?;
     let place = format!("{}:{}", connect.get_host(), connect.get_port());
     let mode = mode_name(connect.get_ssl_mode()).to_owned();
-    // sqlx would say only "No such file or directory": name the file.
-    if let Some(path) = root_cert_path(url)
-        && let Err(e) = std::fs::metadata(&path)
-    {
-        return Err(ConnectError::Tls {
-            place,
-            mode,
-            reason: format!("the root certificate file {path} (sslrootcert) cannot be read: {e}"),
-        });
-    }
-    options
-        .connect_with(connect)
-        .await
-        .map_err(|e| classify_connect(e, place, mode))
+    options.connect_with(connect).await.map_err(|e| match e {
+        // sqlx says only "No such file or directory": name the root certificate file.
+        sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::NotFound => {
+            match root_cert_path(url) {
+                Some(path) => ConnectError::Tls {
+                    place,
+                    mode,
+                    reason: format!(
+                        "the root certificate file {path} (sslrootcert) cannot be read: {io}"
+                    ),
+                },
+                None => classify_connect(sqlx::Error::Io(io), place, mode),
+            }
+        }
+        e => classify_connect(e, place, mode),
+    })
 }
 
-/// The `sslrootcert` the URL (or else `PGSSLROOTCERT`) names, as sqlx reads it.
+/// The `sslrootcert` the URL (or else `PGSSLROOTCERT`) names, for a message (as written in the
+/// URL: sqlx has already read it).
 fn root_cert_path(url: &str) -> Option<String> {
     let query = url.split_once('?').map(|(_, q)| q).unwrap_or_default();
     query
         .split('&')
         .filter_map(|kv| kv.split_once('='))
         .find(|(k, _)| matches!(*k, "sslrootcert" | "ssl-root-cert" | "ssl-ca"))
-        .map(|(_, v)| v.replace("%2F", "/").replace("%2f", "/"))
+        .map(|(_, v)| v.to_owned())
         .or_else(|| std::env::var("PGSSLROOTCERT").ok())
         .filter(|p| !p.is_empty())
 }
