@@ -1450,6 +1450,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
     assert_eq!(committed(broker, &group, &topic, 1).await, vec![30]);
 }
 
+mod blocked;
 mod lease;
 mod tls;
 mod tx;

@@ -385,9 +385,44 @@ impl<S: Store> Dedup<S> {
         Fut: Future<Output = Result<Completion, HandlerError<E>>>,
         E: fmt::Display,
     {
+        self.process_waiting(key, fingerprint, self.in_flight_wait, handler)
+            .await
+    }
+
+    /// [`process`](Self::process) without waiting for another holder: a key whose live lease is
+    /// someone else's answers [`ProcessError::InFlight`] at once, with the lease's end. For
+    /// callers that wait their own way: a consumer that sets the message aside and lets other
+    /// keys run meanwhile.
+    pub async fn try_process<F, Fut, E>(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+        handler: F,
+    ) -> Result<Processed, ProcessError<E>>
+    where
+        F: FnOnce(LeaseContext) -> Fut,
+        Fut: Future<Output = Result<Completion, HandlerError<E>>>,
+        E: fmt::Display,
+    {
+        self.process_waiting(key, fingerprint, Duration::ZERO, handler)
+            .await
+    }
+
+    async fn process_waiting<F, Fut, E>(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+        wait: Duration,
+        handler: F,
+    ) -> Result<Processed, ProcessError<E>>
+    where
+        F: FnOnce(LeaseContext) -> Fut,
+        Fut: Future<Output = Result<Completion, HandlerError<E>>>,
+        E: fmt::Display,
+    {
         let span = info_span!("dedup.process", key = %key, outcome = tracing::field::Empty, token = tracing::field::Empty);
         async move {
-            let (lease, sent) = match self.claim_waiting(key, fingerprint).await? {
+            let (lease, sent) = match self.claim_waiting(key, fingerprint, wait).await? {
                 Claimed::Lease(lease, sent) => (lease, sent),
                 Claimed::Replay(result) => {
                     tracing::Span::current().record("outcome", "replayed");
@@ -416,8 +451,9 @@ impl<S: Store> Dedup<S> {
         &self,
         key: &IdempotencyKey,
         fingerprint: Option<Fingerprint>,
+        wait: Duration,
     ) -> Result<Claimed, ProcessError<E>> {
-        let deadline = Instant::now() + self.in_flight_wait;
+        let deadline = Instant::now() + wait;
         let mut backoff = Duration::from_millis(5);
         loop {
             let req = ClaimRequest::new(key.clone(), self.next_owner())

@@ -151,6 +151,12 @@ pub struct RunnerConfig {
     /// The most messages held at once (running or waiting their turn). At the bound the runner
     /// takes no more until one settles; after a second without one it pauses its partitions.
     pub max_in_flight: usize,
+    /// The most messages held in *blocked* lanes ([`Runner`](crate::Runner)): a message whose key
+    /// another holder's live lease covers (a process that died holding it, before its lease ends
+    /// or its successor adopts it) and the messages of its lane behind it. They do not count
+    /// against `max_in_flight`, so other lanes keep flowing; at this bound the partitions of
+    /// blocked lanes are paused (others go on) until half of them have drained.
+    pub max_blocked: usize,
     /// Which messages may run at the same time.
     pub ordering: Ordering,
     /// What [`Ordering::PerKey`] keeps in order (default: the Kafka message key).
@@ -169,7 +175,8 @@ pub struct RunnerConfig {
 impl RunnerConfig {
     /// A configuration with the defaults: key from the `idempotency-key` header, scope = group,
     /// dead-letter topic `<first topic>.dlq`, keyless messages dead-lettered, payload checked,
-    /// 1,024 messages in flight, per-partition order, commits every second.
+    /// 1,024 messages in flight (and 4,096 in blocked lanes), per-partition order, commits every
+    /// second.
     pub fn new(
         brokers: impl Into<String>,
         group_id: impl Into<String>,
@@ -187,6 +194,7 @@ impl RunnerConfig {
             missing_key: MissingKey::default(),
             check_payload: true,
             max_in_flight: 1024,
+            max_blocked: 4096,
             ordering: Ordering::default(),
             ordering_key: OrderingKey::default(),
             backoff: Backoff::default(),
@@ -239,6 +247,12 @@ impl RunnerConfig {
     /// Sets the in-flight bound.
     pub fn with_max_in_flight(mut self, n: usize) -> Self {
         self.max_in_flight = n;
+        self
+    }
+
+    /// Sets the bound on messages in blocked lanes (see [`RunnerConfig::max_blocked`]).
+    pub fn with_max_blocked(mut self, n: usize) -> Self {
+        self.max_blocked = n;
         self
     }
 
@@ -318,6 +332,9 @@ impl RunnerConfig {
         if self.max_in_flight == 0 {
             return Err(ConfigError::new("max_in_flight", "must be at least 1"));
         }
+        if self.max_blocked == 0 {
+            return Err(ConfigError::new("max_blocked", "must be at least 1"));
+        }
         if self.commit_interval.is_zero() {
             return Err(ConfigError::new(
                 "commit_interval",
@@ -390,6 +407,7 @@ mod tests {
                 "backoff",
             ),
             (config().with_max_in_flight(0), "max_in_flight"),
+            (config().with_max_blocked(0), "max_blocked"),
             (config().with_dead_letter_topic("t"), "dead_letter_topic"),
             (RunnerConfig::new("", "g", ["t"]), "brokers"),
             (RunnerConfig::new("b", "", ["t"]), "group_id"),

@@ -441,6 +441,11 @@ impl Backpressure {
         }
     }
 
+    /// Whether the whole assignment is paused.
+    pub(crate) fn is_paused(&self) -> bool {
+        self.paused
+    }
+
     /// Whether the loop takes messages now.
     pub(crate) fn taking(&self) -> bool {
         self.saturated_since.is_none() || self.paused

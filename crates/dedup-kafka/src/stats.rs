@@ -103,6 +103,9 @@ pub(crate) struct Counters {
     pub(crate) panics: Counter,
     pub(crate) store_errors: Counter,
     pub(crate) batches: Counter,
+    pub(crate) blocked: Counter,
+    pub(crate) max_blocked: Counter,
+    pub(crate) blocked_pauses: Counter,
 }
 
 /// A live view of a runner's counters.
@@ -135,6 +138,9 @@ impl StatsHandle {
             panics: c.panics.get(),
             store_errors: c.store_errors.get(),
             batches: c.batches.get(),
+            blocked: c.blocked.get(),
+            max_blocked: c.max_blocked.get(),
+            blocked_pauses: c.blocked_pauses.get(),
             latency_p50_us: c.latency.quantile(0.5),
             latency_p99_us: c.latency.quantile(0.99),
         }
@@ -189,6 +195,15 @@ pub struct RunnerStats {
     pub store_errors: u64,
     /// Batch transactions committed ([`TxRunner`](crate::TxRunner) only).
     pub batches: u64,
+    /// Messages that met another holder's live lease (a key run elsewhere, or left by a dead
+    /// process whose lease has not ended) and waited for it outside the in-flight bound
+    /// ([`Runner`](crate::Runner) only).
+    pub blocked: u64,
+    /// The most messages waiting in blocked lanes at once: the blocked message and those queued
+    /// behind it (bounded by `max_blocked`, plus what a paused partition had already fetched).
+    pub max_blocked: u64,
+    /// Times a partition was paused because blocked messages reached `max_blocked`.
+    pub blocked_pauses: u64,
     /// Median time from a message's start to its settlement (dedup decision, handler, completion
     /// or dead letter), in microseconds (within 12.5%).
     pub latency_p50_us: u64,

@@ -104,6 +104,7 @@ conformance!(
     process_poisons_on_a_permanent_error,
     process_heartbeat_outlives_the_lease,
     process_waits_for_an_in_flight_duplicate,
+    try_process_answers_a_held_key_at_once,
     process_fails_a_key_whose_result_is_too_large,
     process_reads_back_an_unknown_completion,
     process_reads_back_an_unknown_claim,

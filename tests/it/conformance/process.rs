@@ -154,6 +154,60 @@ pub(crate) async fn process_heartbeat_outlives_the_lease<S: Store + 'static>(s: 
     assert_eq!(s.get(&k).await.unwrap().unwrap().state, State::Completed);
 }
 
+/// `try_process` answers a key another holder runs at once, whatever the in-flight wait, with
+/// the holder's lease end and without running its handler; once the holder is done it replays.
+pub(crate) async fn try_process_answers_a_held_key_at_once<S: Store + 'static>(s: Arc<S>) {
+    let dedup = Arc::new(
+        Dedup::new(Arc::clone(&s))
+            .with_in_flight_wait(Duration::from_secs(600))
+            .unwrap(),
+    );
+    let k = key("k");
+    let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+    let (open, gate) = tokio::sync::oneshot::channel::<()>();
+    let first = {
+        let (dedup, k) = (Arc::clone(&dedup), k.clone());
+        tokio::spawn(async move {
+            dedup
+                .process(&k, None, |_| async {
+                    let _ = started_tx.send(());
+                    let _ = gate.await;
+                    ok("first")
+                })
+                .await
+        })
+    };
+    started.await.unwrap();
+    let runs = AtomicU32::new(0);
+    let answer = tokio::time::timeout(
+        Duration::from_secs(60),
+        dedup.try_process(&k, None, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ok("second")
+        }),
+    )
+    .await
+    .expect("try_process waited for the holder");
+    match answer {
+        Err(ProcessError::InFlight { lease_until, .. }) => {
+            assert!(lease_until.is_some(), "the holder's lease end is answered");
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    open.send(()).unwrap();
+    assert!(first.await.unwrap().unwrap().executed());
+    assert_eq!(
+        dedup
+            .try_process(&k, None, |_| async { ok("third") })
+            .await
+            .unwrap(),
+        Processed::Replayed {
+            result: bytes("first")
+        }
+    );
+}
+
 pub(crate) async fn process_waits_for_an_in_flight_duplicate<S: Store + 'static>(s: Arc<S>) {
     // The first holder runs until the duplicate has been told InFlight (counted by the store);
     // the duplicate waits for it and replays its result.

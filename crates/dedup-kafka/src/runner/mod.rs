@@ -1,6 +1,6 @@
 //! The consumer loop: receive, dispatch into lanes, settle, commit what is durable.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -159,9 +159,29 @@ struct Done {
     settled: Settled,
 }
 
+/// What a message's task tells the loop.
+#[derive(Debug)]
+enum Event {
+    /// The message settled (or was left to redelivery).
+    Done(Done),
+    /// The lane's running message met another holder's live lease: it waits outside the
+    /// in-flight bound, and so do the messages queued behind it.
+    Blocked(Lane),
+    /// The lane's blocked message got its claim (its handler starts now).
+    Unblocked(Lane),
+}
+
+/// A lane: its running message (the head) and the messages waiting their turn behind it.
+#[derive(Debug, Default)]
+struct LaneState {
+    queue: VecDeque<Job>,
+    /// The head is blocked on another holder's lease: the lane counts as blocked, not held.
+    blocked: bool,
+}
+
 /// Sends a message's [`Done`] when dropped: at the end of its task, or while a panic unwinds it.
 struct Report {
-    tx: Option<mpsc::UnboundedSender<Done>>,
+    tx: Option<mpsc::UnboundedSender<Event>>,
     lane: Lane,
     offset: i64,
     settled: Settled,
@@ -170,11 +190,11 @@ struct Report {
 impl Drop for Report {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Done {
+            let _ = tx.send(Event::Done(Done {
                 lane: self.lane.clone(),
                 offset: self.offset,
                 settled: self.settled,
-            });
+            }));
         }
     }
 }
@@ -246,6 +266,8 @@ where
             scope,
             lanes: HashMap::new(),
             held: 0,
+            blocked: 0,
+            blocked_paused: HashSet::new(),
             pressure: Backpressure::default(),
             done_tx: None,
         };
@@ -259,7 +281,7 @@ where
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
-                Some(done) = done_rx.recv() => lp.settle(done),
+                Some(event) = done_rx.recv() => lp.on_event(event),
                 _ = commit_tick.tick() => lp.commit(CommitMode::Async),
                 () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
                     lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.counters);
@@ -276,6 +298,7 @@ where
                     }
                 },
             }
+            let was_paused = lp.pressure.is_paused();
             lp.pressure.update(
                 lp.held,
                 inner.config.max_in_flight,
@@ -283,23 +306,34 @@ where
                 &lp.shared,
                 &inner.counters,
             );
+            if was_paused && !lp.pressure.is_paused() {
+                // Resuming the assignment resumed the partitions paused for their blocked lanes.
+                lp.blocked_paused.clear();
+            }
+            lp.pause_blocked();
         }
 
         // Shutdown: running messages finish (their retries stop), queued ones are left to
         // redelivery, settled offsets are committed.
-        info!(held = lp.held, "runner draining");
+        info!(held = lp.held, blocked = lp.blocked, "runner draining");
         let _ = stop_tx.send(true);
-        let dropped: usize = lp.lanes.values_mut().map(|q| std::mem::take(q).len()).sum();
-        lp.held -= dropped;
-        inner.counters.abandoned.add(dropped as u64);
+        for lane in lp.lanes.values_mut() {
+            let dropped = std::mem::take(&mut lane.queue).len();
+            if lane.blocked {
+                lp.blocked -= dropped;
+            } else {
+                lp.held -= dropped;
+            }
+            inner.counters.abandoned.add(dropped as u64);
+        }
         let deadline = Instant::now() + inner.config.drain_timeout;
-        while lp.held > 0 {
+        while lp.held + lp.blocked > 0 {
             tokio::select! {
-                Some(done) = done_rx.recv() => lp.settle(done),
+                Some(event) = done_rx.recv() => lp.on_event(event),
                 // Keep serving rebalance callbacks; new messages are not taken.
                 _ = lp.consumer.recv() => {}
                 () = tokio::time::sleep_until(deadline) => {
-                    warn!(held = lp.held, "drain timed out; the rest will be redelivered");
+                    warn!(held = lp.held, blocked = lp.blocked, "drain timed out; the rest will be redelivered");
                     break;
                 }
             }
@@ -322,11 +356,17 @@ struct Loop<S, H> {
     consumer: StreamConsumer<RunnerContext>,
     shared: Arc<Mutex<Shared>>,
     scope: Scope,
-    lanes: HashMap<Lane, VecDeque<Job>>,
-    /// Messages received and not settled: running or waiting in a lane.
+    lanes: HashMap<Lane, LaneState>,
+    /// Messages received and not settled, running or waiting in a lane, except those of blocked
+    /// lanes: what `max_in_flight` bounds.
     held: usize,
+    /// Messages of blocked lanes (a head waiting for another holder's lease, and the messages
+    /// queued behind it): what `max_blocked` bounds.
+    blocked: usize,
+    /// The partitions (of one ownership) paused because blocked messages reached their bound.
+    blocked_paused: HashSet<(String, i32, u64)>,
     pressure: Backpressure,
-    done_tx: Option<mpsc::UnboundedSender<Done>>,
+    done_tx: Option<mpsc::UnboundedSender<Event>>,
 }
 
 impl<S, H> Loop<S, H>
@@ -356,14 +396,106 @@ where
             revoked,
             lane: lane.clone(),
         };
-        self.held += 1;
         match self.lanes.get_mut(&lane) {
-            Some(queue) => queue.push_back(job),
+            Some(state) => {
+                if state.blocked {
+                    self.blocked += 1;
+                    self.inner.counters.max_blocked.max(self.blocked as u64);
+                } else {
+                    self.held += 1;
+                }
+                state.queue.push_back(job);
+            }
             None => {
-                self.lanes.insert(lane, VecDeque::new());
+                self.held += 1;
+                self.lanes.insert(lane, LaneState::default());
                 self.start(job);
             }
         }
+    }
+
+    fn on_event(&mut self, event: Event) {
+        match event {
+            Event::Done(done) => self.settle(done),
+            Event::Blocked(lane) => {
+                if let Some(state) = self.lanes.get_mut(&lane)
+                    && !state.blocked
+                {
+                    state.blocked = true;
+                    let n = 1 + state.queue.len();
+                    self.held -= n;
+                    self.blocked += n;
+                    self.inner.counters.max_blocked.max(self.blocked as u64);
+                }
+            }
+            Event::Unblocked(lane) => {
+                if let Some(state) = self.lanes.get_mut(&lane)
+                    && state.blocked
+                {
+                    state.blocked = false;
+                    let n = 1 + state.queue.len();
+                    self.blocked -= n;
+                    self.held += n;
+                }
+            }
+        }
+    }
+
+    /// Pauses the partitions of blocked lanes once blocked messages reach `max_blocked` (other
+    /// partitions keep flowing), and resumes them once the blocked messages are down to half the
+    /// bound or the partition has no blocked lane left.
+    fn pause_blocked(&mut self) {
+        let max = self.inner.config.max_blocked;
+        if self.blocked * 2 <= max && self.blocked_paused.is_empty() {
+            return;
+        }
+        let blocked_parts: HashSet<(String, i32, u64)> = if self.blocked * 2 > max {
+            self.lanes
+                .iter()
+                .filter(|(_, s)| s.blocked)
+                .map(|(l, _)| (l.topic.clone(), l.partition, l.generation))
+                .collect()
+        } else {
+            HashSet::new()
+        };
+        let want: HashSet<(String, i32, u64)> = if self.blocked >= max {
+            blocked_parts
+        } else {
+            self.blocked_paused
+                .intersection(&blocked_parts)
+                .cloned()
+                .collect()
+        };
+        let list = |parts: &mut dyn Iterator<Item = &(String, i32, u64)>| {
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            for (topic, partition, _) in parts {
+                tpl.add_partition(topic, *partition);
+            }
+            tpl
+        };
+        let pause = list(&mut want.difference(&self.blocked_paused));
+        if pause.count() > 0 {
+            match self.consumer.pause(&pause) {
+                Ok(()) => {
+                    self.inner.counters.blocked_pauses.add(pause.count() as u64);
+                    debug!(
+                        partitions = pause.count(),
+                        blocked = self.blocked,
+                        "paused partitions with blocked messages"
+                    );
+                }
+                Err(e) => warn!(error = %e, "pausing partitions with blocked messages failed"),
+            }
+        }
+        // While the whole assignment is paused its resumption resumes these too.
+        let resume = list(&mut self.blocked_paused.difference(&want));
+        if resume.count() > 0
+            && !self.pressure.is_paused()
+            && let Err(e) = self.consumer.resume(&resume)
+        {
+            warn!(error = %e, "resuming partitions with blocked messages failed");
+        }
+        self.blocked_paused = want;
     }
 
     fn start(&self, job: Job) {
@@ -371,6 +503,7 @@ where
         let Some(done_tx) = self.done_tx.clone() else {
             return;
         };
+        let events = done_tx.clone();
         tokio::spawn(async move {
             // Whatever happens to this task, the loop hears of the message: a task that dies
             // reports it abandoned (redelivered later), so its lane and the in-flight count go on.
@@ -383,7 +516,10 @@ where
             // Handler panics are caught where the handler is called (and count as retryable
             // failures); this catches a panic anywhere else in the job, so that the message is
             // still settled (dead-lettered with the reason) and its partition moves on.
-            report.settled = match AssertUnwindSafe(inner.run_job(&job)).catch_unwind().await {
+            report.settled = match AssertUnwindSafe(inner.run_job(&job, &events))
+                .catch_unwind()
+                .await
+            {
                 Ok(settled) => settled,
                 Err(panic) => {
                     inner.counters.panics.add(1);
@@ -396,7 +532,16 @@ where
     }
 
     fn settle(&mut self, done: Done) {
-        self.held -= 1;
+        match self.lanes.get_mut(&done.lane) {
+            Some(state) if state.blocked => {
+                // The blocked head settled without running (replayed, dead-lettered, or left):
+                // the messages behind it are no longer blocked.
+                state.blocked = false;
+                self.blocked -= 1 + state.queue.len();
+                self.held += state.queue.len();
+            }
+            _ => self.held -= 1,
+        }
         let c = &self.inner.counters;
         match done.settled {
             Settled::Executed => c.executed.add(1),
@@ -417,10 +562,10 @@ where
         }
         // The lane's next message, unless its partition has moved on.
         loop {
-            let Some(queue) = self.lanes.get_mut(&done.lane) else {
+            let Some(state) = self.lanes.get_mut(&done.lane) else {
                 return;
             };
-            let Some(job) = queue.pop_front() else {
+            let Some(job) = state.queue.pop_front() else {
                 self.lanes.remove(&done.lane);
                 return;
             };
@@ -461,7 +606,7 @@ where
         !self.abandoned(job)
     }
 
-    async fn run_job(&self, job: &Job) -> Settled {
+    async fn run_job(&self, job: &Job, events: &mpsc::UnboundedSender<Event>) -> Settled {
         let d = &job.delivery;
         let span = info_span!(
             "dedup.kafka.message",
@@ -475,7 +620,7 @@ where
         let started = Instant::now();
         let settled = async {
             match &job.key {
-                Ok(key) => self.run_keyed(job, key).await,
+                Ok(key) => self.run_keyed(job, key, events).await,
                 Err(KeyError::Missing(why)) => {
                     self.counters.missing_key.add(1);
                     match self.config.missing_key {
@@ -508,21 +653,49 @@ where
         settled
     }
 
-    async fn run_keyed(&self, job: &Job, key: &IdempotencyKey) -> Settled {
+    /// Runs a keyed message until it settles. A key another holder runs is not waited for
+    /// inside the claim: the message tells the loop it is blocked (its lane leaves the in-flight
+    /// bound for the blocked one) and tries again with backoff; it tells the loop again when its
+    /// claim is granted, before its handler starts.
+    async fn run_keyed(
+        &self,
+        job: &Job,
+        key: &IdempotencyKey,
+        events: &mpsc::UnboundedSender<Event>,
+    ) -> Settled {
         let fingerprint = self
             .config
             .check_payload
             .then(|| Fingerprint::of(job.delivery.payload_bytes()));
         let mut retry = 0;
+        let mut blocked = false;
         loop {
             let delivery = job.delivery.clone();
             let handler = &self.handler;
+            let granted = AtomicBool::new(false);
+            let granted_ref = &granted;
+            let unblock = blocked.then(|| (events.clone(), job.lane.clone()));
             let out = self
                 .dedup
-                .process(key, fingerprint, move |lease| {
+                .try_process(key, fingerprint, move |lease| {
+                    granted_ref.store(true, AtomicOrdering::Relaxed);
+                    if let Some((events, lane)) = unblock {
+                        let _ = events.send(Event::Unblocked(lane));
+                    }
                     handler.handle(delivery, Some(lease)).map(no_withdraw)
                 })
                 .await;
+            if granted.load(AtomicOrdering::Relaxed) {
+                blocked = false;
+            }
+            if let Err(ProcessError::InFlight { owner, .. }) = &out
+                && !blocked
+            {
+                blocked = true;
+                self.counters.blocked.add(1);
+                debug!(key = %key, owner = ?owner, "held by another holder: blocked");
+                let _ = events.send(Event::Blocked(job.lane.clone()));
+            }
             let err = match out {
                 Ok(processed) => match self.handler.check_result(&job.delivery, &processed) {
                     Ok(()) if processed.executed() => return Settled::Executed,
