@@ -473,6 +473,16 @@ where
             }
             tpl
         };
+        // Resumes first: a partition reassigned while paused is in both sets under two
+        // generations, and must end paused. While the whole assignment is paused its resumption
+        // resumes these too.
+        let resume = list(&mut self.blocked_paused.difference(&want));
+        if resume.count() > 0
+            && !self.pressure.is_paused()
+            && let Err(e) = self.consumer.resume(&resume)
+        {
+            warn!(error = %e, "resuming partitions with blocked messages failed");
+        }
         let pause = list(&mut want.difference(&self.blocked_paused));
         if pause.count() > 0 {
             match self.consumer.pause(&pause) {
@@ -486,14 +496,6 @@ where
                 }
                 Err(e) => warn!(error = %e, "pausing partitions with blocked messages failed"),
             }
-        }
-        // While the whole assignment is paused its resumption resumes these too.
-        let resume = list(&mut self.blocked_paused.difference(&want));
-        if resume.count() > 0
-            && !self.pressure.is_paused()
-            && let Err(e) = self.consumer.resume(&resume)
-        {
-            warn!(error = %e, "resuming partitions with blocked messages failed");
         }
         self.blocked_paused = want;
     }
