@@ -12,8 +12,14 @@
 //! how long a batch's session may sit idle in its transaction before the server ends it.
 //!
 //! In lease mode, `DEDUP_INSTANCE` gives the engine a stable instance identity (and the group
-//! member a static `group.instance.id`), `DEDUP_LEASE_MS` the lease, and `DEDUP_HANG_KEY` a key
-//! whose handler never returns (a process killed in the middle of an effect).
+//! member a static `group.instance.id`, unless `DEDUP_STATIC=0`), `DEDUP_LEASE_MS` the lease,
+//! `DEDUP_HANG_KEY` a key whose handler never returns (a process killed in the middle of an
+//! effect), `DEDUP_HANDLER_MS` a wait inside every handler before its effect (a call to another
+//! service), and `DEDUP_ORDERING=per-key` per-key ordering by the Kafka message key.
+//!
+//! `DEDUP_COMMIT_MS` sets the offset commit interval (an hour otherwise). With `DEDUP_REPORT`
+//! set, it prints a line every 20 ms for the recovery measurement:
+//! `tick <unix ms> <partitions assigned> <settled> <executed> <blocked>`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +28,7 @@ use bytes::Bytes;
 use dedup_core::{
     Dedup, HandlerError, InstanceId, LeaseContext, Policy, TieredConfig, TieredStore,
 };
-use dedup_kafka::{Batching, Delivery, Runner, RunnerConfig, TxRunner};
+use dedup_kafka::{Batching, Delivery, Ordering, Runner, RunnerConfig, StatsHandle, TxRunner};
 use dedup_pg::{PgStore, TxBatchConfig};
 use dedup_redis::RedisFastPath;
 
@@ -42,13 +48,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         TieredConfig::default(),
     );
     let mut dedup = Dedup::new(store);
+    let commit = match std::env::var("DEDUP_COMMIT_MS") {
+        Ok(ms) => Duration::from_millis(ms.parse()?),
+        Err(_) => Duration::from_secs(3600),
+    };
     let mut config = RunnerConfig::new(brokers.as_str(), group.as_str(), [topic.as_str()])
-        .with_commit_interval(Duration::from_secs(3600));
+        .with_commit_interval(commit);
     if let Ok(id) = std::env::var("DEDUP_INSTANCE") {
         let id = InstanceId::new(id)?;
-        config = config.with_instance_id(&id);
+        if std::env::var("DEDUP_STATIC").as_deref() != Ok("0") {
+            config = config.with_instance_id(&id);
+        }
         dedup = dedup.with_instance(id);
     }
+    if std::env::var("DEDUP_ORDERING").as_deref() == Ok("per-key") {
+        config = config.with_ordering(Ordering::PerKey);
+    }
+    let pause = match std::env::var("DEDUP_HANDLER_MS") {
+        Ok(ms) => Duration::from_millis(ms.parse()?),
+        Err(_) => Duration::ZERO,
+    };
+    let report = std::env::var_os("DEDUP_REPORT").is_some();
     if let Ok(ms) = std::env::var("DEDUP_LEASE_MS") {
         dedup =
             dedup.with_policy(Policy::default().with_lease(Duration::from_millis(ms.parse()?)))?;
@@ -75,6 +95,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if std::env::var_os("DEDUP_TX_OFFSETS").is_some() {
             runner = runner.with_offsets_in_transaction(Duration::from_secs(5))?;
         }
+        if report {
+            tokio::spawn(ticks(runner.stats()));
+        }
         runner.run(std::future::pending()).await?;
         return Ok(());
     }
@@ -87,6 +110,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .into_owned();
             if hang.as_deref() == Some(key.as_str()) {
                 std::future::pending::<()>().await;
+            }
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
             }
             let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
             pg.transact(&lease, move |tx| {
@@ -103,8 +129,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await
         }
     };
-    Runner::new(config, dedup, handler)?
-        .run(std::future::pending())
-        .await?;
+    let runner = Runner::new(config, dedup, handler)?;
+    if report {
+        tokio::spawn(ticks(runner.stats()));
+    }
+    runner.run(std::future::pending()).await?;
     Ok(())
+}
+
+/// Prints the runner's progress every 20 ms (see the module docs).
+async fn ticks(stats: StatsHandle) {
+    let mut every = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        every.tick().await;
+        let s = stats.snapshot();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        #[allow(clippy::print_stdout)] // the measurement reads these lines
+        {
+            println!(
+                "tick {now} {} {} {} {}",
+                s.assigned,
+                s.executed + s.replayed + s.dead_lettered,
+                s.executed,
+                s.blocked
+            );
+        }
+    }
 }

@@ -325,11 +325,22 @@ fn consumer_args(
     pool: &PgPool,
     redis: &RedisServer,
 ) -> Vec<String> {
+    consumer_args_for(broker, group, topic, &url_of(pool), redis)
+}
+
+/// [`consumer_args`] with the database's URL (a Postgres of the test's own).
+fn consumer_args_for(
+    broker: &Broker,
+    group: &str,
+    topic: &str,
+    database_url: &str,
+    redis: &RedisServer,
+) -> Vec<String> {
     let mut args = vec![
         broker.bootstrap(),
         group.to_owned(),
         topic.to_owned(),
-        url_of(pool),
+        database_url.to_owned(),
         redis.url(),
     ];
     args.extend(
@@ -1452,5 +1463,6 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
 
 mod blocked;
 mod lease;
+mod recovery;
 mod tls;
 mod tx;

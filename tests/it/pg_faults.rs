@@ -364,3 +364,67 @@ async fn a_postgres_crash_between_handler_and_completion_runs_the_effect_once() 
     let rec = dedup.store().get(&k).await.unwrap().unwrap();
     assert_eq!(rec.state, State::Completed);
 }
+
+/// How many instance-identity locks (`pg_try_advisory_lock(class, hashtext(id))`) the server
+/// grants now.
+async fn identity_locks(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks \
+         WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = 1684366453",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A live instance holds its identity's session lock; Postgres crashes (`pg_ctl stop -m
+/// immediate`, every session and so every session lock gone) and comes back. The instance takes
+/// its lock again by itself, without an `adopt`: a second process started with the same identity
+/// afterwards adopts nothing, and the live instance's lease stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_lock_is_taken_again_after_a_postgres_restart() {
+    let pg = PgServer::start();
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&pg.url())
+        .await
+        .unwrap();
+    dedup_pg::migrate(&pool).await.unwrap();
+    let id = dedup_core::InstanceId::new("node-r").unwrap();
+    let live = Dedup::new(PgStore::new(pool.clone())).with_instance(id.clone());
+    assert_eq!(live.adopt().await.unwrap().adopted(), 0);
+    let k = key("order-r");
+    let held = live
+        .store()
+        .claim(&req(&k, &format!("{}#1", live.owner_prefix())).with_policy(short_lease(600_000)))
+        .await
+        .unwrap();
+    acquired(held);
+    assert_eq!(identity_locks(&pool).await, 1);
+
+    pg.crash();
+    pg.start_again();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query("SELECT 1").execute(&pool).await.is_err() || identity_locks(&pool).await != 1
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the live instance never took its identity lock again"
+        );
+        sleep(ms(100)).await;
+    }
+
+    let successor = Dedup::new(PgStore::new(pool.clone()))
+        .with_instance(id)
+        .with_in_flight_wait(Duration::ZERO)
+        .unwrap();
+    assert_eq!(
+        successor.adopt().await.unwrap(),
+        dedup_core::Adoption::HeldElsewhere
+    );
+    let again = successor.store().claim(&req(&k, "other")).await.unwrap();
+    assert!(
+        in_flight(&again),
+        "the live instance's lease stands: {again:?}"
+    );
+}

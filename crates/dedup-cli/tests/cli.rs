@@ -140,6 +140,8 @@ fn the_demo_books_every_key_once_and_its_spans_reach_an_otlp_receiver() {
             "4",
             "--mode",
             "per-message",
+            "--instance-id",
+            "demo-node-1",
             "--quiet",
         ])
         .env("DATABASE_URL", env("DATABASE_URL"))
@@ -153,6 +155,10 @@ fn the_demo_books_every_key_once_and_its_spans_reach_an_otlp_receiver() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("ledger check           OK"), "{stdout}");
+    assert!(
+        stdout.contains("instance              demo-node-1   (static group member; earlier runs' leases adopted at start)"),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("unique keys                   280"),
         "{stdout}"
@@ -314,7 +320,7 @@ type Case<'a> = (&'a [&'a str], Vec<(&'a str, String)>, &'a [&'a str]);
 fn bad_configuration_is_named_and_passwords_are_not_printed() {
     let redis = env("REDIS_URL");
     let db = env("DATABASE_URL");
-    let cases: [Case<'_>; 5] = [
+    let cases: [Case<'_>; 6] = [
         (
             &["migrate"],
             vec![(
@@ -355,6 +361,18 @@ fn bad_configuration_is_named_and_passwords_are_not_printed() {
                 ("KAFKA_BROKERS", "127.0.0.1:1".to_owned()),
             ],
             &["cannot reach Kafka", "KAFKA_BROKERS", "127.0.0.1:1"],
+        ),
+        (
+            &[
+                "demo",
+                "--events",
+                "10",
+                "--quiet",
+                "--instance-id",
+                "node 1/x",
+            ],
+            vec![("DATABASE_URL", db.clone()), ("REDIS_URL", redis.clone())],
+            &["--instance-id"],
         ),
     ];
     for (args, envs, expect) in cases {

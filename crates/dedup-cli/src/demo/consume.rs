@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{
-    BatchConfig, Batched, Dedup, HandlerError, LeaseContext, Policy, TieredConfig, TieredStore,
+    BatchConfig, Batched, Dedup, HandlerError, InstanceId, LeaseContext, Policy, TieredConfig,
+    TieredStore,
 };
 use dedup_kafka::{
     Acquired, BatchHandler, Batching, Delivery, Runner, RunnerConfig, StatsHandle, TxRunner,
@@ -86,15 +87,22 @@ impl Engine {
     }
 }
 
+/// What the consumer runs on: Postgres, Redis, and the instance identity, if one was given.
+pub(crate) struct Engines {
+    pub(crate) pg: PgStore,
+    pub(crate) fast: RedisFastPath,
+    pub(crate) instance: Option<InstanceId>,
+}
+
 /// Starts the consumer in `mode`; it runs until `stop` fires.
 pub(crate) fn start(
     mode: Mode,
     config: RunnerConfig,
-    pg: PgStore,
-    fast: RedisFastPath,
+    engines: Engines,
     run: String,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<Started, CliError> {
+    let Engines { pg, fast, instance } = engines;
     let policy = Policy::default().with_lease(Duration::from_secs(10));
     let until = async {
         let _ = stop.await;
@@ -130,8 +138,13 @@ pub(crate) fn start(
                 .with_background_backfill();
             // Group commit: the claims of every message in flight go to Postgres as batches.
             let store = Batched::new(store, BatchConfig::default());
+            let mut dedup = Dedup::new(store);
+            if let Some(id) = instance {
+                // Owner ids under the identity; the runner adopts at start.
+                dedup = dedup.with_instance(id);
+            }
             let dedup = Arc::new(
-                Dedup::new(store)
+                dedup
                     .with_policy(policy)
                     .map_err(|e| CliError::Config(e.to_string()))?
                     .with_in_flight_wait(Duration::from_millis(200))

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use dedup_core::Fingerprint;
+use dedup_core::{Fingerprint, InstanceId};
 use dedup_kafka::{Ordering, RunnerConfig, RunnerStats};
 use dedup_pg::PgStore;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -62,6 +62,12 @@ pub(crate) struct DemoArgs {
     /// No progress bar (for logs and CI).
     #[arg(long)]
     quiet: bool,
+    /// A stable identity for this consumer (a pod or host name, `A-Za-z0-9._:-`, at most 100):
+    /// the group member is static (`group.instance.id`), and with `--mode per-message` the engine
+    /// owns its claims under it and, at start, adopts the leases an earlier run of the same
+    /// identity left in flight (docs/RECOVERY.md).
+    #[arg(long, env = "DEDUP_INSTANCE_ID")]
+    instance_id: Option<String>,
 }
 
 /// One produced message.
@@ -138,6 +144,12 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     if args.partitions < 1 {
         return Err(CliError::Config("--partitions must be at least 1".into()));
     }
+    let instance = args
+        .instance_id
+        .as_deref()
+        .map(InstanceId::new)
+        .transpose()
+        .map_err(|e| CliError::Config(format!("--instance-id: {e}")))?;
     let mut extra = Vec::new();
     for p in &args.kafka_properties {
         let (k, v) = p
@@ -284,8 +296,21 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         // The embedded cluster assigns at once with the KIP-848 protocol.
         config = config.with_client("group.protocol", "consumer");
     }
+    if let Some(id) = &instance {
+        config = config.with_instance_id(id);
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let started = consume::start(args.mode, config, pg, fast, run_id.clone(), stop_rx)?;
+    let started = consume::start(
+        args.mode,
+        config,
+        consume::Engines {
+            pg,
+            fast,
+            instance: instance.clone(),
+        },
+        run_id.clone(),
+        stop_rx,
+    )?;
     let (stats, task) = (started.stats.clone(), started.task);
     let consume_started = Instant::now();
     let bar = progress(args.quiet, args.events, "consuming");
@@ -333,6 +358,17 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     );
     println!("unique keys            {unique:>10}   ({poison_keys} poison)");
     println!("ledger rows            {rows:>10}   (distinct keys {keys}; expected {expected})");
+    if let Some(id) = &instance {
+        println!(
+            "instance               {:>10}   ({})",
+            id.as_str(),
+            match args.mode {
+                consume::Mode::Tx => "static group member",
+                consume::Mode::PerMessage =>
+                    "static group member; earlier runs' leases adopted at start",
+            }
+        );
+    }
     println!("handler executions     {:>10}", s.executed);
     println!("duplicates replayed    {:>10}", s.replayed);
     for line in started.engine.lines(&s) {
