@@ -156,7 +156,7 @@ fn the_demo_books_every_key_once_and_its_spans_reach_an_otlp_receiver() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("ledger check           OK"), "{stdout}");
     assert!(
-        stdout.contains("instance              demo-node-1   (static group member; earlier runs' leases adopted at start)"),
+        stdout.contains("instance               demo-node-1   (static group member; earlier runs' leases adopted at start)"),
         "{stdout}"
     );
     assert!(

@@ -307,7 +307,7 @@ async fn recover(
     let group = unique("g");
     let instance = unique("node");
     let command = || {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"));
+        let mut c = Command::new(consumer_bin());
         c.args(consumer_args_for(broker, &group, &topic, &pg.url(), redis))
             .env("DEDUP_COMMIT_MS", "1000")
             .env("DEDUP_HANDLER_MS", "20")
@@ -403,6 +403,16 @@ async fn recover(
     out
 }
 
+/// The consumer the measurement runs: this build's, or with `DEDUP_RECOVERY_BIN` an older build
+/// of `dedup-consume-and-die` that prints the same progress lines (for the figures before a
+/// change; it is measured without an identity only).
+fn consumer_bin() -> std::path::PathBuf {
+    std::env::var_os("DEDUP_RECOVERY_BIN").map_or_else(
+        || env!("CARGO_BIN_EXE_dedup-consume-and-die").into(),
+        std::path::PathBuf::from,
+    )
+}
+
 /// The recovery measurement (`scripts/recovery`): for each ordering, a consumer killed with
 /// SIGKILL after a steady run with the default lease (30 s), restarted without an identity and
 /// with one. Prints the table docs/RECOVERY.md quotes.
@@ -419,8 +429,14 @@ async fn measure_recovery_after_sigkill() {
         "| ordering | identity | steady/s | left in flight | join ms | first settled ms | first executed ms | left keys done ms | 90% rate ms |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
+    let identities: &[bool] = if std::env::var_os("DEDUP_RECOVERY_BIN").is_some() {
+        println!("(consumer: {})", consumer_bin().display());
+        &[false]
+    } else {
+        &[false, true]
+    };
     for ordering in ["per-partition", "per-key"] {
-        for identity in [false, true] {
+        for &identity in identities {
             let r = recover(&broker, &pg, &pool, &redis, ordering, identity).await;
             println!(
                 "| {ordering} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
