@@ -1463,6 +1463,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
 
 mod blocked;
 mod lease;
+mod parked;
 mod recovery;
 mod tls;
 mod tx;

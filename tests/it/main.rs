@@ -15,5 +15,6 @@ mod kill;
 mod pg;
 mod pg_batch;
 mod pg_faults;
+mod pg_parked;
 mod pg_tls;
 mod redis;

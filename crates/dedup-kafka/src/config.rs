@@ -79,7 +79,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(setting: &'static str, problem: impl Into<String>) -> Self {
+    pub(crate) fn new(setting: &'static str, problem: impl Into<String>) -> Self {
         Self {
             setting,
             problem: problem.into(),

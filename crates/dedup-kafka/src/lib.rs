@@ -80,7 +80,7 @@ pub use config::{
 };
 pub use dead_letter::{DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC};
 pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
-pub use runner::{Handler, Runner, RunnerError};
+pub use runner::{AfterGiveUp, Handler, Parking, Runner, RunnerError};
 pub use stats::{RunnerStats, StatsHandle};
 #[cfg(feature = "pg")]
 pub use tx::{

@@ -13,6 +13,10 @@ impl Counter {
     pub(crate) fn max(&self, n: u64) {
         self.0.fetch_max(n, Ordering::Relaxed);
     }
+    /// For a gauge.
+    pub(crate) fn set(&self, n: u64) {
+        self.0.store(n, Ordering::Relaxed);
+    }
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -106,6 +110,13 @@ pub(crate) struct Counters {
     pub(crate) blocked: Counter,
     pub(crate) max_blocked: Counter,
     pub(crate) blocked_pauses: Counter,
+    pub(crate) parked: Counter,
+    pub(crate) parked_retries: Counter,
+    pub(crate) parked_dead_lettered: Counter,
+    pub(crate) park_full: Counter,
+    pub(crate) parked_keys: Counter,
+    pub(crate) parked_messages: Counter,
+    pub(crate) parked_oldest_ms: Counter,
 }
 
 /// A live view of a runner's counters.
@@ -141,6 +152,13 @@ impl StatsHandle {
             blocked: c.blocked.get(),
             max_blocked: c.max_blocked.get(),
             blocked_pauses: c.blocked_pauses.get(),
+            parked: c.parked.get(),
+            parked_retries: c.parked_retries.get(),
+            parked_dead_lettered: c.parked_dead_lettered.get(),
+            park_full: c.park_full.get(),
+            parked_keys: c.parked_keys.get(),
+            parked_messages: c.parked_messages.get(),
+            parked_oldest_ms: c.parked_oldest_ms.get(),
             latency_p50_us: c.latency.quantile(0.5),
             latency_p99_us: c.latency.quantile(0.99),
         }
@@ -204,6 +222,23 @@ pub struct RunnerStats {
     pub max_blocked: u64,
     /// Times a partition was paused because blocked messages reached `max_blocked`.
     pub blocked_pauses: u64,
+    /// Messages written to the parked queue (with parking: after their in-place runs, or behind
+    /// an earlier parked message of their ordering key).
+    pub parked: u64,
+    /// Runs of parked heads.
+    pub parked_retries: u64,
+    /// Parked heads dead-lettered (attempts spent, a permanent failure, or dropped by an
+    /// operator); also counted in `dead_lettered`.
+    pub parked_dead_lettered: u64,
+    /// Times a message was not parked because a bound (`max_per_key`, `max_parked`) was
+    /// reached: alert on it.
+    pub park_full: u64,
+    /// Parked keys over this runner's partitions (a gauge, refreshed every few polls).
+    pub parked_keys: u64,
+    /// Parked messages over this runner's partitions (a gauge).
+    pub parked_messages: u64,
+    /// How long the oldest parked message has waited, in milliseconds (a gauge).
+    pub parked_oldest_ms: u64,
     /// Median time from a message's start to its settlement (dedup decision, handler, completion
     /// or dead letter), in microseconds (within 12.5%).
     pub latency_p50_us: u64,

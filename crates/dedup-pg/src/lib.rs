@@ -80,12 +80,17 @@ mod complete;
 mod connect;
 mod instance;
 mod offsets;
+mod parked;
 mod rows;
 mod sql;
 mod store;
 
 pub use batch_tx::{BatchAnswer, BatchBody, ItemResult, TxBatchConfig};
 pub use offsets::{TxOffsets, stored_offsets_on};
+pub use parked::{
+    HeadSettled, ParkEpoch, ParkOutcome, ParkedGauges, ParkedHead, ParkedKey, ParkedKeySummary,
+    ParkedMessage, ParkedPartition,
+};
 
 use claim::claim_counted;
 pub use classify::{classify, is_passing, sqlstate};

@@ -31,6 +31,9 @@ use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
+mod park;
+pub use park::{AfterGiveUp, Parking};
+
 /// What the runner calls for each message.
 ///
 /// `lease` is the dedup lease the message runs under (pass it to a transactional completion such
@@ -122,6 +125,7 @@ pub struct Runner<S, H> {
     dedup: Arc<Dedup<S>>,
     handler: H,
     counters: Arc<Counters>,
+    park: Option<Arc<park::ParkCtx>>,
 }
 
 /// Which messages must wait for each other: one partition (of one ownership), and with
@@ -140,6 +144,8 @@ struct Job {
     key: Result<IdempotencyKey, KeyError>,
     revoked: Arc<AtomicBool>,
     lane: Lane,
+    /// The partition's parking epoch when the message started (with parking).
+    park_epoch: Option<i64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -148,6 +154,10 @@ enum Settled {
     Replayed,
     DeadLettered,
     ProcessedWithoutDedup,
+    /// Parked after its in-place runs failed: its key's later messages park behind it.
+    Parked,
+    /// Parked behind an earlier parked message of its key, without running.
+    ParkedBehind,
     /// Left unsettled (revoked or shutting down): it will be redelivered.
     Abandoned,
 }
@@ -157,6 +167,8 @@ struct Done {
     lane: Lane,
     offset: i64,
     settled: Settled,
+    /// It was to be parked behind its key (counted under the key when decided).
+    behind: bool,
 }
 
 /// What a message's task tells the loop.
@@ -169,6 +181,8 @@ enum Event {
     Blocked(Lane),
     /// The lane's blocked message got its claim (its handler starts now).
     Unblocked(Lane),
+    /// Parking's barriers, heads and gauges.
+    Park(park::ParkEvent),
 }
 
 /// A lane: its running message (the head) and the messages waiting their turn behind it.
@@ -185,6 +199,7 @@ struct Report {
     lane: Lane,
     offset: i64,
     settled: Settled,
+    behind: bool,
 }
 
 impl Drop for Report {
@@ -194,6 +209,7 @@ impl Drop for Report {
                 lane: self.lane.clone(),
                 offset: self.offset,
                 settled: self.settled,
+                behind: self.behind,
             }));
         }
     }
@@ -206,6 +222,7 @@ struct Inner<S, H> {
     dead_letters: DeadLetters,
     counters: Arc<Counters>,
     stopping: watch::Receiver<bool>,
+    park: Option<Arc<park::ParkCtx>>,
 }
 
 impl<S, H> Runner<S, H>
@@ -229,6 +246,7 @@ where
             dedup,
             handler,
             counters: Arc::new(Counters::default()),
+            park: None,
         })
     }
 
@@ -258,6 +276,7 @@ where
             },
             counters: self.counters.clone(),
             stopping: stop_rx,
+            park: self.park,
         });
         let mut lp = Loop {
             inner: inner.clone(),
@@ -270,12 +289,21 @@ where
             blocked_paused: HashSet::new(),
             pressure: Backpressure::default(),
             done_tx: None,
+            parks: park::Parks::default(),
         };
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
         lp.done_tx = Some(done_tx);
 
         let mut commit_tick = tokio::time::interval(inner.config.commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let parking = inner.park.is_some();
+        let mut park_tick = tokio::time::interval(
+            inner
+                .park
+                .as_ref()
+                .map_or(Duration::from_secs(3600), |p| p.cfg.poll),
+        );
+        park_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -283,6 +311,7 @@ where
                 () = &mut shutdown => break,
                 Some(event) = done_rx.recv() => lp.on_event(event),
                 _ = commit_tick.tick() => lp.commit(CommitMode::Async),
+                _ = park_tick.tick(), if parking => lp.park_tick(),
                 () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
                     lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.counters);
                 }
@@ -326,6 +355,7 @@ where
             }
             inner.counters.abandoned.add(dropped as u64);
         }
+        lp.drop_waiting();
         let deadline = Instant::now() + inner.config.drain_timeout;
         while lp.held + lp.blocked > 0 {
             tokio::select! {
@@ -367,6 +397,7 @@ struct Loop<S, H> {
     blocked_paused: HashSet<(String, i32, u64)>,
     pressure: Backpressure,
     done_tx: Option<mpsc::UnboundedSender<Event>>,
+    parks: park::Parks,
 }
 
 impl<S, H> Loop<S, H>
@@ -394,8 +425,19 @@ where
             delivery: Arc::new(delivery),
             key,
             revoked,
-            lane: lane.clone(),
+            lane,
+            park_epoch: None,
         };
+        self.place(job);
+    }
+
+    /// Puts a received message in its lane (its lane's head starts at once), unless parking
+    /// takes it (it waits for its partition's barrier, or is parked behind its key).
+    fn place(&mut self, job: Job) {
+        let Some(job) = self.admit(job) else {
+            return;
+        };
+        let lane = job.lane.clone();
         match self.lanes.get_mut(&lane) {
             Some(state) => {
                 if state.blocked {
@@ -428,6 +470,7 @@ where
                     self.inner.counters.max_blocked.max(self.blocked as u64);
                 }
             }
+            Event::Park(event) => self.on_park_event(event),
             Event::Unblocked(lane) => {
                 if let Some(state) = self.lanes.get_mut(&lane)
                     && state.blocked
@@ -500,7 +543,15 @@ where
         self.blocked_paused = want;
     }
 
-    fn start(&self, job: Job) {
+    fn start(&mut self, job: Job) {
+        let mut slot = Some(job);
+        if self.parks_instead(&mut slot) {
+            return;
+        }
+        let Some(mut job) = slot else {
+            return;
+        };
+        job.park_epoch = self.park_epoch(&job.lane);
         let inner = self.inner.clone();
         let Some(done_tx) = self.done_tx.clone() else {
             return;
@@ -514,6 +565,7 @@ where
                 lane: job.lane.clone(),
                 offset: job.delivery.offset,
                 settled: Settled::Abandoned,
+                behind: false,
             };
             // Handler panics are caught where the handler is called (and count as retryable
             // failures); this catches a panic anywhere else in the job, so that the message is
@@ -534,6 +586,7 @@ where
     }
 
     fn settle(&mut self, done: Done) {
+        self.on_parked(&done);
         match self.lanes.get_mut(&done.lane) {
             Some(state) if state.blocked => {
                 // The blocked head settled without running (replayed, dead-lettered, or left):
@@ -550,6 +603,8 @@ where
             Settled::Replayed => c.replayed.add(1),
             Settled::DeadLettered => c.dead_lettered.add(1),
             Settled::ProcessedWithoutDedup => c.processed_without_dedup.add(1),
+            // Counted where they were parked.
+            Settled::Parked | Settled::ParkedBehind => {}
             Settled::Abandoned => c.abandoned.add(1),
         }
         if done.settled != Settled::Abandoned {
@@ -714,6 +769,10 @@ where
             }
             if err.is_retryable() {
                 retry += 1;
+                if self.should_park(&err, retry) {
+                    let attempts = attempts_of(&err, retry);
+                    return self.park(job, &err.to_string(), attempts, false).await;
+                }
                 if let ProcessError::Store(e) = &err {
                     self.counters.store_errors.add(1);
                     warn!(key = %key, error = %e, retry, "store unavailable; retrying");

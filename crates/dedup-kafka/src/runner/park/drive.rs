@@ -1,0 +1,428 @@
+//! The loop's side of parking: barriers, admission, parking behind a key, driving heads.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering as AtomicOrdering;
+
+use dedup_core::Store;
+use rdkafka::consumer::Consumer;
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::super::{Done, Event, Handler, Job, Lane, Loop, Report, Settled};
+use super::{Head, ParkCtx, ParkEvent, PartParks, PartRef};
+use crate::consumer::lock;
+
+impl<S, H> Loop<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    fn park_ctx(&self) -> Option<Arc<ParkCtx>> {
+        self.inner.park.clone()
+    }
+
+    /// The epoch under which `lane`'s partition is owned, once its barrier answered.
+    pub(in crate::runner) fn park_epoch(&self, lane: &Lane) -> Option<i64> {
+        self.parks
+            .parts
+            .get(&(lane.topic.clone(), lane.partition))
+            .filter(|p| p.generation == lane.generation)
+            .and_then(|p| p.epoch)
+    }
+
+    /// At shutdown: messages waiting for a barrier or for room are left to redelivery.
+    pub(in crate::runner) fn drop_waiting(&mut self) {
+        for p in self.parks.parts.values_mut() {
+            let n = std::mem::take(&mut p.waiting).len();
+            self.held -= n;
+            self.inner.counters.abandoned.add(n as u64);
+        }
+    }
+
+    /// Sends a parking event to the loop.
+    fn park_event(&self) -> Option<tokio::sync::mpsc::UnboundedSender<Event>> {
+        self.done_tx.clone()
+    }
+
+    /// Every `poll`: follows the assignment (a sync barrier for each partition newly owned; the
+    /// parked keys of revoked ones are let go), looks for due heads, refreshes the gauges, and
+    /// lets messages waiting for room in.
+    pub(in crate::runner) fn park_tick(&mut self) {
+        let Some(ctx) = self.park_ctx() else {
+            return;
+        };
+        let owned: Vec<((String, i32), u64, bool)> = lock(&self.shared)
+            .parts
+            .iter()
+            .map(|(tp, p)| {
+                (
+                    tp.clone(),
+                    p.generation,
+                    p.revoked.load(AtomicOrdering::Acquire),
+                )
+            })
+            .collect();
+        let live: HashSet<(String, i32)> = owned
+            .iter()
+            .filter(|(_, _, revoked)| !revoked)
+            .map(|(tp, _, _)| tp.clone())
+            .collect();
+        let gone: Vec<(String, i32)> = self
+            .parks
+            .parts
+            .keys()
+            .filter(|tp| !live.contains(*tp))
+            .cloned()
+            .collect();
+        for tp in gone {
+            if let Some(p) = self.parks.parts.remove(&tp) {
+                self.held -= p.waiting.len();
+                self.inner.counters.abandoned.add(p.waiting.len() as u64);
+            }
+        }
+        for (tp, generation, revoked) in owned {
+            if !revoked {
+                self.sync(&tp, generation);
+            }
+        }
+        ctx.total.store(self.parks.total(), AtomicOrdering::Relaxed);
+        self.let_waiting_in();
+        let synced: Vec<(String, i32)> = self
+            .parks
+            .parts
+            .iter()
+            .filter(|(_, p)| p.epoch.is_some())
+            .map(|(tp, _)| tp.clone())
+            .collect();
+        self.parks.ticks += 1;
+        let Some(tx) = self.park_event() else {
+            return;
+        };
+        if !synced.is_empty() && !self.parks.heads_running {
+            self.parks.heads_running = true;
+            let (ctx, tx, parts) = (ctx.clone(), tx.clone(), synced.clone());
+            tokio::spawn(async move {
+                let heads = ctx.store.due_heads(&ctx.group, &parts, 256).await;
+                let _ = tx.send(Event::Park(ParkEvent::Heads(heads)));
+            });
+        }
+        if self.parks.ticks.is_multiple_of(8) {
+            tokio::spawn(async move {
+                if let Ok(g) = ctx.store.gauges(&ctx.group, &synced).await {
+                    let _ = tx.send(Event::Park(ParkEvent::Gauges(g)));
+                }
+            });
+        }
+    }
+
+    /// Starts `tp`'s sync barrier for `generation` unless it runs or ran.
+    fn sync(&mut self, tp: &(String, i32), generation: u64) {
+        let Some(ctx) = self.park_ctx() else {
+            return;
+        };
+        let entry = self.parks.parts.entry(tp.clone()).or_default();
+        if entry.generation == generation && (entry.syncing || entry.epoch.is_some()) {
+            return;
+        }
+        if entry.generation != generation {
+            self.held -= entry.waiting.len();
+            self.inner
+                .counters
+                .abandoned
+                .add(entry.waiting.len() as u64);
+            *entry = PartParks {
+                generation,
+                ..PartParks::default()
+            };
+        }
+        entry.syncing = true;
+        let Some(tx) = self.park_event() else {
+            return;
+        };
+        let tp = tp.clone();
+        tokio::spawn(async move {
+            let part = PartRef {
+                group: ctx.group.clone(),
+                topic: tp.0.clone(),
+                partition: tp.1,
+            };
+            let result = ctx.store.acquire(&part, &ctx.owner).await;
+            let _ = tx.send(Event::Park(ParkEvent::Synced {
+                tp,
+                generation,
+                result,
+            }));
+        });
+    }
+
+    pub(in crate::runner) fn on_park_event(&mut self, event: ParkEvent) {
+        match event {
+            ParkEvent::Synced {
+                tp,
+                generation,
+                result,
+            } => {
+                let Some(p) = self.parks.parts.get_mut(&tp) else {
+                    return;
+                };
+                if p.generation != generation {
+                    return;
+                }
+                p.syncing = false;
+                match result {
+                    Ok((epoch, keys)) => {
+                        debug!(topic = %tp.0, partition = tp.1, epoch, parked_keys = keys.len(), "parked keys loaded");
+                        p.epoch = Some(epoch);
+                        p.keys = keys;
+                        self.let_waiting_in();
+                    }
+                    Err(e) => {
+                        // Tried again on the next tick.
+                        self.inner.counters.store_errors.add(1);
+                        warn!(topic = %tp.0, partition = tp.1, error = %e, "loading parked keys failed; retrying");
+                    }
+                }
+            }
+            ParkEvent::Heads(heads) => {
+                self.parks.heads_running = false;
+                match heads {
+                    Ok(heads) => {
+                        for head in heads {
+                            self.drive(head);
+                        }
+                    }
+                    Err(e) => {
+                        self.inner.counters.store_errors.add(1);
+                        warn!(error = %e, "looking for due parked heads failed");
+                    }
+                }
+            }
+            ParkEvent::HeadDone {
+                tp,
+                generation,
+                key,
+                removed,
+            } => {
+                self.parks
+                    .driving
+                    .remove(&(tp.0.clone(), tp.1, generation, key.clone()));
+                if removed
+                    && let Some(p) = self.parks.parts.get_mut(&tp)
+                    && p.generation == generation
+                    && let Some(n) = p.keys.get_mut(&key)
+                {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        p.keys.remove(&key);
+                    }
+                }
+                self.let_waiting_in();
+            }
+            ParkEvent::Gauges((keys, messages, oldest)) => {
+                let c = &self.inner.counters;
+                c.parked_keys.set(keys);
+                c.parked_messages.set(messages);
+                c.parked_oldest_ms
+                    .set(u64::try_from(oldest.as_millis()).unwrap_or(u64::MAX));
+            }
+        }
+    }
+
+    /// Lets in the messages that waited for a barrier or for room: each goes through
+    /// [`admit`](Self::admit) again, in the order received.
+    fn let_waiting_in(&mut self) {
+        let ready: Vec<(String, i32)> = self
+            .parks
+            .parts
+            .iter()
+            .filter(|(_, p)| p.epoch.is_some() && !p.waiting.is_empty())
+            .map(|(tp, _)| tp.clone())
+            .collect();
+        for tp in ready {
+            let Some(p) = self.parks.parts.get_mut(&tp) else {
+                continue;
+            };
+            let jobs = std::mem::take(&mut p.waiting);
+            let was_paused = std::mem::replace(&mut p.paused, false);
+            self.held -= jobs.len();
+            for job in jobs {
+                self.place(job);
+            }
+            let still = self.parks.parts.get(&tp).is_some_and(|p| p.paused);
+            if was_paused && !still {
+                let mut tpl = rdkafka::TopicPartitionList::new();
+                tpl.add_partition(&tp.0, tp.1);
+                if let Err(e) = self.consumer.resume(&tpl) {
+                    warn!(error = %e, "resuming a partition after parked room came back failed");
+                }
+            }
+        }
+    }
+
+    /// Decides a received message's way before its lane: it waits for its partition's barrier,
+    /// or is parked behind its key, or (answered back) goes to its lane as usual.
+    pub(in crate::runner) fn admit(&mut self, job: Job) -> Option<Job> {
+        let Some(ctx) = self.park_ctx() else {
+            return Some(job);
+        };
+        let tp = (job.lane.topic.clone(), job.lane.partition);
+        let generation = job.lane.generation;
+        self.sync(&tp, generation);
+        let p = self.parks.parts.get_mut(&tp)?;
+        if p.generation != generation {
+            return None;
+        }
+        if p.epoch.is_none() || !p.waiting.is_empty() {
+            // Before the barrier, or behind messages waiting for room: in order, after them.
+            self.held += 1;
+            p.waiting.push(job);
+            return None;
+        }
+        let parked = p.keys.get(&job.lane.key).copied().unwrap_or(0);
+        if parked == 0 || self.lanes.contains_key(&job.lane) {
+            // Its lane, if it has one, parks it in its turn.
+            return Some(job);
+        }
+        self.held += 1;
+        self.park_behind(&ctx, job);
+        None
+    }
+
+    /// A lane's next message is about to start: if its key is parked, it is parked behind it
+    /// instead (answered true).
+    pub(in crate::runner) fn parks_instead(&mut self, job: &mut Option<Job>) -> bool {
+        let Some(ctx) = self.park_ctx() else {
+            return false;
+        };
+        let Some(j) = job.as_ref() else {
+            return false;
+        };
+        let tp = (j.lane.topic.clone(), j.lane.partition);
+        let Some(p) = self.parks.parts.get(&tp) else {
+            return false;
+        };
+        if p.generation != j.lane.generation || p.keys.get(&j.lane.key).copied().unwrap_or(0) == 0 {
+            return false;
+        }
+        if let Some(j) = job.take() {
+            self.park_behind(&ctx, j);
+        }
+        true
+    }
+
+    /// Parks `job` behind its key (counted now, so the key cannot look free before its row is
+    /// written), or, past a bound, keeps it waiting with its partition paused.
+    fn park_behind(&mut self, ctx: &Arc<ParkCtx>, mut job: Job) {
+        let tp = (job.lane.topic.clone(), job.lane.partition);
+        let total = self.parks.total();
+        let Some(p) = self.parks.parts.get_mut(&tp) else {
+            return;
+        };
+        let n = p.keys.entry(job.lane.key.clone()).or_default();
+        if *n >= ctx.cfg.max_per_key || total >= ctx.cfg.max_parked {
+            self.inner.counters.park_full.add(1);
+            warn!(topic = %tp.0, partition = tp.1, parked = *n, total, "parked queue full: the message waits, its partition paused");
+            p.waiting.push(job);
+            if !p.paused {
+                p.paused = true;
+                let mut tpl = rdkafka::TopicPartitionList::new();
+                tpl.add_partition(&tp.0, tp.1);
+                if let Err(e) = self.consumer.pause(&tpl) {
+                    warn!(error = %e, "pausing a partition whose parked queue is full failed");
+                }
+            }
+            return;
+        }
+        *n += 1;
+        job.park_epoch = p.epoch;
+        ctx.total.store(total + 1, AtomicOrdering::Relaxed);
+        let inner = self.inner.clone();
+        let Some(done_tx) = self.done_tx.clone() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let mut report = Report {
+                tx: Some(done_tx),
+                lane: job.lane.clone(),
+                offset: job.delivery.offset,
+                settled: Settled::Abandoned,
+                behind: true,
+            };
+            report.settled = inner
+                .park(&job, "parked behind an earlier message of its key", 0, true)
+                .await;
+        });
+    }
+
+    /// A message that parked itself (its in-place runs spent) counts under its key now; one
+    /// parked behind was counted when decided, and uncounts if its park was refused.
+    pub(in crate::runner) fn on_parked(&mut self, done: &Done) {
+        let tp = (done.lane.topic.clone(), done.lane.partition);
+        let Some(p) = self.parks.parts.get_mut(&tp) else {
+            return;
+        };
+        if p.generation != done.lane.generation {
+            return;
+        }
+        match done.settled {
+            Settled::Parked => *p.keys.entry(done.lane.key.clone()).or_default() += 1,
+            Settled::Abandoned if done.behind => {
+                if let Some(n) = p.keys.get_mut(&done.lane.key) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        p.keys.remove(&done.lane.key);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Starts a due head's run unless its key's head runs already.
+    fn drive(&mut self, head: Head) {
+        let Some(ctx) = self.park_ctx() else {
+            return;
+        };
+        let tp = (head.delivery.topic.clone(), head.delivery.partition);
+        let Some(p) = self.parks.parts.get(&tp) else {
+            return;
+        };
+        let Some(epoch) = p.epoch else {
+            return;
+        };
+        let generation = p.generation;
+        if !self
+            .parks
+            .driving
+            .insert((tp.0.clone(), tp.1, generation, head.key.clone()))
+        {
+            return;
+        }
+        let Some(tx) = self.done_tx.clone() else {
+            return;
+        };
+        let inner = self.inner.clone();
+        let scope = self.scope.clone();
+        tokio::spawn(async move {
+            let key = head.key.clone();
+            let span = info_span!(
+                "dedup.kafka.parked_retry",
+                "messaging.destination.name" = %tp.0,
+                "messaging.kafka.partition" = tp.1,
+                "messaging.kafka.offset" = head.delivery.offset,
+                attempts = head.attempts,
+                outcome = tracing::field::Empty,
+            );
+            let removed = inner
+                .run_head(&ctx, &scope, epoch, head)
+                .instrument(span)
+                .await;
+            let _ = tx.send(Event::Park(ParkEvent::HeadDone {
+                tp,
+                generation,
+                key,
+                removed,
+            }));
+        });
+    }
+}

@@ -1,0 +1,154 @@
+//! The parked queue on Postgres: [`ParkStore`] for `dedup_pg::PgStore`.
+
+use std::time::Duration;
+
+use dedup_pg::{HeadSettled, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore};
+
+use super::{Barrier, Head, HeadOutcome, ParkStore, Parked, PartRef, StoreFuture};
+use crate::delivery::Delivery;
+
+fn part(p: &PartRef) -> ParkedPartition {
+    ParkedPartition::new(p.group.clone(), p.topic.clone(), p.partition)
+}
+
+fn vec_of(b: Option<&bytes::Bytes>) -> Option<Vec<u8>> {
+    b.map(|b| b.to_vec())
+}
+
+impl ParkStore for PgStore {
+    fn acquire<'a>(&'a self, p: &'a PartRef, owner: &'a str) -> StoreFuture<'a, Barrier> {
+        Box::pin(async move {
+            let (epoch, keys) = self.acquire_parked(&part(p), owner).await?;
+            Ok((epoch.0, keys))
+        })
+    }
+
+    fn park<'a>(
+        &'a self,
+        p: &'a PartRef,
+        epoch: i64,
+        d: &'a Delivery,
+        key: Option<Vec<u8>>,
+        error: &'a str,
+        attempts: u32,
+        due_in: Duration,
+    ) -> StoreFuture<'a, Parked> {
+        Box::pin(async move {
+            let message = ParkedMessage::new(d.offset, key, error, attempts).with_message(
+                vec_of(d.key.as_ref()),
+                vec_of(d.payload.as_ref()),
+                d.headers
+                    .iter()
+                    .map(|(k, v)| (k.clone(), vec_of(v.as_ref())))
+                    .collect(),
+                d.timestamp_ms,
+            );
+            Ok(
+                match self
+                    .park(&part(p), ParkEpoch(epoch), &message, due_in)
+                    .await?
+                {
+                    ParkOutcome::Parked => Parked::Written,
+                    ParkOutcome::AlreadyParked => Parked::Already,
+                    _ => Parked::Fenced,
+                },
+            )
+        })
+    }
+
+    fn due_heads<'a>(
+        &'a self,
+        group: &'a str,
+        parts: &'a [(String, i32)],
+        limit: u32,
+    ) -> StoreFuture<'a, Vec<Head>> {
+        Box::pin(async move {
+            let heads = PgStore::due_heads(self, group, parts, limit).await?;
+            Ok(heads
+                .into_iter()
+                .map(|h| {
+                    let m = h.message;
+                    Head {
+                        delivery: Delivery {
+                            topic: h.topic,
+                            partition: h.partition,
+                            offset: m.offset,
+                            key: m.message_key.map(bytes::Bytes::from),
+                            payload: m.payload.map(bytes::Bytes::from),
+                            headers: m
+                                .headers
+                                .into_iter()
+                                .map(|(k, v)| (k, v.map(bytes::Bytes::from)))
+                                .collect(),
+                            timestamp_ms: m.timestamp_ms,
+                        },
+                        key: m.ordering_key,
+                        error: m.error,
+                        attempts: m.attempts,
+                        dropped: h.dropped,
+                    }
+                })
+                .collect())
+        })
+    }
+
+    fn take<'a>(
+        &'a self,
+        p: &'a PartRef,
+        epoch: i64,
+        offset: i64,
+        bound: Duration,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            self.take_head(&part(p), ParkEpoch(epoch), offset, bound)
+                .await
+        })
+    }
+
+    fn settle<'a>(
+        &'a self,
+        p: &'a PartRef,
+        epoch: i64,
+        offset: i64,
+        hold_rest: bool,
+    ) -> StoreFuture<'a, HeadOutcome> {
+        Box::pin(async move {
+            Ok(
+                match self
+                    .settle_head(&part(p), ParkEpoch(epoch), offset, hold_rest)
+                    .await?
+                {
+                    HeadSettled::Removed => HeadOutcome::Removed,
+                    HeadSettled::Gone => HeadOutcome::Gone,
+                    _ => HeadOutcome::Fenced,
+                },
+            )
+        })
+    }
+
+    fn defer<'a>(
+        &'a self,
+        p: &'a PartRef,
+        epoch: i64,
+        offset: i64,
+        error: &'a str,
+        attempts: u32,
+        due_in: Duration,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            self.defer_head(&part(p), ParkEpoch(epoch), offset, error, attempts, due_in)
+                .await
+        })
+    }
+
+    fn gauges<'a>(
+        &'a self,
+        group: &'a str,
+        parts: &'a [(String, i32)],
+    ) -> StoreFuture<'a, (u64, u64, Duration)> {
+        Box::pin(async move {
+            let g = self.parked_gauges(group, parts).await?;
+            Ok((g.keys, g.messages, g.oldest))
+        })
+    }
+}

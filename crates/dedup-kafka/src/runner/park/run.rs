@@ -1,0 +1,265 @@
+//! A message task's side of parking: parking a message, and one run of a parked head.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering as AtomicOrdering;
+use std::time::Duration;
+
+use dedup_core::{Fingerprint, ProcessError, Scope, Store};
+use futures_util::FutureExt;
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::super::{Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
+use super::{AfterGiveUp, Head, HeadOutcome, ParkCtx, Parked, PartRef};
+use crate::delivery::{Delivery, extract_key};
+
+fn part_ref(ctx: &ParkCtx, lane: &Lane) -> PartRef {
+    PartRef {
+        group: ctx.group.clone(),
+        topic: lane.topic.clone(),
+        partition: lane.partition,
+    }
+}
+
+impl<S, H> Inner<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    /// Whether a message that failed `retry` times in place should be parked now.
+    pub(in crate::runner) fn should_park(&self, err: &ProcessError<H::Error>, retry: u32) -> bool {
+        let Some(ctx) = &self.park else {
+            return false;
+        };
+        if retry < ctx.cfg.in_place_attempts
+            || matches!(err, ProcessError::InFlight { .. } | ProcessError::Store(_))
+        {
+            return false;
+        }
+        if ctx.total.load(AtomicOrdering::Relaxed) >= ctx.cfg.max_parked {
+            self.counters.park_full.add(1);
+            return false;
+        }
+        true
+    }
+
+    /// Writes `job` to the parked queue (at most once per offset), retrying a store that is
+    /// down. Fenced (another owner has the partition), it is left to redelivery.
+    pub(in crate::runner) async fn park(
+        &self,
+        job: &Job,
+        error: &str,
+        attempts: u32,
+        behind: bool,
+    ) -> Settled {
+        let Some(ctx) = &self.park else {
+            return Settled::Abandoned;
+        };
+        let Some(epoch) = job.park_epoch else {
+            return Settled::Abandoned;
+        };
+        let part = part_ref(ctx, &job.lane);
+        let due_in = if behind {
+            Duration::ZERO
+        } else {
+            ctx.cfg.delay(1, job.delivery.offset.unsigned_abs())
+        };
+        let span = info_span!(
+            "dedup.kafka.park",
+            "messaging.destination.name" = %job.delivery.topic,
+            "messaging.kafka.partition" = job.delivery.partition,
+            "messaging.kafka.offset" = job.delivery.offset,
+            behind,
+            outcome = tracing::field::Empty,
+        );
+        let mut retry = 0;
+        loop {
+            let out = ctx
+                .store
+                .park(
+                    &part,
+                    epoch,
+                    &job.delivery,
+                    job.lane.key.clone(),
+                    error,
+                    attempts,
+                    due_in,
+                )
+                .instrument(span.clone())
+                .await;
+            match out {
+                Ok(Parked::Written | Parked::Already) => {
+                    span.record("outcome", "parked");
+                    self.counters.parked.add(1);
+                    if !behind {
+                        warn!(topic = %job.delivery.topic, partition = job.delivery.partition, offset = job.delivery.offset, error, attempts, "parked");
+                    }
+                    return if behind {
+                        Settled::ParkedBehind
+                    } else {
+                        Settled::Parked
+                    };
+                }
+                Ok(Parked::Fenced) => {
+                    span.record("outcome", "fenced");
+                    debug!(
+                        offset = job.delivery.offset,
+                        "the partition has another owner: not parked"
+                    );
+                    return Settled::Abandoned;
+                }
+                Err(e) => {
+                    self.counters.store_errors.add(1);
+                    warn!(error = %e, "parking failed; retrying");
+                    retry += 1;
+                    if !self.wait_retry(job, retry).await {
+                        return Settled::Abandoned;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs a parked head once through the claim; answers whether its row went.
+    pub(super) async fn run_head(
+        &self,
+        ctx: &ParkCtx,
+        scope: &Scope,
+        epoch: i64,
+        head: Head,
+    ) -> bool {
+        let d = Arc::new(head.delivery.clone());
+        let part = PartRef {
+            group: ctx.group.clone(),
+            topic: d.topic.clone(),
+            partition: d.partition,
+        };
+        let span = tracing::Span::current();
+        let offset = d.offset;
+        let settle = |hold: bool| {
+            let part = part.clone();
+            async move {
+                match ctx.store.settle(&part, epoch, offset, hold).await {
+                    Ok(HeadOutcome::Removed | HeadOutcome::Gone) => true,
+                    Ok(HeadOutcome::Fenced) => false,
+                    Err(e) => {
+                        warn!(error = %e, "settling a parked head failed; it runs again");
+                        false
+                    }
+                }
+            }
+        };
+        if head.dropped {
+            span.record("outcome", "dropped");
+            let reason = format!(
+                "dropped by an operator while parked; last failure: {}",
+                head.error
+            );
+            return self.head_dead_letter(&d, &reason, head.attempts).await && settle(false).await;
+        }
+        match ctx
+            .store
+            .take(&part, epoch, d.offset, ctx.cfg.run_bound)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(e) => {
+                self.counters.store_errors.add(1);
+                warn!(error = %e, "taking a parked head failed");
+                return false;
+            }
+        }
+        self.counters.parked_retries.add(1);
+        let key = match extract_key(&self.config.key, scope, &d) {
+            Ok(k) => k,
+            Err(e) => {
+                span.record("outcome", "dead_lettered");
+                return self
+                    .head_dead_letter(&d, &e.to_string(), head.attempts)
+                    .await
+                    && settle(false).await;
+            }
+        };
+        let fingerprint = self
+            .config
+            .check_payload
+            .then(|| Fingerprint::of(d.payload_bytes()));
+        let handler = &self.handler;
+        let delivery = d.clone();
+        let out = self
+            .dedup
+            .try_process(&key, fingerprint, move |lease| {
+                handler.handle(delivery, Some(lease)).map(no_withdraw)
+            })
+            .await;
+        let err = match out {
+            Ok(processed) => match self.handler.check_result(&d, &processed) {
+                Ok(()) => {
+                    span.record(
+                        "outcome",
+                        if processed.executed() {
+                            "executed"
+                        } else {
+                            "replayed"
+                        },
+                    );
+                    if processed.executed() {
+                        self.counters.executed.add(1);
+                    } else {
+                        self.counters.replayed.add(1);
+                    }
+                    return settle(false).await;
+                }
+                Err(source) => ProcessError::Undecodable {
+                    key: key.clone(),
+                    source,
+                },
+            },
+            Err(e) => e,
+        };
+        let attempts = head.attempts + 1;
+        if err.is_retryable() {
+            let (spent, what) = match &err {
+                ProcessError::InFlight { .. } | ProcessError::Store(_) => {
+                    (head.attempts, "waiting")
+                }
+                _ => (attempts, "failed"),
+            };
+            span.record("outcome", what);
+            let parked_runs = spent.saturating_sub(ctx.cfg.in_place_attempts).max(1);
+            let due = ctx
+                .cfg
+                .delay(parked_runs, d.offset.unsigned_abs() ^ u64::from(spent));
+            debug!(key = %key, error = %err, attempts = spent, due_in = ?due, "parked head failed again");
+            if let Err(e) = ctx
+                .store
+                .defer(&part, epoch, d.offset, &err.to_string(), spent, due)
+                .await
+            {
+                warn!(error = %e, "deferring a parked head failed; it runs again when seen");
+            }
+            return false;
+        }
+        let attempts = attempts_of(&err, attempts);
+        span.record("outcome", "dead_lettered");
+        warn!(key = %key, error = %err, attempts, "parked head dead-lettered");
+        let hold = ctx.cfg.after_give_up == AfterGiveUp::Hold;
+        self.head_dead_letter(&d, &err.to_string(), attempts).await && settle(hold).await
+    }
+
+    /// Dead-letters a parked head; false if the write failed (it runs again when seen).
+    async fn head_dead_letter(&self, d: &Delivery, reason: &str, attempts: u32) -> bool {
+        match self.dead_letters.write(d, reason, attempts).await {
+            Ok(()) => {
+                self.counters.dead_lettered.add(1);
+                self.counters.parked_dead_lettered.add(1);
+                true
+            }
+            Err(e) => {
+                self.counters.dead_letter_errors.add(1);
+                warn!(error = %e, "dead-lettering a parked head failed; it runs again");
+                false
+            }
+        }
+    }
+}

@@ -1,0 +1,532 @@
+//! Parked messages: per-key ordered retries kept in Postgres (`dedup_parked`).
+//!
+//! A consumer parks a message that keeps failing (and every later message of its ordering key)
+//! here before it moves its offset past it; the partition's owner re-runs each key's head through
+//! the same claim, then the next, and the key is free when its queue is empty. Ownership is an
+//! epoch per partition ([`PgStore::acquire_parked`]), bumped by each new owner: every write of an
+//! owner names its epoch and changes nothing once another owner took the partition. The count of
+//! a key's messages is its row count, so nothing can drift, and an assignment's sync barrier is
+//! one query. docs/PARKING.md has the semantics.
+
+mod sql;
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use dedup_core::StoreError;
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use crate::PgStore;
+use crate::classify::classify;
+
+/// One partition of one consumer group: where parked messages belong, whoever owns it.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+#[non_exhaustive]
+pub struct ParkedPartition {
+    /// The consumer group (parked queues are scoped by it).
+    pub group: String,
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+}
+
+impl ParkedPartition {
+    /// `topic`/`partition` of `group`.
+    pub fn new(group: impl Into<String>, topic: impl Into<String>, partition: i32) -> Self {
+        Self {
+            group: group.into(),
+            topic: topic.into(),
+            partition,
+        }
+    }
+}
+
+/// An owner's epoch of a partition: every write it makes names it, and fails once a later owner
+/// bumped it.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct ParkEpoch(pub i64);
+
+/// An ordering key as parked: `None` for a partition's messages without one (they share a
+/// queue).
+pub type ParkedKey = Option<Vec<u8>>;
+
+/// A message to park, or a parked head to re-run: what the consumer needs to run it again.
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+#[non_exhaustive]
+pub struct ParkedMessage {
+    /// Its offset in its partition.
+    pub offset: i64,
+    /// Its ordering key (see [`ParkedKey`]).
+    pub ordering_key: ParkedKey,
+    /// The Kafka message key.
+    pub message_key: Option<Vec<u8>>,
+    /// The payload.
+    pub payload: Option<Vec<u8>>,
+    /// The headers, in order.
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The message's timestamp (ms since the Unix epoch).
+    pub timestamp_ms: Option<i64>,
+    /// The last failure.
+    pub error: String,
+    /// Attempts made so far, in place and parked.
+    pub attempts: u32,
+}
+
+impl ParkedMessage {
+    /// A message at `offset` with `ordering_key`, failed with `error` after `attempts`.
+    pub fn new(
+        offset: i64,
+        ordering_key: ParkedKey,
+        error: impl Into<String>,
+        attempts: u32,
+    ) -> Self {
+        Self {
+            offset,
+            ordering_key,
+            error: error.into(),
+            attempts,
+            ..Self::default()
+        }
+    }
+
+    /// With the message's key, payload, headers and timestamp.
+    #[must_use]
+    pub fn with_message(
+        mut self,
+        message_key: Option<Vec<u8>>,
+        payload: Option<Vec<u8>>,
+        headers: Vec<(String, Option<Vec<u8>>)>,
+        timestamp_ms: Option<i64>,
+    ) -> Self {
+        self.message_key = message_key;
+        self.payload = payload;
+        self.headers = headers;
+        self.timestamp_ms = timestamp_ms;
+        self
+    }
+}
+
+/// What a park did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum ParkOutcome {
+    /// Written now.
+    Parked,
+    /// The offset was parked before (a replay after a crash): nothing written.
+    AlreadyParked,
+    /// Another owner took the partition: nothing written; this consumer must let it go.
+    Fenced,
+}
+
+/// A head to run now, from [`PgStore::due_heads`].
+#[derive(Clone, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub struct ParkedHead {
+    /// Its topic.
+    pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// The message.
+    pub message: ParkedMessage,
+    /// An operator asked for the key's queue to be dead-lettered.
+    pub dropped: bool,
+}
+
+/// What settling a head did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum HeadSettled {
+    /// Its row went (and, if asked, the key's other messages are held).
+    Removed,
+    /// It had gone already (settled before a crash, say).
+    Gone,
+    /// Another owner took the partition: nothing changed.
+    Fenced,
+}
+
+/// One parked key of a group, for operators (`dedup parked`).
+#[derive(Clone, PartialEq, Debug)]
+#[non_exhaustive]
+pub struct ParkedKeySummary {
+    /// Its topic.
+    pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// The ordering key.
+    pub ordering_key: ParkedKey,
+    /// Messages parked under it.
+    pub messages: u64,
+    /// When its oldest message was parked.
+    pub oldest: SystemTime,
+    /// The head's attempts.
+    pub head_attempts: u32,
+    /// The head's last failure.
+    pub head_error: String,
+    /// When the head runs next.
+    pub head_due: SystemTime,
+    /// An operator must release it (`dedup unpark`).
+    pub held: bool,
+    /// An operator asked for it to be dead-lettered.
+    pub dropped: bool,
+}
+
+/// Parked keys, messages and the age of the oldest park, over some partitions (the metrics).
+#[derive(Clone, Copy, PartialEq, Debug, Default)]
+#[non_exhaustive]
+pub struct ParkedGauges {
+    /// Keys with something parked.
+    pub keys: u64,
+    /// Messages parked.
+    pub messages: u64,
+    /// How long the oldest has been parked.
+    pub oldest: Duration,
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+fn time_of(micros_since_epoch: i64) -> SystemTime {
+    let micros = u64::try_from(micros_since_epoch).unwrap_or(0);
+    UNIX_EPOCH + Duration::from_micros(micros)
+}
+
+fn key_parts(key: &ParkedKey) -> (bool, &[u8]) {
+    match key {
+        Some(k) => (true, k.as_slice()),
+        None => (false, &[]),
+    }
+}
+
+fn key_of(row: &PgRow) -> Result<ParkedKey, sqlx::Error> {
+    let has: bool = row.try_get("has_key")?;
+    let key: Vec<u8> = row.try_get("ordering_key")?;
+    Ok(has.then_some(key))
+}
+
+fn attempts_of(row: &PgRow, column: &str) -> Result<u32, sqlx::Error> {
+    let n: i32 = row.try_get(column)?;
+    Ok(u32::try_from(n).unwrap_or(0))
+}
+
+fn head_of(row: &PgRow) -> Result<ParkedHead, sqlx::Error> {
+    let names: Vec<String> = row.try_get("header_names")?;
+    let values: Vec<Option<Vec<u8>>> = row.try_get("header_values")?;
+    Ok(ParkedHead {
+        topic: row.try_get("topic")?,
+        partition: row.try_get("partition")?,
+        message: ParkedMessage {
+            offset: row.try_get("offset")?,
+            ordering_key: key_of(row)?,
+            message_key: row.try_get("message_key")?,
+            payload: row.try_get("payload")?,
+            headers: names.into_iter().zip(values).collect(),
+            timestamp_ms: row.try_get("timestamp_ms")?,
+            error: row.try_get("error")?,
+            attempts: attempts_of(row, "attempts")?,
+        },
+        dropped: row.try_get("dropped")?,
+    })
+}
+
+impl PgStore {
+    /// Takes `partition`'s parked keys over for `owner` (when the partition is assigned): bumps
+    /// its epoch, so the previous owner's writes are refused from now on, then reads its parked
+    /// keys and how many messages each has, in a snapshot taken after the bump (it saw every park
+    /// the bump waited for). The caller keeps the counts true for as long as it owns the
+    /// partition: it parks and settles through this store with the epoch.
+    pub async fn acquire_parked(
+        &self,
+        partition: &ParkedPartition,
+        owner: &str,
+    ) -> Result<(ParkEpoch, HashMap<ParkedKey, u64>), StoreError> {
+        self.count(2);
+        let mut conn = self.conn().await?;
+        let epoch = sqlx::query_scalar(sql::ACQUIRE_SQL)
+            .bind(&partition.group)
+            .bind(&partition.topic)
+            .bind(partition.partition)
+            .bind(owner)
+            .fetch_one(&mut **conn)
+            .await
+            .map_err(|e| classify(e, true));
+        let epoch: i64 = conn.checked(epoch)?;
+        let rows = sqlx::query(sql::KEYS_SQL)
+            .bind(&partition.group)
+            .bind(&partition.topic)
+            .bind(partition.partition)
+            .fetch_all(&mut **conn)
+            .await
+            .map_err(|e| classify(e, false));
+        let rows = conn.checked(rows)?;
+        let mut keys = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let n: i64 = row.try_get("n").map_err(|e| classify(e, false))?;
+            keys.insert(
+                key_of(row).map_err(|e| classify(e, false))?,
+                u64::try_from(n).unwrap_or(0),
+            );
+        }
+        Ok((ParkEpoch(epoch), keys))
+    }
+
+    /// Parks `message` in `partition` under `epoch`, due in `due_in` (zero for a message parked
+    /// behind its key's head: it runs when it becomes the head). At most once per offset.
+    pub async fn park(
+        &self,
+        partition: &ParkedPartition,
+        epoch: ParkEpoch,
+        message: &ParkedMessage,
+        due_in: Duration,
+    ) -> Result<ParkOutcome, StoreError> {
+        self.count(1);
+        let (has_key, key) = key_parts(&message.ordering_key);
+        let names: Vec<&str> = message.headers.iter().map(|h| h.0.as_str()).collect();
+        let values: Vec<Option<&[u8]>> = message.headers.iter().map(|h| h.1.as_deref()).collect();
+        let mut conn = self.conn().await?;
+        let wrote = sqlx::query(sql::PARK_SQL)
+            .bind(&partition.group)
+            .bind(&partition.topic)
+            .bind(partition.partition)
+            .bind(epoch.0)
+            .bind(message.offset)
+            .bind(has_key)
+            .bind(key)
+            .bind(message.message_key.as_deref())
+            .bind(message.payload.as_deref())
+            .bind(&names)
+            .bind(&values)
+            .bind(message.timestamp_ms)
+            .bind(&message.error)
+            .bind(i32::try_from(message.attempts).unwrap_or(i32::MAX))
+            .bind(secs(due_in))
+            .fetch_optional(&mut **conn)
+            .await
+            .map_err(|e| classify(e, true));
+        if conn.checked(wrote)?.is_some() {
+            return Ok(ParkOutcome::Parked);
+        }
+        self.count(1);
+        let row = sqlx::query(sql::PARK_CHECK_SQL)
+            .bind(&partition.group)
+            .bind(&partition.topic)
+            .bind(partition.partition)
+            .bind(epoch.0)
+            .bind(message.offset)
+            .fetch_one(&mut **conn)
+            .await
+            .map_err(|e| classify(e, false));
+        let row = conn.checked(row)?;
+        let parked: bool = row.try_get("parked").map_err(|e| classify(e, false))?;
+        let owned: bool = row.try_get("owned").map_err(|e| classify(e, false))?;
+        Ok(match (parked, owned) {
+            (true, _) => ParkOutcome::AlreadyParked,
+            (false, false) => ParkOutcome::Fenced,
+            // Neither written nor there while we own it: a concurrent writer of the same offset
+            // is the only way, and it committed nothing we can see yet. Passing.
+            (false, true) => {
+                return Err(StoreError::unavailable(std::io::Error::other(
+                    "a park of the same offset raced ours; try again",
+                )));
+            }
+        })
+    }
+
+    /// The heads to run now over `partitions` of `group` (topic, partition): each parked key's
+    /// lowest offset where it is due and not held, or its key was dropped by an operator; at most
+    /// `limit`, in partition and offset order.
+    pub async fn due_heads(
+        &self,
+        group: &str,
+        partitions: &[(String, i32)],
+        limit: u32,
+    ) -> Result<Vec<ParkedHead>, StoreError> {
+        if partitions.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.count(1);
+        let topics: Vec<&str> = partitions.iter().map(|p| p.0.as_str()).collect();
+        let numbers: Vec<i32> = partitions.iter().map(|p| p.1).collect();
+        let mut conn = self.conn().await?;
+        let rows = sqlx::query(sql::DUE_HEADS_SQL)
+            .bind(group)
+            .bind(&topics)
+            .bind(&numbers)
+            .bind(i64::from(limit))
+            .fetch_all(&mut **conn)
+            .await
+            .map_err(|e| classify(e, false));
+        let rows = conn.checked(rows)?;
+        rows.iter()
+            .map(|r| head_of(r).map_err(|e| classify(e, false)))
+            .collect()
+    }
+
+    /// Takes the head at `offset` to run it, pushing its due time out by `bound` (how long a run
+    /// may take before another look may pick it again). False: another owner took the partition,
+    /// or the head went.
+    pub async fn take_head(
+        &self,
+        partition: &ParkedPartition,
+        epoch: ParkEpoch,
+        offset: i64,
+        bound: Duration,
+    ) -> Result<bool, StoreError> {
+        self.count(1);
+        let mut conn = self.conn().await?;
+        let row = sqlx::query(sql::TAKE_SQL)
+            .bind(&partition.group)
+            .bind(&partition.topic)
+            .bind(partition.partition)
+            .bind(epoch.0)
+            .bind(offset)
+            .bind(secs(bound))
+            .fetch_optional(&mut **conn)
+            .await
+            .map_err(|e| classify(e, true));
+        Ok(conn.checked(row)?.is_some())
+    }
+
+    /// The head at `offset` settled (it ran, was replayed, or was dead-lettered): its row goes.
+    /// With `hold_rest`, the key's other messages wait for an operator (`dedup unpark`).
+    pub async fn settle_head(
+        &self,
+        partition: &ParkedPartition,
+        epoch: ParkEpoch,
+        offset: i64,
+        hold_rest: bool,
+    ) -> Result<HeadSettled, StoreError> {
+        self.count(1);
+        let mut conn = self.conn().await?;
+        let row = sqlx::query(sql::SETTLE_SQL)
+            .bind(&partition.group)
+            .bind(&partition.topic)
+            .bind(partition.partition)
+            .bind(epoch.0)
+            .bind(offset)
+            .bind(hold_rest)
+            .fetch_one(&mut **conn)
+            .await
+            .map_err(|e| classify(e, true));
+        let row = conn.checked(row)?;
+        let owned: bool = row.try_get("owned").map_err(|e| classify(e, false))?;
+        let deleted: bool = row.try_get("deleted").map_err(|e| classify(e, false))?;
+        Ok(match (owned, deleted) {
+            (false, _) => HeadSettled::Fenced,
+            (true, true) => HeadSettled::Removed,
+            (true, false) => HeadSettled::Gone,
+        })
+    }
+
+    /// The head at `offset` failed again: records `error` and `attempts`, due again in `due_in`.
+    /// False: another owner took the partition, or the head went.
+    pub async fn defer_head(
+        &self,
+        partition: &ParkedPartition,
+        epoch: ParkEpoch,
+        offset: i64,
+        error: &str,
+        attempts: u32,
+        due_in: Duration,
+    ) -> Result<bool, StoreError> {
+        self.count(1);
+        let mut conn = self.conn().await?;
+        let row = sqlx::query(sql::DEFER_SQL)
+            .bind(&partition.group)
+            .bind(&partition.topic)
+            .bind(partition.partition)
+            .bind(epoch.0)
+            .bind(offset)
+            .bind(error)
+            .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
+            .bind(secs(due_in))
+            .fetch_optional(&mut **conn)
+            .await
+            .map_err(|e| classify(e, true));
+        Ok(conn.checked(row)?.is_some())
+    }
+
+    /// `group`'s parked keys, oldest first (`dedup parked`).
+    pub async fn parked_summary(&self, group: &str) -> Result<Vec<ParkedKeySummary>, StoreError> {
+        let rows = sqlx::query(sql::SUMMARY_SQL)
+            .bind(group)
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| classify(e, false))?;
+        rows.iter()
+            .map(|r| {
+                let messages: i64 = r.try_get("messages")?;
+                Ok(ParkedKeySummary {
+                    topic: r.try_get("topic")?,
+                    partition: r.try_get("partition")?,
+                    ordering_key: key_of(r)?,
+                    messages: u64::try_from(messages).unwrap_or(0),
+                    oldest: time_of(r.try_get("oldest_us")?),
+                    head_attempts: attempts_of(r, "head_attempts")?,
+                    head_error: r.try_get("head_error")?,
+                    head_due: time_of(r.try_get("due_us")?),
+                    held: r.try_get("held")?,
+                    dropped: r.try_get("dropped")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| classify(e, false))
+    }
+
+    /// Makes the head of `group`'s parked key `ordering_key` due now, and lifts a hold
+    /// (`dedup unpark`). Answers the messages it touched (0: nothing parked under that key).
+    pub async fn unpark(&self, group: &str, ordering_key: &[u8]) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql::UNPARK_SQL)
+            .bind(group)
+            .bind(ordering_key)
+            .execute(self.pool())
+            .await
+            .map_err(|e| classify(e, true))?;
+        Ok(done.rows_affected())
+    }
+
+    /// Asks for `group`'s parked key `ordering_key` to be dead-lettered, every message of it, by
+    /// the partition's owner (`dedup drop`). Answers the messages marked.
+    pub async fn drop_parked(&self, group: &str, ordering_key: &[u8]) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql::DROP_SQL)
+            .bind(group)
+            .bind(ordering_key)
+            .execute(self.pool())
+            .await
+            .map_err(|e| classify(e, true))?;
+        Ok(done.rows_affected())
+    }
+
+    /// Parked keys, messages and the oldest park's age over `partitions` of `group`.
+    pub async fn parked_gauges(
+        &self,
+        group: &str,
+        partitions: &[(String, i32)],
+    ) -> Result<ParkedGauges, StoreError> {
+        if partitions.is_empty() {
+            return Ok(ParkedGauges::default());
+        }
+        let topics: Vec<&str> = partitions.iter().map(|p| p.0.as_str()).collect();
+        let numbers: Vec<i32> = partitions.iter().map(|p| p.1).collect();
+        let row = sqlx::query(sql::GAUGES_SQL)
+            .bind(group)
+            .bind(&topics)
+            .bind(&numbers)
+            .fetch_one(self.pool())
+            .await
+            .map_err(|e| classify(e, false))?;
+        let get = || -> Result<ParkedGauges, sqlx::Error> {
+            let keys: i64 = row.try_get("keys")?;
+            let messages: i64 = row.try_get("messages")?;
+            let oldest: f64 = row.try_get("oldest")?;
+            Ok(ParkedGauges {
+                keys: u64::try_from(keys).unwrap_or(0),
+                messages: u64::try_from(messages).unwrap_or(0),
+                oldest: Duration::try_from_secs_f64(oldest).unwrap_or_default(),
+            })
+        };
+        get().map_err(|e| classify(e, false))
+    }
+}

@@ -1,0 +1,556 @@
+//! Parking: a message that keeps failing is parked in Postgres and its partition moves on; later
+//! messages of its ordering key are parked behind it; the partition's owner re-runs them in order
+//! (docs/PARKING.md).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{BatchConfig, Batched, Dedup, HandlerError, LeaseContext, Policy};
+use dedup_kafka::{
+    AfterGiveUp, Backoff, DLQ_ATTEMPTS, DLQ_REASON, Delivery, Ordering as KeyOrdering, Parking,
+    Runner, RunnerConfig,
+};
+use dedup_pg::PgStore;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use super::{
+    Broker, Engine, Event, Running, committed_to_the_end, event, eventually, produce,
+    read_dead_letters, unique,
+};
+use crate::support::{RedisServer, tiered};
+
+on_brokers!(
+    one_failing_key_is_parked_while_ten_thousand_others_flow_then_runs_in_order,
+    a_parked_keys_new_messages_keep_parking_behind_it_and_run_in_offset_order,
+    a_parked_head_out_of_attempts_is_dead_lettered_and_its_key_proceeds,
+    under_the_hold_policy_a_keys_later_messages_wait_for_an_operator,
+    a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_order,
+);
+
+/// What the handler books: one row per message, numbered in the order they ran.
+async fn booked_table(pool: &PgPool) {
+    sqlx::query("CREATE TABLE booked (seq bigserial, key text NOT NULL, account text NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// The booked keys of `account`, in the order they ran.
+async fn booked_of(pool: &PgPool, account: &str) -> Vec<String> {
+    sqlx::query_scalar("SELECT key FROM booked WHERE account = $1 ORDER BY seq")
+        .bind(account)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+async fn booked_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM booked")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Every key booked once.
+async fn assert_booked_once(pool: &PgPool, n: i64) {
+    let (rows, keys): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT key) FROM booked")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, keys), (n, n), "one row per key");
+}
+
+/// The handler's switches: accounts failing (retryably) while their gate is shut, idempotency
+/// keys failing for good, and how often each key was called.
+#[derive(Default)]
+struct Switches {
+    shut: Mutex<HashSet<String>>,
+    always: Mutex<HashSet<String>>,
+    calls: Mutex<HashMap<String, u32>>,
+    open: AtomicBool,
+}
+
+impl Switches {
+    fn calls(&self, key: &str) -> u32 {
+        self.calls.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+}
+
+type HandlerFuture = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<dedup_core::Completion, HandlerError<String>>>
+            + Send,
+    >,
+>;
+
+/// Books each message in its lease's transaction, unless a switch says it fails.
+fn booking(
+    store: PgStore,
+    switches: Arc<Switches>,
+) -> impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static {
+    move |d, lease| {
+        let (store, switches) = (store.clone(), switches.clone());
+        Box::pin(async move {
+            let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default())
+                .into_owned();
+            let account = d
+                .key
+                .as_ref()
+                .map(|k| String::from_utf8_lossy(k).into_owned())
+                .unwrap_or_default();
+            *switches
+                .calls
+                .lock()
+                .unwrap()
+                .entry(key.clone())
+                .or_default() += 1;
+            if switches.always.lock().unwrap().contains(&key) {
+                return Err(HandlerError::Retryable(format!("{key} is broken")));
+            }
+            if !switches.open.load(Ordering::SeqCst)
+                && switches.shut.lock().unwrap().contains(&account)
+            {
+                return Err(HandlerError::Retryable(format!(
+                    "{account}'s service is down"
+                )));
+            }
+            let lease = lease.ok_or(HandlerError::Permanent("no key".to_owned()))?;
+            store
+                .transact(&lease, move |tx| {
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO booked (key, account) VALUES ($1, $2)")
+                            .bind(&key)
+                            .bind(&account)
+                            .execute(tx)
+                            .await
+                            .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+                        Ok(Bytes::from(format!("booked {key}")))
+                    })
+                })
+                .await
+        })
+    }
+}
+
+async fn parking_engine(
+    pool: &PgPool,
+    redis: &RedisServer,
+    max_attempts: u32,
+) -> Arc<Dedup<Engine>> {
+    Arc::new(
+        Dedup::new(Batched::new(
+            tiered(pool.clone(), redis).await.with_background_backfill(),
+            BatchConfig::default(),
+        ))
+        .with_policy(
+            Policy::default()
+                .with_lease(Duration::from_secs(5))
+                .with_max_attempts(max_attempts),
+        )
+        .unwrap()
+        .with_in_flight_wait(Duration::from_secs(1))
+        .unwrap(),
+    )
+}
+
+fn parking(after: AfterGiveUp) -> Parking {
+    Parking::default()
+        .with_in_place_attempts(3)
+        .with_backoff(Backoff::new(
+            Duration::from_millis(50),
+            Duration::from_millis(400),
+        ))
+        .with_poll(Duration::from_millis(50))
+        .with_after_give_up(after)
+}
+
+fn keyed(name: &str, account: &str) -> Event {
+    let mut e = event(0, 1);
+    e.key = Some(name.to_owned());
+    e.message_key = Some(account.to_owned());
+    e.partition = 0;
+    e
+}
+
+/// A parking runner over the full engine with the booking handler.
+async fn spawn(
+    broker: &Broker,
+    pool: &PgPool,
+    group: &str,
+    topic: &str,
+    dedup: Arc<Dedup<Engine>>,
+    switches: &Arc<Switches>,
+    after: AfterGiveUp,
+) -> Running {
+    let config: RunnerConfig = broker
+        .config(group, topic)
+        .with_ordering(KeyOrdering::PerKey)
+        .with_dead_letter_topic(format!("{topic}.dlq"));
+    let store = PgStore::new(pool.clone());
+    let runner = Runner::new(config, dedup, booking(store.clone(), switches.clone()))
+        .unwrap()
+        .with_parking(store, parking(after))
+        .unwrap();
+    let stats = runner.stats();
+    let (stop, rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(runner.run(async {
+        let _ = rx.await;
+    }));
+    Running {
+        stop,
+        handle,
+        stats,
+    }
+}
+
+/// `group`'s parked messages per ordering key.
+async fn parked(pool: &PgPool, group: &str) -> HashMap<String, u64> {
+    PgStore::new(pool.clone())
+        .parked_summary(group)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| {
+            (
+                String::from_utf8(s.ordering_key.unwrap_or_default()).unwrap(),
+                s.messages,
+            )
+        })
+        .collect()
+}
+
+/// One account's service is down: its first message fails three times in place and is parked,
+/// and its four later messages park behind it, while 10,000 messages of 50 other accounts on the
+/// same partition all settle (checked while the gate is still shut) and the committed offset
+/// passes the failing message. With the service back, the account's five messages run in their
+/// original order, each once.
+async fn one_failing_key_is_parked_while_ten_thousand_others_flow_then_runs_in_order(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    booked_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let mut events = vec![keyed("bad-1", "acct-bad")];
+    for i in 0..10_000u32 {
+        events.push(keyed(&format!("evt-{i}"), &format!("acct-{}", i % 50)));
+        if i % 2000 == 1999 && i < 9000 {
+            events.push(keyed(&format!("bad-{}", i / 2000 + 2), "acct-bad"));
+        }
+    }
+    assert_eq!(events.len(), 10_005);
+    produce(broker, &topic, &events).await;
+    let switches = Arc::new(Switches::default());
+    switches.shut.lock().unwrap().insert("acct-bad".to_owned());
+    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        dedup,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+
+    eventually(240, "10,000 other messages booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 10_000 }
+    })
+    .await;
+    // The gate is still shut: nothing of the account ran, all five wait parked, and the stream's
+    // offsets were committed past them.
+    assert!(booked_of(&pool, "acct-bad").await.is_empty());
+    assert!(switches.calls("bad-1") >= 3, "bad-1 ran in place first");
+    assert_eq!(switches.calls("bad-2"), 0, "parked behind, never run");
+    eventually(30, "five messages parked", || {
+        let (pool, group) = (pool.clone(), group.clone());
+        async move { parked(&pool, &group).await == HashMap::from([("acct-bad".to_owned(), 5)]) }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+
+    switches.open.store(true, Ordering::SeqCst);
+    eventually(60, "the account's messages booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 10_005 }
+    })
+    .await;
+    assert_eq!(
+        booked_of(&pool, "acct-bad").await,
+        ["bad-1", "bad-2", "bad-3", "bad-4", "bad-5"]
+    );
+    eventually(30, "no key parked", || {
+        let (pool, group) = (pool.clone(), group.clone());
+        async move { parked(&pool, &group).await.is_empty() }
+    })
+    .await;
+    let s = running.stop().await;
+    assert_eq!(s.parked, 5);
+    assert!(s.parked_retries >= 5);
+    assert_booked_once(&pool, 10_005).await;
+}
+
+/// Messages of a parked key keep arriving in three waves; each parks behind the head, and once
+/// the key recovers all of them run in offset order.
+async fn a_parked_keys_new_messages_keep_parking_behind_it_and_run_in_offset_order(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    booked_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let switches = Arc::new(Switches::default());
+    switches.shut.lock().unwrap().insert("acct-7".to_owned());
+    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        dedup,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    let mut n = 0;
+    let mut expected = Vec::new();
+    for wave in 1..=3u64 {
+        let mut events = Vec::new();
+        for _ in 0..3 {
+            n += 1;
+            events.push(keyed(&format!("k7-{n}"), "acct-7"));
+            expected.push(format!("k7-{n}"));
+            events.push(keyed(&format!("other-{n}"), "acct-1"));
+        }
+        produce(broker, &topic, &events).await;
+        eventually(60, "the wave parked", || {
+            let (pool, group) = (pool.clone(), group.clone());
+            async move { parked(&pool, &group).await.get("acct-7").copied() == Some(wave * 3) }
+        })
+        .await;
+    }
+    assert_eq!(
+        booked_of(&pool, "acct-1").await.len(),
+        9,
+        "other keys flowed"
+    );
+    switches.open.store(true, Ordering::SeqCst);
+    eventually(60, "every message booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 18 }
+    })
+    .await;
+    assert_eq!(booked_of(&pool, "acct-7").await, expected);
+    running.stop().await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    assert_booked_once(&pool, 18).await;
+}
+
+/// A message that never succeeds: three runs in place, then its attempts run out while parked; it is
+/// dead-lettered with the reason and the attempts, and (the default policy) its key's later
+/// messages run after it, in order.
+async fn a_parked_head_out_of_attempts_is_dead_lettered_and_its_key_proceeds(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    booked_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let switches = Arc::new(Switches::default());
+    switches.always.lock().unwrap().insert("bad-1".to_owned());
+    let events = vec![
+        keyed("bad-1", "acct-bad"),
+        keyed("ok-1", "acct-ok"),
+        keyed("bad-2", "acct-bad"),
+        keyed("bad-3", "acct-bad"),
+        keyed("ok-2", "acct-ok"),
+    ];
+    produce(broker, &topic, &events).await;
+    let dedup = parking_engine(&pool, &redis, 5).await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        dedup,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    eventually(60, "the key's later messages booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 4 }
+    })
+    .await;
+    assert_eq!(booked_of(&pool, "acct-bad").await, ["bad-2", "bad-3"]);
+    let dead = read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    let (payload, headers) = &dead[0];
+    assert!(payload.is_some());
+    assert_eq!(headers["idempotency-key"], "bad-1");
+    assert_eq!(headers[DLQ_ATTEMPTS], "5", "{headers:?}");
+    assert!(
+        headers[DLQ_REASON].contains("bad-1 is broken"),
+        "{headers:?}"
+    );
+    assert_eq!(
+        switches.calls("bad-1"),
+        5,
+        "one budget, in place and parked"
+    );
+    let s = running.stop().await;
+    assert_eq!(s.parked_dead_lettered, 1);
+    assert!(parked(&pool, &group).await.is_empty());
+    committed_to_the_end(broker, &group, &topic, 1).await;
+}
+
+/// Under `AfterGiveUp::Hold` the key's later messages stay parked after its head is
+/// dead-lettered, until an operator releases the key (`unpark`); then they run in order.
+async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    booked_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let switches = Arc::new(Switches::default());
+    switches.always.lock().unwrap().insert("bad-1".to_owned());
+    let events = vec![
+        keyed("bad-1", "acct-bad"),
+        keyed("bad-2", "acct-bad"),
+        keyed("bad-3", "acct-bad"),
+        keyed("ok-1", "acct-ok"),
+    ];
+    produce(broker, &topic, &events).await;
+    let dedup = parking_engine(&pool, &redis, 5).await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        dedup,
+        &switches,
+        AfterGiveUp::Hold,
+    )
+    .await;
+    eventually(60, "the rest held", || {
+        let pool = pool.clone();
+        let group = group.clone();
+        async move {
+            PgStore::new(pool)
+                .parked_summary(&group)
+                .await
+                .unwrap()
+                .iter()
+                .any(|s| s.held && s.messages == 2)
+        }
+    })
+    .await;
+    read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    // Held: nothing of the key runs, however long we look.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(booked_of(&pool, "acct-bad").await.is_empty());
+    assert_eq!(booked_of(&pool, "acct-ok").await, ["ok-1"]);
+    assert_eq!(
+        PgStore::new(pool.clone())
+            .unpark(&group, b"acct-bad")
+            .await
+            .unwrap(),
+        2
+    );
+    eventually(60, "released and booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 3 }
+    })
+    .await;
+    assert_eq!(booked_of(&pool, "acct-bad").await, ["bad-2", "bad-3"]);
+    running.stop().await;
+}
+
+/// A member parks a key's messages and leaves; the partition goes to another member, whose
+/// barrier loads the parked key: it keeps the key's new messages behind it, and once the key
+/// recovers runs them all in order.
+async fn a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_order(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    booked_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let switches = Arc::new(Switches::default());
+    switches.shut.lock().unwrap().insert("acct-bad".to_owned());
+    produce(
+        broker,
+        &topic,
+        &[
+            keyed("bad-1", "acct-bad"),
+            keyed("ok-1", "acct-ok"),
+            keyed("bad-2", "acct-bad"),
+        ],
+    )
+    .await;
+    let first = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        parking_engine(&pool, &redis, 1000).await,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    eventually(60, "two parked", || {
+        let (pool, group) = (pool.clone(), group.clone());
+        async move { parked(&pool, &group).await.get("acct-bad") == Some(&2) }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    first.stop().await;
+
+    let second = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        parking_engine(&pool, &redis, 1000).await,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    // A new message of the key reaches the new owner: it parks behind the others.
+    produce(broker, &topic, &[keyed("bad-3", "acct-bad")]).await;
+    eventually(60, "three parked", || {
+        let (pool, group) = (pool.clone(), group.clone());
+        async move { parked(&pool, &group).await.get("acct-bad") == Some(&3) }
+    })
+    .await;
+    switches.open.store(true, Ordering::SeqCst);
+    eventually(60, "all booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 4 }
+    })
+    .await;
+    assert_eq!(
+        booked_of(&pool, "acct-bad").await,
+        ["bad-1", "bad-2", "bad-3"]
+    );
+    let s = second.stop().await;
+    assert!(s.parked_retries >= 3, "{s:?}");
+    committed_to_the_end(broker, &group, &topic, 1).await;
+}

@@ -1,0 +1,269 @@
+//! Parked messages in Postgres (`dedup_parked`): parking at most once, each key's head in offset
+//! order, the epoch that fences a revoked owner, holds, operator releases and drops.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use dedup_pg::{HeadSettled, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore};
+use sqlx::PgPool;
+
+fn msg(offset: i64, key: &str, error: &str) -> ParkedMessage {
+    ParkedMessage::new(offset, Some(key.as_bytes().to_vec()), error, 3).with_message(
+        Some(key.as_bytes().to_vec()),
+        Some(format!("payload {offset}").into_bytes()),
+        vec![
+            (
+                "idempotency-key".to_owned(),
+                Some(format!("evt-{offset}").into_bytes()),
+            ),
+            ("empty".to_owned(), None),
+        ],
+        Some(1_795_000_000_000 + offset),
+    )
+}
+
+fn part() -> ParkedPartition {
+    ParkedPartition::new("g", "orders", 0)
+}
+
+fn owned() -> Vec<(String, i32)> {
+    vec![("orders".to_owned(), 0)]
+}
+
+/// Heads due now: (offset, key).
+async fn heads(store: &PgStore) -> Vec<(i64, String)> {
+    store
+        .due_heads("g", &owned(), 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| {
+            (
+                h.message.offset,
+                String::from_utf8(h.message.ordering_key.unwrap_or_default()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_message_is_parked_once_and_read_back_whole(pool: PgPool) {
+    let store = PgStore::new(pool);
+    let (epoch, keys) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    assert_eq!(epoch, ParkEpoch(1));
+    assert!(keys.is_empty());
+    let m = msg(7, "acct-1", "down");
+    assert_eq!(
+        store
+            .park(&part(), epoch, &m, Duration::ZERO)
+            .await
+            .unwrap(),
+        ParkOutcome::Parked
+    );
+    // A replay after a crash parks nothing twice.
+    assert_eq!(
+        store
+            .park(&part(), epoch, &m, Duration::ZERO)
+            .await
+            .unwrap(),
+        ParkOutcome::AlreadyParked
+    );
+    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].message, m);
+    assert_eq!((got[0].topic.as_str(), got[0].partition), ("orders", 0));
+    // Another group, another partition: nothing.
+    assert!(
+        store
+            .due_heads("other", &owned(), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .due_heads("g", &[("orders".to_owned(), 1)], 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // A new owner's barrier counts it.
+    let (epoch2, keys) = store.acquire_parked(&part(), "b#1").await.unwrap();
+    assert_eq!(epoch2, ParkEpoch(2));
+    assert_eq!(keys, HashMap::from([(Some(b"acct-1".to_vec()), 1)]));
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgPool) {
+    let store = PgStore::new(pool);
+    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    // acct-1: 3, 5, 9 (parked behind the head); acct-2: 4; keyless: 6.
+    for (offset, key) in [(3, "acct-1"), (4, "acct-2"), (5, "acct-1"), (9, "acct-1")] {
+        store
+            .park(&part(), e, &msg(offset, key, "down"), Duration::ZERO)
+            .await
+            .unwrap();
+    }
+    let keyless = ParkedMessage::new(6, None, "down", 1);
+    store
+        .park(&part(), e, &keyless, Duration::ZERO)
+        .await
+        .unwrap();
+    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let offsets: Vec<i64> = got.iter().map(|h| h.message.offset).collect();
+    assert_eq!(offsets, vec![3, 4, 6]);
+    assert_eq!(got[2].message.ordering_key, None);
+
+    // The head fails again: not due until its backoff passes; the other keys are.
+    assert!(
+        store
+            .defer_head(&part(), e, 3, "still down", 4, Duration::from_secs(3600))
+            .await
+            .unwrap()
+    );
+    assert_eq!(heads_offsets(&store).await, vec![4, 6]);
+    let summary = store.parked_summary("g").await.unwrap();
+    let acct1 = summary
+        .iter()
+        .find(|s| s.ordering_key.as_deref() == Some(b"acct-1".as_slice()))
+        .unwrap();
+    assert_eq!(
+        (
+            acct1.messages,
+            acct1.head_attempts,
+            acct1.head_error.as_str()
+        ),
+        (3, 4, "still down")
+    );
+    assert!(acct1.head_due > acct1.oldest);
+
+    // An operator makes it due now; it runs and settles; the next of the key is the head.
+    assert_eq!(store.unpark("g", b"acct-1").await.unwrap(), 3);
+    assert!(
+        store
+            .take_head(&part(), e, 3, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    // Taken: not picked again while it runs.
+    assert_eq!(heads_offsets(&store).await, vec![4, 6]);
+    assert_eq!(
+        store.settle_head(&part(), e, 3, false).await.unwrap(),
+        HeadSettled::Removed
+    );
+    assert_eq!(
+        store.settle_head(&part(), e, 3, false).await.unwrap(),
+        HeadSettled::Gone
+    );
+    assert_eq!(heads_offsets(&store).await, vec![4, 5, 6]);
+    for o in [5, 9, 4, 6] {
+        assert_eq!(
+            store.settle_head(&part(), e, o, false).await.unwrap(),
+            HeadSettled::Removed
+        );
+    }
+    assert!(heads(&store).await.is_empty());
+    let (_, keys) = store.acquire_parked(&part(), "a#2").await.unwrap();
+    assert!(keys.is_empty(), "every key is free: {keys:?}");
+}
+
+async fn heads_offsets(store: &PgStore) -> Vec<i64> {
+    heads(store).await.into_iter().map(|h| h.0).collect()
+}
+
+/// A partition's new owner bumps the epoch: the revoked owner can neither park into it nor drive
+/// its keys, and changes nothing trying.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
+    let store = PgStore::new(pool);
+    let (old, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    store
+        .park(&part(), old, &msg(1, "acct-1", "down"), Duration::ZERO)
+        .await
+        .unwrap();
+    let (new, keys) = store.acquire_parked(&part(), "b#1").await.unwrap();
+    assert!(new > old);
+    assert_eq!(keys.len(), 1);
+
+    assert_eq!(
+        store
+            .park(&part(), old, &msg(2, "acct-1", "down"), Duration::ZERO)
+            .await
+            .unwrap(),
+        ParkOutcome::Fenced
+    );
+    assert!(
+        !store
+            .take_head(&part(), old, 1, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .defer_head(&part(), old, 1, "late", 9, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store.settle_head(&part(), old, 1, true).await.unwrap(),
+        HeadSettled::Fenced
+    );
+    // Untouched: still due, attempts as parked, and only the one message.
+    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].message, msg(1, "acct-1", "down"));
+    // The new owner drives it.
+    assert_eq!(
+        store.settle_head(&part(), new, 1, false).await.unwrap(),
+        HeadSettled::Removed
+    );
+    // A partition never owned fences everyone.
+    let other = ParkedPartition::new("g", "orders", 5);
+    assert_eq!(
+        store
+            .park(&other, new, &msg(1, "acct-1", "down"), Duration::ZERO)
+            .await
+            .unwrap(),
+        ParkOutcome::Fenced
+    );
+}
+
+/// Under the hold policy a dead-lettered head holds the key's other messages for an operator;
+/// `unpark` releases them. `drop` hands every message of a key to its owner to dead-letter,
+/// whatever their due time.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool: PgPool) {
+    let store = PgStore::new(pool);
+    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    for (offset, key) in [(1, "acct-1"), (2, "acct-1"), (3, "acct-2"), (4, "acct-2")] {
+        store
+            .park(&part(), e, &msg(offset, key, "down"), Duration::ZERO)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        store.settle_head(&part(), e, 1, true).await.unwrap(),
+        HeadSettled::Removed
+    );
+    assert_eq!(heads_offsets(&store).await, vec![3]);
+    let summary = store.parked_summary("g").await.unwrap();
+    assert!(summary.iter().any(|s| s.held && s.messages == 1));
+    assert_eq!(store.unpark("g", b"acct-1").await.unwrap(), 1);
+    assert_eq!(heads_offsets(&store).await, vec![2, 3]);
+
+    // acct-2's head is deferred an hour; a drop makes both of its messages come back, dropped.
+    assert!(
+        store
+            .defer_head(&part(), e, 3, "down", 5, Duration::from_secs(3600))
+            .await
+            .unwrap()
+    );
+    assert_eq!(store.drop_parked("g", b"acct-2").await.unwrap(), 2);
+    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let dropped: Vec<(i64, bool)> = got.iter().map(|h| (h.message.offset, h.dropped)).collect();
+    assert_eq!(dropped, vec![(2, false), (3, true)]);
+    assert_eq!(store.unpark("g", b"nobody").await.unwrap(), 0);
+
+    let gauges = store.parked_gauges("g", &owned()).await.unwrap();
+    assert_eq!((gauges.keys, gauges.messages), (2, 3));
+}
