@@ -41,6 +41,10 @@ CREATE TABLE dedup_parked (
     parked_at      timestamptz NOT NULL,
     -- When the head may run next (a later message's due_at is not read).
     due_at         timestamptz NOT NULL,
+    -- A run of the head under way: by which epoch's owner, and until when another look may not
+    -- pick it (a new owner picks it at once: the run's owner is gone).
+    taken_epoch    bigint,
+    taken_until    timestamptz,
     -- An operator must release the key (`dedup unpark`): set on a key's messages when its head was
     -- dead-lettered under the hold policy.
     held           boolean     NOT NULL DEFAULT false,

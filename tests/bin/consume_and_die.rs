@@ -17,6 +17,10 @@
 //! effect), `DEDUP_HANDLER_MS` a wait inside every handler before its effect (a call to another
 //! service), and `DEDUP_ORDERING=per-key` per-key ordering by the Kafka message key.
 //!
+//! `DEDUP_PARK` turns parking on (key order, two runs in place, attempts up to 1,000), and
+//! `DEDUP_FAIL_TABLE` fails a message retryably while its Kafka message key is in the table
+//! `fail_accounts (account text)`.
+//!
 //! `DEDUP_COMMIT_MS` sets the offset commit interval (an hour otherwise). With `DEDUP_REPORT`
 //! set, it prints a line every 20 ms for the recovery measurement:
 //! `tick <unix ms> <partitions assigned> <settled> <executed> <blocked>`.
@@ -28,7 +32,9 @@ use bytes::Bytes;
 use dedup_core::{
     Dedup, HandlerError, InstanceId, LeaseContext, Policy, TieredConfig, TieredStore,
 };
-use dedup_kafka::{Batching, Delivery, Ordering, Runner, RunnerConfig, StatsHandle, TxRunner};
+use dedup_kafka::{
+    Backoff, Batching, Delivery, Ordering, Parking, Runner, RunnerConfig, StatsHandle, TxRunner,
+};
 use dedup_pg::{PgStore, TxBatchConfig};
 use dedup_redis::RedisFastPath;
 
@@ -69,10 +75,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => Duration::ZERO,
     };
     let report = std::env::var_os("DEDUP_REPORT").is_some();
+    let park = std::env::var_os("DEDUP_PARK").is_some();
+    let mut policy = Policy::default();
     if let Ok(ms) = std::env::var("DEDUP_LEASE_MS") {
-        dedup =
-            dedup.with_policy(Policy::default().with_lease(Duration::from_millis(ms.parse()?)))?;
+        policy = policy.with_lease(Duration::from_millis(ms.parse()?));
     }
+    if park {
+        policy = policy.with_max_attempts(1000);
+        config = config.with_ordering(Ordering::PerKey);
+    }
+    dedup = dedup.with_policy(policy)?;
+    let fail_table = std::env::var_os("DEDUP_FAIL_TABLE").is_some();
     let dedup = Arc::new(dedup);
     let hang = std::env::var("DEDUP_HANG_KEY").ok();
     for kv in extra {
@@ -101,10 +114,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         runner.run(std::future::pending()).await?;
         return Ok(());
     }
+    let parked_store = pg.clone();
     let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
         let pg = pg.clone();
         let hang = hang.clone();
         async move {
+            if fail_table {
+                let failing: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM fail_accounts WHERE account = $1)",
+                )
+                .bind(String::from_utf8_lossy(d.key.as_deref().unwrap_or_default()).into_owned())
+                .fetch_one(pg.pool())
+                .await
+                .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+                if failing {
+                    return Err(HandlerError::Retryable(
+                        "the account's service is down".into(),
+                    ));
+                }
+            }
             let lease = lease.ok_or(HandlerError::Permanent("no key".to_owned()))?;
             let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default())
                 .into_owned();
@@ -129,7 +157,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await
         }
     };
-    let runner = Runner::new(config, dedup, handler)?;
+    let mut runner = Runner::new(config, dedup, handler)?;
+    if park {
+        runner = runner.with_parking(
+            parked_store,
+            Parking::default()
+                .with_in_place_attempts(2)
+                .with_backoff(Backoff::new(
+                    Duration::from_millis(50),
+                    Duration::from_millis(500),
+                ))
+                .with_poll(Duration::from_millis(50)),
+        )?;
+    }
     if report {
         tokio::spawn(ticks(runner.stats()));
     }

@@ -181,9 +181,19 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
         .park(&part(), old, &msg(1, "acct-1", "down"), Duration::ZERO)
         .await
         .unwrap();
+    // The old owner takes the head to run it, and dies: its owner does not pick it again for
+    // the run's bound, a new owner does at once.
+    assert!(
+        store
+            .take_head(&part(), old, 1, Duration::from_secs(600))
+            .await
+            .unwrap()
+    );
+    assert!(heads(&store).await.is_empty());
     let (new, keys) = store.acquire_parked(&part(), "b#1").await.unwrap();
     assert!(new > old);
     assert_eq!(keys.len(), 1);
+    assert_eq!(heads_offsets(&store).await, vec![1]);
 
     assert_eq!(
         store

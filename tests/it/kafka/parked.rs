@@ -18,8 +18,8 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 use super::{
-    Broker, Engine, Event, Running, committed_to_the_end, event, eventually, produce,
-    read_dead_letters, unique,
+    Broker, Engine, Event, Running, committed, committed_to_the_end, consumer_args, event,
+    eventually, produce, read_dead_letters, unique,
 };
 use crate::support::{RedisServer, tiered};
 
@@ -29,6 +29,7 @@ on_brokers!(
     a_parked_head_out_of_attempts_is_dead_lettered_and_its_key_proceeds,
     under_the_hold_policy_a_keys_later_messages_wait_for_an_operator,
     a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_order,
+    sigkill_after_parking_and_during_a_parked_run_loses_and_doubles_nothing,
 );
 
 /// What the handler books: one row per message, numbered in the order they ran.
@@ -553,4 +554,122 @@ async fn a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_or
     let s = second.stop().await;
     assert!(s.parked_retries >= 3, "{s:?}");
     committed_to_the_end(broker, &group, &topic, 1).await;
+}
+
+/// Consumer processes with parking, killed with SIGKILL: the first after it parked a key's three
+/// messages and before any offset commit (its interval is an hour); the second in the middle of
+/// the parked head's run (its handler hangs on it, holding a 3 s lease). A third runs them all:
+/// each message once, the key's in offset order, and the offsets at the end.
+async fn sigkill_after_parking_and_during_a_parked_run_loses_and_doubles_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    sqlx::query(
+        "CREATE TABLE effects (key text NOT NULL, token bigint NOT NULL, worker text NOT NULL, \
+         seq bigserial)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("CREATE TABLE fail_accounts (account text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO fail_accounts VALUES ('acct-bad')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let mut events = vec![keyed("bad-1", "acct-bad")];
+    for i in 0..20 {
+        events.push(keyed(&format!("ok-{i}"), &format!("acct-{i}")));
+        if i % 10 == 9 {
+            events.push(keyed(&format!("bad-{}", i / 10 + 2), "acct-bad"));
+        }
+    }
+    produce(broker, &topic, &events).await;
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let spawn = |envs: &[(&str, &str)]| {
+        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_dedup-consume-and-die"));
+        c.args(consumer_args(broker, &group, &topic, &pool, &redis))
+            .env("DEDUP_PARK", "1")
+            .env("DEDUP_FAIL_TABLE", "1")
+            .env("DEDUP_LEASE_MS", "3000")
+            .kill_on_drop(true);
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        c.spawn().unwrap()
+    };
+
+    let mut first = spawn(&[]);
+    eventually(60, "20 effects and three parked", || async {
+        count("SELECT count(*) FROM effects").await == 20
+            && count("SELECT count(*) FROM dedup_parked").await == 3
+    })
+    .await;
+    first.kill().await.unwrap();
+    first.wait().await.unwrap();
+    assert_eq!(committed(broker, &group, &topic, 1).await, vec![-1]);
+
+    // The service is back; the second process's handler hangs on the head.
+    sqlx::query("DELETE FROM fail_accounts")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let since: i64 = sqlx::query_scalar("SELECT (EXTRACT(EPOCH FROM now()) * 1e6)::int8")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let mut second = spawn(&[("DEDUP_HANG_KEY", "bad-1")]);
+    eventually(60, "the head running in the second process", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM dedup_records WHERE key = 'bad-1'::bytea \
+                 AND state = 'in_progress' AND updated_at > to_timestamp($1::float8 / 1e6)",
+            )
+            .bind(since)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        }
+    })
+    .await;
+    second.kill().await.unwrap();
+    second.wait().await.unwrap();
+    assert_eq!(count("SELECT count(*) FROM effects").await, 20);
+
+    let mut third = spawn(&[("DEDUP_COMMIT_MS", "200")]);
+    eventually(90, "every message booked", || async {
+        count("SELECT count(*) FROM effects").await == 23
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    third.kill().await.unwrap();
+    let (rows, keys): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT key) FROM effects")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, keys), (23, 23), "each message once");
+    let bad: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM effects WHERE key LIKE 'bad-%' ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(bad, ["bad-1", "bad-2", "bad-3"]);
+    assert_eq!(count("SELECT count(*) FROM dedup_parked").await, 0);
 }

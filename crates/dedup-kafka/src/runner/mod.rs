@@ -158,6 +158,9 @@ enum Settled {
     Parked,
     /// Parked behind an earlier parked message of its key, without running.
     ParkedBehind,
+    /// To be parked, and not: another owner has the partition, or the runner stops. Left to
+    /// redelivery, as `Abandoned`.
+    ParkRefused,
     /// Left unsettled (revoked or shutting down): it will be redelivered.
     Abandoned,
 }
@@ -167,8 +170,6 @@ struct Done {
     lane: Lane,
     offset: i64,
     settled: Settled,
-    /// It was to be parked behind its key (counted under the key when decided).
-    behind: bool,
 }
 
 /// What a message's task tells the loop.
@@ -183,6 +184,8 @@ enum Event {
     Unblocked(Lane),
     /// Parking's barriers, heads and gauges.
     Park(park::ParkEvent),
+    /// The lane's running message is about to park itself: its key counts as parked from now.
+    Parking(Lane),
 }
 
 /// A lane: its running message (the head) and the messages waiting their turn behind it.
@@ -199,7 +202,6 @@ struct Report {
     lane: Lane,
     offset: i64,
     settled: Settled,
-    behind: bool,
 }
 
 impl Drop for Report {
@@ -209,7 +211,6 @@ impl Drop for Report {
                 lane: self.lane.clone(),
                 offset: self.offset,
                 settled: self.settled,
-                behind: self.behind,
             }));
         }
     }
@@ -471,6 +472,7 @@ where
                 }
             }
             Event::Park(event) => self.on_park_event(event),
+            Event::Parking(lane) => self.on_parking(&lane),
             Event::Unblocked(lane) => {
                 if let Some(state) = self.lanes.get_mut(&lane)
                     && state.blocked
@@ -565,7 +567,6 @@ where
                 lane: job.lane.clone(),
                 offset: job.delivery.offset,
                 settled: Settled::Abandoned,
-                behind: false,
             };
             // Handler panics are caught where the handler is called (and count as retryable
             // failures); this catches a panic anywhere else in the job, so that the message is
@@ -605,9 +606,9 @@ where
             Settled::ProcessedWithoutDedup => c.processed_without_dedup.add(1),
             // Counted where they were parked.
             Settled::Parked | Settled::ParkedBehind => {}
-            Settled::Abandoned => c.abandoned.add(1),
+            Settled::Abandoned | Settled::ParkRefused => c.abandoned.add(1),
         }
-        if done.settled != Settled::Abandoned {
+        if !matches!(done.settled, Settled::Abandoned | Settled::ParkRefused) {
             let mut shared = lock(&self.shared);
             if let Some(part) = shared
                 .parts
@@ -771,6 +772,7 @@ where
                 retry += 1;
                 if self.should_park(&err, retry) {
                     let attempts = attempts_of(&err, retry);
+                    let _ = events.send(Event::Parking(job.lane.clone()));
                     return self.park(job, &err.to_string(), attempts, false).await;
                 }
                 if let ProcessError::Store(e) = &err {

@@ -58,25 +58,29 @@ pub(super) const PARK_CHECK_SQL: &str = concat!(
 );
 
 /// The heads to drive now, over the partitions given (parallel arrays: topic, partition): each
-/// key's lowest offset, where it is due and not held, or the key was dropped by an operator.
-/// $1 group, $2 topics, $3 partitions, $4 limit.
+/// key's lowest offset, where it is due, not held and not taken by a run of the current owner,
+/// or the key was dropped by an operator. $1 group, $2 topics, $3 partitions, $4 limit.
 pub(super) const DUE_HEADS_SQL: &str = concat!(
     "SELECT * FROM (SELECT DISTINCT ON (p.topic, p.partition, p.has_key, p.ordering_key)",
     " p.topic, p.partition, p.\"offset\", p.has_key, p.ordering_key, p.message_key, p.payload,",
     " p.header_names, p.header_values, p.timestamp_ms, p.error, p.attempts, p.held, p.dropped,",
-    " p.due_at <= statement_timestamp() AS due",
+    " p.due_at <= statement_timestamp() AND (p.taken_until IS NULL",
+    " OR p.taken_until <= statement_timestamp() OR p.taken_epoch IS DISTINCT FROM o.epoch) AS due",
     " FROM dedup_parked p JOIN unnest($2::text[], $3::int4[]) AS w(topic, partition)",
     " ON p.topic = w.topic AND p.partition = w.partition",
+    " LEFT JOIN dedup_parked_owners o ON o.consumer_group = p.consumer_group",
+    " AND o.topic = p.topic AND o.partition = p.partition",
     " WHERE p.consumer_group = $1",
     " ORDER BY p.topic, p.partition, p.has_key, p.ordering_key, p.\"offset\") h",
     " WHERE (h.due AND NOT h.held) OR h.dropped",
     " ORDER BY h.topic, h.partition, h.\"offset\" LIMIT $4",
 );
 
-/// Takes a head to run: pushes its due time out by the run's bound, so a second look does not
-/// pick it again. $5 offset, $6 seconds.
+/// Takes a head to run: marks it taken by this epoch for the run's bound, so a second look of
+/// this owner does not pick it again (a later owner does). $5 offset, $6 seconds.
 pub(super) const TAKE_SQL: &str = fenced!(
-    "UPDATE dedup_parked p SET due_at = statement_timestamp() + make_interval(secs => $6)",
+    "UPDATE dedup_parked p SET taken_epoch = $4,",
+    " taken_until = statement_timestamp() + make_interval(secs => $6)",
     " WHERE EXISTS (SELECT 1 FROM o) AND p.consumer_group = $1 AND p.topic = $2",
     " AND p.partition = $3 AND p.\"offset\" = $5 RETURNING 1",
 );
@@ -98,7 +102,7 @@ pub(super) const SETTLE_SQL: &str = fenced!(
 /// A head that failed again: its error and attempts, and when it is due next. $5 offset,
 /// $6 error, $7 attempts, $8 seconds.
 pub(super) const DEFER_SQL: &str = fenced!(
-    "UPDATE dedup_parked p SET error = $6, attempts = $7,",
+    "UPDATE dedup_parked p SET error = $6, attempts = $7, taken_epoch = NULL, taken_until = NULL,",
     " due_at = statement_timestamp() + make_interval(secs => $8)",
     " WHERE EXISTS (SELECT 1 FROM o) AND p.consumer_group = $1 AND p.topic = $2",
     " AND p.partition = $3 AND p.\"offset\" = $5 RETURNING 1",

@@ -345,8 +345,7 @@ where
                 tx: Some(done_tx),
                 lane: job.lane.clone(),
                 offset: job.delivery.offset,
-                settled: Settled::Abandoned,
-                behind: true,
+                settled: Settled::ParkRefused,
             };
             report.settled = inner
                 .park(&job, "parked behind an earlier message of its key", 0, true)
@@ -354,27 +353,32 @@ where
         });
     }
 
-    /// A message that parked itself (its in-place runs spent) counts under its key now; one
-    /// parked behind was counted when decided, and uncounts if its park was refused.
+    /// A lane's running message is about to park itself (its in-place runs spent): its key
+    /// counts as parked from now, before its row is written, so that neither its lane's next
+    /// message nor a head's removal can find the key free while it is being parked.
+    pub(in crate::runner) fn on_parking(&mut self, lane: &Lane) {
+        let tp = (lane.topic.clone(), lane.partition);
+        if let Some(p) = self.parks.parts.get_mut(&tp)
+            && p.generation == lane.generation
+        {
+            *p.keys.entry(lane.key.clone()).or_default() += 1;
+        }
+    }
+
+    /// A park that was counted when decided and then refused uncounts.
     pub(in crate::runner) fn on_parked(&mut self, done: &Done) {
-        let tp = (done.lane.topic.clone(), done.lane.partition);
-        let Some(p) = self.parks.parts.get_mut(&tp) else {
-            return;
-        };
-        if p.generation != done.lane.generation {
+        if done.settled != Settled::ParkRefused {
             return;
         }
-        match done.settled {
-            Settled::Parked => *p.keys.entry(done.lane.key.clone()).or_default() += 1,
-            Settled::Abandoned if done.behind => {
-                if let Some(n) = p.keys.get_mut(&done.lane.key) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        p.keys.remove(&done.lane.key);
-                    }
-                }
+        let tp = (done.lane.topic.clone(), done.lane.partition);
+        if let Some(p) = self.parks.parts.get_mut(&tp)
+            && p.generation == done.lane.generation
+            && let Some(n) = p.keys.get_mut(&done.lane.key)
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                p.keys.remove(&done.lane.key);
             }
-            _ => {}
         }
     }
 

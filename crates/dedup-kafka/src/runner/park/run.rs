@@ -52,10 +52,10 @@ where
         behind: bool,
     ) -> Settled {
         let Some(ctx) = &self.park else {
-            return Settled::Abandoned;
+            return Settled::ParkRefused;
         };
         let Some(epoch) = job.park_epoch else {
-            return Settled::Abandoned;
+            return Settled::ParkRefused;
         };
         let part = part_ref(ctx, &job.lane);
         let due_in = if behind {
@@ -105,14 +105,14 @@ where
                         offset = job.delivery.offset,
                         "the partition has another owner: not parked"
                     );
-                    return Settled::Abandoned;
+                    return Settled::ParkRefused;
                 }
                 Err(e) => {
                     self.counters.store_errors.add(1);
                     warn!(error = %e, "parking failed; retrying");
                     retry += 1;
                     if !self.wait_retry(job, retry).await {
-                        return Settled::Abandoned;
+                        return Settled::ParkRefused;
                     }
                 }
             }
