@@ -35,6 +35,11 @@ CREATE TABLE dedup_parked (
     header_values  bytea[]     NOT NULL,
     -- The message's timestamp (ms since the epoch), if it had one.
     timestamp_ms   bigint,
+    -- Its dedup record's scope and key (when it had a usable one): the purge keeps that record
+    -- while the message is parked, so a re-run after a long wait still finds a result stored
+    -- before and never runs the effect twice.
+    dedup_scope    text,
+    dedup_key      bytea,
     -- The last failure, and the attempts made so far (in place and parked).
     error          text        NOT NULL,
     attempts       integer     NOT NULL,
@@ -53,6 +58,9 @@ CREATE TABLE dedup_parked (
     -- Parked at most once: a replay after a crash finds its row.
     PRIMARY KEY (consumer_group, topic, partition, "offset")
 );
+
+CREATE INDEX dedup_parked_dedup_key_idx
+    ON dedup_parked (dedup_scope, dedup_key) WHERE dedup_key IS NOT NULL;
 
 -- A key's queue in offset order, and its head.
 CREATE INDEX dedup_parked_key_idx

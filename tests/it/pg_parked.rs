@@ -277,3 +277,41 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
     let gauges = store.parked_gauges("g", &owned()).await.unwrap();
     assert_eq!((gauges.keys, gauges.messages), (2, 3));
 }
+
+/// A record past its retention is purged, unless a parked message carries its key: a re-run
+/// after a long wait must still find the result stored before, or the effect would run twice.
+/// Once the message settles, the record goes with the next purge.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_parked_messages_dedup_record_outlives_its_retention(pool: PgPool) {
+    use dedup_core::{Policy, Store};
+
+    let store = PgStore::new(pool);
+    let gone = Policy::default().with_retention(Duration::ZERO);
+    for name in ["evt-parked", "evt-free"] {
+        let k = crate::support::key(name);
+        let lease = crate::support::acquired(
+            store
+                .claim(&crate::support::req(&k, "w#1").with_policy(gone))
+                .await
+                .unwrap(),
+        );
+        store.complete(&lease, b"done").await.unwrap();
+    }
+    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let m = msg(1, "acct-1", "down").with_dedup_key("test", b"evt-parked".to_vec());
+    store.park(&part(), e, &m, Duration::ZERO).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    assert_eq!(store.purge(10).await.unwrap(), 1, "only the free one");
+    let parked_key = crate::support::key("evt-parked");
+    assert!(store.get(&parked_key).await.unwrap().is_some());
+    assert_eq!(
+        store.due_heads("g", &owned(), 10).await.unwrap()[0]
+            .message
+            .dedup_key,
+        Some(("test".to_owned(), b"evt-parked".to_vec()))
+    );
+    store.settle_head(&part(), e, 1, false).await.unwrap();
+    assert_eq!(store.purge(10).await.unwrap(), 1);
+    assert!(store.get(&parked_key).await.unwrap().is_none());
+}

@@ -208,8 +208,12 @@ pub(crate) const GET_SQL: &str = concat!(
 
 /// Bounded retention purge; skips rows another transaction holds.
 pub(crate) const PURGE_SQL: &str = concat!(
-    "WITH doomed AS (SELECT scope, key FROM dedup_records",
-    "  WHERE expires_at <= statement_timestamp() ORDER BY expires_at LIMIT $1",
+    "WITH doomed AS (SELECT scope, key FROM dedup_records r",
+    "  WHERE expires_at <= statement_timestamp()",
+    // A parked message's record stays until the message ran or was dead-lettered.
+    "  AND NOT EXISTS (SELECT 1 FROM dedup_parked p",
+    "  WHERE p.dedup_scope = r.scope AND p.dedup_key = r.key)",
+    "  ORDER BY expires_at LIMIT $1",
     "  FOR UPDATE SKIP LOCKED) ",
     "DELETE FROM dedup_records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"
 );

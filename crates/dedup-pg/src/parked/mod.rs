@@ -72,6 +72,9 @@ pub struct ParkedMessage {
     pub error: String,
     /// Attempts made so far, in place and parked.
     pub attempts: u32,
+    /// Its dedup record's scope and key, if it had a usable one: the purge keeps that record
+    /// while the message is parked.
+    pub dedup_key: Option<(String, Vec<u8>)>,
 }
 
 impl ParkedMessage {
@@ -89,6 +92,13 @@ impl ParkedMessage {
             attempts,
             ..Self::default()
         }
+    }
+
+    /// With its dedup record's scope and key.
+    #[must_use]
+    pub fn with_dedup_key(mut self, scope: impl Into<String>, key: impl Into<Vec<u8>>) -> Self {
+        self.dedup_key = Some((scope.into(), key.into()));
+        self
     }
 
     /// With the message's key, payload, headers and timestamp.
@@ -226,6 +236,11 @@ fn head_of(row: &PgRow) -> Result<ParkedHead, sqlx::Error> {
             timestamp_ms: row.try_get("timestamp_ms")?,
             error: row.try_get("error")?,
             attempts: attempts_of(row, "attempts")?,
+            dedup_key: {
+                let scope: Option<String> = row.try_get("dedup_scope")?;
+                let key: Option<Vec<u8>> = row.try_get("dedup_key")?;
+                scope.zip(key)
+            },
         },
         dropped: row.try_get("dropped")?,
     })
@@ -302,6 +317,8 @@ impl PgStore {
             .bind(&message.error)
             .bind(i32::try_from(message.attempts).unwrap_or(i32::MAX))
             .bind(secs(due_in))
+            .bind(message.dedup_key.as_ref().map(|k| k.0.as_str()))
+            .bind(message.dedup_key.as_ref().map(|k| k.1.as_slice()))
             .fetch_optional(&mut **conn)
             .await
             .map_err(|e| classify(e, true));

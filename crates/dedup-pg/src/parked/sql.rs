@@ -38,13 +38,13 @@ macro_rules! fenced {
 /// Parks one message (at most once: a row at its offset stays as it is). Answers a row if it
 /// was written now. $5 offset, $6 has_key, $7 ordering key, $8 message key, $9 payload, $10
 /// header names, $11 header values, $12 timestamp, $13 error, $14 attempts, $15 seconds until
-/// it is due.
+/// it is due, $16 and $17 its dedup record's scope and key.
 pub(super) const PARK_SQL: &str = fenced!(
     "INSERT INTO dedup_parked (consumer_group, topic, partition, \"offset\", has_key,",
     " ordering_key, message_key, payload, header_names, header_values, timestamp_ms, error,",
-    " attempts, parked_at, due_at)",
+    " attempts, parked_at, due_at, dedup_scope, dedup_key)",
     " SELECT $1, $2, $3, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, statement_timestamp(),",
-    " statement_timestamp() + make_interval(secs => $15) FROM o",
+    " statement_timestamp() + make_interval(secs => $15), $16, $17 FROM o",
     " ON CONFLICT DO NOTHING RETURNING 1",
 );
 
@@ -64,6 +64,7 @@ pub(super) const DUE_HEADS_SQL: &str = concat!(
     "SELECT * FROM (SELECT DISTINCT ON (p.topic, p.partition, p.has_key, p.ordering_key)",
     " p.topic, p.partition, p.\"offset\", p.has_key, p.ordering_key, p.message_key, p.payload,",
     " p.header_names, p.header_values, p.timestamp_ms, p.error, p.attempts, p.held, p.dropped,",
+    " p.dedup_scope, p.dedup_key,",
     " p.due_at <= statement_timestamp() AND (p.taken_until IS NULL",
     " OR p.taken_until <= statement_timestamp() OR p.taken_epoch IS DISTINCT FROM o.epoch) AS due",
     " FROM dedup_parked p JOIN unnest($2::text[], $3::int4[]) AS w(topic, partition)",

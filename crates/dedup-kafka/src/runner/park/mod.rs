@@ -193,6 +193,7 @@ pub(crate) trait ParkStore: Send + Sync + 'static {
         epoch: i64,
         delivery: &'a Delivery,
         key: Option<Vec<u8>>,
+        dedup_key: Option<(String, Vec<u8>)>,
         error: &'a str,
         attempts: u32,
         due_in: Duration,

@@ -29,12 +29,13 @@ impl ParkStore for PgStore {
         epoch: i64,
         d: &'a Delivery,
         key: Option<Vec<u8>>,
+        dedup_key: Option<(String, Vec<u8>)>,
         error: &'a str,
         attempts: u32,
         due_in: Duration,
     ) -> StoreFuture<'a, Parked> {
         Box::pin(async move {
-            let message = ParkedMessage::new(d.offset, key, error, attempts).with_message(
+            let mut message = ParkedMessage::new(d.offset, key, error, attempts).with_message(
                 vec_of(d.key.as_ref()),
                 vec_of(d.payload.as_ref()),
                 d.headers
@@ -43,6 +44,9 @@ impl ParkStore for PgStore {
                     .collect(),
                 d.timestamp_ms,
             );
+            if let Some((scope, k)) = dedup_key {
+                message = message.with_dedup_key(scope, k);
+            }
             Ok(
                 match self
                     .park(&part(p), ParkEpoch(epoch), &message, due_in)

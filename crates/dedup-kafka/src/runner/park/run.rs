@@ -80,6 +80,10 @@ where
                     epoch,
                     &job.delivery,
                     job.lane.key.clone(),
+                    job.key
+                        .as_ref()
+                        .ok()
+                        .map(|k| (k.scope().as_str().to_owned(), k.key_bytes().to_vec())),
                     error,
                     attempts,
                     due_in,
