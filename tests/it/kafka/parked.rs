@@ -30,6 +30,7 @@ on_brokers!(
     under_the_hold_policy_a_keys_later_messages_wait_for_an_operator,
     a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_order,
     sigkill_after_parking_and_during_a_parked_run_loses_and_doubles_nothing,
+    a_message_parked_while_its_keys_last_parked_message_completes_is_not_stranded,
 );
 
 /// What the handler books: one row per message, numbered in the order they ran.
@@ -74,6 +75,10 @@ struct Switches {
     always: Mutex<HashSet<String>>,
     calls: Mutex<HashMap<String, u32>>,
     open: AtomicBool,
+    /// A key whose run, once the gate is open, waits inside the handler for `release`.
+    stall: Mutex<Option<String>>,
+    stalled: std::sync::atomic::AtomicU32,
+    release: tokio::sync::Notify,
 }
 
 impl Switches {
@@ -119,6 +124,10 @@ fn booking(
                 return Err(HandlerError::Retryable(format!(
                     "{account}'s service is down"
                 )));
+            }
+            if switches.stall.lock().unwrap().as_deref() == Some(key.as_str()) {
+                switches.stalled.fetch_add(1, Ordering::SeqCst);
+                switches.release.notified().await;
             }
             let lease = lease.ok_or(HandlerError::Permanent("no key".to_owned()))?;
             store
@@ -672,4 +681,78 @@ async fn sigkill_after_parking_and_during_a_parked_run_loses_and_doubles_nothing
             .unwrap();
     assert_eq!(bad, ["bad-1", "bad-2", "bad-3"]);
     assert_eq!(count("SELECT count(*) FROM dedup_parked").await, 0);
+}
+
+/// The interleaving a count of parked messages must survive: a key's last parked message is
+/// running its re-run (held inside the handler) when a new message of the key arrives. The new
+/// one parks behind it (its key is not free yet), and when the head completes it becomes the
+/// head and runs: never stranded, never ahead. After that the key is free and a later message
+/// runs at once.
+async fn a_message_parked_while_its_keys_last_parked_message_completes_is_not_stranded(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    booked_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let switches = Arc::new(Switches::default());
+    switches.shut.lock().unwrap().insert("acct-bad".to_owned());
+    produce(broker, &topic, &[keyed("bad-1", "acct-bad")]).await;
+    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        dedup,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    eventually(60, "bad-1 parked", || {
+        let (pool, group) = (pool.clone(), group.clone());
+        async move { parked(&pool, &group).await.get("acct-bad") == Some(&1) }
+    })
+    .await;
+    *switches.stall.lock().unwrap() = Some("bad-1".to_owned());
+    switches.open.store(true, Ordering::SeqCst);
+    eventually(60, "bad-1's re-run inside the handler", || {
+        let switches = switches.clone();
+        async move { switches.stalled.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    produce(broker, &topic, &[keyed("bad-2", "acct-bad")]).await;
+    eventually(60, "bad-2 parked behind the running head", || {
+        let (pool, group) = (pool.clone(), group.clone());
+        async move { parked(&pool, &group).await.get("acct-bad") == Some(&2) }
+    })
+    .await;
+    assert_eq!(switches.calls("bad-2"), 0);
+    switches.release.notify_one();
+    eventually(60, "both booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 2 }
+    })
+    .await;
+    assert_eq!(booked_of(&pool, "acct-bad").await, ["bad-1", "bad-2"]);
+    eventually(30, "the key free", || {
+        let (pool, group) = (pool.clone(), group.clone());
+        async move { parked(&pool, &group).await.is_empty() }
+    })
+    .await;
+    produce(broker, &topic, &[keyed("bad-3", "acct-bad")]).await;
+    eventually(60, "bad-3 booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 3 }
+    })
+    .await;
+    assert_eq!(
+        booked_of(&pool, "acct-bad").await,
+        ["bad-1", "bad-2", "bad-3"]
+    );
+    let s = running.stop().await;
+    assert_eq!(s.parked, 2, "bad-3 ran without parking: {s:?}");
+    committed_to_the_end(broker, &group, &topic, 1).await;
 }
