@@ -8,6 +8,7 @@
 mod bench;
 mod connect;
 mod demo;
+mod parked;
 mod telemetry;
 
 use std::process::ExitCode;
@@ -39,6 +40,12 @@ enum Command {
     Inspect(InspectArgs),
     /// Delete records past their retention, in batches.
     Purge(PurgeArgs),
+    /// List a consumer group's parked keys: messages, oldest, attempts, next run, last error.
+    Parked(parked::ParkedArgs),
+    /// Make a parked key's head due now (and lift a hold).
+    Unpark(parked::KeyArgs),
+    /// Dead-letter a parked key's queue (its partition's owner writes them, in order).
+    Drop(parked::KeyArgs),
 }
 
 /// Where Postgres is.
@@ -120,6 +127,9 @@ async fn run(command: Command) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect(args) => inspect(args).await,
+        Command::Parked(args) => parked::list(args).await,
+        Command::Unpark(args) => parked::unpark(args).await,
+        Command::Drop(args) => parked::drop(args).await,
         Command::Purge(args) => {
             let pool = connect_pg(&args.pg.database_url, 2).await?;
             let store = dedup_pg::PgStore::new(pool);

@@ -313,6 +313,76 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     assert!(text(&out).0.contains("purged "), "{:?}", text(&out));
 }
 
+#[test]
+fn parked_keys_are_listed_released_and_dropped() {
+    let db = env("DATABASE_URL");
+    let out = dedup()
+        .args(["migrate", "--database-url", &db])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let group = format!("cli-parked-{}", std::process::id());
+    let insert = format!(
+        "INSERT INTO dedup_parked (consumer_group, topic, partition, \"offset\", has_key, \
+         ordering_key, header_names, header_values, error, attempts, parked_at, due_at) VALUES \
+         ('{group}', 'orders', 0, 5, true, 'acct-1', '{{}}', '{{}}', 'payments down', 4, \
+          now() - interval '5 minutes', now() + interval '1 hour'), \
+         ('{group}', 'orders', 0, 9, true, 'acct-1', '{{}}', '{{}}', 'behind', 0, now(), now())"
+    );
+    let out = psql().args(["-c", &insert]).output().unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let run = |args: &[&str]| {
+        let out = dedup()
+            .args(args)
+            .env("DATABASE_URL", &db)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        (out.status.code(), stdout, stderr)
+    };
+
+    let (code, stdout, stderr) = run(&["parked", "--group", &group]);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("1 parked key(s), 2 message(s)"), "{stdout}");
+    let row = stdout.lines().find(|l| l.contains("acct-1")).unwrap();
+    for part in [
+        "orders",
+        " 2 ",
+        "5m",
+        " ago",
+        " 4 ",
+        "in 59m",
+        "payments down",
+    ] {
+        assert!(row.contains(part), "{part:?} not in {row:?}");
+    }
+
+    let (code, stdout, _) = run(&["unpark", "--group", &group, "acct-1"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        stdout.contains("its head is due now (2 message(s)"),
+        "{stdout}"
+    );
+    let (_, stdout, _) = run(&["parked", "--group", &group]);
+    assert!(!stdout.contains("in 59m"), "{stdout}");
+
+    let (code, stdout, _) = run(&["drop", "--group", &group, "acct-1"]);
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("2 message(s) marked"), "{stdout}");
+    let (_, stdout, _) = run(&["parked", "--group", &group]);
+    assert!(stdout.contains("dropping"), "{stdout}");
+
+    let (code, _, stderr) = run(&["unpark", "--group", &group, "nobody"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("nothing is parked under nobody"),
+        "{stderr}"
+    );
+    let (code, stdout, _) = run(&["parked", "--group", "no-such-group"]);
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("no parked keys"), "{stdout}");
+}
+
 /// Arguments, environment, and what stderr must say.
 type Case<'a> = (&'a [&'a str], Vec<(&'a str, String)>, &'a [&'a str]);
 
