@@ -31,6 +31,7 @@ on_brokers!(
     a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_order,
     sigkill_after_parking_and_during_a_parked_run_loses_and_doubles_nothing,
     a_message_parked_while_its_keys_last_parked_message_completes_is_not_stranded,
+    at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drains,
 );
 
 /// What the handler books: one row per message, numbered in the order they ran.
@@ -197,6 +198,19 @@ async fn spawn(
     switches: &Arc<Switches>,
     after: AfterGiveUp,
 ) -> Running {
+    spawn_parking(broker, pool, group, topic, dedup, switches, parking(after))
+}
+
+/// [`spawn`] with parking settings of the test's own.
+fn spawn_parking(
+    broker: &Broker,
+    pool: &PgPool,
+    group: &str,
+    topic: &str,
+    dedup: Arc<Dedup<Engine>>,
+    switches: &Arc<Switches>,
+    parking: Parking,
+) -> Running {
     let config: RunnerConfig = broker
         .config(group, topic)
         .with_ordering(KeyOrdering::PerKey)
@@ -204,7 +218,7 @@ async fn spawn(
     let store = PgStore::new(pool.clone());
     let runner = Runner::new(config, dedup, booking(store.clone(), switches.clone()))
         .unwrap()
-        .with_parking(store, parking(after))
+        .with_parking(store, parking)
         .unwrap();
     let stats = runner.stats();
     let (stop, rx) = oneshot::channel::<()>();
@@ -754,5 +768,79 @@ async fn a_message_parked_while_its_keys_last_parked_message_completes_is_not_st
     );
     let s = running.stop().await;
     assert_eq!(s.parked, 2, "bad-3 ran without parking: {s:?}");
+    committed_to_the_end(broker, &group, &topic, 1).await;
+}
+
+/// With at most two messages parked per key, a key's third message is not parked: it waits in
+/// memory with its partition paused (so a later message of another key waits too), counted in
+/// `park_full`; once the key drains it is let in, parked and run in order, and the partition
+/// goes on.
+async fn at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drains(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    booked_table(&pool).await;
+    let redis = RedisServer::start();
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    let group = unique("g");
+    let switches = Arc::new(Switches::default());
+    switches.shut.lock().unwrap().insert("acct-bad".to_owned());
+    produce(
+        broker,
+        &topic,
+        &[
+            keyed("bad-1", "acct-bad"),
+            keyed("ok-1", "acct-ok"),
+            keyed("bad-2", "acct-bad"),
+            keyed("bad-3", "acct-bad"),
+        ],
+    )
+    .await;
+    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let running = spawn_parking(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        dedup,
+        &switches,
+        parking(AfterGiveUp::Proceed).with_bounds(2, 100),
+    );
+    let stats = running.stats.clone();
+    eventually(60, "the bound reached", || {
+        let s = stats.snapshot();
+        async move { s.park_full >= 1 }
+    })
+    .await;
+    eventually(30, "two parked, the gauges refreshed", || {
+        let (pool, group, s) = (pool.clone(), group.clone(), stats.snapshot());
+        async move {
+            parked(&pool, &group).await.get("acct-bad") == Some(&2)
+                && s.parked_keys == 1
+                && s.parked_messages == 2
+        }
+    })
+    .await;
+    // The partition waits: a message of another key produced now is not run.
+    produce(broker, &topic, &[keyed("ok-2", "acct-ok")]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        booked_of(&pool, "acct-ok").await,
+        ["ok-1"],
+        "ok-2 waits behind bad-3"
+    );
+    switches.open.store(true, Ordering::SeqCst);
+    eventually(60, "all booked", || {
+        let pool = pool.clone();
+        async move { booked_count(&pool).await == 5 }
+    })
+    .await;
+    assert_eq!(
+        booked_of(&pool, "acct-bad").await,
+        ["bad-1", "bad-2", "bad-3"]
+    );
+    assert_eq!(booked_of(&pool, "acct-ok").await, ["ok-1", "ok-2"]);
+    running.stop().await;
     committed_to_the_end(broker, &group, &topic, 1).await;
 }

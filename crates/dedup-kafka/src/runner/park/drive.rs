@@ -231,6 +231,10 @@ where
     /// Lets in the messages that waited for a barrier or for room: each goes through
     /// [`admit`](Self::admit) again, in the order received.
     fn let_waiting_in(&mut self) {
+        let Some(ctx) = self.park_ctx() else {
+            return;
+        };
+        let total = self.parks.total();
         let ready: Vec<(String, i32)> = self
             .parks
             .parts
@@ -242,6 +246,13 @@ where
             let Some(p) = self.parks.parts.get_mut(&tp) else {
                 continue;
             };
+            if p.paused {
+                // Waiting for room: only once the first in line fits under the bounds.
+                let n = p.keys.get(&p.waiting[0].lane.key).copied().unwrap_or(0);
+                if n >= ctx.cfg.max_per_key || total >= ctx.cfg.max_parked {
+                    continue;
+                }
+            }
             let jobs = std::mem::take(&mut p.waiting);
             let was_paused = std::mem::replace(&mut p.paused, false);
             self.held -= jobs.len();
@@ -268,10 +279,15 @@ where
         let tp = (job.lane.topic.clone(), job.lane.partition);
         let generation = job.lane.generation;
         self.sync(&tp, generation);
-        let p = self.parks.parts.get_mut(&tp)?;
-        if p.generation != generation {
-            return None;
-        }
+        // `sync` made the entry for this generation; anything else runs as without parking.
+        let Some(p) = self
+            .parks
+            .parts
+            .get_mut(&tp)
+            .filter(|p| p.generation == generation)
+        else {
+            return Some(job);
+        };
         if p.epoch.is_none() || !p.waiting.is_empty() {
             // Before the barrier, or behind messages waiting for room: in order, after them.
             self.held += 1;
@@ -284,7 +300,8 @@ where
             return Some(job);
         }
         self.held += 1;
-        self.park_behind(&ctx, job);
+        // Parked, or waiting for room: either way held until it settles.
+        let _ = self.park_behind(&ctx, job);
         None
     }
 
@@ -305,18 +322,26 @@ where
             return false;
         }
         if let Some(j) = job.take() {
-            self.park_behind(&ctx, j);
+            let lane = j.lane.clone();
+            if !self.park_behind(&ctx, j)
+                && let Some(state) = self.lanes.remove(&lane)
+                && let Some(p) = self.parks.parts.get_mut(&tp)
+            {
+                // Past a bound the head waits for room, and its lane's queue with it, in
+                // order; they stay counted as held.
+                p.waiting.extend(state.queue);
+            }
         }
         true
     }
 
     /// Parks `job` behind its key (counted now, so the key cannot look free before its row is
-    /// written), or, past a bound, keeps it waiting with its partition paused.
-    fn park_behind(&mut self, ctx: &Arc<ParkCtx>, mut job: Job) {
+    /// written), or, past a bound, keeps it waiting with its partition paused (answered false).
+    fn park_behind(&mut self, ctx: &Arc<ParkCtx>, mut job: Job) -> bool {
         let tp = (job.lane.topic.clone(), job.lane.partition);
         let total = self.parks.total();
         let Some(p) = self.parks.parts.get_mut(&tp) else {
-            return;
+            return true;
         };
         let n = p.keys.entry(job.lane.key.clone()).or_default();
         if *n >= ctx.cfg.max_per_key || total >= ctx.cfg.max_parked {
@@ -331,14 +356,14 @@ where
                     warn!(error = %e, "pausing a partition whose parked queue is full failed");
                 }
             }
-            return;
+            return false;
         }
         *n += 1;
         job.park_epoch = p.epoch;
         ctx.total.store(total + 1, AtomicOrdering::Relaxed);
         let inner = self.inner.clone();
         let Some(done_tx) = self.done_tx.clone() else {
-            return;
+            return true;
         };
         tokio::spawn(async move {
             let mut report = Report {
@@ -351,6 +376,7 @@ where
                 .park(&job, "parked behind an earlier message of its key", 0, true)
                 .await;
         });
+        true
     }
 
     /// A lane's running message is about to park itself (its in-place runs spent): its key
