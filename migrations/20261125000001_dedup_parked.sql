@@ -55,6 +55,10 @@ CREATE TABLE dedup_parked (
     held           boolean     NOT NULL DEFAULT false,
     -- An operator asked for the key's queue to be dead-lettered (`dedup drop`): the owner does it.
     dropped        boolean     NOT NULL DEFAULT false,
+    -- The head was dead-lettered under the hold policy: the row stays (held) as the key's marker,
+    -- so the key keeps its later messages back until an operator releases it; then the owner
+    -- removes it without running it.
+    gave_up        boolean     NOT NULL DEFAULT false,
     -- Parked at most once: a replay after a crash finds its row.
     PRIMARY KEY (consumer_group, topic, partition, "offset")
 );

@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use dedup_pg::{HeadSettled, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore};
+use dedup_pg::{
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore,
+};
 use sqlx::PgPool;
 
 fn msg(offset: i64, key: &str, error: &str) -> ParkedMessage {
@@ -122,6 +124,8 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
             .unwrap()
     );
     assert_eq!(heads_offsets(&store).await, vec![4, 6]);
+    // The keyless queue is an operator's to release too.
+    assert_eq!(store.unpark("g", None).await.unwrap(), 1);
     let summary = store.parked_summary("g").await.unwrap();
     let acct1 = summary
         .iter()
@@ -138,12 +142,13 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     assert!(acct1.head_due > acct1.oldest);
 
     // An operator makes it due now; it runs and settles; the next of the key is the head.
-    assert_eq!(store.unpark("g", b"acct-1").await.unwrap(), 3);
-    assert!(
+    assert_eq!(store.unpark("g", Some(b"acct-1")).await.unwrap(), 3);
+    assert_eq!(
         store
             .take_head(&part(), e, 3, Duration::from_secs(60))
             .await
-            .unwrap()
+            .unwrap(),
+        HeadTaken::Taken
     );
     // Taken: not picked again while it runs.
     assert_eq!(heads_offsets(&store).await, vec![4, 6]);
@@ -183,11 +188,12 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
         .unwrap();
     // The old owner takes the head to run it, and dies: its owner does not pick it again for
     // the run's bound, a new owner does at once.
-    assert!(
+    assert_eq!(
         store
             .take_head(&part(), old, 1, Duration::from_secs(600))
             .await
-            .unwrap()
+            .unwrap(),
+        HeadTaken::Taken
     );
     assert!(heads(&store).await.is_empty());
     let (new, keys) = store.acquire_parked(&part(), "b#1").await.unwrap();
@@ -202,11 +208,12 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
             .unwrap(),
         ParkOutcome::Fenced
     );
-    assert!(
-        !store
+    assert_eq!(
+        store
             .take_head(&part(), old, 1, Duration::from_secs(60))
             .await
-            .unwrap()
+            .unwrap(),
+        HeadTaken::Fenced
     );
     assert!(
         !store
@@ -251,14 +258,29 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
             .await
             .unwrap();
     }
+    // acct-1's head was dead-lettered under the hold policy: it stays as the key's held marker,
+    // and the key's other message is held with it.
     assert_eq!(
         store.settle_head(&part(), e, 1, true).await.unwrap(),
-        HeadSettled::Removed
+        HeadSettled::Held
     );
     assert_eq!(heads_offsets(&store).await, vec![3]);
     let summary = store.parked_summary("g").await.unwrap();
-    assert!(summary.iter().any(|s| s.held && s.messages == 1));
-    assert_eq!(store.unpark("g", b"acct-1").await.unwrap(), 1);
+    assert!(summary.iter().any(|s| s.held && s.messages == 2));
+    // Released: the marker is the head again (the owner removes it without running it), then
+    // the message behind it.
+    assert_eq!(store.unpark("g", Some(b"acct-1")).await.unwrap(), 2);
+    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    assert_eq!(
+        got.iter()
+            .map(|h| (h.message.offset, h.gave_up))
+            .collect::<Vec<_>>(),
+        vec![(1, true), (3, false)]
+    );
+    assert_eq!(
+        store.settle_head(&part(), e, 1, false).await.unwrap(),
+        HeadSettled::Removed
+    );
     assert_eq!(heads_offsets(&store).await, vec![2, 3]);
 
     // acct-2's head is deferred an hour; a drop makes both of its messages come back, dropped.
@@ -268,11 +290,11 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
             .await
             .unwrap()
     );
-    assert_eq!(store.drop_parked("g", b"acct-2").await.unwrap(), 2);
+    assert_eq!(store.drop_parked("g", Some(b"acct-2")).await.unwrap(), 2);
     let got = store.due_heads("g", &owned(), 10).await.unwrap();
     let dropped: Vec<(i64, bool)> = got.iter().map(|h| (h.message.offset, h.dropped)).collect();
     assert_eq!(dropped, vec![(2, false), (3, true)]);
-    assert_eq!(store.unpark("g", b"nobody").await.unwrap(), 0);
+    assert_eq!(store.unpark("g", Some(b"nobody")).await.unwrap(), 0);
 
     let gauges = store.parked_gauges("g", &owned()).await.unwrap();
     assert_eq!((gauges.keys, gauges.messages), (2, 3));

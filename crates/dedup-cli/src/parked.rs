@@ -28,7 +28,17 @@ pub(crate) struct KeyArgs {
     #[arg(long)]
     group: String,
     /// The ordering key (the Kafka message key, as UTF-8 text).
-    key: String,
+    #[arg(required_unless_present = "keyless", conflicts_with = "keyless")]
+    key: Option<String>,
+    /// The queue of the messages that had no ordering key.
+    #[arg(long)]
+    keyless: bool,
+}
+
+impl KeyArgs {
+    fn key(&self) -> Option<&[u8]> {
+        self.key.as_deref().map(str::as_bytes)
+    }
 }
 
 /// A key as text: escaped where it is not printable, `(no key)` for the keyless queue.
@@ -107,19 +117,19 @@ pub(crate) async fn list(args: ParkedArgs) -> Result<ExitCode, CliError> {
 pub(crate) async fn unpark(args: KeyArgs) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
     let n = PgStore::new(pool)
-        .unpark(&args.group, args.key.as_bytes())
+        .unpark(&args.group, args.key())
         .await
         .map_err(|e| CliError::Failed(format!("unparking: {e}")))?;
     if n == 0 {
         return Err(CliError::Failed(format!(
             "nothing is parked under {} in group {}",
-            shown(Some(args.key.as_bytes())),
+            shown(args.key()),
             args.group
         )));
     }
     println!(
         "{}: its head is due now ({n} message(s) parked, hold lifted); the partition's owner runs it",
-        shown(Some(args.key.as_bytes()))
+        shown(args.key())
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -127,19 +137,19 @@ pub(crate) async fn unpark(args: KeyArgs) -> Result<ExitCode, CliError> {
 pub(crate) async fn drop(args: KeyArgs) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
     let n = PgStore::new(pool)
-        .drop_parked(&args.group, args.key.as_bytes())
+        .drop_parked(&args.group, args.key())
         .await
         .map_err(|e| CliError::Failed(format!("dropping: {e}")))?;
     if n == 0 {
         return Err(CliError::Failed(format!(
             "nothing is parked under {} in group {}",
-            shown(Some(args.key.as_bytes())),
+            shown(args.key()),
             args.group
         )));
     }
     println!(
         "{}: {n} message(s) marked; the partition's owner dead-letters them, in order",
-        shown(Some(args.key.as_bytes()))
+        shown(args.key())
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -88,8 +88,8 @@ mod store;
 pub use batch_tx::{BatchAnswer, BatchBody, ItemResult, TxBatchConfig};
 pub use offsets::{TxOffsets, stored_offsets_on};
 pub use parked::{
-    HeadSettled, ParkEpoch, ParkOutcome, ParkedGauges, ParkedHead, ParkedKey, ParkedKeySummary,
-    ParkedMessage, ParkedPartition,
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedGauges, ParkedHead, ParkedKey,
+    ParkedKeySummary, ParkedMessage, ParkedPartition,
 };
 
 use claim::claim_counted;

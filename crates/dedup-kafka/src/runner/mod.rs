@@ -158,6 +158,8 @@ enum Settled {
     Parked,
     /// Parked behind an earlier parked message of its key, without running.
     ParkedBehind,
+    /// Found parked already (a replay after a crash or a rebalance).
+    ParkedAlready,
     /// To be parked, and not: another owner has the partition, or the runner stops. Left to
     /// redelivery, as `Abandoned`.
     ParkRefused,
@@ -605,7 +607,7 @@ where
             Settled::DeadLettered => c.dead_lettered.add(1),
             Settled::ProcessedWithoutDedup => c.processed_without_dedup.add(1),
             // Counted where they were parked.
-            Settled::Parked | Settled::ParkedBehind => {}
+            Settled::Parked | Settled::ParkedBehind | Settled::ParkedAlready => {}
             Settled::Abandoned | Settled::ParkRefused => c.abandoned.add(1),
         }
         if !matches!(done.settled, Settled::Abandoned | Settled::ParkRefused) {
@@ -773,7 +775,9 @@ where
                 if self.should_park(&err, retry) {
                     let attempts = attempts_of(&err, retry);
                     let _ = events.send(Event::Parking(job.lane.clone()));
-                    return self.park(job, &err.to_string(), attempts, false).await;
+                    return self
+                        .park(job, events, &err.to_string(), attempts, false)
+                        .await;
                 }
                 if let ProcessError::Store(e) = &err {
                     self.counters.store_errors.add(1);

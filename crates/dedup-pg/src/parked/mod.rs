@@ -142,14 +142,32 @@ pub struct ParkedHead {
     pub message: ParkedMessage,
     /// An operator asked for the key's queue to be dead-lettered.
     pub dropped: bool,
+    /// It was dead-lettered already under the hold policy and an operator released or dropped
+    /// its key: it is to be removed without running.
+    pub gave_up: bool,
+}
+
+/// What taking a head did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum HeadTaken {
+    /// Taken: run it.
+    Taken,
+    /// It had gone (settled meanwhile).
+    Gone,
+    /// Another owner took the partition: nothing changed.
+    Fenced,
 }
 
 /// What settling a head did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub enum HeadSettled {
-    /// Its row went (and, if asked, the key's other messages are held).
+    /// Its row went.
     Removed,
+    /// Under the hold policy: its row stays as the key's held marker, and the key's other
+    /// messages are held.
+    Held,
     /// It had gone already (settled before a crash, say).
     Gone,
     /// Another owner took the partition: nothing changed.
@@ -243,6 +261,7 @@ fn head_of(row: &PgRow) -> Result<ParkedHead, sqlx::Error> {
             },
         },
         dropped: row.try_get("dropped")?,
+        gave_up: row.try_get("gave_up")?,
     })
 }
 
@@ -381,16 +400,15 @@ impl PgStore {
             .collect()
     }
 
-    /// Takes the head at `offset` to run it, pushing its due time out by `bound` (how long a run
-    /// may take before another look may pick it again). False: another owner took the partition,
-    /// or the head went.
+    /// Takes the head at `offset` to run it: this owner's later looks do not pick it again for
+    /// `bound` (how long a run may take), a later owner's do.
     pub async fn take_head(
         &self,
         partition: &ParkedPartition,
         epoch: ParkEpoch,
         offset: i64,
         bound: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<HeadTaken, StoreError> {
         self.count(1);
         let mut conn = self.conn().await?;
         let row = sqlx::query(sql::TAKE_SQL)
@@ -400,14 +418,23 @@ impl PgStore {
             .bind(epoch.0)
             .bind(offset)
             .bind(secs(bound))
-            .fetch_optional(&mut **conn)
+            .fetch_one(&mut **conn)
             .await
             .map_err(|e| classify(e, true));
-        Ok(conn.checked(row)?.is_some())
+        let row = conn.checked(row)?;
+        let owned: bool = row.try_get("owned").map_err(|e| classify(e, false))?;
+        let taken: bool = row.try_get("taken").map_err(|e| classify(e, false))?;
+        Ok(match (owned, taken) {
+            (false, _) => HeadTaken::Fenced,
+            (true, true) => HeadTaken::Taken,
+            (true, false) => HeadTaken::Gone,
+        })
     }
 
     /// The head at `offset` settled (it ran, was replayed, or was dead-lettered): its row goes.
-    /// With `hold_rest`, the key's other messages wait for an operator (`dedup unpark`).
+    /// With `hold_rest` (the hold policy, after a dead letter) the row stays as the key's held
+    /// marker and the key's other messages wait with it for an operator (`dedup unpark`, `dedup
+    /// drop`); the owner then removes the marker without running it.
     pub async fn settle_head(
         &self,
         partition: &ParkedPartition,
@@ -432,6 +459,7 @@ impl PgStore {
         let deleted: bool = row.try_get("deleted").map_err(|e| classify(e, false))?;
         Ok(match (owned, deleted) {
             (false, _) => HeadSettled::Fenced,
+            (true, true) if hold_rest => HeadSettled::Held,
             (true, true) => HeadSettled::Removed,
             (true, false) => HeadSettled::Gone,
         })
@@ -492,24 +520,36 @@ impl PgStore {
             .map_err(|e| classify(e, false))
     }
 
-    /// Makes the head of `group`'s parked key `ordering_key` due now, and lifts a hold
-    /// (`dedup unpark`). Answers the messages it touched (0: nothing parked under that key).
-    pub async fn unpark(&self, group: &str, ordering_key: &[u8]) -> Result<u64, StoreError> {
+    /// Makes the head of `group`'s parked key `ordering_key` (`None`: the keyless queue) due
+    /// now, and lifts a hold (`dedup unpark`). Answers the messages it touched (0: nothing parked
+    /// under that key).
+    pub async fn unpark(
+        &self,
+        group: &str,
+        ordering_key: Option<&[u8]>,
+    ) -> Result<u64, StoreError> {
         let done = sqlx::query(sql::UNPARK_SQL)
             .bind(group)
-            .bind(ordering_key)
+            .bind(ordering_key.is_some())
+            .bind(ordering_key.unwrap_or_default())
             .execute(self.pool())
             .await
             .map_err(|e| classify(e, true))?;
         Ok(done.rows_affected())
     }
 
-    /// Asks for `group`'s parked key `ordering_key` to be dead-lettered, every message of it, by
-    /// the partition's owner (`dedup drop`). Answers the messages marked.
-    pub async fn drop_parked(&self, group: &str, ordering_key: &[u8]) -> Result<u64, StoreError> {
+    /// Asks for `group`'s parked key `ordering_key` (`None`: the keyless queue) to be
+    /// dead-lettered, every message of it, by the partition's owner (`dedup drop`). Answers the
+    /// messages marked.
+    pub async fn drop_parked(
+        &self,
+        group: &str,
+        ordering_key: Option<&[u8]>,
+    ) -> Result<u64, StoreError> {
         let done = sqlx::query(sql::DROP_SQL)
             .bind(group)
-            .bind(ordering_key)
+            .bind(ordering_key.is_some())
+            .bind(ordering_key.unwrap_or_default())
             .execute(self.pool())
             .await
             .map_err(|e| classify(e, true))?;

@@ -64,7 +64,7 @@ pub(super) const DUE_HEADS_SQL: &str = concat!(
     "SELECT * FROM (SELECT DISTINCT ON (p.topic, p.partition, p.has_key, p.ordering_key)",
     " p.topic, p.partition, p.\"offset\", p.has_key, p.ordering_key, p.message_key, p.payload,",
     " p.header_names, p.header_values, p.timestamp_ms, p.error, p.attempts, p.held, p.dropped,",
-    " p.dedup_scope, p.dedup_key,",
+    " p.dedup_scope, p.dedup_key, p.gave_up,",
     " p.due_at <= statement_timestamp() AND (p.taken_until IS NULL",
     " OR p.taken_until <= statement_timestamp() OR p.taken_epoch IS DISTINCT FROM o.epoch) AS due",
     " FROM dedup_parked p JOIN unnest($2::text[], $3::int4[]) AS w(topic, partition)",
@@ -78,25 +78,38 @@ pub(super) const DUE_HEADS_SQL: &str = concat!(
 );
 
 /// Takes a head to run: marks it taken by this epoch for the run's bound, so a second look of
-/// this owner does not pick it again (a later owner does). $5 offset, $6 seconds.
+/// this owner does not pick it again (a later owner does). Answers whether we own the partition
+/// and whether the row was there. $5 offset, $6 seconds.
 pub(super) const TAKE_SQL: &str = fenced!(
-    "UPDATE dedup_parked p SET taken_epoch = $4,",
+    ", t AS (UPDATE dedup_parked p SET taken_epoch = $4,",
     " taken_until = statement_timestamp() + make_interval(secs => $6)",
     " WHERE EXISTS (SELECT 1 FROM o) AND p.consumer_group = $1 AND p.topic = $2",
-    " AND p.partition = $3 AND p.\"offset\" = $5 RETURNING 1",
+    " AND p.partition = $3 AND p.\"offset\" = $5",
+    // Still due: a look that read it before a run deferred it must not run it early.
+    " AND (p.dropped OR (NOT p.held AND p.due_at <= statement_timestamp()",
+    " AND (p.taken_until IS NULL OR p.taken_until <= statement_timestamp()",
+    " OR p.taken_epoch IS DISTINCT FROM $4)))",
+    " RETURNING 1)",
+    " SELECT EXISTS (SELECT 1 FROM o) AS owned, EXISTS (SELECT 1 FROM t) AS taken",
 );
 
-/// A head that settled (ran, replayed, or dead-lettered): its row goes; with $6, the key's other
-/// messages are held for an operator. Answers whether we own the partition and whether the row
-/// was there. $5 offset, $6 hold the rest.
+/// A head that settled (ran, replayed, or dead-lettered): its row goes. With $6 (the hold
+/// policy, after a dead letter) it stays instead as the key's held marker, and the key's other
+/// messages are held too, until an operator releases them. Answers whether we own the partition
+/// and whether the row was there. $5 offset, $6 hold.
 pub(super) const SETTLE_SQL: &str = fenced!(
-    ", d AS (DELETE FROM dedup_parked p WHERE EXISTS (SELECT 1 FROM o)",
+    ", d AS (DELETE FROM dedup_parked p WHERE EXISTS (SELECT 1 FROM o) AND NOT $6",
+    " AND p.consumer_group = $1 AND p.topic = $2 AND p.partition = $3 AND p.\"offset\" = $5",
+    " RETURNING 1),",
+    " m AS (UPDATE dedup_parked p SET held = true, gave_up = true, taken_epoch = NULL,",
+    " taken_until = NULL WHERE EXISTS (SELECT 1 FROM o) AND $6",
     " AND p.consumer_group = $1 AND p.topic = $2 AND p.partition = $3 AND p.\"offset\" = $5",
     " RETURNING p.has_key, p.ordering_key),",
-    " h AS (UPDATE dedup_parked p SET held = true FROM d WHERE $6 AND p.consumer_group = $1",
-    " AND p.topic = $2 AND p.partition = $3 AND p.has_key = d.has_key",
-    " AND p.ordering_key = d.ordering_key AND p.\"offset\" <> $5 RETURNING 1)",
-    " SELECT EXISTS (SELECT 1 FROM o) AS owned, EXISTS (SELECT 1 FROM d) AS deleted,",
+    " h AS (UPDATE dedup_parked p SET held = true FROM m WHERE p.consumer_group = $1",
+    " AND p.topic = $2 AND p.partition = $3 AND p.has_key = m.has_key",
+    " AND p.ordering_key = m.ordering_key AND p.\"offset\" <> $5 RETURNING 1)",
+    " SELECT EXISTS (SELECT 1 FROM o) AS owned,",
+    " EXISTS (SELECT 1 FROM d) OR EXISTS (SELECT 1 FROM m) AS deleted,",
     " (SELECT count(*) FROM h) AS held",
 );
 
@@ -122,17 +135,18 @@ pub(super) const SUMMARY_SQL: &str = concat!(
     " GROUP BY topic, partition, has_key, ordering_key ORDER BY min(parked_at)",
 );
 
-/// An operator makes a key's head due now and lifts a hold. $1 group, $2 ordering key.
+/// An operator makes a key's head due now and lifts a hold. $1 group, $2 has_key, $3 ordering
+/// key (empty for the keyless queue).
 pub(super) const UNPARK_SQL: &str = concat!(
     "UPDATE dedup_parked SET due_at = statement_timestamp(), held = false",
-    " WHERE consumer_group = $1 AND has_key AND ordering_key = $2",
+    " WHERE consumer_group = $1 AND has_key = $2 AND ordering_key = $3",
 );
 
 /// An operator asks for a key's queue to be dead-lettered (the partition's owner does it).
-/// $1 group, $2 ordering key.
+/// $1 group, $2 has_key, $3 ordering key.
 pub(super) const DROP_SQL: &str = concat!(
     "UPDATE dedup_parked SET dropped = true, held = false, due_at = statement_timestamp()",
-    " WHERE consumer_group = $1 AND has_key AND ordering_key = $2",
+    " WHERE consumer_group = $1 AND has_key = $2 AND ordering_key = $3",
 );
 
 /// Parked keys, messages and the oldest park over the partitions given (the metrics).

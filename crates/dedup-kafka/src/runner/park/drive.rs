@@ -1,6 +1,7 @@
 //! The loop's side of parking: barriers, admission, parking behind a key, driving heads.
 
 use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
 
@@ -8,9 +9,33 @@ use dedup_core::Store;
 use rdkafka::consumer::Consumer;
 use tracing::{Instrument, debug, info_span, warn};
 
+use futures_util::FutureExt;
+
 use super::super::{Done, Event, Handler, Job, Lane, Loop, Report, Settled};
-use super::{Head, ParkCtx, ParkEvent, PartParks, PartRef};
+use super::{Head, HeadRun, ParkCtx, ParkEvent, PartParks, PartRef};
 use crate::consumer::lock;
+
+/// Parked heads run at once at most, over the runner's partitions.
+const MAX_RUNNING: usize = 64;
+
+/// Publishes (or, with `None`, forgets) a partition's epoch for the park tasks.
+fn ctx_epoch(ctx: Option<&ParkCtx>, tp: &(String, i32), epoch: Option<(u64, i64)>) {
+    let Some(ctx) = ctx else {
+        return;
+    };
+    let mut epochs = ctx
+        .epochs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match epoch {
+        Some(e) => {
+            epochs.insert(tp.clone(), e);
+        }
+        None => {
+            epochs.remove(tp);
+        }
+    }
+}
 
 impl<S, H> Loop<S, H>
 where
@@ -155,6 +180,47 @@ where
         });
     }
 
+    /// A write under `epoch` was fenced: if `tp` is still ours under `generation` with that epoch,
+    /// takes the epoch again (once at a time). The counts stay: a stale bump comes from an
+    /// earlier ownership, which writes nothing under it.
+    fn refresh(&mut self, tp: &(String, i32), generation: u64, epoch: i64) {
+        let Some(ctx) = self.park_ctx() else {
+            return;
+        };
+        let Some(p) = self.parks.parts.get_mut(tp) else {
+            return;
+        };
+        if p.generation != generation || p.epoch != Some(epoch) || p.refreshing {
+            return;
+        }
+        // Only while the consumer still owns it under that generation (the rebalance callbacks
+        // update this at once): a revoked partition's fenced writes are the fence working.
+        let owned = lock(&self.shared).parts.get(tp).is_some_and(|part| {
+            part.generation == generation && !part.revoked.load(AtomicOrdering::Acquire)
+        });
+        if !owned {
+            return;
+        }
+        p.refreshing = true;
+        let Some(tx) = self.park_event() else {
+            return;
+        };
+        let tp = tp.clone();
+        tokio::spawn(async move {
+            let part = PartRef {
+                group: ctx.group.clone(),
+                topic: tp.0.clone(),
+                partition: tp.1,
+            };
+            let result = ctx.store.acquire(&part, &ctx.owner).await;
+            let _ = tx.send(Event::Park(ParkEvent::Refreshed {
+                tp,
+                generation,
+                result,
+            }));
+        });
+    }
+
     pub(in crate::runner) fn on_park_event(&mut self, event: ParkEvent) {
         match event {
             ParkEvent::Synced {
@@ -162,6 +228,7 @@ where
                 generation,
                 result,
             } => {
+                let ctx = self.park_ctx();
                 let Some(p) = self.parks.parts.get_mut(&tp) else {
                     return;
                 };
@@ -174,6 +241,7 @@ where
                         debug!(topic = %tp.0, partition = tp.1, epoch, parked_keys = keys.len(), "parked keys loaded");
                         p.epoch = Some(epoch);
                         p.keys = keys;
+                        ctx_epoch(ctx.as_deref(), &tp, Some((generation, epoch)));
                         self.let_waiting_in();
                     }
                     Err(e) => {
@@ -201,12 +269,15 @@ where
                 tp,
                 generation,
                 key,
-                removed,
+                run,
             } => {
                 self.parks
                     .driving
                     .remove(&(tp.0.clone(), tp.1, generation, key.clone()));
-                if removed
+                if let Some(epoch) = run.fenced {
+                    self.refresh(&tp, generation, epoch);
+                }
+                if run.removed
                     && let Some(p) = self.parks.parts.get_mut(&tp)
                     && p.generation == generation
                     && let Some(n) = p.keys.get_mut(&key)
@@ -217,6 +288,36 @@ where
                     }
                 }
                 self.let_waiting_in();
+            }
+            ParkEvent::Fenced {
+                tp,
+                generation,
+                epoch,
+            } => self.refresh(&tp, generation, epoch),
+            ParkEvent::Refreshed {
+                tp,
+                generation,
+                result,
+            } => {
+                let ctx = self.park_ctx();
+                let Some(p) = self.parks.parts.get_mut(&tp) else {
+                    return;
+                };
+                if p.generation != generation {
+                    return;
+                }
+                p.refreshing = false;
+                match result {
+                    Ok((epoch, _)) => {
+                        warn!(topic = %tp.0, partition = tp.1, epoch, "a parking write was fenced while the partition is ours: took its epoch again");
+                        p.epoch = Some(epoch);
+                        ctx_epoch(ctx.as_deref(), &tp, Some((generation, epoch)));
+                    }
+                    Err(e) => {
+                        self.inner.counters.store_errors.add(1);
+                        warn!(error = %e, "taking a partition's parking epoch again failed; retrying when fenced again");
+                    }
+                }
             }
             ParkEvent::Gauges((keys, messages, oldest)) => {
                 let c = &self.inner.counters;
@@ -372,9 +473,17 @@ where
                 offset: job.delivery.offset,
                 settled: Settled::ParkRefused,
             };
-            report.settled = inner
-                .park(&job, "parked behind an earlier message of its key", 0, true)
-                .await;
+            if let Some(events) = report.tx.clone() {
+                report.settled = inner
+                    .park(
+                        &job,
+                        &events,
+                        "parked behind an earlier message of its key",
+                        0,
+                        true,
+                    )
+                    .await;
+            }
         });
         true
     }
@@ -391,9 +500,10 @@ where
         }
     }
 
-    /// A park that was counted when decided and then refused uncounts.
+    /// A park that was counted when decided and then refused, or found parked before (a replay:
+    /// the barrier counted its row), uncounts.
     pub(in crate::runner) fn on_parked(&mut self, done: &Done) {
-        if done.settled != Settled::ParkRefused {
+        if !matches!(done.settled, Settled::ParkRefused | Settled::ParkedAlready) {
             return;
         }
         let tp = (done.lane.topic.clone(), done.lane.partition);
@@ -408,11 +518,15 @@ where
         }
     }
 
-    /// Starts a due head's run unless its key's head runs already.
+    /// Starts a due head's run unless its key's head runs already (and not while stopping, nor
+    /// past [`MAX_RUNNING`] runs at once).
     fn drive(&mut self, head: Head) {
         let Some(ctx) = self.park_ctx() else {
             return;
         };
+        if *self.inner.stopping.borrow() || self.parks.driving.len() >= MAX_RUNNING {
+            return;
+        }
         let tp = (head.delivery.topic.clone(), head.delivery.partition);
         let Some(p) = self.parks.parts.get(&tp) else {
             return;
@@ -443,15 +557,24 @@ where
                 attempts = head.attempts,
                 outcome = tracing::field::Empty,
             );
-            let removed = inner
-                .run_head(&ctx, &scope, epoch, head)
-                .instrument(span)
-                .await;
+            // Whatever happens in the run, the loop hears of it, or the key would never be
+            // driven again.
+            let run = AssertUnwindSafe(inner.run_head(&ctx, &scope, epoch, head).instrument(span))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|panic| {
+                    inner.counters.panics.add(1);
+                    warn!(
+                        panic = super::super::panic_message(&*panic),
+                        "a parked head's run panicked; it runs again"
+                    );
+                    HeadRun::KEPT
+                });
             let _ = tx.send(Event::Park(ParkEvent::HeadDone {
                 tp,
                 generation,
                 key,
-                removed,
+                run,
             }));
         });
     }

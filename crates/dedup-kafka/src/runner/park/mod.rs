@@ -168,6 +168,45 @@ pub(crate) enum Parked {
 #[cfg_attr(not(feature = "pg"), allow(dead_code))]
 pub(crate) enum HeadOutcome {
     Removed,
+    /// Kept as the key's held marker (the hold policy).
+    Held,
+    Gone,
+    Fenced,
+}
+
+/// What one run of a parked head came to.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct HeadRun {
+    /// Its row went: the key counts one message fewer.
+    pub(crate) removed: bool,
+    /// The epoch a write of it found fenced.
+    pub(crate) fenced: Option<i64>,
+}
+
+impl HeadRun {
+    pub(crate) const REMOVED: Self = Self {
+        removed: true,
+        fenced: None,
+    };
+    pub(crate) const KEPT: Self = Self {
+        removed: false,
+        fenced: None,
+    };
+
+    pub(crate) fn fenced(epoch: i64) -> Self {
+        Self {
+            removed: false,
+            fenced: Some(epoch),
+        }
+    }
+}
+
+/// What taking a head did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(feature = "pg"), allow(dead_code))]
+pub(crate) enum Taken {
+    /// Taken: run it.
+    Run,
     Gone,
     Fenced,
 }
@@ -180,6 +219,7 @@ pub(crate) struct Head {
     pub(crate) error: String,
     pub(crate) attempts: u32,
     pub(crate) dropped: bool,
+    pub(crate) gave_up: bool,
 }
 
 /// The parked queue (Postgres, `dedup_pg`): a trait so that the loop does not depend on the
@@ -210,7 +250,7 @@ pub(crate) trait ParkStore: Send + Sync + 'static {
         epoch: i64,
         offset: i64,
         bound: Duration,
-    ) -> StoreFuture<'a, bool>;
+    ) -> StoreFuture<'a, Taken>;
     fn settle<'a>(
         &'a self,
         part: &'a PartRef,
@@ -245,6 +285,24 @@ pub(crate) struct ParkCtx {
     /// Messages parked over the owned partitions, as the loop counts them (read by message tasks
     /// deciding whether they may park).
     pub(crate) total: AtomicU64,
+    /// The epoch of each owned partition's current generation, as the loop knows it: a park
+    /// refused by the fence waits here for the epoch the loop takes again.
+    pub(crate) epochs: std::sync::Mutex<HashMap<(String, i32), (u64, i64)>>,
+}
+
+impl ParkCtx {
+    /// The epoch `tp` has under `generation`, if it is still owned under it (`Some(None)`: owned,
+    /// its epoch being taken again).
+    pub(crate) fn epoch_of(&self, tp: &(String, i32), generation: u64) -> Option<Option<i64>> {
+        let epochs = self
+            .epochs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match epochs.get(tp) {
+            Some((g, e)) if *g == generation => Some(Some(*e)),
+            Some(_) | None => None,
+        }
+    }
 }
 
 impl std::fmt::Debug for ParkCtx {
@@ -267,6 +325,8 @@ pub(crate) struct PartParks {
     /// Messages received before the barrier answered, or waiting for room under the bounds.
     waiting: Vec<Job>,
     syncing: bool,
+    /// Taking the epoch again after a write was fenced while the partition is still ours.
+    refreshing: bool,
     /// Paused because a message waits for room.
     paused: bool,
 }
@@ -298,15 +358,28 @@ pub(crate) enum ParkEvent {
     },
     /// The due heads.
     Heads(Result<Vec<Head>, StoreError>),
-    /// A head's run ended; `removed`: its row went.
+    /// A head's run ended.
     HeadDone {
         tp: (String, i32),
         generation: u64,
         key: Option<Vec<u8>>,
-        removed: bool,
+        run: HeadRun,
     },
     /// Parked keys, messages, oldest.
     Gauges((u64, u64, Duration)),
+    /// A write under `epoch` was fenced: if the partition is still ours under `generation`, its
+    /// epoch is taken again (a stale bump of an earlier ownership must not lock the owner out).
+    Fenced {
+        tp: (String, i32),
+        generation: u64,
+        epoch: i64,
+    },
+    /// The epoch taken again; the counts stay (nobody else wrote under the stale bump).
+    Refreshed {
+        tp: (String, i32),
+        generation: u64,
+        result: Result<Barrier, StoreError>,
+    },
 }
 
 impl<S, H> super::Runner<S, H>
@@ -357,6 +430,7 @@ where
             owner: self.dedup.owner_prefix().to_owned(),
             group: self.config.group_id.clone(),
             total: AtomicU64::new(0),
+            epochs: std::sync::Mutex::default(),
         }));
         Ok(self)
     }

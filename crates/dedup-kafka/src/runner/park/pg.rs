@@ -2,9 +2,11 @@
 
 use std::time::Duration;
 
-use dedup_pg::{HeadSettled, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore};
+use dedup_pg::{
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore,
+};
 
-use super::{Barrier, Head, HeadOutcome, ParkStore, Parked, PartRef, StoreFuture};
+use super::{Barrier, Head, HeadOutcome, ParkStore, Parked, PartRef, StoreFuture, Taken};
 use crate::delivery::Delivery;
 
 fn part(p: &PartRef) -> ParkedPartition {
@@ -90,6 +92,7 @@ impl ParkStore for PgStore {
                         error: m.error,
                         attempts: m.attempts,
                         dropped: h.dropped,
+                        gave_up: h.gave_up,
                     }
                 })
                 .collect())
@@ -102,10 +105,18 @@ impl ParkStore for PgStore {
         epoch: i64,
         offset: i64,
         bound: Duration,
-    ) -> StoreFuture<'a, bool> {
+    ) -> StoreFuture<'a, Taken> {
         Box::pin(async move {
-            self.take_head(&part(p), ParkEpoch(epoch), offset, bound)
-                .await
+            Ok(
+                match self
+                    .take_head(&part(p), ParkEpoch(epoch), offset, bound)
+                    .await?
+                {
+                    HeadTaken::Taken => Taken::Run,
+                    HeadTaken::Gone => Taken::Gone,
+                    _ => Taken::Fenced,
+                },
+            )
         })
     }
 
@@ -123,6 +134,7 @@ impl ParkStore for PgStore {
                     .await?
                 {
                     HeadSettled::Removed => HeadOutcome::Removed,
+                    HeadSettled::Held => HeadOutcome::Held,
                     HeadSettled::Gone => HeadOutcome::Gone,
                     _ => HeadOutcome::Fenced,
                 },

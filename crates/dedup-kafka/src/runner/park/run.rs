@@ -1,15 +1,17 @@
 //! A message task's side of parking: parking a message, and one run of a parked head.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::time::Duration;
 
 use dedup_core::{Fingerprint, ProcessError, Scope, Store};
 use futures_util::FutureExt;
+use tokio::sync::mpsc::UnboundedSender;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::super::{Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
-use super::{AfterGiveUp, Head, HeadOutcome, ParkCtx, Parked, PartRef};
+use super::super::{Event, Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
+use super::{AfterGiveUp, Head, HeadOutcome, HeadRun, ParkCtx, ParkEvent, Parked, PartRef, Taken};
 use crate::delivery::{Delivery, extract_key};
 
 fn part_ref(ctx: &ParkCtx, lane: &Lane) -> PartRef {
@@ -43,10 +45,13 @@ where
     }
 
     /// Writes `job` to the parked queue (at most once per offset), retrying a store that is
-    /// down. Fenced (another owner has the partition), it is left to redelivery.
+    /// down. Fenced while the partition is still ours (a stale bump of an earlier ownership), it
+    /// asks the loop to take the epoch again and parks under the new one; once the partition is
+    /// not ours it is left to redelivery.
     pub(in crate::runner) async fn park(
         &self,
         job: &Job,
+        events: &UnboundedSender<Event>,
         error: &str,
         attempts: u32,
         behind: bool,
@@ -54,15 +59,21 @@ where
         let Some(ctx) = &self.park else {
             return Settled::ParkRefused;
         };
-        let Some(epoch) = job.park_epoch else {
+        let Some(mut epoch) = job.park_epoch else {
             return Settled::ParkRefused;
         };
         let part = part_ref(ctx, &job.lane);
+        let tp = (job.lane.topic.clone(), job.lane.partition);
         let due_in = if behind {
             Duration::ZERO
         } else {
             ctx.cfg.delay(1, job.delivery.offset.unsigned_abs())
         };
+        let dedup_key = job
+            .key
+            .as_ref()
+            .ok()
+            .map(|k| (k.scope().as_str().to_owned(), k.key_bytes().to_vec()));
         let span = info_span!(
             "dedup.kafka.park",
             "messaging.destination.name" = %job.delivery.topic,
@@ -80,10 +91,7 @@ where
                     epoch,
                     &job.delivery,
                     job.lane.key.clone(),
-                    job.key
-                        .as_ref()
-                        .ok()
-                        .map(|k| (k.scope().as_str().to_owned(), k.key_bytes().to_vec())),
+                    dedup_key.clone(),
                     error,
                     attempts,
                     due_in,
@@ -91,7 +99,7 @@ where
                 .instrument(span.clone())
                 .await;
             match out {
-                Ok(Parked::Written | Parked::Already) => {
+                Ok(Parked::Written) => {
                     span.record("outcome", "parked");
                     self.counters.parked.add(1);
                     if !behind {
@@ -103,13 +111,39 @@ where
                         Settled::Parked
                     };
                 }
+                Ok(Parked::Already) => {
+                    // A replay of a message parked before (and counted by the barrier).
+                    span.record("outcome", "already");
+                    return Settled::ParkedAlready;
+                }
                 Ok(Parked::Fenced) => {
                     span.record("outcome", "fenced");
-                    debug!(
-                        offset = job.delivery.offset,
-                        "the partition has another owner: not parked"
-                    );
-                    return Settled::ParkRefused;
+                    let _ = events.send(Event::Park(ParkEvent::Fenced {
+                        tp: tp.clone(),
+                        generation: job.lane.generation,
+                        epoch,
+                    }));
+                    // Wait for the loop's new epoch, or for the partition to go.
+                    loop {
+                        retry += 1;
+                        if !self.wait_retry(job, retry).await {
+                            return Settled::ParkRefused;
+                        }
+                        match ctx.epoch_of(&tp, job.lane.generation) {
+                            None => {
+                                debug!(
+                                    offset = job.delivery.offset,
+                                    "the partition has another owner: not parked"
+                                );
+                                return Settled::ParkRefused;
+                            }
+                            Some(Some(e)) if e != epoch => {
+                                epoch = e;
+                                break;
+                            }
+                            Some(_) => {}
+                        }
+                    }
                 }
                 Err(e) => {
                     self.counters.store_errors.add(1);
@@ -123,14 +157,15 @@ where
         }
     }
 
-    /// Runs a parked head once through the claim; answers whether its row went.
+    /// Runs a parked head once through the claim: whether its row went, and the epoch it found
+    /// fenced (the loop then takes the partition's epoch again).
     pub(super) async fn run_head(
         &self,
         ctx: &ParkCtx,
         scope: &Scope,
         epoch: i64,
         head: Head,
-    ) -> bool {
+    ) -> HeadRun {
         let d = Arc::new(head.delivery.clone());
         let part = PartRef {
             group: ctx.group.clone(),
@@ -139,49 +174,68 @@ where
         };
         let span = tracing::Span::current();
         let offset = d.offset;
+        // Retried while the store answers nothing definite: a settle that committed and lost its
+        // reply answers Gone the next time (the head was taken by this run, so only this run
+        // removes it).
         let settle = |hold: bool| {
             let part = part.clone();
             async move {
-                match ctx.store.settle(&part, epoch, offset, hold).await {
-                    Ok(HeadOutcome::Removed | HeadOutcome::Gone) => true,
-                    Ok(HeadOutcome::Fenced) => false,
-                    Err(e) => {
-                        warn!(error = %e, "settling a parked head failed; it runs again");
-                        false
+                for n in 1..=5u32 {
+                    match ctx.store.settle(&part, epoch, offset, hold).await {
+                        Ok(HeadOutcome::Removed | HeadOutcome::Gone) => return HeadRun::REMOVED,
+                        Ok(HeadOutcome::Held) => return HeadRun::KEPT,
+                        Ok(HeadOutcome::Fenced) => return HeadRun::fenced(epoch),
+                        Err(e) => {
+                            warn!(error = %e, "settling a parked head failed; retrying");
+                            tokio::time::sleep(ctx.cfg.backoff.initial.mul_f64(f64::from(n))).await;
+                        }
                     }
                 }
+                HeadRun::KEPT
             }
         };
+        match ctx
+            .store
+            .take(&part, epoch, d.offset, ctx.cfg.run_bound)
+            .await
+        {
+            Ok(Taken::Run) => {}
+            Ok(Taken::Gone) => return HeadRun::KEPT,
+            Ok(Taken::Fenced) => return HeadRun::fenced(epoch),
+            Err(e) => {
+                self.counters.store_errors.add(1);
+                warn!(error = %e, "taking a parked head failed");
+                return HeadRun::KEPT;
+            }
+        }
+        if head.gave_up {
+            // Dead-lettered before under the hold policy; an operator released its key.
+            span.record("outcome", "released");
+            return settle(false).await;
+        }
         if head.dropped {
             span.record("outcome", "dropped");
             let reason = format!(
                 "dropped by an operator while parked; last failure: {}",
                 head.error
             );
-            return self.head_dead_letter(&d, &reason, head.attempts).await && settle(false).await;
-        }
-        match ctx
-            .store
-            .take(&part, epoch, d.offset, ctx.cfg.run_bound)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => return false,
-            Err(e) => {
-                self.counters.store_errors.add(1);
-                warn!(error = %e, "taking a parked head failed");
-                return false;
+            if !self.head_dead_letter(&d, &reason, head.attempts).await {
+                return HeadRun::KEPT;
             }
+            return settle(false).await;
         }
         self.counters.parked_retries.add(1);
         let key = match extract_key(&self.config.key, scope, &d) {
             Ok(k) => k,
             Err(e) => {
                 span.record("outcome", "dead_lettered");
-                return self
+                if !self
                     .head_dead_letter(&d, &e.to_string(), head.attempts)
                     .await
-                    && settle(false).await;
+                {
+                    return HeadRun::KEPT;
+                }
+                return settle(false).await;
             }
         };
         let fingerprint = self
@@ -196,29 +250,45 @@ where
                 handler.handle(delivery, Some(lease)).map(no_withdraw)
             })
             .await;
-        let err = match out {
-            Ok(processed) => match self.handler.check_result(&d, &processed) {
-                Ok(()) => {
-                    span.record(
-                        "outcome",
-                        if processed.executed() {
-                            "executed"
-                        } else {
-                            "replayed"
-                        },
-                    );
+        let checked = out.map(|processed| {
+            let check = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                self.handler.check_result(&d, &processed)
+            }));
+            (processed, check)
+        });
+        let err = match checked {
+            Ok((processed, Ok(Ok(())))) => {
+                span.record(
+                    "outcome",
                     if processed.executed() {
-                        self.counters.executed.add(1);
+                        "executed"
                     } else {
-                        self.counters.replayed.add(1);
-                    }
-                    return settle(false).await;
+                        "replayed"
+                    },
+                );
+                if processed.executed() {
+                    self.counters.executed.add(1);
+                } else {
+                    self.counters.replayed.add(1);
                 }
-                Err(source) => ProcessError::Undecodable {
-                    key: key.clone(),
-                    source,
-                },
+                return settle(false).await;
+            }
+            Ok((_, Ok(Err(source)))) => ProcessError::Undecodable {
+                key: key.clone(),
+                source,
             },
+            Ok((_, Err(panic))) => {
+                self.counters.panics.add(1);
+                let reason = format!(
+                    "checking the result panicked: {}",
+                    super::super::panic_message(&*panic)
+                );
+                span.record("outcome", "dead_lettered");
+                if !self.head_dead_letter(&d, &reason, head.attempts).await {
+                    return HeadRun::KEPT;
+                }
+                return settle(false).await;
+            }
             Err(e) => e,
         };
         let attempts = head.attempts + 1;
@@ -235,20 +305,27 @@ where
                 .cfg
                 .delay(parked_runs, d.offset.unsigned_abs() ^ u64::from(spent));
             debug!(key = %key, error = %err, attempts = spent, due_in = ?due, "parked head failed again");
-            if let Err(e) = ctx
+            match ctx
                 .store
                 .defer(&part, epoch, d.offset, &err.to_string(), spent, due)
                 .await
             {
-                warn!(error = %e, "deferring a parked head failed; it runs again when seen");
+                Ok(true) => {}
+                // Gone or fenced: the next look, or the next owner, sees to it.
+                Ok(false) => {}
+                Err(e) => {
+                    warn!(error = %e, "deferring a parked head failed; it runs again when seen");
+                }
             }
-            return false;
+            return HeadRun::KEPT;
         }
         let attempts = attempts_of(&err, attempts);
         span.record("outcome", "dead_lettered");
         warn!(key = %key, error = %err, attempts, "parked head dead-lettered");
-        let hold = ctx.cfg.after_give_up == AfterGiveUp::Hold;
-        self.head_dead_letter(&d, &err.to_string(), attempts).await && settle(hold).await
+        if !self.head_dead_letter(&d, &err.to_string(), attempts).await {
+            return HeadRun::KEPT;
+        }
+        settle(ctx.cfg.after_give_up == AfterGiveUp::Hold).await
     }
 
     /// Dead-letters a parked head; false if the write failed (it runs again when seen).
