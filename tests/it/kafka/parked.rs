@@ -495,7 +495,11 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
     })
     .await;
     assert!(booked_of(&pool, "acct-bad").await.is_empty());
-    assert_eq!(booked_of(&pool, "acct-ok").await, ["ok-1"]);
+    eventually(60, "ok-1 booked", || {
+        let pool = pool.clone();
+        async move { booked_of(&pool, "acct-ok").await == ["ok-1"] }
+    })
+    .await;
     assert_eq!(
         PgStore::new(pool.clone())
             .unpark(&group, Some(b"acct-bad"))
@@ -833,6 +837,11 @@ async fn at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drain
                 && s.parked_keys == 1
                 && s.parked_messages == 2
         }
+    })
+    .await;
+    eventually(60, "ok-1 booked", || {
+        let pool = pool.clone();
+        async move { booked_of(&pool, "acct-ok").await == ["ok-1"] }
     })
     .await;
     // The partition waits: a message of another key produced now is not run.
