@@ -200,6 +200,15 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
     assert!(new > old);
     assert_eq!(keys.len(), 1);
     assert_eq!(heads_offsets(&store).await, vec![1]);
+    // An acquire whose ownership ended while it waited for a connection bumps nothing: the new
+    // owner is not fenced out by a late bump.
+    assert!(
+        store
+            .acquire_parked_while(&part(), "a#late", &|| false)
+            .await
+            .unwrap()
+            .is_none()
+    );
 
     assert_eq!(
         store

@@ -775,9 +775,7 @@ where
                 if self.should_park(&err, retry) {
                     let attempts = attempts_of(&err, retry);
                     let _ = events.send(Event::Parking(job.lane.clone()));
-                    return self
-                        .park(job, events, &err.to_string(), attempts, false)
-                        .await;
+                    return self.park(job, &err.to_string(), attempts, false).await;
                 }
                 if let ProcessError::Store(e) = &err {
                     self.counters.store_errors.add(1);

@@ -276,8 +276,26 @@ impl PgStore {
         partition: &ParkedPartition,
         owner: &str,
     ) -> Result<(ParkEpoch, HashMap<ParkedKey, u64>), StoreError> {
-        self.count(2);
+        self.acquire_parked_while(partition, owner, &|| true)
+            .await?
+            .ok_or_else(|| StoreError::unavailable(std::io::Error::other("not owned")))
+    }
+
+    /// [`acquire_parked`](Self::acquire_parked), bumping only if `owned` still answers true once
+    /// a connection is in hand, right before the statement (`None` otherwise). A consumer passes
+    /// its own view of the assignment: an acquire that waited for a connection past a revocation
+    /// must not bump after the next owner did, or it would fence that owner out.
+    pub async fn acquire_parked_while(
+        &self,
+        partition: &ParkedPartition,
+        owner: &str,
+        owned: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<Option<(ParkEpoch, HashMap<ParkedKey, u64>)>, StoreError> {
         let mut conn = self.conn().await?;
+        if !owned() {
+            return Ok(None);
+        }
+        self.count(2);
         let epoch = sqlx::query_scalar(sql::ACQUIRE_SQL)
             .bind(&partition.group)
             .bind(&partition.topic)
@@ -303,7 +321,7 @@ impl PgStore {
                 u64::try_from(n).unwrap_or(0),
             );
         }
-        Ok((ParkEpoch(epoch), keys))
+        Ok(Some((ParkEpoch(epoch), keys)))
     }
 
     /// Parks `message` in `partition` under `epoch`, due in `due_in` (zero for a message parked

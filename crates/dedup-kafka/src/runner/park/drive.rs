@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::Ordering as AtomicOrdering;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 
 use dedup_core::Store;
 use rdkafka::consumer::Consumer;
@@ -17,25 +17,6 @@ use crate::consumer::lock;
 
 /// Parked heads run at once at most, over the runner's partitions.
 const MAX_RUNNING: usize = 64;
-
-/// Publishes (or, with `None`, forgets) a partition's epoch for the park tasks.
-fn ctx_epoch(ctx: Option<&ParkCtx>, tp: &(String, i32), epoch: Option<(u64, i64)>) {
-    let Some(ctx) = ctx else {
-        return;
-    };
-    let mut epochs = ctx
-        .epochs
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    match epoch {
-        Some(e) => {
-            epochs.insert(tp.clone(), e);
-        }
-        None => {
-            epochs.remove(tp);
-        }
-    }
-}
 
 impl<S, H> Loop<S, H>
 where
@@ -161,6 +142,13 @@ where
             };
         }
         entry.syncing = true;
+        // The bump happens only while this ownership stands: one that waited past its revocation
+        // must not fence the next owner out.
+        let revoked = lock(&self.shared)
+            .parts
+            .get(tp)
+            .filter(|p| p.generation == generation)
+            .map_or_else(|| Arc::new(AtomicBool::new(true)), |p| p.revoked.clone());
         let Some(tx) = self.park_event() else {
             return;
         };
@@ -171,49 +159,9 @@ where
                 topic: tp.0.clone(),
                 partition: tp.1,
             };
-            let result = ctx.store.acquire(&part, &ctx.owner).await;
+            let owned = move || !revoked.load(AtomicOrdering::Acquire);
+            let result = ctx.store.acquire(&part, &ctx.owner, &owned).await;
             let _ = tx.send(Event::Park(ParkEvent::Synced {
-                tp,
-                generation,
-                result,
-            }));
-        });
-    }
-
-    /// A write under `epoch` was fenced: if `tp` is still ours under `generation` with that epoch,
-    /// takes the epoch again (once at a time). The counts stay: a stale bump comes from an
-    /// earlier ownership, which writes nothing under it.
-    fn refresh(&mut self, tp: &(String, i32), generation: u64, epoch: i64) {
-        let Some(ctx) = self.park_ctx() else {
-            return;
-        };
-        let Some(p) = self.parks.parts.get_mut(tp) else {
-            return;
-        };
-        if p.generation != generation || p.epoch != Some(epoch) || p.refreshing {
-            return;
-        }
-        // Only while the consumer still owns it under that generation (the rebalance callbacks
-        // update this at once): a revoked partition's fenced writes are the fence working.
-        let owned = lock(&self.shared).parts.get(tp).is_some_and(|part| {
-            part.generation == generation && !part.revoked.load(AtomicOrdering::Acquire)
-        });
-        if !owned {
-            return;
-        }
-        p.refreshing = true;
-        let Some(tx) = self.park_event() else {
-            return;
-        };
-        let tp = tp.clone();
-        tokio::spawn(async move {
-            let part = PartRef {
-                group: ctx.group.clone(),
-                topic: tp.0.clone(),
-                partition: tp.1,
-            };
-            let result = ctx.store.acquire(&part, &ctx.owner).await;
-            let _ = tx.send(Event::Park(ParkEvent::Refreshed {
                 tp,
                 generation,
                 result,
@@ -228,7 +176,6 @@ where
                 generation,
                 result,
             } => {
-                let ctx = self.park_ctx();
                 let Some(p) = self.parks.parts.get_mut(&tp) else {
                     return;
                 };
@@ -237,11 +184,12 @@ where
                 }
                 p.syncing = false;
                 match result {
-                    Ok((epoch, keys)) => {
+                    // Revoked before the bump: the next tick lets the partition go.
+                    Ok(None) => {}
+                    Ok(Some((epoch, keys))) => {
                         debug!(topic = %tp.0, partition = tp.1, epoch, parked_keys = keys.len(), "parked keys loaded");
                         p.epoch = Some(epoch);
                         p.keys = keys;
-                        ctx_epoch(ctx.as_deref(), &tp, Some((generation, epoch)));
                         self.let_waiting_in();
                     }
                     Err(e) => {
@@ -274,9 +222,6 @@ where
                 self.parks
                     .driving
                     .remove(&(tp.0.clone(), tp.1, generation, key.clone()));
-                if let Some(epoch) = run.fenced {
-                    self.refresh(&tp, generation, epoch);
-                }
                 if run.removed
                     && let Some(p) = self.parks.parts.get_mut(&tp)
                     && p.generation == generation
@@ -288,36 +233,6 @@ where
                     }
                 }
                 self.let_waiting_in();
-            }
-            ParkEvent::Fenced {
-                tp,
-                generation,
-                epoch,
-            } => self.refresh(&tp, generation, epoch),
-            ParkEvent::Refreshed {
-                tp,
-                generation,
-                result,
-            } => {
-                let ctx = self.park_ctx();
-                let Some(p) = self.parks.parts.get_mut(&tp) else {
-                    return;
-                };
-                if p.generation != generation {
-                    return;
-                }
-                p.refreshing = false;
-                match result {
-                    Ok((epoch, _)) => {
-                        warn!(topic = %tp.0, partition = tp.1, epoch, "a parking write was fenced while the partition is ours: took its epoch again");
-                        p.epoch = Some(epoch);
-                        ctx_epoch(ctx.as_deref(), &tp, Some((generation, epoch)));
-                    }
-                    Err(e) => {
-                        self.inner.counters.store_errors.add(1);
-                        warn!(error = %e, "taking a partition's parking epoch again failed; retrying when fenced again");
-                    }
-                }
             }
             ParkEvent::Gauges((keys, messages, oldest)) => {
                 let c = &self.inner.counters;
@@ -473,17 +388,9 @@ where
                 offset: job.delivery.offset,
                 settled: Settled::ParkRefused,
             };
-            if let Some(events) = report.tx.clone() {
-                report.settled = inner
-                    .park(
-                        &job,
-                        &events,
-                        "parked behind an earlier message of its key",
-                        0,
-                        true,
-                    )
-                    .await;
-            }
+            report.settled = inner
+                .park(&job, "parked behind an earlier message of its key", 0, true)
+                .await;
         });
         true
     }

@@ -179,26 +179,11 @@ pub(crate) enum HeadOutcome {
 pub(crate) struct HeadRun {
     /// Its row went: the key counts one message fewer.
     pub(crate) removed: bool,
-    /// The epoch a write of it found fenced.
-    pub(crate) fenced: Option<i64>,
 }
 
 impl HeadRun {
-    pub(crate) const REMOVED: Self = Self {
-        removed: true,
-        fenced: None,
-    };
-    pub(crate) const KEPT: Self = Self {
-        removed: false,
-        fenced: None,
-    };
-
-    pub(crate) fn fenced(epoch: i64) -> Self {
-        Self {
-            removed: false,
-            fenced: Some(epoch),
-        }
-    }
+    pub(crate) const REMOVED: Self = Self { removed: true };
+    pub(crate) const KEPT: Self = Self { removed: false };
 }
 
 /// What taking a head did.
@@ -225,7 +210,13 @@ pub(crate) struct Head {
 /// The parked queue (Postgres, `dedup_pg`): a trait so that the loop does not depend on the
 /// `pg` feature.
 pub(crate) trait ParkStore: Send + Sync + 'static {
-    fn acquire<'a>(&'a self, part: &'a PartRef, owner: &'a str) -> StoreFuture<'a, Barrier>;
+    /// `None`: `owned` said no right before the bump.
+    fn acquire<'a>(
+        &'a self,
+        part: &'a PartRef,
+        owner: &'a str,
+        owned: &'a (dyn Fn() -> bool + Send + Sync),
+    ) -> StoreFuture<'a, Option<Barrier>>;
     #[allow(clippy::too_many_arguments)]
     fn park<'a>(
         &'a self,
@@ -285,24 +276,6 @@ pub(crate) struct ParkCtx {
     /// Messages parked over the owned partitions, as the loop counts them (read by message tasks
     /// deciding whether they may park).
     pub(crate) total: AtomicU64,
-    /// The epoch of each owned partition's current generation, as the loop knows it: a park
-    /// refused by the fence waits here for the epoch the loop takes again.
-    pub(crate) epochs: std::sync::Mutex<HashMap<(String, i32), (u64, i64)>>,
-}
-
-impl ParkCtx {
-    /// The epoch `tp` has under `generation`, if it is still owned under it (`Some(None)`: owned,
-    /// its epoch being taken again).
-    pub(crate) fn epoch_of(&self, tp: &(String, i32), generation: u64) -> Option<Option<i64>> {
-        let epochs = self
-            .epochs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match epochs.get(tp) {
-            Some((g, e)) if *g == generation => Some(Some(*e)),
-            Some(_) | None => None,
-        }
-    }
 }
 
 impl std::fmt::Debug for ParkCtx {
@@ -325,8 +298,6 @@ pub(crate) struct PartParks {
     /// Messages received before the barrier answered, or waiting for room under the bounds.
     waiting: Vec<Job>,
     syncing: bool,
-    /// Taking the epoch again after a write was fenced while the partition is still ours.
-    refreshing: bool,
     /// Paused because a message waits for room.
     paused: bool,
 }
@@ -354,7 +325,7 @@ pub(crate) enum ParkEvent {
     Synced {
         tp: (String, i32),
         generation: u64,
-        result: Result<Barrier, StoreError>,
+        result: Result<Option<Barrier>, StoreError>,
     },
     /// The due heads.
     Heads(Result<Vec<Head>, StoreError>),
@@ -367,19 +338,6 @@ pub(crate) enum ParkEvent {
     },
     /// Parked keys, messages, oldest.
     Gauges((u64, u64, Duration)),
-    /// A write under `epoch` was fenced: if the partition is still ours under `generation`, its
-    /// epoch is taken again (a stale bump of an earlier ownership must not lock the owner out).
-    Fenced {
-        tp: (String, i32),
-        generation: u64,
-        epoch: i64,
-    },
-    /// The epoch taken again; the counts stay (nobody else wrote under the stale bump).
-    Refreshed {
-        tp: (String, i32),
-        generation: u64,
-        result: Result<Barrier, StoreError>,
-    },
 }
 
 impl<S, H> super::Runner<S, H>
@@ -430,7 +388,6 @@ where
             owner: self.dedup.owner_prefix().to_owned(),
             group: self.config.group_id.clone(),
             total: AtomicU64::new(0),
-            epochs: std::sync::Mutex::default(),
         }));
         Ok(self)
     }

@@ -18,10 +18,17 @@ fn vec_of(b: Option<&bytes::Bytes>) -> Option<Vec<u8>> {
 }
 
 impl ParkStore for PgStore {
-    fn acquire<'a>(&'a self, p: &'a PartRef, owner: &'a str) -> StoreFuture<'a, Barrier> {
+    fn acquire<'a>(
+        &'a self,
+        p: &'a PartRef,
+        owner: &'a str,
+        owned: &'a (dyn Fn() -> bool + Send + Sync),
+    ) -> StoreFuture<'a, Option<Barrier>> {
         Box::pin(async move {
-            let (epoch, keys) = self.acquire_parked(&part(p), owner).await?;
-            Ok((epoch.0, keys))
+            Ok(self
+                .acquire_parked_while(&part(p), owner, owned)
+                .await?
+                .map(|(epoch, keys)| (epoch.0, keys)))
         })
     }
 

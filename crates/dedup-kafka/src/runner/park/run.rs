@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use dedup_core::{Fingerprint, ProcessError, Scope, Store};
 use futures_util::FutureExt;
-use tokio::sync::mpsc::UnboundedSender;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::super::{Event, Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
-use super::{AfterGiveUp, Head, HeadOutcome, HeadRun, ParkCtx, ParkEvent, Parked, PartRef, Taken};
+use super::super::{Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
+use super::{AfterGiveUp, Head, HeadOutcome, HeadRun, ParkCtx, Parked, PartRef, Taken};
 use crate::delivery::{Delivery, extract_key};
 
 fn part_ref(ctx: &ParkCtx, lane: &Lane) -> PartRef {
@@ -45,13 +44,10 @@ where
     }
 
     /// Writes `job` to the parked queue (at most once per offset), retrying a store that is
-    /// down. Fenced while the partition is still ours (a stale bump of an earlier ownership), it
-    /// asks the loop to take the epoch again and parks under the new one; once the partition is
-    /// not ours it is left to redelivery.
+    /// down. Fenced (another owner has the partition), it is left to redelivery.
     pub(in crate::runner) async fn park(
         &self,
         job: &Job,
-        events: &UnboundedSender<Event>,
         error: &str,
         attempts: u32,
         behind: bool,
@@ -59,11 +55,10 @@ where
         let Some(ctx) = &self.park else {
             return Settled::ParkRefused;
         };
-        let Some(mut epoch) = job.park_epoch else {
+        let Some(epoch) = job.park_epoch else {
             return Settled::ParkRefused;
         };
         let part = part_ref(ctx, &job.lane);
-        let tp = (job.lane.topic.clone(), job.lane.partition);
         let due_in = if behind {
             Duration::ZERO
         } else {
@@ -117,33 +112,13 @@ where
                     return Settled::ParkedAlready;
                 }
                 Ok(Parked::Fenced) => {
+                    // Another owner has the partition: the message is theirs to read again.
                     span.record("outcome", "fenced");
-                    let _ = events.send(Event::Park(ParkEvent::Fenced {
-                        tp: tp.clone(),
-                        generation: job.lane.generation,
-                        epoch,
-                    }));
-                    // Wait for the loop's new epoch, or for the partition to go.
-                    loop {
-                        retry += 1;
-                        if !self.wait_retry(job, retry).await {
-                            return Settled::ParkRefused;
-                        }
-                        match ctx.epoch_of(&tp, job.lane.generation) {
-                            None => {
-                                debug!(
-                                    offset = job.delivery.offset,
-                                    "the partition has another owner: not parked"
-                                );
-                                return Settled::ParkRefused;
-                            }
-                            Some(Some(e)) if e != epoch => {
-                                epoch = e;
-                                break;
-                            }
-                            Some(_) => {}
-                        }
-                    }
+                    debug!(
+                        offset = job.delivery.offset,
+                        "the partition has another owner: not parked"
+                    );
+                    return Settled::ParkRefused;
                 }
                 Err(e) => {
                     self.counters.store_errors.add(1);
@@ -157,8 +132,7 @@ where
         }
     }
 
-    /// Runs a parked head once through the claim: whether its row went, and the epoch it found
-    /// fenced (the loop then takes the partition's epoch again).
+    /// Runs a parked head once through the claim: whether its row went.
     pub(super) async fn run_head(
         &self,
         ctx: &ParkCtx,
@@ -184,7 +158,7 @@ where
                     match ctx.store.settle(&part, epoch, offset, hold).await {
                         Ok(HeadOutcome::Removed | HeadOutcome::Gone) => return HeadRun::REMOVED,
                         Ok(HeadOutcome::Held) => return HeadRun::KEPT,
-                        Ok(HeadOutcome::Fenced) => return HeadRun::fenced(epoch),
+                        Ok(HeadOutcome::Fenced) => return HeadRun::KEPT,
                         Err(e) => {
                             warn!(error = %e, "settling a parked head failed; retrying");
                             tokio::time::sleep(ctx.cfg.backoff.initial.mul_f64(f64::from(n))).await;
@@ -201,7 +175,7 @@ where
         {
             Ok(Taken::Run) => {}
             Ok(Taken::Gone) => return HeadRun::KEPT,
-            Ok(Taken::Fenced) => return HeadRun::fenced(epoch),
+            Ok(Taken::Fenced) => return HeadRun::KEPT,
             Err(e) => {
                 self.counters.store_errors.add(1);
                 warn!(error = %e, "taking a parked head failed");
