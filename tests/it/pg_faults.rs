@@ -316,12 +316,7 @@ async fn a_read_only_server_is_passing_and_its_connection_is_discarded(pool: PgP
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_crash_between_handler_and_completion_runs_the_effect_once() {
     let pg = Arc::new(PgServer::start());
-    let pool = PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(2))
-        .connect(&pg.url())
-        .await
-        .unwrap();
-    dedup_pg::migrate(&pool).await.unwrap();
+    let pool = pg.migrated_pool().await;
     let lease = Duration::from_secs(6);
     let dedup = Dedup::new(PgStore::new(pool.clone()))
         .with_policy(Policy::default().with_lease(lease))
@@ -384,12 +379,7 @@ async fn identity_locks(pool: &PgPool) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_identity_lock_is_taken_again_after_a_postgres_restart() {
     let pg = PgServer::start();
-    let pool = PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(2))
-        .connect(&pg.url())
-        .await
-        .unwrap();
-    dedup_pg::migrate(&pool).await.unwrap();
+    let pool = pg.migrated_pool().await;
     let id = dedup_core::InstanceId::new("node-r").unwrap();
     let live = Dedup::new(PgStore::new(pool.clone())).with_instance(id.clone());
     assert_eq!(live.adopt().await.unwrap().adopted(), 0);

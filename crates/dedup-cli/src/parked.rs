@@ -114,32 +114,30 @@ pub(crate) async fn list(args: ParkedArgs) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What an operator does to a parked key.
+#[derive(Clone, Copy)]
+enum Op {
+    Unpark,
+    Drop,
+}
+
 pub(crate) async fn unpark(args: KeyArgs) -> Result<ExitCode, CliError> {
-    let pool = connect_pg(&args.pg.database_url, 2).await?;
-    let n = PgStore::new(pool)
-        .unpark(&args.group, args.key())
-        .await
-        .map_err(|e| CliError::Failed(format!("unparking: {e}")))?;
-    if n == 0 {
-        return Err(CliError::Failed(format!(
-            "nothing is parked under {} in group {}",
-            shown(args.key()),
-            args.group
-        )));
-    }
-    println!(
-        "{}: its head is due now ({n} message(s) parked, hold lifted); the partition's owner runs it",
-        shown(args.key())
-    );
-    Ok(ExitCode::SUCCESS)
+    on_key(&args, Op::Unpark).await
 }
 
 pub(crate) async fn drop(args: KeyArgs) -> Result<ExitCode, CliError> {
+    on_key(&args, Op::Drop).await
+}
+
+/// Runs `op` on one key. Nothing parked under the key is a failed run.
+async fn on_key(args: &KeyArgs, op: Op) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
-    let n = PgStore::new(pool)
-        .drop_parked(&args.group, args.key())
-        .await
-        .map_err(|e| CliError::Failed(format!("dropping: {e}")))?;
+    let store = PgStore::new(pool);
+    let n = match op {
+        Op::Unpark => store.unpark(&args.group, args.key()).await,
+        Op::Drop => store.drop_parked(&args.group, args.key()).await,
+    }
+    .map_err(|e| CliError::Failed(format!("changing parked messages: {e}")))?;
     if n == 0 {
         return Err(CliError::Failed(format!(
             "nothing is parked under {} in group {}",
@@ -147,9 +145,14 @@ pub(crate) async fn drop(args: KeyArgs) -> Result<ExitCode, CliError> {
             args.group
         )));
     }
-    println!(
-        "{}: {n} message(s) marked; the partition's owner dead-letters them, in order",
-        shown(args.key())
-    );
+    let done = match op {
+        Op::Unpark => format!(
+            "its head is due now ({n} message(s) parked, hold lifted); the partition's owner runs it"
+        ),
+        Op::Drop => {
+            format!("{n} message(s) marked; the partition's owner dead-letters them, in order")
+        }
+    };
+    println!("{}: {done}", shown(args.key()));
     Ok(ExitCode::SUCCESS)
 }

@@ -248,6 +248,51 @@ async fn parked(pool: &PgPool, group: &str) -> HashMap<String, u64> {
         .collect()
 }
 
+/// What every scenario starts from: the booking table, a Redis, a topic of one partition, a
+/// group, and the handler's switches.
+struct Scene {
+    redis: RedisServer,
+    topic: String,
+    group: String,
+    switches: Arc<Switches>,
+}
+
+async fn scene(broker: &Broker, pool: &PgPool) -> Scene {
+    booked_table(pool).await;
+    let topic = unique("parked");
+    broker.create_topic(&topic, 1).await;
+    Scene {
+        redis: RedisServer::start(),
+        topic,
+        group: unique("g"),
+        switches: Arc::new(Switches::default()),
+    }
+}
+
+/// Waits until `account` has `n` messages parked in `group`.
+async fn until_parked(pool: &PgPool, group: &str, account: &str, n: u64) {
+    eventually(60, &format!("{n} of {account} parked"), || async move {
+        parked(pool, group).await.get(account) == Some(&n)
+    })
+    .await;
+}
+
+/// Waits until nothing is parked in `group`.
+async fn until_parked_empty(pool: &PgPool, group: &str) {
+    eventually(30, "no key parked", || async move {
+        parked(pool, group).await.is_empty()
+    })
+    .await;
+}
+
+/// Waits until `n` messages are booked.
+async fn until_booked(pool: &PgPool, n: i64) {
+    eventually(240, &format!("{n} booked"), || async move {
+        booked_count(pool).await == n
+    })
+    .await;
+}
+
 /// One account's service is down: its first message fails three times in place and is parked,
 /// and its four later messages park behind it, while 10,000 messages of 50 other accounts on the
 /// same partition all settle (checked while the gate is still shut) and the committed offset
@@ -285,11 +330,7 @@ async fn one_failing_key_is_parked_while_ten_thousand_others_flow_then_runs_in_o
     )
     .await;
 
-    eventually(240, "10,000 other messages booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 10_000 }
-    })
-    .await;
+    until_booked(&pool, 10_000).await;
     // The gate is still shut: nothing of the account ran, all five wait parked, and the stream's
     // offsets were committed past them.
     assert!(booked_of(&pool, "acct-bad").await.is_empty());
@@ -303,20 +344,12 @@ async fn one_failing_key_is_parked_while_ten_thousand_others_flow_then_runs_in_o
     committed_to_the_end(broker, &group, &topic, 1).await;
 
     switches.open.store(true, Ordering::SeqCst);
-    eventually(60, "the account's messages booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 10_005 }
-    })
-    .await;
+    until_booked(&pool, 10_005).await;
     assert_eq!(
         booked_of(&pool, "acct-bad").await,
         ["bad-1", "bad-2", "bad-3", "bad-4", "bad-5"]
     );
-    eventually(30, "no key parked", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.is_empty() }
-    })
-    .await;
+    until_parked_empty(&pool, &group).await;
     let s = running.stop().await;
     assert_eq!(s.parked, 5);
     assert!(s.parked_retries >= 5);
@@ -329,12 +362,12 @@ async fn a_parked_keys_new_messages_keep_parking_behind_it_and_run_in_offset_ord
     broker: &Broker,
     pool: PgPool,
 ) {
-    booked_table(&pool).await;
-    let redis = RedisServer::start();
-    let topic = unique("parked");
-    broker.create_topic(&topic, 1).await;
-    let group = unique("g");
-    let switches = Arc::new(Switches::default());
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
     switches.shut.lock().unwrap().insert("acct-7".to_owned());
     let dedup = parking_engine(&pool, &redis, 1000).await;
     let running = spawn(
@@ -372,11 +405,7 @@ async fn a_parked_keys_new_messages_keep_parking_behind_it_and_run_in_offset_ord
     .await;
     assert!(booked_of(&pool, "acct-7").await.is_empty());
     switches.open.store(true, Ordering::SeqCst);
-    eventually(60, "every message booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 18 }
-    })
-    .await;
+    until_booked(&pool, 18).await;
     assert_eq!(booked_of(&pool, "acct-7").await, expected);
     running.stop().await;
     committed_to_the_end(broker, &group, &topic, 1).await;
@@ -390,12 +419,12 @@ async fn a_parked_head_out_of_attempts_is_dead_lettered_and_its_key_proceeds(
     broker: &Broker,
     pool: PgPool,
 ) {
-    booked_table(&pool).await;
-    let redis = RedisServer::start();
-    let topic = unique("parked");
-    broker.create_topic(&topic, 1).await;
-    let group = unique("g");
-    let switches = Arc::new(Switches::default());
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
     switches.always.lock().unwrap().insert("bad-1".to_owned());
     let events = vec![
         keyed("bad-1", "acct-bad"),
@@ -416,11 +445,7 @@ async fn a_parked_head_out_of_attempts_is_dead_lettered_and_its_key_proceeds(
         AfterGiveUp::Proceed,
     )
     .await;
-    eventually(60, "the key's later messages booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 4 }
-    })
-    .await;
+    until_booked(&pool, 4).await;
     assert_eq!(booked_of(&pool, "acct-bad").await, ["bad-2", "bad-3"]);
     let dead = read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
     let (payload, headers) = &dead[0];
@@ -448,12 +473,12 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
     broker: &Broker,
     pool: PgPool,
 ) {
-    booked_table(&pool).await;
-    let redis = RedisServer::start();
-    let topic = unique("parked");
-    broker.create_topic(&topic, 1).await;
-    let group = unique("g");
-    let switches = Arc::new(Switches::default());
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
     switches.always.lock().unwrap().insert("bad-1".to_owned());
     let events = vec![
         keyed("bad-1", "acct-bad"),
@@ -489,11 +514,7 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
     read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
     // A new message of the held key parks behind it; nothing of the key runs.
     produce(broker, &topic, &[keyed("bad-3", "acct-bad")]).await;
-    eventually(60, "bad-3 held too", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.get("acct-bad") == Some(&3) }
-    })
-    .await;
+    until_parked(&pool, &group, "acct-bad", 3).await;
     assert!(booked_of(&pool, "acct-bad").await.is_empty());
     eventually(60, "ok-1 booked", || {
         let pool = pool.clone();
@@ -507,18 +528,10 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
             .unwrap(),
         3
     );
-    eventually(60, "released and booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 3 }
-    })
-    .await;
+    until_booked(&pool, 3).await;
     assert_eq!(booked_of(&pool, "acct-bad").await, ["bad-2", "bad-3"]);
     assert_eq!(switches.calls("bad-1"), 5, "the marker is not run again");
-    eventually(30, "the key free", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.is_empty() }
-    })
-    .await;
+    until_parked_empty(&pool, &group).await;
     running.stop().await;
 }
 
@@ -529,12 +542,12 @@ async fn a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_or
     broker: &Broker,
     pool: PgPool,
 ) {
-    booked_table(&pool).await;
-    let redis = RedisServer::start();
-    let topic = unique("parked");
-    broker.create_topic(&topic, 1).await;
-    let group = unique("g");
-    let switches = Arc::new(Switches::default());
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
     switches.shut.lock().unwrap().insert("acct-bad".to_owned());
     produce(
         broker,
@@ -556,11 +569,7 @@ async fn a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_or
         AfterGiveUp::Proceed,
     )
     .await;
-    eventually(60, "two parked", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.get("acct-bad") == Some(&2) }
-    })
-    .await;
+    until_parked(&pool, &group, "acct-bad", 2).await;
     committed_to_the_end(broker, &group, &topic, 1).await;
     first.stop().await;
 
@@ -576,17 +585,9 @@ async fn a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_or
     .await;
     // A new message of the key reaches the new owner: it parks behind the others.
     produce(broker, &topic, &[keyed("bad-3", "acct-bad")]).await;
-    eventually(60, "three parked", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.get("acct-bad") == Some(&3) }
-    })
-    .await;
+    until_parked(&pool, &group, "acct-bad", 3).await;
     switches.open.store(true, Ordering::SeqCst);
-    eventually(60, "all booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 4 }
-    })
-    .await;
+    until_booked(&pool, 4).await;
     assert_eq!(
         booked_of(&pool, "acct-bad").await,
         ["bad-1", "bad-2", "bad-3"]
@@ -723,12 +724,12 @@ async fn a_message_parked_while_its_keys_last_parked_message_completes_is_not_st
     broker: &Broker,
     pool: PgPool,
 ) {
-    booked_table(&pool).await;
-    let redis = RedisServer::start();
-    let topic = unique("parked");
-    broker.create_topic(&topic, 1).await;
-    let group = unique("g");
-    let switches = Arc::new(Switches::default());
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
     switches.shut.lock().unwrap().insert("acct-bad".to_owned());
     produce(broker, &topic, &[keyed("bad-1", "acct-bad")]).await;
     let dedup = parking_engine(&pool, &redis, 1000).await;
@@ -742,11 +743,7 @@ async fn a_message_parked_while_its_keys_last_parked_message_completes_is_not_st
         AfterGiveUp::Proceed,
     )
     .await;
-    eventually(60, "bad-1 parked", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.get("acct-bad") == Some(&1) }
-    })
-    .await;
+    until_parked(&pool, &group, "acct-bad", 1).await;
     *switches.stall.lock().unwrap() = Some("bad-1".to_owned());
     switches.open.store(true, Ordering::SeqCst);
     eventually(60, "bad-1's re-run inside the handler", || {
@@ -755,30 +752,14 @@ async fn a_message_parked_while_its_keys_last_parked_message_completes_is_not_st
     })
     .await;
     produce(broker, &topic, &[keyed("bad-2", "acct-bad")]).await;
-    eventually(60, "bad-2 parked behind the running head", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.get("acct-bad") == Some(&2) }
-    })
-    .await;
+    until_parked(&pool, &group, "acct-bad", 2).await;
     assert_eq!(switches.calls("bad-2"), 0);
     switches.release.notify_one();
-    eventually(60, "both booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 2 }
-    })
-    .await;
+    until_booked(&pool, 2).await;
     assert_eq!(booked_of(&pool, "acct-bad").await, ["bad-1", "bad-2"]);
-    eventually(30, "the key free", || {
-        let (pool, group) = (pool.clone(), group.clone());
-        async move { parked(&pool, &group).await.is_empty() }
-    })
-    .await;
+    until_parked_empty(&pool, &group).await;
     produce(broker, &topic, &[keyed("bad-3", "acct-bad")]).await;
-    eventually(60, "bad-3 booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 3 }
-    })
-    .await;
+    until_booked(&pool, 3).await;
     assert_eq!(
         booked_of(&pool, "acct-bad").await,
         ["bad-1", "bad-2", "bad-3"]
@@ -796,12 +777,12 @@ async fn at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drain
     broker: &Broker,
     pool: PgPool,
 ) {
-    booked_table(&pool).await;
-    let redis = RedisServer::start();
-    let topic = unique("parked");
-    broker.create_topic(&topic, 1).await;
-    let group = unique("g");
-    let switches = Arc::new(Switches::default());
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
     switches.shut.lock().unwrap().insert("acct-bad".to_owned());
     produce(
         broker,
@@ -853,11 +834,7 @@ async fn at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drain
         "ok-2 waits behind bad-3"
     );
     switches.open.store(true, Ordering::SeqCst);
-    eventually(60, "all booked", || {
-        let pool = pool.clone();
-        async move { booked_count(&pool).await == 5 }
-    })
-    .await;
+    until_booked(&pool, 5).await;
     assert_eq!(
         booked_of(&pool, "acct-bad").await,
         ["bad-1", "bad-2", "bad-3"]

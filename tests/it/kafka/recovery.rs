@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep};
@@ -37,12 +36,7 @@ async fn count(pool: &PgPool, sql: &'static str) -> Option<i64> {
 
 /// A pool on a Postgres of the test's own, migrated, with the `effects` table.
 async fn own_postgres(pg: &PgServer) -> PgPool {
-    let pool = PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(2))
-        .connect(&pg.url())
-        .await
-        .unwrap();
-    dedup_pg::migrate(&pool).await.unwrap();
+    let pool = pg.migrated_pool().await;
     effects_table(&pool).await;
     pool
 }

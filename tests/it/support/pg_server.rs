@@ -99,6 +99,18 @@ impl PgServer {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
+    /// A pool on it with dedup's migrations applied, whose acquires give up after 2 s (a test
+    /// that crashes the server must not wait long for a connection).
+    pub(crate) async fn migrated_pool(&self) -> sqlx::PgPool {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(std::time::Duration::from_secs(2))
+            .connect(&self.url())
+            .await
+            .unwrap();
+        dedup_pg::migrate(&pool).await.unwrap();
+        pool
+    }
+
     /// Kills the server the way a crash would: `pg_ctl stop -m immediate` (no checkpoint; the
     /// next start replays the WAL). Returns once it is down.
     pub(crate) fn crash(&self) {

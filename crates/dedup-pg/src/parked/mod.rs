@@ -546,14 +546,7 @@ impl PgStore {
         group: &str,
         ordering_key: Option<&[u8]>,
     ) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql::UNPARK_SQL)
-            .bind(group)
-            .bind(ordering_key.is_some())
-            .bind(ordering_key.unwrap_or_default())
-            .execute(self.pool())
-            .await
-            .map_err(|e| classify(e, true))?;
-        Ok(done.rows_affected())
+        self.on_key(sql::UNPARK_SQL, group, ordering_key).await
     }
 
     /// Asks for `group`'s parked key `ordering_key` (`None`: the keyless queue) to be
@@ -564,7 +557,18 @@ impl PgStore {
         group: &str,
         ordering_key: Option<&[u8]>,
     ) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql::DROP_SQL)
+        self.on_key(sql::DROP_SQL, group, ordering_key).await
+    }
+
+    /// An operator's statement over one parked key's messages ($1 group, $2 has_key, $3 key):
+    /// the rows it changed.
+    async fn on_key(
+        &self,
+        statement: &'static str,
+        group: &str,
+        ordering_key: Option<&[u8]>,
+    ) -> Result<u64, StoreError> {
+        let done = sqlx::query(statement)
             .bind(group)
             .bind(ordering_key.is_some())
             .bind(ordering_key.unwrap_or_default())
