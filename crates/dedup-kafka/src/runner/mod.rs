@@ -339,8 +339,10 @@ where
                 &inner.counters,
             );
             if was_paused && !lp.pressure.is_paused() {
-                // Resuming the assignment resumed the partitions paused for their blocked lanes.
+                // Resuming the assignment resumed the partitions paused for their blocked lanes,
+                // and those paused for a full parked queue (paused again at once).
                 lp.blocked_paused.clear();
+                lp.repause_parked();
             }
             lp.pause_blocked();
         }
@@ -728,6 +730,7 @@ where
             .check_payload
             .then(|| Fingerprint::of(job.delivery.payload_bytes()));
         let mut retry = 0;
+        let mut failed_runs = 0;
         let mut blocked = false;
         loop {
             let delivery = job.delivery.clone();
@@ -772,7 +775,11 @@ where
             }
             if err.is_retryable() {
                 retry += 1;
-                if self.should_park(&err, retry) {
+                // Runs that failed: not a wait for another holder, nor a store that is down.
+                if !matches!(err, ProcessError::InFlight { .. } | ProcessError::Store(_)) {
+                    failed_runs += 1;
+                }
+                if self.should_park(&err, failed_runs) {
                     let attempts = attempts_of(&err, retry);
                     let _ = events.send(Event::Parking(job.lane.clone()));
                     return self.park(job, &err.to_string(), attempts, false).await;

@@ -36,6 +36,22 @@ where
             .and_then(|p| p.epoch)
     }
 
+    /// After the whole assignment was resumed (backpressure let go): the partitions whose
+    /// parked queue is full are paused again.
+    pub(in crate::runner) fn repause_parked(&mut self) {
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for (tp, p) in &self.parks.parts {
+            if p.paused {
+                tpl.add_partition(&tp.0, tp.1);
+            }
+        }
+        if tpl.count() > 0
+            && let Err(e) = self.consumer.pause(&tpl)
+        {
+            warn!(error = %e, "pausing again the partitions whose parked queue is full failed");
+        }
+    }
+
     /// At shutdown: messages waiting for a barrier or for room are left to redelivery.
     pub(in crate::runner) fn drop_waiting(&mut self) {
         for p in self.parks.parts.values_mut() {
@@ -276,7 +292,7 @@ where
                 self.place(job);
             }
             let still = self.parks.parts.get(&tp).is_some_and(|p| p.paused);
-            if was_paused && !still {
+            if was_paused && !still && !self.pressure.is_paused() {
                 let mut tpl = rdkafka::TopicPartitionList::new();
                 tpl.add_partition(&tp.0, tp.1);
                 if let Err(e) = self.consumer.resume(&tpl) {
@@ -286,12 +302,14 @@ where
         }
     }
 
-    /// Decides a received message's way before its lane: it waits for its partition's barrier,
-    /// or is parked behind its key, or (answered back) goes to its lane as usual.
+    /// Decides a received message's way before its lane: it waits for its partition's barrier
+    /// (or behind messages waiting for room), or (answered back) goes to its lane. A message of
+    /// a parked key is parked when its turn in the lane comes (`parks_instead`), so a key's parks
+    /// are written one at a time, in offset order.
     pub(in crate::runner) fn admit(&mut self, job: Job) -> Option<Job> {
-        let Some(ctx) = self.park_ctx() else {
+        if self.park_ctx().is_none() {
             return Some(job);
-        };
+        }
         let tp = (job.lane.topic.clone(), job.lane.partition);
         let generation = job.lane.generation;
         self.sync(&tp, generation);
@@ -310,15 +328,7 @@ where
             p.waiting.push(job);
             return None;
         }
-        let parked = p.keys.get(&job.lane.key).copied().unwrap_or(0);
-        if parked == 0 || self.lanes.contains_key(&job.lane) {
-            // Its lane, if it has one, parks it in its turn.
-            return Some(job);
-        }
-        self.held += 1;
-        // Parked, or waiting for room: either way held until it settles.
-        let _ = self.park_behind(&ctx, job);
-        None
+        Some(job)
     }
 
     /// A lane's next message is about to start: if its key is parked, it is parked behind it

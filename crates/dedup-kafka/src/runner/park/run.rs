@@ -26,12 +26,16 @@ where
     S: Store + Send + Sync + 'static,
     H: Handler,
 {
-    /// Whether a message that failed `retry` times in place should be parked now.
-    pub(in crate::runner) fn should_park(&self, err: &ProcessError<H::Error>, retry: u32) -> bool {
+    /// Whether a message whose handler failed `failed_runs` times in place should be parked now.
+    pub(in crate::runner) fn should_park(
+        &self,
+        err: &ProcessError<H::Error>,
+        failed_runs: u32,
+    ) -> bool {
         let Some(ctx) = &self.park else {
             return false;
         };
-        if retry < ctx.cfg.in_place_attempts
+        if failed_runs < ctx.cfg.in_place_attempts
             || matches!(err, ProcessError::InFlight { .. } | ProcessError::Store(_))
         {
             return false;
@@ -78,6 +82,9 @@ where
             outcome = tracing::field::Empty,
         );
         let mut retry = 0;
+        // An attempt that failed after it was sent may have written the row: finding it then is
+        // finding our own, not a replay's.
+        let mut maybe_written = false;
         loop {
             let out = ctx
                 .store
@@ -93,6 +100,10 @@ where
                 )
                 .instrument(span.clone())
                 .await;
+            let out = match out {
+                Ok(Parked::Already) if maybe_written => Ok(Parked::Written),
+                other => other,
+            };
             match out {
                 Ok(Parked::Written) => {
                     span.record("outcome", "parked");
@@ -121,6 +132,7 @@ where
                     return Settled::ParkRefused;
                 }
                 Err(e) => {
+                    maybe_written |= e.is_outcome_unknown();
                     self.counters.store_errors.add(1);
                     warn!(error = %e, "parking failed; retrying");
                     retry += 1;
@@ -154,20 +166,26 @@ where
         let settle = |hold: bool| {
             let part = part.clone();
             async move {
-                for n in 1..=5u32 {
+                let mut n = 0u32;
+                loop {
                     match ctx.store.settle(&part, epoch, offset, hold).await {
                         Ok(HeadOutcome::Removed | HeadOutcome::Gone) => return HeadRun::REMOVED,
-                        Ok(HeadOutcome::Held) => return HeadRun::KEPT,
-                        Ok(HeadOutcome::Fenced) => return HeadRun::KEPT,
+                        Ok(HeadOutcome::Held | HeadOutcome::Fenced) => return HeadRun::KEPT,
                         Err(e) => {
+                            // Until the answer is definite (a lost reply answers Gone next
+                            // time), or the runner stops: its row is the next owner's then.
+                            if *self.stopping.borrow() {
+                                return HeadRun::KEPT;
+                            }
                             warn!(error = %e, "settling a parked head failed; retrying");
-                            tokio::time::sleep(ctx.cfg.backoff.initial.mul_f64(f64::from(n))).await;
+                            n = n.saturating_add(1);
+                            tokio::time::sleep(self.config.backoff.delay(n)).await;
                         }
                     }
                 }
-                HeadRun::KEPT
             }
         };
+        let hold = ctx.cfg.after_give_up == AfterGiveUp::Hold;
         match ctx
             .store
             .take(&part, epoch, d.offset, ctx.cfg.run_bound)
@@ -209,7 +227,7 @@ where
                 {
                     return HeadRun::KEPT;
                 }
-                return settle(false).await;
+                return settle(hold).await;
             }
         };
         let fingerprint = self
@@ -261,7 +279,7 @@ where
                 if !self.head_dead_letter(&d, &reason, head.attempts).await {
                     return HeadRun::KEPT;
                 }
-                return settle(false).await;
+                return settle(hold).await;
             }
             Err(e) => e,
         };
@@ -299,7 +317,7 @@ where
         if !self.head_dead_letter(&d, &err.to_string(), attempts).await {
             return HeadRun::KEPT;
         }
-        settle(ctx.cfg.after_give_up == AfterGiveUp::Hold).await
+        settle(hold).await
     }
 
     /// Dead-letters a parked head; false if the write failed (it runs again when seen).
