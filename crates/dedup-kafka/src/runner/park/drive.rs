@@ -29,6 +29,8 @@ where
 
     /// The epoch under which `lane`'s partition is owned, once its barrier answered.
     pub(in crate::runner) fn park_epoch(&self, lane: &Lane) -> Option<i64> {
+        // Every message starts through here: without parking, no lookup (and no key to build).
+        self.inner.park.as_ref()?;
         self.parks
             .parts
             .get(&(lane.topic.clone(), lane.partition))
