@@ -1465,5 +1465,6 @@ mod blocked;
 mod lease;
 mod parked;
 mod recovery;
+mod redrive;
 mod tls;
 mod tx;

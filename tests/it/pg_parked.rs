@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use dedup_pg::{
-    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore,
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedFilter, ParkedMessage, ParkedPartition,
+    PgStore,
 };
 use sqlx::PgPool;
 
@@ -125,8 +126,14 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     );
     assert_eq!(heads_offsets(&store).await, vec![4, 6]);
     // The keyless queue is an operator's to release too.
-    assert_eq!(store.unpark("g", None).await.unwrap(), 1);
-    let summary = store.parked_summary("g").await.unwrap();
+    assert_eq!(
+        store.unpark("g", None, &ParkedFilter::all()).await.unwrap(),
+        1
+    );
+    let summary = store
+        .parked_summary("g", &ParkedFilter::all())
+        .await
+        .unwrap();
     let acct1 = summary
         .iter()
         .find(|s| s.ordering_key.as_deref() == Some(b"acct-1".as_slice()))
@@ -142,7 +149,13 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     assert!(acct1.head_due > acct1.oldest);
 
     // An operator makes it due now; it runs and settles; the next of the key is the head.
-    assert_eq!(store.unpark("g", Some(b"acct-1")).await.unwrap(), 3);
+    assert_eq!(
+        store
+            .unpark("g", Some(b"acct-1"), &ParkedFilter::all())
+            .await
+            .unwrap(),
+        3
+    );
     assert_eq!(
         store
             .take_head(&part(), e, 3, Duration::from_secs(60))
@@ -274,11 +287,20 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
         HeadSettled::Held
     );
     assert_eq!(heads_offsets(&store).await, vec![3]);
-    let summary = store.parked_summary("g").await.unwrap();
+    let summary = store
+        .parked_summary("g", &ParkedFilter::all())
+        .await
+        .unwrap();
     assert!(summary.iter().any(|s| s.held && s.messages == 2));
     // Released: the marker is the head again (the owner removes it without running it), then
     // the message behind it.
-    assert_eq!(store.unpark("g", Some(b"acct-1")).await.unwrap(), 2);
+    assert_eq!(
+        store
+            .unpark("g", Some(b"acct-1"), &ParkedFilter::all())
+            .await
+            .unwrap(),
+        2
+    );
     let got = store.due_heads("g", &owned(), 10).await.unwrap();
     assert_eq!(
         got.iter()
@@ -299,11 +321,23 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
             .await
             .unwrap()
     );
-    assert_eq!(store.drop_parked("g", Some(b"acct-2")).await.unwrap(), 2);
+    assert_eq!(
+        store
+            .drop_parked("g", Some(b"acct-2"), &ParkedFilter::all())
+            .await
+            .unwrap(),
+        2
+    );
     let got = store.due_heads("g", &owned(), 10).await.unwrap();
     let dropped: Vec<(i64, bool)> = got.iter().map(|h| (h.message.offset, h.dropped)).collect();
     assert_eq!(dropped, vec![(2, false), (3, true)]);
-    assert_eq!(store.unpark("g", Some(b"nobody")).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .unpark("g", Some(b"nobody"), &ParkedFilter::all())
+            .await
+            .unwrap(),
+        0
+    );
 
     let gauges = store.parked_gauges("g", &owned()).await.unwrap();
     assert_eq!((gauges.keys, gauges.messages), (2, 3));
@@ -345,4 +379,318 @@ async fn a_parked_messages_dedup_record_outlives_its_retention(pool: PgPool) {
     store.settle_head(&part(), e, 1, false).await.unwrap();
     assert_eq!(store.purge(10).await.unwrap(), 1);
     assert!(store.get(&parked_key).await.unwrap().is_none());
+}
+
+/// The record's `expires_at` as text ('infinity' while pinned).
+async fn expires_of(pool: &PgPool, name: &str) -> String {
+    sqlx::query_scalar(
+        "SELECT expires_at::text FROM dedup_records WHERE scope = 'test' AND key = $1",
+    )
+    .bind(name.as_bytes())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A message parked longer than the retention must not run its effect again: the record it
+/// names is pinned while it is named, so a claim past the retention still answers the stored
+/// result (a completed X), and a failing head's attempts do not reset. Once the message
+/// settles, the record lives its span again from then, and then expires as any other.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired(pool: PgPool) {
+    use dedup_core::{ClaimOutcome, Policy, Store};
+
+    let store = PgStore::new(pool.clone());
+    let short = Policy::default()
+        .with_retention(Duration::from_millis(800))
+        .with_lease(Duration::from_millis(500));
+    // X completed in place; a resent copy of X parks behind its key.
+    let x = crate::support::key("evt-x");
+    let lease = crate::support::acquired(
+        store
+            .claim(&crate::support::req(&x, "w#1").with_policy(short))
+            .await
+            .unwrap(),
+    );
+    store.complete(&lease, b"x done").await.unwrap();
+    // Y failed once (retryably) and is parked as its key's head.
+    let y = crate::support::key("evt-y");
+    let lease = crate::support::acquired(
+        store
+            .claim(&crate::support::req(&y, "w#1").with_policy(short))
+            .await
+            .unwrap(),
+    );
+    store.fail_retryable(&lease, "ledger down").await.unwrap();
+
+    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let park = |offset: i64, name: &str| {
+        msg(offset, "acct-1", "down").with_dedup_key("test", name.as_bytes().to_vec())
+    };
+    for (offset, name) in [(1, "evt-y"), (2, "evt-x")] {
+        assert_eq!(
+            store
+                .park(&part(), e, &park(offset, name), Duration::ZERO)
+                .await
+                .unwrap(),
+            ParkOutcome::Parked
+        );
+    }
+    assert_eq!(expires_of(&pool, "evt-x").await, "infinity");
+    assert_eq!(expires_of(&pool, "evt-y").await, "infinity");
+
+    // Far past the retention (and the purge runs meanwhile).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    store.purge(100).await.unwrap();
+    // The head Y runs again: its attempts go on from 1, they do not start over.
+    let lease = crate::support::acquired(
+        store
+            .claim(&crate::support::req(&y, "w#2").with_policy(short))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        lease.attempts, 2,
+        "the failing head's attempts did not reset"
+    );
+    assert_eq!(
+        expires_of(&pool, "evt-y").await,
+        "infinity",
+        "a run keeps the pin"
+    );
+    store
+        .fail_retryable(&lease, "ledger still down")
+        .await
+        .unwrap();
+    assert!(
+        store
+            .defer_head(&part(), e, 1, "ledger still down", 2, Duration::ZERO)
+            .await
+            .unwrap()
+    );
+    // The copy of X reaches the head: the claim answers X's stored result, it does not take X
+    // over as fresh.
+    match store
+        .claim(&crate::support::req(&x, "w#2").with_policy(short))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], b"x done"),
+        other => panic!("a parked message's record was taken over: {other:?}"),
+    }
+
+    // Settled, each record gets its span back from now, and then expires as any other.
+    assert_eq!(
+        store.settle_head(&part(), e, 2, false).await.unwrap(),
+        HeadSettled::Removed
+    );
+    assert_eq!(
+        store.settle_head(&part(), e, 1, false).await.unwrap(),
+        HeadSettled::Removed
+    );
+    for name in ["evt-x", "evt-y"] {
+        assert_ne!(expires_of(&pool, name).await, "infinity", "{name} unpinned");
+    }
+    let pinned: Option<sqlx::postgres::types::PgInterval> = sqlx::query_scalar(
+        "SELECT pinned_ttl FROM dedup_records WHERE scope = 'test' AND key = 'evt-x'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(pinned.is_none());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let lease = crate::support::acquired(
+        store
+            .claim(&crate::support::req(&x, "w#3").with_policy(short))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        lease.attempts, 1,
+        "past its span after settling, X is fresh again"
+    );
+}
+
+/// Two parked messages naming one record: it stays pinned until the last of them settles.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_record_stays_pinned_until_its_last_parked_message_settles(pool: PgPool) {
+    use dedup_core::Store;
+
+    let store = PgStore::new(pool.clone());
+    let x = crate::support::key("evt-x");
+    let lease =
+        crate::support::acquired(store.claim(&crate::support::req(&x, "w#1")).await.unwrap());
+    store.complete(&lease, b"x done").await.unwrap();
+    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    for offset in [1, 2] {
+        let m = msg(offset, "acct-1", "down").with_dedup_key("test", b"evt-x".to_vec());
+        store.park(&part(), e, &m, Duration::ZERO).await.unwrap();
+    }
+    store.settle_head(&part(), e, 1, false).await.unwrap();
+    assert_eq!(
+        expires_of(&pool, "evt-x").await,
+        "infinity",
+        "still named by offset 2"
+    );
+    store.settle_head(&part(), e, 2, false).await.unwrap();
+    assert_ne!(expires_of(&pool, "evt-x").await, "infinity");
+}
+
+/// Text Postgres refuses is made safe where it is written: a NUL in a failure (finish and
+/// exhaust) or a parked message's error is recorded, not refused; an ordering key far past a
+/// btree entry's limit parks and is found again by an operator; a header name Postgres cannot
+/// hold is refused for good (not a passing error to retry), naming nothing it could not store.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
+    use dedup_core::{Policy, Store};
+
+    let store = PgStore::new(pool.clone());
+    let k = crate::support::key("evt-nul");
+    let lease =
+        crate::support::acquired(store.claim(&crate::support::req(&k, "w#1")).await.unwrap());
+    store
+        .fail_permanent(&lease, "the payload \0 echoed back")
+        .await
+        .unwrap();
+    let failure: String = sqlx::query_scalar(
+        "SELECT failure FROM dedup_records WHERE scope = 'test' AND key = 'evt-nul'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(failure, "the payload \u{FFFD} echoed back");
+    // Out of attempts, with a NUL in the last error: the exhaust statement records it too.
+    let once = Policy::default()
+        .with_max_attempts(1)
+        .with_lease(Duration::from_millis(1));
+    let k2 = crate::support::key("evt-nul-2");
+    let lease = crate::support::acquired(
+        store
+            .claim(&crate::support::req(&k2, "w#1").with_policy(once))
+            .await
+            .unwrap(),
+    );
+    store.fail_retryable(&lease, "down \0 again").await.unwrap();
+    let out = store
+        .claim(&crate::support::req(&k2, "w#2").with_policy(once))
+        .await
+        .unwrap();
+    assert!(
+        matches!(out, dedup_core::ClaimOutcome::Failed { .. }),
+        "{out:?}"
+    );
+
+    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    // An error with a NUL, and 64 KiB of it: stored, cut and made safe.
+    let long_error = format!("bad \0 {}", "x".repeat(65_536));
+    let m = msg(1, "acct-1", &long_error);
+    assert_eq!(
+        store.park(&part(), e, &m, Duration::ZERO).await.unwrap(),
+        ParkOutcome::Parked
+    );
+    // An ordering key of 8 KB that does not compress.
+    let mut state = 0x9E37_79B9_7F4A_7C15_u64;
+    let long_key: Vec<u8> = (0..8192)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect();
+    let mut m = msg(2, "x", "down");
+    m.ordering_key = Some(long_key.clone());
+    assert_eq!(
+        store.park(&part(), e, &m, Duration::ZERO).await.unwrap(),
+        ParkOutcome::Parked
+    );
+    let summary = store
+        .parked_summary("g", &ParkedFilter::all())
+        .await
+        .unwrap();
+    assert!(
+        summary
+            .iter()
+            .any(|s| s.ordering_key.as_deref() == Some(&long_key[..]))
+    );
+    assert!(
+        summary
+            .iter()
+            .any(|s| s.head_error.len() <= dedup_pg::MAX_TEXT_BYTES
+                && s.head_error.starts_with("bad \u{FFFD} "))
+    );
+    assert_eq!(
+        store
+            .drop_parked("g", Some(&long_key), &ParkedFilter::all())
+            .await
+            .unwrap(),
+        1
+    );
+    // A header name with a NUL: refused for good, not retried as a passing error.
+    let mut m = msg(3, "acct-3", "down");
+    m.headers
+        .push(("bad\0name".to_owned(), Some(b"v".to_vec())));
+    let err = store
+        .park(&part(), e, &m, Duration::ZERO)
+        .await
+        .unwrap_err();
+    assert!(!err.is_retryable() && !err.is_outcome_unknown(), "{err:?}");
+}
+
+/// A held marker (a message dead-lettered in place under the hold policy) holds its key: it is
+/// never a due head, the key's later messages wait behind it, and once an operator releases the
+/// key it comes back as given up (removed without running). Operators' commands are filtered
+/// by topic and partition.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_held_marker_holds_its_key_until_an_operator_releases_it(pool: PgPool) {
+    let store = PgStore::new(pool);
+    let (e, keys) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    assert!(keys.is_empty());
+    let marker = msg(1, "acct-1", "permanent").as_held_marker();
+    assert_eq!(
+        store
+            .park(&part(), e, &marker, Duration::ZERO)
+            .await
+            .unwrap(),
+        ParkOutcome::Parked
+    );
+    store
+        .park(&part(), e, &msg(2, "acct-1", "behind"), Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(heads(&store).await.is_empty(), "a held key has no due head");
+    let summary = store
+        .parked_summary("g", &ParkedFilter::all())
+        .await
+        .unwrap();
+    assert!(summary[0].held && summary[0].messages == 2);
+    let other = ParkedFilter::all().topic("payments");
+    assert!(store.parked_summary("g", &other).await.unwrap().is_empty());
+    assert_eq!(store.unpark("g", Some(b"acct-1"), &other).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .unpark(
+                "g",
+                Some(b"acct-1"),
+                &ParkedFilter::all().topic("orders").partition(1)
+            )
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        store
+            .unpark(
+                "g",
+                Some(b"acct-1"),
+                &ParkedFilter::all().topic("orders").partition(0)
+            )
+            .await
+            .unwrap(),
+        2
+    );
+    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].message.offset, 1);
+    assert!(got[0].gave_up, "the marker is removed without running");
 }

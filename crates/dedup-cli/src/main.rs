@@ -8,6 +8,7 @@
 mod bench;
 mod connect;
 mod demo;
+mod forget;
 mod parked;
 mod telemetry;
 
@@ -34,8 +35,9 @@ enum Command {
     /// full engine (moka, Redis, Postgres) into a ledger, and report what happened.
     Demo(demo::DemoArgs),
     Bench(bench::BenchArgs),
-    /// Apply the database migrations.
-    Migrate(PgArgs),
+    /// Apply or verify dedup's migrations (its own table, `dedup_migrations`), and check that the
+    /// schema's compatibility floor allows this binary (docs/MIGRATIONS.md).
+    Migrate(MigrateArgs),
     /// Show one key's record in each tier.
     Inspect(InspectArgs),
     /// Delete records past their retention, in batches.
@@ -46,6 +48,9 @@ enum Command {
     Unpark(parked::KeyArgs),
     /// Dead-letter a parked key's queue (its partition's owner writes them, in order).
     Drop(parked::KeyArgs),
+    /// Forget keys (given, or named by a range of dead letters) so that their next message runs
+    /// again: the re-drive path for dead letters (docs/RECOVERY.md).
+    Forget(forget::ForgetArgs),
 }
 
 /// Where Postgres is.
@@ -54,6 +59,17 @@ pub(crate) struct PgArgs {
     /// Postgres, the source of truth: postgres://user:password@host:port/database
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub(crate) database_url: String,
+}
+
+#[derive(Args, Debug)]
+struct MigrateArgs {
+    #[command(flatten)]
+    pg: PgArgs,
+    /// apply: move dedup's versions out of `_sqlx_migrations`, apply what is missing, check the
+    /// floor; verify: change nothing, check that every migration is applied and the floor; off:
+    /// check only the floor, if the schema records one.
+    #[arg(long, default_value = "apply")]
+    mode: dedup_pg::MigrationMode,
 }
 
 #[derive(Args, Debug)]
@@ -118,18 +134,12 @@ async fn run(command: Command) -> Result<ExitCode, CliError> {
     match command {
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
-        Command::Migrate(pg) => {
-            let pool = connect_pg(&pg.database_url, 2).await?;
-            dedup_pg::migrate(&pool)
-                .await
-                .map_err(|e| CliError::Failed(format!("migrations: {e}")))?;
-            println!("migrations applied");
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Migrate(args) => migrate(args).await,
         Command::Inspect(args) => inspect(args).await,
         Command::Parked(args) => parked::list(args).await,
         Command::Unpark(args) => parked::unpark(args).await,
         Command::Drop(args) => parked::drop(args).await,
+        Command::Forget(args) => forget::run(args).await,
         Command::Purge(args) => {
             let pool = connect_pg(&args.pg.database_url, 2).await?;
             let store = dedup_pg::PgStore::new(pool);
@@ -148,6 +158,63 @@ async fn run(command: Command) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+async fn migrate(args: MigrateArgs) -> Result<ExitCode, CliError> {
+    let pool = connect_pg(&args.pg.database_url, 2).await?;
+    let status = dedup_pg::prepare(&pool, args.mode).await.map_err(|e| {
+        let message = format!("migrations ({}): {e}", args.mode);
+        if e.is_retryable() {
+            CliError::Unreachable(message)
+        } else {
+            CliError::Failed(message)
+        }
+    })?;
+    let versions = |v: &[i64]| {
+        v.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !status.moved.is_empty() {
+        println!(
+            "moved {} dedup migration(s) from _sqlx_migrations to {}: {}",
+            status.moved.len(),
+            dedup_pg::MIGRATIONS_TABLE,
+            versions(&status.moved)
+        );
+    }
+    match args.mode {
+        dedup_pg::MigrationMode::Apply if status.applied.is_empty() => {
+            println!("migrations applied (none was missing)");
+        }
+        dedup_pg::MigrationMode::Apply => println!(
+            "migrations applied: {} ({})",
+            status.applied.len(),
+            versions(&status.applied)
+        ),
+        dedup_pg::MigrationMode::Verify => println!(
+            "migrations verified: all {} recorded in {} with their checksums",
+            status.verified.len(),
+            dedup_pg::MIGRATIONS_TABLE
+        ),
+        _ => println!("migrations off: nothing applied or verified"),
+    }
+    match status.schema {
+        Some(s) => println!(
+            "schema generation {}, compatibility floor {}; this binary is generation {}{}",
+            s.generation,
+            s.compat_floor,
+            dedup_pg::SCHEMA_GENERATION,
+            if status.newer_than_binary() {
+                " (the schema is newer and still compatible)"
+            } else {
+                ""
+            }
+        ),
+        None => println!("no dedup_schema table: the floor was not checked"),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {

@@ -6,10 +6,46 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::Args;
-use dedup_pg::PgStore;
+use dedup_pg::{ParkedFilter, PgStore};
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg};
+
+/// Which partitions a command looks at (every one of the group by default).
+#[derive(Args, Debug)]
+pub(crate) struct WhereArgs {
+    /// Only this topic.
+    #[arg(long)]
+    topic: Option<String>,
+    /// Only this partition.
+    #[arg(long)]
+    partition: Option<i32>,
+}
+
+impl WhereArgs {
+    fn filter(&self) -> ParkedFilter {
+        let mut f = ParkedFilter::all();
+        if let Some(t) = &self.topic {
+            f = f.topic(t.clone());
+        }
+        if let Some(p) = self.partition {
+            f = f.partition(p);
+        }
+        f
+    }
+
+    /// " in topic T partition P", or nothing.
+    fn said(&self) -> String {
+        let mut out = String::new();
+        if let Some(t) = &self.topic {
+            out.push_str(&format!(" in topic {t}"));
+        }
+        if let Some(p) = self.partition {
+            out.push_str(&format!(" partition {p}"));
+        }
+        out
+    }
+}
 
 #[derive(Args, Debug)]
 pub(crate) struct ParkedArgs {
@@ -18,6 +54,8 @@ pub(crate) struct ParkedArgs {
     /// The consumer group whose parked keys to list.
     #[arg(long)]
     group: String,
+    #[command(flatten)]
+    at: WhereArgs,
 }
 
 #[derive(Args, Debug)]
@@ -27,26 +65,70 @@ pub(crate) struct KeyArgs {
     /// The consumer group.
     #[arg(long)]
     group: String,
-    /// The ordering key (the Kafka message key, as UTF-8 text).
-    #[arg(required_unless_present = "keyless", conflicts_with = "keyless")]
+    /// The ordering key (the Kafka message key) as UTF-8 text. A key that `dedup parked` shows
+    /// as `hex:...` is given with `--hex-key`.
+    #[arg(required_unless_present_any = ["keyless", "hex_key"], conflicts_with_all = ["keyless", "hex_key"])]
     key: Option<String>,
+    /// The ordering key as hex (as `dedup parked` shows a key that is not printable text; a
+    /// leading `hex:` is accepted).
+    #[arg(long, value_parser = parse_hex, conflicts_with = "keyless")]
+    hex_key: Option<Vec<u8>>,
     /// The queue of the messages that had no ordering key.
     #[arg(long)]
     keyless: bool,
+    #[command(flatten)]
+    at: WhereArgs,
 }
 
 impl KeyArgs {
     fn key(&self) -> Option<&[u8]> {
-        self.key.as_deref().map(str::as_bytes)
+        self.hex_key
+            .as_deref()
+            .or_else(|| self.key.as_deref().map(str::as_bytes))
     }
 }
 
-/// A key as text: escaped where it is not printable, `(no key)` for the keyless queue.
-fn shown(key: Option<&[u8]>) -> String {
-    key.map_or_else(
-        || "(no key)".to_owned(),
-        |k| String::from_utf8_lossy(k).escape_debug().to_string(),
-    )
+/// A key given as hex: an even number of hex digits, optionally after `hex:`.
+fn parse_hex(s: &str) -> Result<Vec<u8>, String> {
+    let digits = s.strip_prefix("hex:").unwrap_or(s);
+    if digits.is_empty() || digits.len() % 2 != 0 {
+        return Err("an even, non-zero number of hex digits".to_owned());
+    }
+    (0..digits.len())
+        .step_by(2)
+        .map(|i| {
+            u8::from_str_radix(&digits[i..i + 2], 16)
+                .map_err(|_| format!("not a hex digit pair: {:?}", &digits[i..i + 2]))
+        })
+        .collect()
+}
+
+/// A key as it can be given back without loss: printable UTF-8 as it is, anything else (a
+/// control character, bytes that are not UTF-8, a key that could be read as hex) as
+/// `hex:<digits>`; `(no key)` for the keyless queue.
+pub(crate) fn shown(key: Option<&[u8]>) -> String {
+    let Some(k) = key else {
+        return "(no key)".to_owned();
+    };
+    match std::str::from_utf8(k) {
+        Ok(t)
+            if !t.is_empty()
+                && !t.starts_with("hex:")
+                && t != "(no key)"
+                && t.chars()
+                    .all(|c| !c.is_control() && (c == ' ' || !c.is_whitespace())) =>
+        {
+            t.to_owned()
+        }
+        _ => {
+            let mut out = String::with_capacity(4 + k.len() * 2);
+            out.push_str("hex:");
+            for b in k {
+                out.push_str(&format!("{b:02x}"));
+            }
+            out
+        }
+    }
 }
 
 /// `t` against now: "3m 12s ago" or "in 40s".
@@ -74,11 +156,11 @@ fn relative(t: SystemTime) -> String {
 pub(crate) async fn list(args: ParkedArgs) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
     let keys = PgStore::new(pool)
-        .parked_summary(&args.group)
+        .parked_summary(&args.group, &args.at.filter())
         .await
         .map_err(|e| CliError::Failed(format!("reading parked keys: {e}")))?;
     if keys.is_empty() {
-        println!("no parked keys in group {}", args.group);
+        println!("no parked keys in group {}{}", args.group, args.at.said());
         return Ok(ExitCode::SUCCESS);
     }
     let messages: u64 = keys.iter().map(|k| k.messages).sum();
@@ -133,16 +215,18 @@ pub(crate) async fn drop(args: KeyArgs) -> Result<ExitCode, CliError> {
 async fn on_key(args: &KeyArgs, op: Op) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
     let store = PgStore::new(pool);
+    let filter = args.at.filter();
     let n = match op {
-        Op::Unpark => store.unpark(&args.group, args.key()).await,
-        Op::Drop => store.drop_parked(&args.group, args.key()).await,
+        Op::Unpark => store.unpark(&args.group, args.key(), &filter).await,
+        Op::Drop => store.drop_parked(&args.group, args.key(), &filter).await,
     }
     .map_err(|e| CliError::Failed(format!("changing parked messages: {e}")))?;
     if n == 0 {
         return Err(CliError::Failed(format!(
-            "nothing is parked under {} in group {}",
+            "nothing is parked under {} in group {}{}",
             shown(args.key()),
-            args.group
+            args.group,
+            args.at.said()
         )));
     }
     let done = match op {
@@ -155,4 +239,37 @@ async fn on_key(args: &KeyArgs, op: Op) -> Result<ExitCode, CliError> {
     };
     println!("{}: {done}", shown(args.key()));
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_hex, shown};
+
+    #[test]
+    fn every_key_is_shown_so_that_it_can_be_given_back() {
+        for key in [
+            b"acct-17".to_vec(),
+            vec![0, 159, 146, 150, 255],
+            b"tab\there".to_vec(),
+            b"hex:00".to_vec(),
+            "cl\u{e9}".as_bytes().to_vec(),
+        ] {
+            let s = shown(Some(&key));
+            let back = match s.strip_prefix("hex:") {
+                Some(_) => parse_hex(&s).unwrap(),
+                None => s.into_bytes(),
+            };
+            assert_eq!(back, key);
+        }
+        assert_eq!(shown(Some(&[0xff, 0x00])), "hex:ff00");
+        assert_eq!(shown(None), "(no key)");
+    }
+
+    #[test]
+    fn bad_hex_is_refused() {
+        assert!(parse_hex("abc").is_err());
+        assert!(parse_hex("zz").is_err());
+        assert!(parse_hex("").is_err());
+        assert_eq!(parse_hex("hex:0aff").unwrap(), vec![10, 255]);
+    }
 }

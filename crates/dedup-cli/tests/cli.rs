@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
@@ -28,6 +28,13 @@ fn psql() -> Command {
     c.arg(env("DATABASE_URL"))
         .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"]);
     c
+}
+
+/// One value from the test server (`psql -t -A`), trimmed.
+fn sql_value(query: &str) -> String {
+    let out = psql().args(["-t", "-A", "-c", query]).output().unwrap();
+    assert!(out.status.success(), "{query}: {:?}", text(&out));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 fn env(name: &str) -> String {
@@ -543,12 +550,17 @@ fn sigterm_drains_commits_and_exits() {
 /// each runs every unique key's effect exactly once, and the JSON carries what the table shows.
 #[test]
 fn the_bench_runs_every_contender_on_the_same_stream() {
-    let out = dedup()
+    // Spawned, not `output()`: its process id names its run's scopes (`bench-<tag>-<pid>-<secs>`).
+    let child = dedup()
         .args(["bench", "--events", "600", "--concurrency", "8", "--json"])
         .env("DATABASE_URL", env("DATABASE_URL"))
         .env("REDIS_URL", env("REDIS_URL"))
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
@@ -621,6 +633,16 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     assert!(server(7)["handler"].as_f64().unwrap() >= 1.0, "{report}");
     assert!(server(8)["handler"].as_f64().unwrap() < 0.5, "{report}");
 
+    // The run deleted its records, (f)'s `bench-f-` scope included, and said so.
+    assert!(stderr.contains("[bench] cleaned up: deleted"), "{stderr}");
+    assert!(!stderr.contains("cleanup incomplete"), "{stderr}");
+    for pattern in [format!("bench-f-{pid}-%"), format!("bench-%-{pid}-%")] {
+        let left = sql_value(&format!(
+            "SELECT count(*) FROM dedup_records WHERE scope LIKE '{pattern}'"
+        ));
+        assert_eq!(left, "0", "{pattern}: rows left behind");
+    }
+
     // A bad argument is a configuration error (exit 2), named.
     let bad = dedup()
         .args(["bench", "--duplicates", "1.5"])
@@ -630,4 +652,257 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
     assert!(text(&bad).1.contains("--duplicates"), "{}", text(&bad).1);
+}
+
+/// `dedup forget` by key: a FAILED record and one whose lease ran out go; a key under a live
+/// lease (busy) and one a parked message carries (parked) stay; an unknown key is absent. A dry
+/// run changes nothing; a key may be given in hex.
+#[test]
+fn forget_deletes_failed_keys_and_keeps_busy_and_parked_ones() {
+    let db = env("DATABASE_URL");
+    let out = dedup()
+        .args(["migrate", "--database-url", &db])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let scope = format!("cli-forget-{}", std::process::id());
+    let setup = format!(
+        "DELETE FROM dedup_parked WHERE consumer_group = '{scope}'; \
+         DELETE FROM dedup_records WHERE scope = '{scope}'; \
+         INSERT INTO dedup_records (scope, key, state, owner, token, lease_until, attempts, \
+         failure, created_at, updated_at, expires_at) VALUES \
+         ('{scope}', 'poison', 'failed', NULL, nextval('dedup_token_seq'), NULL, 1, 'bug', \
+          now(), now(), now() + interval '30 days'), \
+         ('{scope}', 'running', 'in_progress', 'elsewhere#1', nextval('dedup_token_seq'), \
+          now() + interval '10 minutes', 1, NULL, now(), now(), now() + interval '1 day'), \
+         ('{scope}', 'stale', 'in_progress', 'dead#1', nextval('dedup_token_seq'), \
+          now() - interval '1 minute', 1, NULL, now(), now(), now() + interval '1 day'), \
+         ('{scope}', 'held', 'failed', NULL, nextval('dedup_token_seq'), NULL, 2, 'down', \
+          now(), now(), now() + interval '30 days'); \
+         INSERT INTO dedup_parked (consumer_group, topic, partition, \"offset\", has_key, \
+         ordering_key, header_names, header_values, dedup_scope, dedup_key, error, attempts, \
+         parked_at, due_at) VALUES ('{scope}', 'orders', 0, 3, true, 'acct-1', '{{}}', '{{}}', \
+         '{scope}', 'held', 'down', 2, now(), now() + interval '1 hour');"
+    );
+    let out = psql().args(["-c", &setup]).output().unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let keys_left = || {
+        sql_value(&format!(
+            "SELECT coalesce(string_agg(convert_from(key, 'UTF8'), ',' ORDER BY key), '') \
+             FROM dedup_records WHERE scope = '{scope}'"
+        ))
+    };
+    let forget = |extra: &[&str]| {
+        let mut args = vec!["forget", "--scope", scope.as_str()];
+        args.extend_from_slice(extra);
+        let out = dedup()
+            .args(&args)
+            .env("DATABASE_URL", &db)
+            .env("REDIS_URL", env("REDIS_URL"))
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        (out.status.code(), stdout, stderr)
+    };
+    let all = [
+        "--key", "poison", "--key", "running", "--key", "stale", "--key", "held", "--key", "nobody",
+    ];
+
+    let dry: Vec<&str> = all.iter().copied().chain(["--dry-run"]).collect();
+    let (code, stdout, stderr) = forget(&dry);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    for line in [
+        format!("would forget  {scope}/poison"),
+        format!("would forget  {scope}/stale"),
+        format!("busy          {scope}/running"),
+        format!("parked        {scope}/held"),
+        format!("absent        {scope}/nobody"),
+        "dry run: 2 key(s) to forget, 1 busy".to_owned(),
+        "dry run: nothing was changed".to_owned(),
+    ] {
+        assert!(stdout.contains(&line), "{line:?} not in {stdout}");
+    }
+    assert_eq!(keys_left(), "held,poison,running,stale");
+
+    let (code, stdout, stderr) = forget(&all);
+    // Kept keys make it a failed run: a re-drive script must not go on.
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    assert!(stdout.contains("2 key(s) forgotten, 1 busy"), "{stdout}");
+    assert!(stdout.contains("1 parked"), "{stdout}");
+    assert!(stdout.contains("1 absent"), "{stdout}");
+    assert!(stdout.contains("dropped from Redis"), "{stdout}");
+    assert!(stderr.contains("2 key(s) were kept"), "{stderr}");
+    assert_eq!(keys_left(), "held,running");
+
+    // "poison" in hex: gone already.
+    let (code, stdout, stderr) = forget(&["--hex-key", "706f69736f6e"]);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.contains(&format!("absent        {scope}/poison")),
+        "{stdout}"
+    );
+
+    // Keys must be named; a bad hex key and a half-given range are configuration errors.
+    let (code, _, stderr) = forget(&[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    let (code, _, stderr) = forget(&["--hex-key", "abc"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--hex-key"), "{stderr}");
+    let out = dedup()
+        .args(["forget", "--dead-letters", "orders.dlq", "--partition", "0"])
+        .env("DATABASE_URL", &db)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+
+    let cleanup = format!(
+        "DELETE FROM dedup_parked WHERE consumer_group = '{scope}'; \
+         DELETE FROM dedup_records WHERE scope = '{scope}';"
+    );
+    let out = psql().args(["-c", &cleanup]).output().unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+}
+
+/// A password in the URL's query string (`password=`, `sslpassword=`), or in a libpq keyword
+/// string, is never printed, in whatever error names the URL.
+#[test]
+fn passwords_in_the_query_string_are_not_printed() {
+    for url in [
+        "postgres://app@127.0.0.1:notaport/x?password=hunter2&sslpassword=k3y",
+        "postgres://127.0.0.1:1/x?sslmode=disable&password=hunter2",
+        "postgres://app:hunter2@127.0.0.1:1/x?application_name=a@b",
+        "host=127.0.0.1 port=1 password=hunter2",
+    ] {
+        let out = dedup()
+            .args(["migrate"])
+            .env("DATABASE_URL", url)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{url}: {stdout}\n{stderr}");
+        assert!(stderr.contains("DATABASE_URL"), "{url}: {stderr}");
+        for secret in ["hunter2", "k3y"] {
+            assert!(
+                !stderr.contains(secret) && !stdout.contains(secret),
+                "{url}: a password was printed: {stderr}"
+            );
+        }
+    }
+}
+
+/// `dedup forget --dead-letters`: the keys named by a range of a dead-letter topic (on
+/// librdkafka's mock cluster, served from this process) are forgotten; a dead letter without
+/// `dedup-scope`/`dedup-key` is listed as skipped; a COMPLETED key is kept (its effect ran); a
+/// key outside the range is not touched.
+#[test]
+fn forget_reads_the_keys_of_a_dead_letter_range() {
+    use rdkafka::config::ClientConfig;
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+
+    let db = env("DATABASE_URL");
+    let out = dedup()
+        .args(["migrate", "--database-url", &db])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let scope = format!("cli-forget-dl-{}", std::process::id());
+    let row = |key: &str, state: &str| {
+        format!(
+            "('{scope}', '{key}', '{state}', NULL, nextval('dedup_token_seq'), NULL, 1, \
+             CASE WHEN '{state}' = 'completed' THEN ''::bytea END, now(), now(), \
+             now() + interval '30 days')"
+        )
+    };
+    let setup = format!(
+        "DELETE FROM dedup_records WHERE scope = '{scope}'; \
+         INSERT INTO dedup_records (scope, key, state, owner, token, lease_until, attempts, \
+         result, created_at, updated_at, expires_at) VALUES {}, {}, {}, {};",
+        row("a", "failed"),
+        row("b", "failed"),
+        row("c", "completed"),
+        row("z", "failed")
+    );
+    let out = psql().args(["-c", &setup]).output().unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+
+    let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
+    let topic = "orders.dlq";
+    mock.create_topic(topic, 1, 1).unwrap();
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", mock.bootstrap_servers())
+        .create()
+        .unwrap();
+    // Offsets 0 to 4: a, a keyless dead letter, b, c, and z (past the range read).
+    for key in [Some("a"), None, Some("b"), Some("c"), Some("z")] {
+        let mut headers = OwnedHeaders::new().insert(Header {
+            key: "dedup-reason",
+            value: Some("the handler failed permanently: bug"),
+        });
+        if let Some(k) = key {
+            headers = headers
+                .insert(Header {
+                    key: "dedup-scope",
+                    value: Some(scope.as_str()),
+                })
+                .insert(Header {
+                    key: "dedup-key",
+                    value: Some(k),
+                });
+        }
+        producer
+            .send(
+                BaseRecord::<str, str>::to(topic)
+                    .partition(0)
+                    .payload("{}")
+                    .headers(headers),
+            )
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(std::time::Duration::from_secs(10)).unwrap();
+
+    let out = dedup()
+        .args([
+            "forget",
+            "--dead-letters",
+            topic,
+            "--partition",
+            "0",
+            "--from",
+            "0",
+            "--to",
+            "3",
+            "--brokers",
+            &mock.bootstrap_servers(),
+        ])
+        .env("DATABASE_URL", &db)
+        .env_remove("REDIS_URL")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for line in [
+        "read 4 dead letter(s)".to_owned(),
+        format!("forgotten     {scope}/a"),
+        format!("forgotten     {scope}/b"),
+        format!("completed     {scope}/c"),
+        "skipped       offset 1".to_owned(),
+        "2 key(s) forgotten".to_owned(),
+    ] {
+        assert!(stdout.contains(&line), "{line:?} not in {stdout}");
+    }
+    let left = sql_value(&format!(
+        "SELECT string_agg(convert_from(key, 'UTF8'), ',' ORDER BY key) FROM dedup_records \
+         WHERE scope = '{scope}'"
+    ));
+    assert_eq!(left, "c,z");
+    let out = psql()
+        .args([
+            "-c",
+            &format!("DELETE FROM dedup_records WHERE scope = '{scope}'"),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
 }

@@ -1,15 +1,22 @@
 //! The dead-letter topic: where poison messages, permanent failures and keyless messages go,
-//! with the reason, the attempts and the original coordinates in headers.
+//! with the reason, the attempts, the original coordinates and the idempotency key in headers.
+//!
+//! A dead letter carries the original message's headers except those whose name starts with
+//! `dedup-` (the ones dedup writes): those are written fresh. A dead letter re-driven to its
+//! source topic after a fix (docs/RECOVERY.md) and dead-lettered again so carries one
+//! `dedup-reason`, the latest, never a stack of them.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
+use dedup_core::IdempotencyKey;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::delivery::Delivery;
 
-/// Dead-letter header: why the message was dead-lettered.
+/// Dead-letter header: why the message was dead-lettered (at most [`MAX_REASON_LEN`] bytes).
 pub const DLQ_REASON: &str = "dedup-reason";
 /// Dead-letter header: the attempts made.
 pub const DLQ_ATTEMPTS: &str = "dedup-attempts";
@@ -19,6 +26,17 @@ pub const DLQ_TOPIC: &str = "dedup-original-topic";
 pub const DLQ_PARTITION: &str = "dedup-original-partition";
 /// Dead-letter header: the original offset.
 pub const DLQ_OFFSET: &str = "dedup-original-offset";
+/// Dead-letter header: the idempotency key's scope (UTF-8), where the message had a usable key.
+pub const DLQ_SCOPE: &str = "dedup-scope";
+/// Dead-letter header: the idempotency key's bytes, where the message had a usable key.
+pub const DLQ_KEY: &str = "dedup-key";
+
+/// The prefix of every header dedup writes on a dead letter: an original header with it is not
+/// copied (it is replaced by the fresh one, or dropped).
+const DEDUP_HEADER_PREFIX: &[u8] = b"dedup-";
+
+/// The longest `dedup-reason` header, in bytes (a handler's error may quote a whole payload).
+pub(crate) const MAX_REASON_LEN: usize = 1024;
 
 /// Writes dead letters.
 pub(crate) struct DeadLetters {
@@ -28,34 +46,21 @@ pub(crate) struct DeadLetters {
 
 impl DeadLetters {
     /// One attempt to write `d` to the dead-letter topic; returns once the broker acknowledged
-    /// it (`acks=all`), so the offset may then move past the message.
-    pub(crate) async fn write(
+    /// it (`acks=all`), so the offset may then move past the message; naming the message's idempotency key (where it had a usable one)
+    /// in the `dedup-scope` and `dedup-key` headers, so that an operator can forget the key
+    /// before re-driving the dead letter (`dedup forget --dead-letters`).
+    pub(crate) async fn write_keyed(
         &self,
         d: &Delivery,
         reason: &str,
         attempts: u32,
+        key: Option<&IdempotencyKey>,
     ) -> Result<(), KafkaError> {
-        let attempts = attempts.to_string();
-        let partition = d.partition.to_string();
-        let offset = d.offset.to_string();
-        let mut headers = OwnedHeaders::new_with_capacity(d.headers.len() + 5);
-        for (k, v) in &d.headers {
-            headers = headers.insert(Header {
-                key: k,
-                value: v.as_deref(),
-            });
-        }
-        for (k, v) in [
-            (DLQ_REASON, reason),
-            (DLQ_ATTEMPTS, &attempts),
-            (DLQ_TOPIC, &d.topic),
-            (DLQ_PARTITION, &partition),
-            (DLQ_OFFSET, &offset),
-        ] {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v),
-            });
+        let fresh = Fresh::new(d, reason, attempts);
+        let list = header_list(d, &fresh, key);
+        let mut headers = OwnedHeaders::new_with_capacity(list.len());
+        for (k, v) in list {
+            headers = headers.insert(Header { key: k, value: v });
         }
         let mut record: FutureRecord<'_, [u8], [u8]> =
             FutureRecord::to(&self.topic).headers(headers);
@@ -70,5 +75,179 @@ impl DeadLetters {
             .await
             .map(|_| ())
             .map_err(|(e, _)| e)
+    }
+}
+
+/// The values of the headers dedup writes, as text.
+struct Fresh<'a> {
+    reason: Cow<'a, str>,
+    attempts: String,
+    partition: String,
+    offset: String,
+}
+
+impl<'a> Fresh<'a> {
+    fn new(d: &Delivery, reason: &'a str, attempts: u32) -> Self {
+        Self {
+            reason: bounded_reason(reason),
+            attempts: attempts.to_string(),
+            partition: d.partition.to_string(),
+            offset: d.offset.to_string(),
+        }
+    }
+}
+
+/// Whether `name` is a header dedup writes (or one it reserves): `dedup-...`, any case.
+fn is_dedup_header(name: &str) -> bool {
+    name.as_bytes()
+        .get(..DEDUP_HEADER_PREFIX.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(DEDUP_HEADER_PREFIX))
+}
+
+/// A dead letter's headers, in order: the original ones that are not dedup's, then dedup's,
+/// fresh (the key's scope and bytes where `key` is given).
+fn header_list<'a>(
+    d: &'a Delivery,
+    fresh: &'a Fresh<'_>,
+    key: Option<&'a IdempotencyKey>,
+) -> Vec<(&'a str, Option<&'a [u8]>)> {
+    let mut out: Vec<(&'a str, Option<&'a [u8]>)> = Vec::with_capacity(d.headers.len() + 7);
+    for (k, v) in &d.headers {
+        if !is_dedup_header(k) {
+            out.push((k.as_str(), v.as_deref()));
+        }
+    }
+    out.push((DLQ_REASON, Some(fresh.reason.as_bytes())));
+    out.push((DLQ_ATTEMPTS, Some(fresh.attempts.as_bytes())));
+    out.push((DLQ_TOPIC, Some(d.topic.as_bytes())));
+    out.push((DLQ_PARTITION, Some(fresh.partition.as_bytes())));
+    out.push((DLQ_OFFSET, Some(fresh.offset.as_bytes())));
+    if let Some(key) = key {
+        out.push((DLQ_SCOPE, Some(key.scope().as_str().as_bytes())));
+        out.push((DLQ_KEY, Some(key.key_bytes())));
+    }
+    out
+}
+
+/// `reason`, or where it is longer than [`MAX_REASON_LEN`] bytes its start, cut on a character
+/// boundary, followed by "… (cut, N bytes in all)": at most [`MAX_REASON_LEN`] bytes in all.
+pub(crate) fn bounded_reason(reason: &str) -> Cow<'_, str> {
+    if reason.len() <= MAX_REASON_LEN {
+        return Cow::Borrowed(reason);
+    }
+    let marker = format!("… (cut, {} bytes in all)", reason.len());
+    let mut end = MAX_REASON_LEN.saturating_sub(marker.len());
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out = String::with_capacity(end + marker.len());
+    out.push_str(&reason[..end]);
+    out.push_str(&marker);
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use dedup_core::Scope;
+
+    use super::*;
+
+    #[test]
+    fn a_short_reason_is_kept_whole() {
+        assert_eq!(bounded_reason("negative amount"), "negative amount");
+        let exact = "x".repeat(MAX_REASON_LEN);
+        assert!(matches!(bounded_reason(&exact), Cow::Borrowed(r) if r == exact));
+    }
+
+    #[test]
+    fn a_long_reason_is_cut_on_a_char_boundary_with_a_marker() {
+        // Two-byte and four-byte characters, so that the cut falls inside one.
+        for filler in ["é", "𝄞", "a"] {
+            let long = format!("the handler failed: {}", filler.repeat(2000));
+            let cut = bounded_reason(&long);
+            assert!(cut.len() <= MAX_REASON_LEN, "{} bytes", cut.len());
+            let marker = format!("… (cut, {} bytes in all)", long.len());
+            assert!(cut.ends_with(&marker), "{cut}");
+            let kept = &cut[..cut.len() - marker.len()];
+            assert!(long.starts_with(kept));
+            // No more than one character's worth shorter than the room there was.
+            assert!(
+                kept.len() + marker.len() + 4 > MAX_REASON_LEN,
+                "{}",
+                kept.len()
+            );
+        }
+        let one_over = "y".repeat(MAX_REASON_LEN + 1);
+        let cut = bounded_reason(&one_over);
+        assert!(cut.len() <= MAX_REASON_LEN);
+        assert!(cut.ends_with("… (cut, 1025 bytes in all)"), "{cut}");
+    }
+
+    #[test]
+    fn dedup_headers_are_replaced_not_stacked_and_others_kept_in_order() {
+        // A dead letter re-driven to its topic and dead-lettered again.
+        let d = Delivery::new("orders", 2, 41)
+            .with_payload("{}")
+            .with_header("idempotency-key", "evt-7")
+            .with_header(DLQ_REASON, "the handler failed permanently: bug")
+            .with_header(DLQ_ATTEMPTS, "1")
+            .with_header("traceparent", "00-abc-def-01")
+            .with_header(DLQ_TOPIC, "orders")
+            .with_header(DLQ_PARTITION, "0")
+            .with_header(DLQ_OFFSET, "7")
+            .with_header(DLQ_SCOPE, "old-scope")
+            .with_header(DLQ_KEY, "old-key")
+            .with_header("Dedup-Something", "reserved too")
+            .with_header("dedupe", "not ours");
+        let key = IdempotencyKey::new(Scope::new("g").unwrap(), "evt-7").unwrap();
+        let fresh = Fresh::new(&d, "still failing", 3);
+        let list = header_list(&d, &fresh, Some(&key));
+        let text: Vec<(&str, &str)> = list
+            .iter()
+            .map(|(k, v)| (*k, std::str::from_utf8(v.unwrap_or_default()).unwrap()))
+            .collect();
+        assert_eq!(
+            text,
+            vec![
+                ("idempotency-key", "evt-7"),
+                ("traceparent", "00-abc-def-01"),
+                ("dedupe", "not ours"),
+                (DLQ_REASON, "still failing"),
+                (DLQ_ATTEMPTS, "3"),
+                (DLQ_TOPIC, "orders"),
+                (DLQ_PARTITION, "2"),
+                (DLQ_OFFSET, "41"),
+                (DLQ_SCOPE, "g"),
+                (DLQ_KEY, "evt-7"),
+            ]
+        );
+        let without_key = header_list(&d, &fresh, None);
+        assert_eq!(
+            without_key
+                .iter()
+                .filter(|(k, _)| k.starts_with("dedup-"))
+                .count(),
+            5
+        );
+        assert!(
+            !without_key
+                .iter()
+                .any(|(k, _)| *k == DLQ_SCOPE || *k == DLQ_KEY)
+        );
+    }
+
+    #[test]
+    fn the_reason_header_is_bounded() {
+        let d = Delivery::new("t", 0, 0);
+        let long = "z".repeat(100_000);
+        let fresh = Fresh::new(&d, &long, 1);
+        let list = header_list(&d, &fresh, None);
+        let reason = list
+            .iter()
+            .find(|(k, _)| *k == DLQ_REASON)
+            .and_then(|(_, v)| *v)
+            .unwrap();
+        assert!(reason.len() <= MAX_REASON_LEN);
     }
 }

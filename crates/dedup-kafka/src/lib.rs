@@ -78,7 +78,9 @@ pub use config::{
     Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, MAX_SETTING_DURATION, MissingKey,
     Ordering, OrderingKey, RunnerConfig,
 };
-pub use dead_letter::{DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC};
+pub use dead_letter::{
+    DLQ_ATTEMPTS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
+};
 pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
 pub use runner::{AfterGiveUp, Handler, Parking, Runner, RunnerError};
 pub use stats::{RunnerStats, StatsHandle};

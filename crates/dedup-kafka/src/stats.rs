@@ -114,6 +114,7 @@ pub(crate) struct Counters {
     pub(crate) parked_retries: Counter,
     pub(crate) parked_dead_lettered: Counter,
     pub(crate) park_full: Counter,
+    pub(crate) park_errors: Counter,
     pub(crate) parked_keys: Counter,
     pub(crate) parked_messages: Counter,
     pub(crate) parked_oldest_ms: Counter,
@@ -156,6 +157,7 @@ impl StatsHandle {
             parked_retries: c.parked_retries.get(),
             parked_dead_lettered: c.parked_dead_lettered.get(),
             park_full: c.park_full.get(),
+            park_errors: c.park_errors.get(),
             parked_keys: c.parked_keys.get(),
             parked_messages: c.parked_messages.get(),
             parked_oldest_ms: c.parked_oldest_ms.get(),
@@ -233,6 +235,9 @@ pub struct RunnerStats {
     /// Times a message was not parked because a bound (`max_per_key`, `max_parked`) was
     /// reached: alert on it.
     pub park_full: u64,
+    /// Parks that Postgres refused for good (data it cannot store): the message ran on in place,
+    /// was dead-lettered, or (behind a held key) stalls its key. Alert on it.
+    pub park_errors: u64,
     /// Parked keys over this runner's partitions (a gauge, refreshed every few polls).
     pub parked_keys: u64,
     /// Parked messages over this runner's partitions (a gauge).

@@ -302,7 +302,7 @@ pub(crate) async fn exhaust(
         .bind(req.key.key_bytes())
         .bind(token_i64(read.token))
         .bind(read.state.as_str())
-        .bind(failed.failure.as_deref())
+        .bind(failed.failure.as_deref().map(crate::text::safe_text))
         .bind(micros(req.policy.failed_retention))
         .bind(attempts_i32(req.policy.max_attempts))
         .execute(&mut *conn)

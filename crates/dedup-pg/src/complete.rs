@@ -198,7 +198,7 @@ pub(crate) async fn finish(
         .bind(token_i64(lease.token))
         .bind(state.as_str())
         .bind(result)
-        .bind(failure)
+        .bind(failure.map(crate::text::safe_text))
         .bind(micros(retention))
         .execute(&mut *conn)
         .await

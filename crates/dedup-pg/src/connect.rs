@@ -65,12 +65,138 @@ impl ConnectError {
     }
 }
 
-/// `url` without its user and password, for messages.
+/// What a redacted secret reads as.
+const REDACTED: &str = "REDACTED";
+
+/// `url` without its user and password, for messages: the user information goes, and the value
+/// of every query parameter that names a password (`password`, `sslpassword`, any spelling or
+/// percent-encoding of a name holding "password" or "passwd") reads `REDACTED`. Done on the raw
+/// string, so a URL that does not parse (the one an error is about) is redacted as well; a
+/// libpq keyword string (`host=db password=...`) gets its password values redacted too. Where
+/// the text is ambiguous, more is removed rather than less.
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}{}", &url[..s + 3], &url[at + 1..]),
-        _ => url.to_owned(),
+    if !url.contains("://") && url.contains('=') && url.contains(char::is_whitespace) {
+        return redact_keywords(url);
     }
+    let start = url.find("://").map_or(0, |s| s + 3);
+    let (head, rest) = url.split_at(start);
+    let rest = match userinfo_end(rest) {
+        Some(at) => &rest[at + 1..],
+        None => rest,
+    };
+    match rest.split_once('?') {
+        None => format!("{head}{rest}"),
+        Some((base, query)) => {
+            let query: Vec<String> = query.split('&').map(redact_param).collect();
+            format!("{head}{base}?{}", query.join("&"))
+        }
+    }
+}
+
+/// Where the user information of `rest` (what follows `scheme://`) ends: its last `@` before the
+/// query, or, where there is none there (a `?` inside a password), its last `@` at all.
+fn userinfo_end(rest: &str) -> Option<usize> {
+    match rest.find('?') {
+        Some(q) => rest[..q].rfind('@').or_else(|| rest.rfind('@')),
+        None => rest.rfind('@'),
+    }
+}
+
+/// One `name=value` of a query, its value redacted where its name is a password's.
+fn redact_param(param: &str) -> String {
+    match param.split_once('=') {
+        Some((name, _)) if is_secret_name(name) => format!("{name}={REDACTED}"),
+        _ => param.to_owned(),
+    }
+}
+
+/// Whether a parameter name (percent-encoded or not, any case) names a password.
+fn is_secret_name(name: &str) -> bool {
+    let name = percent_decoded(name).to_ascii_lowercase();
+    name.contains("password") || name.contains("passwd")
+}
+
+/// `s` with its `%XX` escapes decoded (others kept as they are), lossily as UTF-8.
+fn percent_decoded(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| char::from(c).to_digit(16);
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
+        {
+            out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A libpq keyword string (`host=db user=app password=secret`, values possibly quoted, `=`
+/// possibly spaced) with the values of its password keywords redacted.
+fn redact_keywords(s: &str) -> String {
+    // ASCII lowercasing keeps every byte offset.
+    let lower = s.to_ascii_lowercase();
+    let b = s.as_bytes();
+    let mut out = String::with_capacity(s.len());
+    let mut copied = 0;
+    let mut i = 0;
+    while i < b.len() {
+        // A keyword starts the string or follows whitespace (so `i` is on a char boundary).
+        if i == 0 || b[i - 1].is_ascii_whitespace() {
+            let word_end = lower[i..]
+                .find(|c: char| c == '=' || c.is_whitespace())
+                .map_or(b.len(), |n| i + n);
+            let word = &lower[i..word_end];
+            if word.contains("password") || word.contains("passwd") {
+                let mut j = word_end;
+                while j < b.len() && b[j].is_ascii_whitespace() {
+                    j += 1;
+                }
+                if j < b.len() && b[j] == b'=' {
+                    j += 1;
+                    while j < b.len() && b[j].is_ascii_whitespace() {
+                        j += 1;
+                    }
+                    let end = keyword_value_end(b, j);
+                    out.push_str(&s[copied..j]);
+                    out.push_str(REDACTED);
+                    copied = end;
+                    i = end.max(i + 1);
+                    continue;
+                }
+            }
+        }
+        i += 1;
+    }
+    out.push_str(&s[copied..]);
+    out
+}
+
+/// Where a keyword's value starting at `start` ends: after its closing quote (backslash escapes
+/// honoured), or at the next whitespace.
+fn keyword_value_end(b: &[u8], start: usize) -> usize {
+    if b.get(start) == Some(&b'\'') {
+        let mut j = start + 1;
+        while j < b.len() {
+            match b[j] {
+                b'\\' => j += 2,
+                b'\'' => return j + 1,
+                _ => j += 1,
+            }
+        }
+        return b.len();
+    }
+    let mut j = start;
+    while j < b.len() && !b[j].is_ascii_whitespace() {
+        j += 1;
+    }
+    j
 }
 
 /// A pool on the Postgres at `url` (with `options`' limits), checked by opening its first
@@ -193,4 +319,85 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
         next = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `redact_url(url)`, checked to hold none of `secrets`.
+    fn redacted(url: &str, secrets: &[&str]) -> String {
+        let out = redact_url(url);
+        for s in secrets {
+            assert!(!out.contains(s), "{s:?} left in {out:?} (from {url:?})");
+        }
+        out
+    }
+
+    #[test]
+    fn the_user_information_goes() {
+        assert_eq!(
+            redacted("postgres://app:s3cret@db:5432/app", &["s3cret", "app:"]),
+            "postgres://db:5432/app"
+        );
+        assert_eq!(
+            redacted("postgres://app:p@ss@db/app", &["p@ss"]),
+            "postgres://db/app"
+        );
+        assert_eq!(
+            redact_url("postgres://db:5432/app?sslmode=disable"),
+            "postgres://db:5432/app?sslmode=disable"
+        );
+    }
+
+    #[test]
+    fn password_parameters_are_redacted() {
+        assert_eq!(
+            redacted(
+                "postgres://app@db/app?sslmode=require&password=hunter2&application_name=x",
+                &["hunter2"]
+            ),
+            "postgres://db/app?sslmode=require&password=REDACTED&application_name=x"
+        );
+        assert_eq!(
+            redacted(
+                "postgresql://db/app?sslpassword=k3y&PassWord=hunter2",
+                &["k3y", "hunter2"]
+            ),
+            "postgresql://db/app?sslpassword=REDACTED&PassWord=REDACTED"
+        );
+        // A percent-encoded name is a password's too (the URL parser decodes it).
+        redacted("postgres://db/app?pass%77ord=hunter2", &["hunter2"]);
+        redacted("postgres://db/app?ssl-password=hunter2#frag", &["hunter2"]);
+    }
+
+    #[test]
+    fn a_url_that_does_not_parse_is_redacted_too() {
+        redacted(
+            "postgres://app:s3cret@db:notaport/app?password=hunter2",
+            &["s3cret", "hunter2"],
+        );
+        // A '?' inside an unencoded password.
+        redacted("postgres://app:s3?cret@db/app", &["s3?cret", "cret"]);
+        // An '@' in a query value does not let the password through.
+        redacted(
+            "postgres://app:s3cret@db/app?application_name=a@b&password=hunter2",
+            &["s3cret", "hunter2"],
+        );
+        // No scheme separator (a typo), and not a URL at all.
+        redacted("postgres:s3cret@db/app", &["s3cret"]);
+        redacted("mysql://app:s3cret@host/x", &["s3cret"]);
+    }
+
+    #[test]
+    fn keyword_strings_have_their_passwords_redacted() {
+        assert_eq!(
+            redacted("host=db user=app password=hunter2 dbname=x", &["hunter2"]),
+            "host=db user=app password=REDACTED dbname=x"
+        );
+        redacted(
+            "host=db password = 'hun ter2' sslpassword='k\\'3y' port=5432",
+            &["hun", "ter2", "3y"],
+        );
+    }
 }

@@ -73,40 +73,41 @@ use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Postgres, Row, Transaction};
 use tracing::warn;
 
+mod admin;
 mod batch_tx;
 mod claim;
 mod classify;
 mod complete;
 mod connect;
 mod instance;
+mod migrate;
 mod offsets;
 mod parked;
 mod rows;
 mod sql;
 mod store;
+mod text;
 
+pub use admin::ForgetReport;
 pub use batch_tx::{BatchAnswer, BatchBody, ItemResult, TxBatchConfig};
 pub use offsets::{TxOffsets, stored_offsets_on};
 pub use parked::{
-    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedGauges, ParkedHead, ParkedKey,
-    ParkedKeySummary, ParkedMessage, ParkedPartition,
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedFilter, ParkedGauges, ParkedHead,
+    ParkedKey, ParkedKeySummary, ParkedMessage, ParkedPartition,
 };
 
 use claim::claim_counted;
 pub use classify::{classify, is_passing, sqlstate};
 use complete::{complete_many, finish};
 pub use connect::{ConnectError, connect, redact_url};
+pub use migrate::{
+    MIGRATIONS_TABLE, MIGRATOR, MigrationMode, ParseMigrationModeError, SCHEMA_GENERATION,
+    SchemaError, SchemaStatus, SchemaVersion, migrate, prepare,
+};
 use rows::record_from_row;
 use sql::GET_MANY_SQL;
 use store::Conn;
-
-/// The embedded migrations (the workspace's top-level `migrations/`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
-
-/// Applies the migrations that have not run yet.
-pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    MIGRATOR.run(pool).await
-}
+pub use text::{MAX_TEXT_BYTES, safe_text};
 
 /// How many times a claim that lost a race to a concurrent writer is re-run before giving up
 /// with [`StoreError::Unavailable`]. Each re-run sees the winner's committed row.
@@ -126,7 +127,7 @@ pub struct PgStore {
 pub type TxBody<'c, E> = Pin<Box<dyn Future<Output = Result<Bytes, HandlerError<E>>> + Send + 'c>>;
 
 impl PgStore {
-    /// A store on `pool`. Run [`migrate`] once before use.
+    /// A store on `pool`. Run [`migrate()`] (or [`prepare`]) once before use.
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,

@@ -37,9 +37,10 @@ macro_rules! record_cols {
             "(extract(epoch FROM ",
             $t,
             ".updated_at) * 1000000)::int8 AS updated_us, ",
-            "(extract(epoch FROM ",
+            // A pinned record's 'infinity' as the year 9999: int8 microseconds cannot hold it.
+            "(extract(epoch FROM least(",
             $t,
-            ".expires_at) * 1000000)::int8 AS expires_us"
+            ".expires_at, timestamptz '9999-12-31 00:00:00+00')) * 1000000)::int8 AS expires_us"
         )
     };
 }
@@ -70,7 +71,9 @@ pub(crate) const CLAIM_SQL: &str = concat!(
     "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
     "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
     "    updated_at = c.t,",
-    "    expires_at = c.t + ($5 + $6)::float8 * interval '1 microsecond'",
+    // A pinned record (named by a parked message) stays pinned.
+    "    expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at",
+    "      ELSE c.t + ($5 + $6)::float8 * interval '1 microsecond' END",
     "  FROM clock c",
     "  WHERE r.scope = $1 AND r.key = $2 AND (r.expires_at <= c.t OR (r.attempts < $7",
     "    AND ($4::bytea IS NULL OR r.fingerprint IS NULL OR r.fingerprint = $4)",
@@ -129,7 +132,8 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
     "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
     "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
     "    updated_at = c.t,",
-    "    expires_at = c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
+    "    expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at",
+    "      ELSE c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond' END",
     "  FROM clock c, qc q",
     "  WHERE r.scope = q.scope AND r.key = q.key AND (r.expires_at <= c.t OR (r.attempts < q.max_attempts",
     "    AND (q.fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.fp)",
@@ -155,7 +159,10 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
 pub(crate) const COMPLETE_BATCH_SQL: &str = concat!(
     "UPDATE dedup_records AS r SET state = 'completed', lease_until = NULL, result = q.result,",
     " failure = NULL, updated_at = statement_timestamp(),",
-    " expires_at = statement_timestamp() + q.ret_us::float8 * interval '1 microsecond'",
+    " expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at",
+    "   ELSE statement_timestamp() + q.ret_us::float8 * interval '1 microsecond' END,",
+    " pinned_ttl = CASE WHEN r.expires_at = 'infinity'",
+    "   THEN q.ret_us::float8 * interval '1 microsecond' ELSE r.pinned_ttl END",
     " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[])",
     "   AS q(scope, key, token, result, ret_us)",
     " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
@@ -175,7 +182,10 @@ pub(crate) const GET_MANY_SQL: &str = concat!(
 pub(crate) const EXHAUST_SQL: &str = concat!(
     "UPDATE dedup_records SET state = 'failed', lease_until = NULL, failure = $5,",
     " updated_at = statement_timestamp(),",
-    " expires_at = statement_timestamp() + $6::float8 * interval '1 microsecond'",
+    " expires_at = CASE WHEN expires_at = 'infinity' THEN expires_at",
+    "   ELSE statement_timestamp() + $6::float8 * interval '1 microsecond' END,",
+    " pinned_ttl = CASE WHEN expires_at = 'infinity'",
+    "   THEN $6::float8 * interval '1 microsecond' ELSE pinned_ttl END",
     " WHERE scope = $1 AND key = $2 AND token = $3 AND state = $4 AND attempts >= $7",
     " AND expires_at > statement_timestamp()",
     " AND (state = 'released' OR lease_until <= statement_timestamp())"
@@ -186,7 +196,11 @@ pub(crate) const EXHAUST_SQL: &str = concat!(
 pub(crate) const FINISH_SQL: &str = concat!(
     "UPDATE dedup_records SET state = $4, lease_until = NULL, result = $5, failure = $6,",
     " updated_at = statement_timestamp(),",
-    " expires_at = statement_timestamp() + $7::float8 * interval '1 microsecond'",
+    // A pinned record stays pinned, and keeps the span it gets once its parked message settles.
+    " expires_at = CASE WHEN expires_at = 'infinity' THEN expires_at",
+    "   ELSE statement_timestamp() + $7::float8 * interval '1 microsecond' END,",
+    " pinned_ttl = CASE WHEN expires_at = 'infinity'",
+    "   THEN $7::float8 * interval '1 microsecond' ELSE pinned_ttl END",
     " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'"
 );
 

@@ -235,7 +235,7 @@ fn spawn_parking(
 /// `group`'s parked messages per ordering key.
 async fn parked(pool: &PgPool, group: &str) -> HashMap<String, u64> {
     PgStore::new(pool.clone())
-        .parked_summary(group)
+        .parked_summary(group, &dedup_pg::ParkedFilter::all())
         .await
         .unwrap()
         .into_iter()
@@ -503,7 +503,7 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
         let group = group.clone();
         async move {
             PgStore::new(pool)
-                .parked_summary(&group)
+                .parked_summary(&group, &dedup_pg::ParkedFilter::all())
                 .await
                 .unwrap()
                 .iter()
@@ -523,7 +523,7 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
     .await;
     assert_eq!(
         PgStore::new(pool.clone())
-            .unpark(&group, Some(b"acct-bad"))
+            .unpark(&group, Some(b"acct-bad"), &dedup_pg::ParkedFilter::all())
             .await
             .unwrap(),
         3

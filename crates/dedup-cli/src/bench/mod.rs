@@ -228,7 +228,9 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     // Rows are deleted only now: deleting between contenders would set autovacuum to work
     // while the next one is timed.
     ctx.note("deleting the bench's rows");
-    cleanup(&pool, &ctx.run_id).await;
+    let cleaned = cleanup(&pool, &ctx.run_id).await;
+    // On stderr, so that `--json` keeps stdout to the report.
+    eprintln!("{}", cleaned.summary(&ctx.run_id));
     let wrong: Vec<&Outcome> = outcomes
         .iter()
         .filter(|o| o.effects != unique || o.errors > 0)
@@ -333,32 +335,99 @@ fn result_of(id: u64) -> String {
     format!("done:{id}")
 }
 
+/// The tags of the scopes a run's dedup contenders write records under (`bench-<tag>-<run>`):
+/// (c), (d), (e), (e'), (f) and the claim statement alone.
+const SCOPE_TAGS: [&str; 6] = ["c", "d", "e", "e2", "f", "claim"];
+
+/// Rows deleted per statement when cleaning up.
+const CLEANUP_BATCH: i64 = 10_000;
+
+/// What [`cleanup`] deleted, and what it could not.
+#[derive(Debug, Default)]
+struct Cleaned {
+    records: u64,
+    ledger: u64,
+    usual: u64,
+    /// The first error, per table: rows of the run are left there.
+    errors: Vec<String>,
+}
+
+impl Cleaned {
+    fn summary(&self, run_id: &str) -> String {
+        let scopes = SCOPE_TAGS
+            .iter()
+            .map(|t| format!("bench-{t}-{run_id}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut out = format!(
+            "[bench] cleaned up: deleted {} record(s) under the run's scopes ({scopes}), {} ledger \
+             row(s), {} row(s) of the usual patterns",
+            self.records, self.ledger, self.usual
+        );
+        for e in &self.errors {
+            out.push_str(&format!("\n[bench] cleanup incomplete: {e}"));
+        }
+        out
+    }
+}
+
 /// Deletes a run's rows (records under its scopes, rows of (a) and (a'), ledger rows) in
-/// bounded batches.
-async fn cleanup(pool: &PgPool, run_id: &str) {
-    for (sql, pattern) in [
+/// bounded batches (`CLEANUP_BATCH` rows a statement), and says how many.
+async fn cleanup(pool: &PgPool, run_id: &str) -> Cleaned {
+    let scopes: Vec<String> = SCOPE_TAGS
+        .iter()
+        .map(|t| format!("bench-{t}-{run_id}"))
+        .collect();
+    let mut cleaned = Cleaned::default();
+    for (sql, arg, what) in [
         (
             "DELETE FROM dedup_records WHERE ctid IN (SELECT ctid FROM dedup_records \
-             WHERE scope IN ('bench-c-' || $1, 'bench-d-' || $1, 'bench-e-' || $1, \
-             'bench-e2-' || $1, 'bench-claim-' || $1) LIMIT 10000)",
-            run_id.to_owned(),
+             WHERE scope = ANY($1::text[]) LIMIT $2)",
+            scopes,
+            "dedup_records",
         ),
         (
             "DELETE FROM dedup_bench_ledger WHERE ctid IN (SELECT ctid FROM dedup_bench_ledger \
-             WHERE run = $1 LIMIT 10000)",
-            run_id.to_owned(),
+             WHERE run = ANY($1::text[]) LIMIT $2)",
+            vec![run_id.to_owned()],
+            "dedup_bench_ledger",
         ),
         (
             "DELETE FROM dedup_bench_usual WHERE ctid IN (SELECT ctid FROM dedup_bench_usual \
-             WHERE starts_with(key, $1) LIMIT 10000)",
-            format!("{run_id}:"),
+             WHERE starts_with(key, ($1::text[])[1]) LIMIT $2)",
+            vec![format!("{run_id}:")],
+            "dedup_bench_usual",
         ),
     ] {
-        loop {
-            match sqlx::query(sql).bind(&pattern).execute(pool).await {
-                Ok(d) if d.rows_affected() > 0 => {}
-                _ => break,
+        let mut deleted = 0;
+        let error = loop {
+            match sqlx::query(sql)
+                .bind(arg.clone())
+                .bind(CLEANUP_BATCH)
+                .execute(pool)
+                .await
+            {
+                Ok(d) if d.rows_affected() > 0 => deleted += d.rows_affected(),
+                Ok(_) => break None,
+                // (a) and (a') did not run, ever: no table, no rows.
+                Err(e)
+                    if e.as_database_error()
+                        .and_then(|d| d.code())
+                        .is_some_and(|c| c == "42P01") =>
+                {
+                    break None;
+                }
+                Err(e) => break Some(e),
             }
+        };
+        match what {
+            "dedup_records" => cleaned.records = deleted,
+            "dedup_bench_ledger" => cleaned.ledger = deleted,
+            _ => cleaned.usual = deleted,
+        }
+        if let Some(e) = error {
+            cleaned.errors.push(format!("{what}: {e}"));
         }
     }
+    cleaned
 }

@@ -163,6 +163,21 @@ enum Settled {
     /// To be parked, and not: another owner has the partition, or the runner stops. Left to
     /// redelivery, as `Abandoned`.
     ParkRefused,
+    /// To be parked, and the partition's parking epoch had moved on while the partition is
+    /// still ours: the loop takes the message back (with its lane) until the epoch is taken
+    /// again. Never reported as done.
+    ParkFenced,
+    /// To be parked, and Postgres refuses its data for good: the caller decides (a failing
+    /// message runs on in place; one behind its key is dead-lettered, or stalls under `Hold`).
+    ParkImpossible,
+    /// Dead-lettered in place under the hold policy, and its row written as its key's held
+    /// marker: the key's later messages wait for an operator.
+    DeadLetteredHeld,
+    /// As `DeadLetteredHeld`, its marker found written before (a replay: the barrier counted it).
+    DeadLetteredHeldAgain,
+    /// To be parked behind its key, refused for good by Postgres, and dead-lettered instead
+    /// (never run ahead of its key's head).
+    BehindDeadLettered,
     /// Left unsettled (revoked or shutting down): it will be redelivered.
     Abandoned,
 }
@@ -188,6 +203,12 @@ enum Event {
     Park(park::ParkEvent),
     /// The lane's running message is about to park itself: its key counts as parked from now.
     Parking(Lane),
+    /// A park announced by `Parking` did not happen (refused for good): the key counts one
+    /// message fewer.
+    ParkUndone(Lane),
+    /// A message whose park was fenced while its partition is still ours: the loop takes it
+    /// back, with its lane, until the partition's epoch is taken again.
+    Refenced(Job),
 }
 
 /// A lane: its running message (the head) and the messages waiting their turn behind it.
@@ -477,6 +498,8 @@ where
             }
             Event::Park(event) => self.on_park_event(event),
             Event::Parking(lane) => self.on_parking(&lane),
+            Event::ParkUndone(lane) => self.uncount_parked(&lane),
+            Event::Refenced(job) => self.refence(job),
             Event::Unblocked(lane) => {
                 if let Some(state) = self.lanes.get_mut(&lane)
                     && state.blocked
@@ -584,9 +607,16 @@ where
                     inner.counters.panics.add(1);
                     let reason = format!("the runner panicked: {}", panic_message(&*panic));
                     warn!(offset = job.delivery.offset, reason, "dead-lettering");
-                    inner.dead_letter(&job, &reason, 0).await
+                    // A panic inside a park may have left the key counted: the partition's
+                    // parked keys are read again from Postgres.
+                    let _ = events.send(Event::Park(park::ParkEvent::Resync(job.lane.clone())));
+                    inner.give_up(&job, &reason, 0, &events).await
                 }
             };
+            if report.settled == Settled::ParkFenced {
+                report.tx = None;
+                let _ = events.send(Event::Refenced(job));
+            }
         });
     }
 
@@ -606,13 +636,25 @@ where
         match done.settled {
             Settled::Executed => c.executed.add(1),
             Settled::Replayed => c.replayed.add(1),
-            Settled::DeadLettered => c.dead_lettered.add(1),
+            Settled::DeadLettered
+            | Settled::DeadLetteredHeld
+            | Settled::DeadLetteredHeldAgain
+            | Settled::BehindDeadLettered => c.dead_lettered.add(1),
             Settled::ProcessedWithoutDedup => c.processed_without_dedup.add(1),
             // Counted where they were parked.
             Settled::Parked | Settled::ParkedBehind | Settled::ParkedAlready => {}
-            Settled::Abandoned | Settled::ParkRefused => c.abandoned.add(1),
+            Settled::Abandoned
+            | Settled::ParkRefused
+            | Settled::ParkFenced
+            | Settled::ParkImpossible => c.abandoned.add(1),
         }
-        if !matches!(done.settled, Settled::Abandoned | Settled::ParkRefused) {
+        if !matches!(
+            done.settled,
+            Settled::Abandoned
+                | Settled::ParkRefused
+                | Settled::ParkFenced
+                | Settled::ParkImpossible
+        ) {
             let mut shared = lock(&self.shared);
             if let Some(part) = shared
                 .parts
@@ -688,7 +730,7 @@ where
                     match self.config.missing_key {
                         MissingKey::DeadLetter => {
                             warn!(topic = %d.topic, partition = d.partition, offset = d.offset, why, "message without an idempotency key: dead-lettered");
-                            self.dead_letter(job, &format!("no idempotency key: {why}"), 0)
+                            self.give_up(job, &format!("no idempotency key: {why}"), 0, events)
                                 .await
                         }
                         MissingKey::ProcessWithoutDedup => {
@@ -700,7 +742,7 @@ where
                 Err(e) => {
                     self.counters.bad_key.add(1);
                     warn!(topic = %d.topic, partition = d.partition, offset = d.offset, error = %e, "bad idempotency key: dead-lettered");
-                    self.dead_letter(job, &e.to_string(), 0).await
+                    self.give_up(job, &e.to_string(), 0, events).await
                 }
             }
         }
@@ -732,6 +774,8 @@ where
         let mut retry = 0;
         let mut failed_runs = 0;
         let mut blocked = false;
+        // Postgres refused to park it for good: it runs on in place.
+        let mut unparkable = false;
         loop {
             let delivery = job.delivery.clone();
             let handler = &self.handler;
@@ -779,10 +823,18 @@ where
                 if !matches!(err, ProcessError::InFlight { .. } | ProcessError::Store(_)) {
                     failed_runs += 1;
                 }
-                if self.should_park(&err, failed_runs) {
+                if !unparkable && self.should_park(&err, failed_runs) {
                     let attempts = attempts_of(&err, retry);
                     let _ = events.send(Event::Parking(job.lane.clone()));
-                    return self.park(job, &err.to_string(), attempts, false).await;
+                    match self.park(job, &err.to_string(), attempts, false).await {
+                        Settled::ParkImpossible => {
+                            // The key's head: it keeps its place and retries in place, as
+                            // without parking, until its attempts are spent.
+                            unparkable = true;
+                            let _ = events.send(Event::ParkUndone(job.lane.clone()));
+                        }
+                        settled => return settled,
+                    }
                 }
                 if let ProcessError::Store(e) = &err {
                     self.counters.store_errors.add(1);
@@ -797,7 +849,7 @@ where
             }
             let attempts = attempts_of(&err, retry + 1);
             warn!(key = %key, error = %err, attempts, "dead-lettering");
-            return self.dead_letter(job, &err.to_string(), attempts).await;
+            return self.give_up(job, &err.to_string(), attempts, events).await;
         }
     }
 
@@ -854,7 +906,7 @@ where
         loop {
             match self
                 .dead_letters
-                .write(&job.delivery, reason, attempts)
+                .write_keyed(&job.delivery, reason, attempts, job.key.as_ref().ok())
                 .await
             {
                 Ok(()) => return Settled::DeadLettered,

@@ -264,8 +264,13 @@ impl<H: BatchHandler> Inner<H> {
         }
         // Dead letters, each acknowledged before its offset may move on.
         let written = join_all(letters.iter().map(|l| {
-            self.common
-                .dead_letter(&l.item.delivery, &l.reason, l.attempts, revoked)
+            self.common.dead_letter(
+                &l.item.delivery,
+                &l.reason,
+                l.attempts,
+                Some(&l.item.key),
+                revoked,
+            )
         }))
         .await;
         for (l, s) in letters.iter().zip(written) {

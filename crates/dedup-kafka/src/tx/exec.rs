@@ -72,7 +72,9 @@ impl Common {
                 message, "a message panicked alone: dead-lettering it"
             );
             let reason = format!("the runner panicked: {message}");
-            let s = self.dead_letter(&item.delivery, &reason, 0, revoked).await;
+            let s = self
+                .dead_letter(&item.delivery, &reason, 0, Some(&item.key), revoked)
+                .await;
             return (vec![(item.delivery.offset, s)], Vec::new());
         }
         warn!(
@@ -96,11 +98,16 @@ impl Common {
         d: &Delivery,
         reason: &str,
         attempts: u32,
+        key: Option<&dedup_core::IdempotencyKey>,
         revoked: &AtomicBool,
     ) -> Settled {
         let mut retry = 0;
         loop {
-            match self.dead_letters.write(d, reason, attempts).await {
+            match self
+                .dead_letters
+                .write_keyed(d, reason, attempts, key)
+                .await
+            {
                 Ok(()) => return Settled::DeadLettered,
                 Err(e) => {
                     self.counters.dead_letter_errors.add(1);

@@ -243,7 +243,7 @@ where
         // Dead letters, each acknowledged before its offset may move on.
         let written = join_all(letters.iter().map(|(item, reason, attempts)| {
             self.common
-                .dead_letter(&item.delivery, reason, *attempts, revoked)
+                .dead_letter(&item.delivery, reason, *attempts, Some(&item.key), revoked)
         }))
         .await;
         for ((item, _, _), s) in letters.iter().zip(written) {

@@ -618,7 +618,7 @@ impl<X: Exec> Loop<X> {
                 tokio::spawn(async move {
                     let settled = inner
                         .common()
-                        .dead_letter(&delivery, &reason, 0, &revoked)
+                        .dead_letter(&delivery, &reason, 0, None, &revoked)
                         .await;
                     let _ = tx.send(Done {
                         tp,

@@ -8,7 +8,10 @@
 //! a key's messages is its row count, so nothing can drift, and an assignment's sync barrier is
 //! one query. docs/PARKING.md has the semantics.
 
+mod ops;
 mod sql;
+
+pub use ops::ParkedFilter;
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -19,6 +22,7 @@ use sqlx::postgres::PgRow;
 
 use crate::PgStore;
 use crate::classify::classify;
+use crate::text::safe_text;
 
 /// One partition of one consumer group: where parked messages belong, whoever owns it.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
@@ -72,9 +76,13 @@ pub struct ParkedMessage {
     pub error: String,
     /// Attempts made so far, in place and parked.
     pub attempts: u32,
-    /// Its dedup record's scope and key, if it had a usable one: the purge keeps that record
-    /// while the message is parked.
+    /// Its dedup record's scope and key, if it had a usable one: the record is pinned while the
+    /// message is parked (no claim takes it over as expired, no purge deletes it).
     pub dedup_key: Option<(String, Vec<u8>)>,
+    /// A held marker: the message was dead-lettered already (in place, under the hold policy);
+    /// its row only keeps its key's later messages back until an operator releases the key,
+    /// and is then removed without running.
+    pub held_marker: bool,
 }
 
 impl ParkedMessage {
@@ -98,6 +106,13 @@ impl ParkedMessage {
     #[must_use]
     pub fn with_dedup_key(mut self, scope: impl Into<String>, key: impl Into<Vec<u8>>) -> Self {
         self.dedup_key = Some((scope.into(), key.into()));
+        self
+    }
+
+    /// As a held marker (see [`held_marker`](Self::held_marker)).
+    #[must_use]
+    pub fn as_held_marker(mut self) -> Self {
+        self.held_marker = true;
         self
     }
 
@@ -216,7 +231,7 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-fn time_of(micros_since_epoch: i64) -> SystemTime {
+pub(super) fn time_of(micros_since_epoch: i64) -> SystemTime {
     let micros = u64::try_from(micros_since_epoch).unwrap_or(0);
     UNIX_EPOCH + Duration::from_micros(micros)
 }
@@ -228,13 +243,13 @@ fn key_parts(key: &ParkedKey) -> (bool, &[u8]) {
     }
 }
 
-fn key_of(row: &PgRow) -> Result<ParkedKey, sqlx::Error> {
+pub(super) fn key_of(row: &PgRow) -> Result<ParkedKey, sqlx::Error> {
     let has: bool = row.try_get("has_key")?;
     let key: Vec<u8> = row.try_get("ordering_key")?;
     Ok(has.then_some(key))
 }
 
-fn attempts_of(row: &PgRow, column: &str) -> Result<u32, sqlx::Error> {
+pub(super) fn attempts_of(row: &PgRow, column: &str) -> Result<u32, sqlx::Error> {
     let n: i32 = row.try_get(column)?;
     Ok(u32::try_from(n).unwrap_or(0))
 }
@@ -259,6 +274,7 @@ fn head_of(row: &PgRow) -> Result<ParkedHead, sqlx::Error> {
                 let key: Option<Vec<u8>> = row.try_get("dedup_key")?;
                 scope.zip(key)
             },
+            held_marker: false,
         },
         dropped: row.try_get("dropped")?,
         gave_up: row.try_get("gave_up")?,
@@ -351,11 +367,12 @@ impl PgStore {
             .bind(&names)
             .bind(&values)
             .bind(message.timestamp_ms)
-            .bind(&message.error)
+            .bind(safe_text(&message.error))
             .bind(i32::try_from(message.attempts).unwrap_or(i32::MAX))
             .bind(secs(due_in))
             .bind(message.dedup_key.as_ref().map(|k| k.0.as_str()))
             .bind(message.dedup_key.as_ref().map(|k| k.1.as_slice()))
+            .bind(message.held_marker)
             .fetch_optional(&mut **conn)
             .await
             .map_err(|e| classify(e, true));
@@ -502,110 +519,12 @@ impl PgStore {
             .bind(partition.partition)
             .bind(epoch.0)
             .bind(offset)
-            .bind(error)
+            .bind(safe_text(error))
             .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
             .bind(secs(due_in))
             .fetch_optional(&mut **conn)
             .await
             .map_err(|e| classify(e, true));
         Ok(conn.checked(row)?.is_some())
-    }
-
-    /// `group`'s parked keys, oldest first (`dedup parked`).
-    pub async fn parked_summary(&self, group: &str) -> Result<Vec<ParkedKeySummary>, StoreError> {
-        let rows = sqlx::query(sql::SUMMARY_SQL)
-            .bind(group)
-            .fetch_all(self.pool())
-            .await
-            .map_err(|e| classify(e, false))?;
-        rows.iter()
-            .map(|r| {
-                let messages: i64 = r.try_get("messages")?;
-                Ok(ParkedKeySummary {
-                    topic: r.try_get("topic")?,
-                    partition: r.try_get("partition")?,
-                    ordering_key: key_of(r)?,
-                    messages: u64::try_from(messages).unwrap_or(0),
-                    oldest: time_of(r.try_get("oldest_us")?),
-                    head_attempts: attempts_of(r, "head_attempts")?,
-                    head_error: r.try_get("head_error")?,
-                    head_due: time_of(r.try_get("due_us")?),
-                    held: r.try_get("held")?,
-                    dropped: r.try_get("dropped")?,
-                })
-            })
-            .collect::<Result<_, sqlx::Error>>()
-            .map_err(|e| classify(e, false))
-    }
-
-    /// Makes the head of `group`'s parked key `ordering_key` (`None`: the keyless queue) due
-    /// now, and lifts a hold (`dedup unpark`). Answers the messages it touched (0: nothing parked
-    /// under that key).
-    pub async fn unpark(
-        &self,
-        group: &str,
-        ordering_key: Option<&[u8]>,
-    ) -> Result<u64, StoreError> {
-        self.on_key(sql::UNPARK_SQL, group, ordering_key).await
-    }
-
-    /// Asks for `group`'s parked key `ordering_key` (`None`: the keyless queue) to be
-    /// dead-lettered, every message of it, by the partition's owner (`dedup drop`). Answers the
-    /// messages marked.
-    pub async fn drop_parked(
-        &self,
-        group: &str,
-        ordering_key: Option<&[u8]>,
-    ) -> Result<u64, StoreError> {
-        self.on_key(sql::DROP_SQL, group, ordering_key).await
-    }
-
-    /// An operator's statement over one parked key's messages ($1 group, $2 has_key, $3 key):
-    /// the rows it changed.
-    async fn on_key(
-        &self,
-        statement: &'static str,
-        group: &str,
-        ordering_key: Option<&[u8]>,
-    ) -> Result<u64, StoreError> {
-        let done = sqlx::query(statement)
-            .bind(group)
-            .bind(ordering_key.is_some())
-            .bind(ordering_key.unwrap_or_default())
-            .execute(self.pool())
-            .await
-            .map_err(|e| classify(e, true))?;
-        Ok(done.rows_affected())
-    }
-
-    /// Parked keys, messages and the oldest park's age over `partitions` of `group`.
-    pub async fn parked_gauges(
-        &self,
-        group: &str,
-        partitions: &[(String, i32)],
-    ) -> Result<ParkedGauges, StoreError> {
-        if partitions.is_empty() {
-            return Ok(ParkedGauges::default());
-        }
-        let topics: Vec<&str> = partitions.iter().map(|p| p.0.as_str()).collect();
-        let numbers: Vec<i32> = partitions.iter().map(|p| p.1).collect();
-        let row = sqlx::query(sql::GAUGES_SQL)
-            .bind(group)
-            .bind(&topics)
-            .bind(&numbers)
-            .fetch_one(self.pool())
-            .await
-            .map_err(|e| classify(e, false))?;
-        let get = || -> Result<ParkedGauges, sqlx::Error> {
-            let keys: i64 = row.try_get("keys")?;
-            let messages: i64 = row.try_get("messages")?;
-            let oldest: f64 = row.try_get("oldest")?;
-            Ok(ParkedGauges {
-                keys: u64::try_from(keys).unwrap_or(0),
-                messages: u64::try_from(messages).unwrap_or(0),
-                oldest: Duration::try_from_secs_f64(oldest).unwrap_or_default(),
-            })
-        };
-        get().map_err(|e| classify(e, false))
     }
 }

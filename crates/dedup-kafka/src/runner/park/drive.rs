@@ -252,6 +252,7 @@ where
                 }
                 self.let_waiting_in();
             }
+            ParkEvent::Resync(lane) => self.resync(&lane, Vec::new()),
             ParkEvent::Gauges((keys, messages, oldest)) => {
                 let c = &self.inner.counters;
                 c.parked_keys.set(keys);
@@ -393,6 +394,7 @@ where
         let Some(done_tx) = self.done_tx.clone() else {
             return true;
         };
+        let done_tx_back = done_tx.clone();
         tokio::spawn(async move {
             let mut report = Report {
                 tx: Some(done_tx),
@@ -400,9 +402,29 @@ where
                 offset: job.delivery.offset,
                 settled: Settled::ParkRefused,
             };
-            report.settled = inner
+            report.settled = match inner
                 .park(&job, "parked behind an earlier message of its key", 0, true)
-                .await;
+                .await
+            {
+                // Refused for good (only under `Proceed`: under `Hold` it stalls inside the
+                // park): dead-lettered, never run ahead of its key's head.
+                Settled::ParkImpossible => match inner
+                    .dead_letter(
+                        &job,
+                        "could not be parked behind an earlier message of its key (Postgres refuses its data)",
+                        0,
+                    )
+                    .await
+                {
+                    Settled::DeadLettered => Settled::BehindDeadLettered,
+                    _ => Settled::ParkRefused,
+                },
+                settled => settled,
+            };
+            if report.settled == Settled::ParkFenced {
+                report.tx = None;
+                let _ = done_tx_back.send(Event::Refenced(job));
+            }
         });
         true
     }
@@ -422,17 +444,67 @@ where
     /// A park that was counted when decided and then refused, or found parked before (a replay:
     /// the barrier counted its row), uncounts.
     pub(in crate::runner) fn on_parked(&mut self, done: &Done) {
-        if !matches!(done.settled, Settled::ParkRefused | Settled::ParkedAlready) {
-            return;
+        if matches!(
+            done.settled,
+            Settled::ParkRefused
+                | Settled::ParkedAlready
+                | Settled::DeadLetteredHeldAgain
+                | Settled::BehindDeadLettered
+        ) {
+            self.uncount_parked(&done.lane);
         }
-        let tp = (done.lane.topic.clone(), done.lane.partition);
+    }
+
+    /// `lane`'s key counts one parked message fewer.
+    pub(in crate::runner) fn uncount_parked(&mut self, lane: &Lane) {
+        let tp = (lane.topic.clone(), lane.partition);
         if let Some(p) = self.parks.parts.get_mut(&tp)
-            && p.generation == done.lane.generation
-            && let Some(n) = p.keys.get_mut(&done.lane.key)
+            && p.generation == lane.generation
+            && let Some(n) = p.keys.get_mut(&lane.key)
         {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                p.keys.remove(&done.lane.key);
+                p.keys.remove(&lane.key);
+            }
+        }
+    }
+
+    /// A park fenced while the partition is still ours (its epoch moved on: a bump that was
+    /// late, say): the message goes back to wait, with the rest of its lane, ahead of what
+    /// waits already, and the partition's epoch and parked keys are taken again. Once they are,
+    /// the message goes through its key's order again: parked behind the key if it has parked
+    /// messages, run again otherwise. Its offset stays pending meanwhile, then moves.
+    pub(in crate::runner) fn refence(&mut self, job: Job) {
+        let lane = job.lane.clone();
+        let mut jobs = vec![job];
+        if let Some(state) = self.lanes.remove(&lane) {
+            if state.blocked {
+                // Not while parking (a blocked head never parks), but kept true if it were.
+                self.blocked -= state.queue.len();
+                self.held += state.queue.len();
+            }
+            jobs.extend(state.queue);
+        }
+        self.resync(&lane, jobs);
+    }
+
+    /// Reads `lane`'s partition's parked keys again under a new epoch; `jobs` (counted in
+    /// `held`) wait for it, first in line.
+    fn resync(&mut self, lane: &Lane, jobs: Vec<Job>) {
+        let tp = (lane.topic.clone(), lane.partition);
+        match self.parks.parts.get_mut(&tp) {
+            Some(p) if p.generation == lane.generation => {
+                p.epoch = None;
+                p.syncing = false;
+                let rest = std::mem::take(&mut p.waiting);
+                p.waiting = jobs;
+                p.waiting.extend(rest);
+                self.sync(&tp, lane.generation);
+            }
+            _ => {
+                // The partition moved on: its messages are redelivered to whoever owns it.
+                self.held -= jobs.len();
+                self.inner.counters.abandoned.add(jobs.len() as u64);
             }
         }
     }

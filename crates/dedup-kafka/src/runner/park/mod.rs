@@ -125,6 +125,46 @@ impl Parking {
         self
     }
 
+    /// Sets how long one run of a head may take before another look may pick it again.
+    #[must_use]
+    pub fn with_run_bound(mut self, bound: Duration) -> Self {
+        self.run_bound = bound;
+        self
+    }
+
+    /// Checks the times (the bounds and `in_place_attempts` are checked against the runner's
+    /// policy by [`Runner::with_parking`](super::Runner::with_parking)): a wait or a bound that
+    /// Postgres or the clock cannot hold would fail every parked run of a head, forever.
+    ///
+    /// # Errors
+    /// A [`ConfigError`](crate::ConfigError) naming the setting.
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+        let check = |setting: &'static str, value: Duration, what: &str| {
+            if value.is_zero() || value > MAX_PARKING_WAIT {
+                return Err(crate::ConfigError::new(
+                    setting,
+                    format!("{what} must be above zero and at most 30 days (got {value:?})"),
+                ));
+            }
+            Ok(())
+        };
+        check("parking.poll", self.poll, "the poll")?;
+        check("parking.run_bound", self.run_bound, "the run bound")?;
+        check(
+            "parking.backoff.initial",
+            self.backoff.initial,
+            "the first wait",
+        )?;
+        check("parking.backoff.max", self.backoff.max, "the longest wait")?;
+        if self.backoff.max < self.backoff.initial {
+            return Err(crate::ConfigError::new(
+                "parking.backoff.max",
+                "the longest wait must not be below the first",
+            ));
+        }
+        Ok(())
+    }
+
     /// The wait before a head's parked run number `n` (1-based), jittered by `seed`.
     pub(crate) fn delay(&self, n: u32, seed: u64) -> Duration {
         let full = self.backoff.delay(n.max(1));
@@ -138,6 +178,9 @@ impl Parking {
         full.mul_f64(share)
     }
 }
+
+/// The longest wait or run bound parking accepts.
+const MAX_PARKING_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// A partition's epoch and its parked keys with their message counts (the sync barrier).
 pub(crate) type Barrier = (i64, HashMap<Option<Vec<u8>>, u64>);
@@ -228,6 +271,7 @@ pub(crate) trait ParkStore: Send + Sync + 'static {
         error: &'a str,
         attempts: u32,
         due_in: Duration,
+        marker: bool,
     ) -> StoreFuture<'a, Parked>;
     fn due_heads<'a>(
         &'a self,
@@ -338,6 +382,9 @@ pub(crate) enum ParkEvent {
     },
     /// Parked keys, messages, oldest.
     Gauges((u64, u64, Duration)),
+    /// A lane's partition's parked keys are to be read again (a message task panicked after
+    /// its key may have been counted).
+    Resync(super::Lane),
 }
 
 impl<S, H> super::Runner<S, H>
@@ -370,12 +417,7 @@ where
                 "must be at least 1 and below the policy's max_attempts (the runs share one budget)",
             ));
         }
-        if parking.poll.is_zero() || parking.run_bound.is_zero() {
-            return Err(crate::ConfigError::new(
-                "parking.poll",
-                "poll and run_bound must be above zero",
-            ));
-        }
+        parking.validate()?;
         if parking.max_per_key == 0 || parking.max_parked == 0 {
             return Err(crate::ConfigError::new(
                 "parking.max_parked",

@@ -42,6 +42,7 @@ impl ParkStore for PgStore {
         error: &'a str,
         attempts: u32,
         due_in: Duration,
+        marker: bool,
     ) -> StoreFuture<'a, Parked> {
         Box::pin(async move {
             let mut message = ParkedMessage::new(d.offset, key, error, attempts).with_message(
@@ -55,6 +56,11 @@ impl ParkStore for PgStore {
             );
             if let Some((scope, k)) = dedup_key {
                 message = message.with_dedup_key(scope, k);
+            }
+            if marker {
+                // Dead-lettered already: the row only holds its key; nothing of it runs again.
+                message = message.with_message(None, None, Vec::new(), d.timestamp_ms);
+                message = message.as_held_marker();
             }
             Ok(
                 match self

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use dedup_core::{Fingerprint, ProcessError, Scope, Store};
 use futures_util::FutureExt;
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, error, info_span, warn};
 
 use super::super::{Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
 use super::{AfterGiveUp, Head, HeadOutcome, HeadRun, ParkCtx, Parked, PartRef, Taken};
@@ -56,6 +56,19 @@ where
         attempts: u32,
         behind: bool,
     ) -> Settled {
+        self.park_as(job, error, attempts, behind, false).await
+    }
+
+    /// [`park`](Self::park), or with `marker` a held marker of a message dead-lettered in place
+    /// under the hold policy (its row holds its key's later messages back; it never runs again).
+    pub(in crate::runner) async fn park_as(
+        &self,
+        job: &Job,
+        error: &str,
+        attempts: u32,
+        behind: bool,
+        marker: bool,
+    ) -> Settled {
         let Some(ctx) = &self.park else {
             return Settled::ParkRefused;
         };
@@ -97,6 +110,7 @@ where
                     error,
                     attempts,
                     due_in,
+                    marker,
                 )
                 .instrument(span.clone())
                 .await;
@@ -106,12 +120,16 @@ where
             };
             match out {
                 Ok(Parked::Written) => {
-                    span.record("outcome", "parked");
-                    self.counters.parked.add(1);
+                    span.record("outcome", if marker { "held" } else { "parked" });
+                    if !marker {
+                        self.counters.parked.add(1);
+                    }
                     if !behind {
                         warn!(topic = %job.delivery.topic, partition = job.delivery.partition, offset = job.delivery.offset, error, attempts, "parked");
                     }
-                    return if behind {
+                    return if marker {
+                        Settled::DeadLetteredHeld
+                    } else if behind {
                         Settled::ParkedBehind
                     } else {
                         Settled::Parked
@@ -120,16 +138,44 @@ where
                 Ok(Parked::Already) => {
                     // A replay of a message parked before (and counted by the barrier).
                     span.record("outcome", "already");
-                    return Settled::ParkedAlready;
+                    return if marker {
+                        Settled::DeadLetteredHeldAgain
+                    } else {
+                        Settled::ParkedAlready
+                    };
                 }
                 Ok(Parked::Fenced) => {
-                    // Another owner has the partition: the message is theirs to read again.
+                    // The partition's epoch moved on. Revoked, the message is the next owner's
+                    // to read again; still ours, the loop takes the epoch again and the message
+                    // goes through its key's order once more (it never runs ahead of its key).
                     span.record("outcome", "fenced");
                     debug!(
                         offset = job.delivery.offset,
-                        "the partition has another owner: not parked"
+                        "the partition's parking epoch moved on: not parked"
                     );
-                    return Settled::ParkRefused;
+                    return if self.abandoned(job) {
+                        Settled::ParkRefused
+                    } else {
+                        Settled::ParkFenced
+                    };
+                }
+                Err(e) if !e.is_retryable() && !e.is_outcome_unknown() => {
+                    // Postgres refuses this message for good (data it cannot store): parking it
+                    // can never succeed.
+                    self.counters.park_errors.add(1);
+                    if behind && ctx.cfg.after_give_up == AfterGiveUp::Hold {
+                        // It must not run ahead of its key's head, nor be given up: the key
+                        // stalls, loudly, until an operator acts (or the data is fixed).
+                        error!(topic = %job.delivery.topic, partition = job.delivery.partition, offset = job.delivery.offset, error = %e, "a message behind a held key cannot be parked; its key stalls: run `dedup drop` on the key, or fix what Postgres refuses");
+                        retry += 1;
+                        if !self.wait_retry(job, retry).await {
+                            return Settled::ParkRefused;
+                        }
+                        continue;
+                    }
+                    span.record("outcome", "impossible");
+                    error!(topic = %job.delivery.topic, partition = job.delivery.partition, offset = job.delivery.offset, error = %e, behind, "the message cannot be parked");
+                    return Settled::ParkImpossible;
                 }
                 Err(e) => {
                     maybe_written |= e.is_outcome_unknown();
@@ -140,6 +186,63 @@ where
                         return Settled::ParkRefused;
                     }
                 }
+            }
+        }
+    }
+
+    /// Gives a message up in place: dead-letters it, and under the hold policy (with parking)
+    /// keeps its key held behind it: its row is written as the key's held marker (counted
+    /// before, so the key's next message cannot start meanwhile), and the key's later messages
+    /// park behind it until an operator releases the key. At a parking bound it waits for room
+    /// first rather than dead-letter a message whose key could then not be held.
+    pub(in crate::runner) async fn give_up(
+        &self,
+        job: &Job,
+        reason: &str,
+        attempts: u32,
+        events: &tokio::sync::mpsc::UnboundedSender<super::super::Event>,
+    ) -> Settled {
+        use super::super::Event;
+        let Some(ctx) = self
+            .park
+            .as_ref()
+            .filter(|c| c.cfg.after_give_up == AfterGiveUp::Hold)
+        else {
+            return self.dead_letter(job, reason, attempts).await;
+        };
+        if job.park_epoch.is_none() {
+            // Parking cannot hold this partition's keys yet (no epoch): as without parking.
+            return self.dead_letter(job, reason, attempts).await;
+        }
+        let mut waits = 0;
+        while ctx.total.load(AtomicOrdering::Relaxed) >= ctx.cfg.max_parked {
+            if waits == 0 {
+                self.counters.park_full.add(1);
+                warn!(topic = %job.delivery.topic, partition = job.delivery.partition, offset = job.delivery.offset, "parked queue full: a message to give up under the hold policy waits for room");
+            }
+            waits += 1;
+            if !self.wait_retry(job, waits).await {
+                return Settled::Abandoned;
+            }
+        }
+        let _ = events.send(Event::Parking(job.lane.clone()));
+        let settled = self.dead_letter(job, reason, attempts).await;
+        if settled != Settled::DeadLettered {
+            let _ = events.send(Event::ParkUndone(job.lane.clone()));
+            return settled;
+        }
+        let mut retry = 0;
+        loop {
+            match self.park_as(job, reason, attempts, false, true).await {
+                Settled::ParkImpossible => {
+                    // A marker carries no payload and no headers: nothing left to refuse, but
+                    // never let the key go on without it.
+                    retry += 1;
+                    if !self.wait_retry(job, retry).await {
+                        return Settled::ParkRefused;
+                    }
+                }
+                settled => return settled,
             }
         }
     }
@@ -211,7 +314,11 @@ where
                 "dropped by an operator while parked; last failure: {}",
                 head.error
             );
-            if !self.head_dead_letter(&d, &reason, head.attempts).await {
+            let key = extract_key(&self.config.key, scope, &d).ok();
+            if !self
+                .head_dead_letter(&d, &reason, head.attempts, key.as_ref())
+                .await
+            {
                 return HeadRun::KEPT;
             }
             return settle(false).await;
@@ -222,7 +329,7 @@ where
             Err(e) => {
                 span.record("outcome", "dead_lettered");
                 if !self
-                    .head_dead_letter(&d, &e.to_string(), head.attempts)
+                    .head_dead_letter(&d, &e.to_string(), head.attempts, None)
                     .await
                 {
                     return HeadRun::KEPT;
@@ -276,7 +383,10 @@ where
                     super::super::panic_message(&*panic)
                 );
                 span.record("outcome", "dead_lettered");
-                if !self.head_dead_letter(&d, &reason, head.attempts).await {
+                if !self
+                    .head_dead_letter(&d, &reason, head.attempts, Some(&key))
+                    .await
+                {
                     return HeadRun::KEPT;
                 }
                 return settle(hold).await;
@@ -314,15 +424,28 @@ where
         let attempts = attempts_of(&err, attempts);
         span.record("outcome", "dead_lettered");
         warn!(key = %key, error = %err, attempts, "parked head dead-lettered");
-        if !self.head_dead_letter(&d, &err.to_string(), attempts).await {
+        if !self
+            .head_dead_letter(&d, &err.to_string(), attempts, Some(&key))
+            .await
+        {
             return HeadRun::KEPT;
         }
         settle(hold).await
     }
 
     /// Dead-letters a parked head; false if the write failed (it runs again when seen).
-    async fn head_dead_letter(&self, d: &Delivery, reason: &str, attempts: u32) -> bool {
-        match self.dead_letters.write(d, reason, attempts).await {
+    async fn head_dead_letter(
+        &self,
+        d: &Delivery,
+        reason: &str,
+        attempts: u32,
+        key: Option<&dedup_core::IdempotencyKey>,
+    ) -> bool {
+        match self
+            .dead_letters
+            .write_keyed(d, reason, attempts, key)
+            .await
+        {
             Ok(()) => {
                 self.counters.dead_lettered.add(1);
                 self.counters.parked_dead_lettered.add(1);

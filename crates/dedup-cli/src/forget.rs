@@ -1,0 +1,496 @@
+//! `dedup forget`: deletes chosen keys' records, so that their next message runs the handler as
+//! for a new key. The re-drive path for dead letters (docs/RECOVERY.md, "Re-driving dead
+//! letters"): fix the handler, forget the dead letters' keys, replay the dead letters to the
+//! source topic.
+//!
+//! Keys are given by hand (`--scope S --key K`, `--hex-key HEX` for binary keys), or read from a
+//! range of a dead-letter topic (`--dead-letters TOPIC --partition P --from A --to B`): each dead
+//! letter names its key in its `dedup-scope` and `dedup-key` headers. A key under a live lease
+//! (a holder runs it) and a key a parked message carries are kept. With `REDIS_URL`, the fast
+//! path's copies of the forgotten keys are dropped too.
+
+use std::collections::HashSet;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use dedup_core::{IdempotencyKey, Scope, State};
+use dedup_pg::{ForgetReport, PgStore};
+use dedup_redis::redis::{self, Script};
+use rdkafka::Message;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::Headers;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+
+use crate::PgArgs;
+use crate::connect::{CliError, connect_pg, connect_redis, redact};
+
+/// The dead-letter header naming the idempotency key's scope (`dedup_kafka`'s `DLQ_SCOPE`).
+const DLQ_SCOPE: &str = "dedup-scope";
+/// The dead-letter header holding the idempotency key's bytes (`dedup_kafka`'s `DLQ_KEY`).
+const DLQ_KEY: &str = "dedup-key";
+
+/// Keys per statement.
+const CHUNK: usize = 1000;
+
+/// Drops one key's copy in Redis, whatever it holds (the key's Postgres record is gone, or was
+/// never there: any copy is stale).
+const DROP_LUA: &str = "return redis.call('DEL', KEYS[1])";
+
+#[derive(Args, Debug)]
+pub(crate) struct ForgetArgs {
+    #[command(flatten)]
+    pg: PgArgs,
+    /// The keys' scope (for the Kafka runners, the consumer group unless configured otherwise).
+    #[arg(long, conflicts_with = "dead_letters")]
+    scope: Option<String>,
+    /// An idempotency key, as UTF-8 text (repeatable).
+    #[arg(long = "key", value_name = "KEY", requires = "scope")]
+    keys: Vec<String>,
+    /// An idempotency key as hex digits, for binary keys (repeatable).
+    #[arg(long = "hex-key", value_name = "HEX", requires = "scope")]
+    hex_keys: Vec<String>,
+    /// A dead-letter topic: forget the keys its messages in `--partition`, `--from`..`--to`
+    /// name in their `dedup-scope` and `dedup-key` headers.
+    #[arg(long, value_name = "TOPIC", requires_all = ["partition", "from", "to"])]
+    dead_letters: Option<String>,
+    /// The dead-letter topic's partition.
+    #[arg(long, requires = "dead_letters")]
+    partition: Option<i32>,
+    /// The first offset read (inclusive).
+    #[arg(long, value_name = "OFFSET", requires = "dead_letters")]
+    from: Option<i64>,
+    /// The last offset read (inclusive); a range past the partition's end stops at its end.
+    #[arg(long, value_name = "OFFSET", requires = "dead_letters")]
+    to: Option<i64>,
+    /// Kafka bootstrap servers (with `--dead-letters`).
+    #[arg(long, env = "KAFKA_BROKERS")]
+    brokers: Option<String>,
+    /// Extra librdkafka properties, as key=value (repeatable): TLS, SASL.
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
+    kafka_properties: Vec<String>,
+    /// Give up reading the dead letters when none arrives for this many seconds.
+    #[arg(long, default_value_t = 30)]
+    timeout_secs: u64,
+    /// Redis (the fast path), whose copies of the forgotten keys are dropped:
+    /// redis://[user:password@]host:port[/db]. Without it, a tiered store's Redis keeps
+    /// answering a forgotten FAILED key until its copy expires.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    redis_url: Option<String>,
+    /// The key prefix in Redis (the consumers' `RedisFastPath::with_prefix`).
+    #[arg(long, default_value = "dedup")]
+    redis_prefix: String,
+    /// With `--dead-letters`: forget a key whose record is COMPLETED too. By default such a key
+    /// is kept: its effect ran (a dead letter whose stored result did not decode, or whose payload
+    /// did not match the key's), so a re-drive would run it a second time.
+    #[arg(long, requires = "dead_letters")]
+    include_completed: bool,
+    /// Print what would be forgotten; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+/// A dead letter read, and the key it names (or why it names none).
+#[derive(Debug)]
+struct Read {
+    offset: i64,
+    key: Result<IdempotencyKey, String>,
+}
+
+pub(crate) async fn run(args: ForgetArgs) -> Result<ExitCode, CliError> {
+    let mut skipped: Vec<(i64, String)> = Vec::new();
+    let keys: Vec<IdempotencyKey> = match (&args.scope, &args.dead_letters) {
+        (Some(scope), None) => given_keys(scope, &args.keys, &args.hex_keys)?,
+        (None, Some(topic)) => {
+            let (Some(partition), Some(from), Some(to)) = (args.partition, args.from, args.to)
+            else {
+                return Err(CliError::Config(
+                    "--dead-letters needs --partition, --from and --to".into(),
+                ));
+            };
+            if from < 0 || to < from {
+                return Err(CliError::Config(format!(
+                    "--from {from} --to {to}: offsets from 0, --to at least --from"
+                )));
+            }
+            let Some(brokers) = args.brokers.clone() else {
+                return Err(CliError::Config(
+                    "--dead-letters needs --brokers (or KAFKA_BROKERS)".into(),
+                ));
+            };
+            let extra = properties(&args.kafka_properties)?;
+            let reads = read_range(
+                brokers,
+                extra,
+                topic.clone(),
+                partition,
+                (from, to),
+                Duration::from_secs(args.timeout_secs.max(1)),
+            )
+            .await?;
+            println!(
+                "read {} dead letter(s) from {topic} partition {partition}, offsets {from} to {to}",
+                reads.len()
+            );
+            let mut keys = Vec::with_capacity(reads.len());
+            for r in reads {
+                match r.key {
+                    Ok(k) => keys.push(k),
+                    Err(why) => skipped.push((r.offset, why)),
+                }
+            }
+            keys
+        }
+        _ => {
+            return Err(CliError::Config(
+                "name the keys: --scope S --key K [--key K2 ...], or \
+                 --dead-letters TOPIC --partition P --from OFFSET --to OFFSET"
+                    .into(),
+            ));
+        }
+    };
+    let mut seen = HashSet::with_capacity(keys.len());
+    let keys: Vec<IdempotencyKey> = keys
+        .into_iter()
+        .filter(|k| seen.insert(k.clone()))
+        .collect();
+
+    let pool = connect_pg(&args.pg.database_url, 2).await?;
+    let store = PgStore::new(pool);
+    // A dead letter's key whose effect ran (COMPLETED) is not reset unless asked: keys given by
+    // hand are the operator's explicit choice.
+    let mut completed = Vec::new();
+    let keys = if args.dead_letters.is_some() && !args.include_completed {
+        let mut done = HashSet::new();
+        for chunk in keys.chunks(CHUNK) {
+            let records = store
+                .get_many(chunk)
+                .await
+                .map_err(|e| CliError::Failed(format!("reading the keys' records: {e}")))?;
+            done.extend(
+                records
+                    .into_iter()
+                    .filter(|(_, r)| r.state == State::Completed)
+                    .map(|(k, _)| k),
+            );
+        }
+        let (kept, rest): (Vec<_>, Vec<_>) = keys.into_iter().partition(|k| done.contains(k));
+        completed = kept;
+        rest
+    } else {
+        keys
+    };
+    let mut report = ForgetReport::default();
+    for chunk in keys.chunks(CHUNK) {
+        let part = if args.dry_run {
+            store.forget_keys_preview(chunk).await
+        } else {
+            store.forget_keys(chunk).await
+        }
+        .map_err(|e| CliError::Failed(format!("forgetting keys: {e}")))?;
+        report.forgotten.extend(part.forgotten);
+        report.busy.extend(part.busy);
+        report.parked.extend(part.parked);
+        report.absent.extend(part.absent);
+    }
+
+    // The fast path's copies: a forgotten key's, and an absent key's (a copy outliving its
+    // record). Never a busy or parked key's.
+    let mut dropped = None;
+    if !args.dry_run
+        && let Some(url) = &args.redis_url
+    {
+        let fast = connect_redis(url, &args.redis_prefix).await?;
+        let mut conn = fast.connection().clone();
+        let script = Script::new(DROP_LUA);
+        let mut n = 0u64;
+        for key in report.forgotten.iter().chain(&report.absent) {
+            let gone: i64 = script
+                .key(fast.redis_key(key))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(|e: redis::RedisError| {
+                    CliError::Failed(format!(
+                        "dropping {key}'s copy in Redis at {}: {e} (its Postgres record is \
+                         forgotten; run this again to drop the copies)",
+                        redact(url)
+                    ))
+                })?;
+            n += u64::try_from(gone).unwrap_or(0);
+        }
+        dropped = Some(n);
+    }
+
+    let verb = if args.dry_run {
+        "would forget"
+    } else {
+        "forgotten"
+    };
+    for k in &report.forgotten {
+        println!("{verb:<13} {k}");
+    }
+    for k in &report.busy {
+        println!("{:<13} {k}", "busy");
+    }
+    for k in &report.parked {
+        println!("{:<13} {k}", "parked");
+    }
+    for k in &report.absent {
+        println!("{:<13} {k}", "absent");
+    }
+    for k in &completed {
+        println!("{:<13} {k}", "completed");
+    }
+    for (offset, why) in &skipped {
+        println!("{:<13} offset {offset}: {why}", "skipped");
+    }
+    println!(
+        "{}{} key(s) {}, {} busy (a holder runs it under a live lease: ask again once it \
+         ended), {} parked (a parked message carries it: `dedup unpark` or `dedup drop` first), \
+         {} absent (no record), {} completed (kept: its effect ran; --include-completed \
+         resets it), {} dead letter(s) skipped (no usable key)",
+        if args.dry_run { "dry run: " } else { "" },
+        report.forgotten.len(),
+        if args.dry_run {
+            "to forget"
+        } else {
+            "forgotten"
+        },
+        report.busy.len(),
+        report.parked.len(),
+        report.absent.len(),
+        completed.len(),
+        skipped.len()
+    );
+    match (args.dry_run, dropped) {
+        (true, _) => println!("dry run: nothing was changed"),
+        (false, Some(n)) => println!("{n} copy(ies) dropped from Redis"),
+        (false, None) => {
+            println!("no REDIS_URL: copies in a tiered store's Redis, if any, were not dropped")
+        }
+    }
+    let kept = report.busy.len() + report.parked.len();
+    if kept > 0 && !args.dry_run {
+        // A script that re-drives after this must not replay keys that still answer as before.
+        eprintln!("dedup forget: {kept} key(s) were kept (busy or parked): see above");
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The keys given by hand, in one scope.
+fn given_keys(
+    scope: &str,
+    text: &[String],
+    hex: &[String],
+) -> Result<Vec<IdempotencyKey>, CliError> {
+    if text.is_empty() && hex.is_empty() {
+        return Err(CliError::Config(
+            "--scope needs at least one --key or --hex-key".into(),
+        ));
+    }
+    let scope = Scope::new(scope).map_err(|e| CliError::Config(format!("--scope: {e}")))?;
+    let mut out = Vec::with_capacity(text.len() + hex.len());
+    for k in text {
+        out.push(
+            IdempotencyKey::new(scope.clone(), k.as_bytes())
+                .map_err(|e| CliError::Config(format!("--key {k:?}: {e}")))?,
+        );
+    }
+    for h in hex {
+        let bytes = from_hex(h).map_err(|e| CliError::Config(format!("--hex-key {h:?}: {e}")))?;
+        out.push(
+            IdempotencyKey::new(scope.clone(), bytes)
+                .map_err(|e| CliError::Config(format!("--hex-key {h:?}: {e}")))?,
+        );
+    }
+    Ok(out)
+}
+
+/// Hex digits (either case, an optional `0x`) as bytes.
+fn from_hex(s: &str) -> Result<Vec<u8>, String> {
+    let digits = s
+        .strip_prefix("0x")
+        .or_else(|| s.strip_prefix("0X"))
+        .unwrap_or(s);
+    if digits.len() % 2 != 0 {
+        return Err("an odd number of hex digits".into());
+    }
+    let value = |c: u8| -> Result<u8, String> {
+        match c {
+            b'0'..=b'9' => Ok(c - b'0'),
+            b'a'..=b'f' => Ok(c - b'a' + 10),
+            b'A'..=b'F' => Ok(c - b'A' + 10),
+            _ => Err(format!("{:?} is not a hex digit", char::from(c))),
+        }
+    };
+    digits
+        .as_bytes()
+        .chunks(2)
+        .map(|p| -> Result<u8, String> { Ok((value(p[0])? << 4) | value(p[1])?) })
+        .collect()
+}
+
+fn properties(props: &[String]) -> Result<Vec<(String, String)>, CliError> {
+    props
+        .iter()
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .ok_or_else(|| CliError::Config(format!("--kafka-property {p:?} is not key=value")))
+        })
+        .collect()
+}
+
+/// The key a dead letter names: its last `dedup-scope` and `dedup-key` headers (dedup writes
+/// them last).
+fn key_of(headers: &[(String, Option<Vec<u8>>)]) -> Result<IdempotencyKey, String> {
+    let last = |name: &str| {
+        headers
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.as_deref())
+    };
+    let (Some(scope), Some(key)) = (last(DLQ_SCOPE), last(DLQ_KEY)) else {
+        return Err(format!(
+            "no {DLQ_SCOPE}/{DLQ_KEY} headers (a message without a usable idempotency key, or \
+             dead-lettered by a version that did not name it)"
+        ));
+    };
+    let scope = std::str::from_utf8(scope).map_err(|_| format!("{DLQ_SCOPE} is not UTF-8"))?;
+    let scope = Scope::new(scope).map_err(|e| format!("{DLQ_SCOPE}: {e}"))?;
+    IdempotencyKey::new(scope, key).map_err(|e| format!("{DLQ_KEY}: {e}"))
+}
+
+/// Reads `partition` of `topic` from `range.0` to `range.1` (inclusive), or to the partition's
+/// end if it comes first: assigned at the offset, outside any group's commits.
+async fn read_range(
+    brokers: String,
+    extra: Vec<(String, String)>,
+    topic: String,
+    partition: i32,
+    range: (i64, i64),
+    idle: Duration,
+) -> Result<Vec<Read>, CliError> {
+    tokio::task::spawn_blocking(move || {
+        read_range_blocking(&brokers, &extra, &topic, partition, range, idle)
+    })
+    .await
+    .map_err(|e| CliError::Failed(format!("reading the dead letters: {e}")))?
+}
+
+fn read_range_blocking(
+    brokers: &str,
+    extra: &[(String, String)],
+    topic: &str,
+    partition: i32,
+    (from, to): (i64, i64),
+    idle: Duration,
+) -> Result<Vec<Read>, CliError> {
+    let name = redact(brokers);
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers)
+        // Assigned, never subscribed: the id names no group that joins or commits.
+        .set("group.id", format!("dedup-forget-{}", std::process::id()))
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "true")
+        // An offset before the log's start (removed by retention) reads from its start.
+        .set("auto.offset.reset", "earliest");
+    for (k, v) in extra {
+        c.set(k, v);
+    }
+    let consumer: BaseConsumer = c
+        .create()
+        .map_err(|e| CliError::Config(format!("Kafka consumer ({name}): {e}")))?;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(from))
+        .map_err(|e| CliError::Config(format!("{topic} partition {partition}: {e}")))?;
+    consumer
+        .assign(&tpl)
+        .map_err(|e| CliError::Failed(format!("assigning {topic} partition {partition}: {e}")))?;
+    let mut out = Vec::new();
+    let mut last_seen = Instant::now();
+    loop {
+        match consumer.poll(Duration::from_millis(200)) {
+            None => {
+                if last_seen.elapsed() > idle {
+                    return Err(CliError::Unreachable(format!(
+                        "no dead letter arrived from {topic} partition {partition} on {name} \
+                         (KAFKA_BROKERS) within {}s, after {} read; is the broker up, and the \
+                         range right?",
+                        idle.as_secs(),
+                        out.len()
+                    )));
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(_))) => {
+                // The partition's end, before `to`: the range is read.
+                return Ok(out);
+            }
+            Some(Err(e)) => {
+                return Err(CliError::Failed(format!(
+                    "reading {topic} partition {partition} on {name}: {e}"
+                )));
+            }
+            Some(Ok(m)) => {
+                last_seen = Instant::now();
+                let offset = m.offset();
+                if offset < from {
+                    continue;
+                }
+                if offset > to {
+                    return Ok(out);
+                }
+                let headers: Vec<(String, Option<Vec<u8>>)> = m
+                    .headers()
+                    .map(|hs| {
+                        hs.iter()
+                            .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                out.push(Read {
+                    offset,
+                    key: key_of(&headers),
+                });
+                if offset >= to {
+                    return Ok(out);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_keys() {
+        assert_eq!(from_hex("00ff10"), Ok(vec![0, 255, 16]));
+        assert_eq!(from_hex("0xAbCd"), Ok(vec![0xab, 0xcd]));
+        assert!(from_hex("abc").is_err());
+        assert!(from_hex("zz").is_err());
+    }
+
+    #[test]
+    fn a_dead_letters_key_is_its_last_scope_and_key_headers() {
+        let h = |k: &str, v: &[u8]| (k.to_owned(), Some(v.to_vec()));
+        let k = key_of(&[
+            h("idempotency-key", b"evt-1"),
+            h(DLQ_SCOPE, b"old"),
+            h(DLQ_KEY, b"old"),
+            h(DLQ_SCOPE, b"payments"),
+            h(DLQ_KEY, b"evt-1"),
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(k.scope().as_str(), "payments");
+        assert_eq!(k.key_bytes(), b"evt-1");
+        assert!(key_of(&[h("idempotency-key", b"evt-1")]).is_err());
+        assert!(key_of(&[h(DLQ_SCOPE, b"payments"), h(DLQ_KEY, b"")]).is_err());
+    }
+}
