@@ -1462,6 +1462,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
 }
 
 mod blocked;
+mod dead_letters;
 mod lease;
 mod parked;
 mod recovery;

@@ -300,37 +300,14 @@ fn given_keys(
         );
     }
     for h in hex {
-        let bytes = from_hex(h).map_err(|e| CliError::Config(format!("--hex-key {h:?}: {e}")))?;
+        let bytes =
+            crate::hex::parse(h).map_err(|e| CliError::Config(format!("--hex-key {h:?}: {e}")))?;
         out.push(
             IdempotencyKey::new(scope.clone(), bytes)
                 .map_err(|e| CliError::Config(format!("--hex-key {h:?}: {e}")))?,
         );
     }
     Ok(out)
-}
-
-/// Hex digits (either case, an optional `0x`) as bytes.
-fn from_hex(s: &str) -> Result<Vec<u8>, String> {
-    let digits = s
-        .strip_prefix("0x")
-        .or_else(|| s.strip_prefix("0X"))
-        .unwrap_or(s);
-    if digits.len() % 2 != 0 {
-        return Err("an odd number of hex digits".into());
-    }
-    let value = |c: u8| -> Result<u8, String> {
-        match c {
-            b'0'..=b'9' => Ok(c - b'0'),
-            b'a'..=b'f' => Ok(c - b'a' + 10),
-            b'A'..=b'F' => Ok(c - b'A' + 10),
-            _ => Err(format!("{:?} is not a hex digit", char::from(c))),
-        }
-    };
-    digits
-        .as_bytes()
-        .chunks(2)
-        .map(|p| -> Result<u8, String> { Ok((value(p[0])? << 4) | value(p[1])?) })
-        .collect()
 }
 
 fn properties(props: &[String]) -> Result<Vec<(String, String)>, CliError> {
@@ -468,14 +445,6 @@ fn read_range_blocking(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hex_keys() {
-        assert_eq!(from_hex("00ff10"), Ok(vec![0, 255, 16]));
-        assert_eq!(from_hex("0xAbCd"), Ok(vec![0xab, 0xcd]));
-        assert!(from_hex("abc").is_err());
-        assert!(from_hex("zz").is_err());
-    }
 
     #[test]
     fn a_dead_letters_key_is_its_last_scope_and_key_headers() {

@@ -7,8 +7,10 @@
 
 mod bench;
 mod connect;
+mod dead_letters;
 mod demo;
 mod forget;
+mod hex;
 mod parked;
 mod telemetry;
 
@@ -51,6 +53,9 @@ enum Command {
     /// Forget keys (given, or named by a range of dead letters) so that their next message runs
     /// again: the re-drive path for dead letters (docs/RECOVERY.md).
     Forget(forget::ForgetArgs),
+    /// List the dead letters a dead-letter topic refused for good (too large, invalid), kept in
+    /// Postgres so that their partition moved on; write one out, or remove it.
+    DeadLetters(dead_letters::DeadLettersArgs),
 }
 
 /// Where Postgres is.
@@ -140,6 +145,7 @@ async fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Unpark(args) => parked::unpark(args).await,
         Command::Drop(args) => parked::drop(args).await,
         Command::Forget(args) => forget::run(args).await,
+        Command::DeadLetters(args) => dead_letters::run(args).await,
         Command::Purge(args) => {
             let pool = connect_pg(&args.pg.database_url, 2).await?;
             let store = dedup_pg::PgStore::new(pool);

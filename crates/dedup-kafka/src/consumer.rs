@@ -8,11 +8,11 @@ use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
+use crate::dead_letter::{DeadLetters, RefusedTable};
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
-use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -321,7 +321,8 @@ pub(crate) fn clients(
     counters: &Arc<Counters>,
     start_offsets: Option<Arc<dyn StartOffsets>>,
     contact: &Arc<Contact>,
-) -> Result<(StreamConsumer<RunnerContext>, FutureProducer), KafkaError> {
+    refused: Option<Arc<dyn RefusedTable>>,
+) -> Result<(StreamConsumer<RunnerContext>, DeadLetters), KafkaError> {
     let base = || {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &config.brokers);
@@ -358,11 +359,23 @@ pub(crate) fn clients(
     ] {
         pc.remove(k);
     }
-    let producer: FutureProducer = pc.create()?;
+    crate::dead_letter::check_at_start(
+        base(),
+        config.dead_letter_topic.clone(),
+        config.topics.clone(),
+        refused.is_some(),
+        counters.clone(),
+    );
+    let dead_letters = DeadLetters::new(
+        pc,
+        config.dead_letter_topic.clone(),
+        config.group_id.clone(),
+        refused,
+    )?;
     let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
     consumer.subscribe(&topics)?;
     info!(group = %config.group_id, topics = ?topics, "runner subscribed");
-    Ok((consumer, producer))
+    Ok((consumer, dead_letters))
 }
 
 /// Commits, for each partition this member owns, the offset before which all is settled.

@@ -99,6 +99,9 @@ pub(crate) struct Counters {
     pub(crate) commit_errors: Counter,
     pub(crate) consumer_errors: Counter,
     pub(crate) dead_letter_errors: Counter,
+    pub(crate) dead_letters_kept: Counter,
+    pub(crate) dead_letter_stalls: Counter,
+    pub(crate) dead_letter_max_bytes: Counter,
     pub(crate) assigned: Counter,
     pub(crate) revoked: Counter,
     pub(crate) pauses: Counter,
@@ -158,6 +161,9 @@ impl StatsHandle {
             parked_dead_lettered: c.parked_dead_lettered.get(),
             park_full: c.park_full.get(),
             park_errors: c.park_errors.get(),
+            dead_letters_kept: c.dead_letters_kept.get(),
+            dead_letter_stalls: c.dead_letter_stalls.get(),
+            dead_letter_max_bytes: c.dead_letter_max_bytes.get(),
             parked_keys: c.parked_keys.get(),
             parked_messages: c.parked_messages.get(),
             parked_oldest_ms: c.parked_oldest_ms.get(),
@@ -238,6 +244,16 @@ pub struct RunnerStats {
     /// Parks that Postgres refused for good (data it cannot store): the message ran on in place,
     /// was dead-lettered, or (behind a held key) stalls its key. Alert on it.
     pub park_errors: u64,
+    /// Dead letters the dead-letter topic refused for good (too large, invalid), kept in
+    /// Postgres (`dedup_dead_letters`, `dedup dead-letters`) instead; also in `dead_lettered`.
+    pub dead_letters_kept: u64,
+    /// Dead-letter writes refused in a way only an operator can cure (authorization, an unknown
+    /// topic, or refused for good with no Postgres table to keep it): the partition waits. Alert
+    /// on it.
+    pub dead_letter_stalls: u64,
+    /// The dead-letter topic's `max.message.bytes`, read at start (0: the cluster did not say).
+    /// Checked against the source topics' at start: a warning says when it is smaller.
+    pub dead_letter_max_bytes: u64,
     /// Parked keys over this runner's partitions (a gauge, refreshed every few polls).
     pub parked_keys: u64,
     /// Parked messages over this runner's partitions (a gauge).

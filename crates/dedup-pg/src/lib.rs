@@ -83,6 +83,7 @@ mod instance;
 mod migrate;
 mod offsets;
 mod parked;
+mod refused;
 mod rows;
 mod sql;
 mod store;
@@ -104,6 +105,7 @@ pub use migrate::{
     MIGRATIONS_TABLE, MIGRATOR, MigrationMode, ParseMigrationModeError, SCHEMA_GENERATION,
     SchemaError, SchemaStatus, SchemaVersion, migrate, prepare,
 };
+pub use refused::RefusedDeadLetter;
 use rows::record_from_row;
 use sql::GET_MANY_SQL;
 use store::Conn;

@@ -32,6 +32,10 @@ on_brokers!(
     sigkill_after_parking_and_during_a_parked_run_loses_and_doubles_nothing,
     a_message_parked_while_its_keys_last_parked_message_completes_is_not_stranded,
     at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drains,
+    under_the_hold_policy_a_message_failing_in_place_for_good_holds_its_key,
+    a_permanent_failure_whose_text_postgres_refuses_runs_once_and_is_recorded,
+    an_ordering_key_past_a_btree_entrys_limit_parks_and_runs_in_order,
+    a_park_fenced_while_the_partition_is_still_ours_keeps_order_and_moves_the_offset,
 );
 
 /// What the handler books: one row per message, numbered in the order they ran.
@@ -74,6 +78,8 @@ async fn assert_booked_once(pool: &PgPool, n: i64) {
 struct Switches {
     shut: Mutex<HashSet<String>>,
     always: Mutex<HashSet<String>>,
+    /// Idempotency keys failing permanently, with the error text.
+    permanent: Mutex<HashMap<String, String>>,
     calls: Mutex<HashMap<String, u32>>,
     open: AtomicBool,
     /// A key whose run, once the gate is open, waits inside the handler for `release`.
@@ -116,6 +122,9 @@ fn booking(
                 .unwrap()
                 .entry(key.clone())
                 .or_default() += 1;
+            if let Some(text) = switches.permanent.lock().unwrap().get(&key) {
+                return Err(HandlerError::Permanent(text.clone()));
+            }
             if switches.always.lock().unwrap().contains(&key) {
                 return Err(HandlerError::Retryable(format!("{key} is broken")));
             }
@@ -842,4 +851,237 @@ async fn at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drain
     assert_eq!(booked_of(&pool, "acct-ok").await, ["ok-1", "ok-2"]);
     running.stop().await;
     committed_to_the_end(broker, &group, &topic, 1).await;
+}
+
+/// Under the hold policy a message that fails in place for good (a permanent failure, not
+/// parked first) is dead-lettered and its key held behind it: the key's later message parks
+/// behind its held marker instead of running, other keys flow, and once an operator releases
+/// the key the later message runs (the marker is not run again).
+async fn under_the_hold_policy_a_message_failing_in_place_for_good_holds_its_key(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
+    switches
+        .permanent
+        .lock()
+        .unwrap()
+        .insert("bad-1".to_owned(), "bad-1 is malformed".to_owned());
+    produce(
+        broker,
+        &topic,
+        &[
+            keyed("bad-1", "acct-bad"),
+            keyed("bad-2", "acct-bad"),
+            keyed("ok-1", "acct-ok"),
+        ],
+    )
+    .await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        parking_engine(&pool, &redis, 5).await,
+        &switches,
+        AfterGiveUp::Hold,
+    )
+    .await;
+    until_parked(&pool, &group, "acct-bad", 2).await;
+    let dead = read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    assert_eq!(dead.len(), 1);
+    eventually(60, "ok-1 booked", || {
+        let pool = pool.clone();
+        async move { booked_of(&pool, "acct-ok").await == ["ok-1"] }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    assert!(booked_of(&pool, "acct-bad").await.is_empty(), "bad-2 waits");
+    assert_eq!(switches.calls("bad-2"), 0);
+    assert_eq!(
+        PgStore::new(pool.clone())
+            .unpark(&group, Some(b"acct-bad"), &dedup_pg::ParkedFilter::all())
+            .await
+            .unwrap(),
+        2
+    );
+    until_booked(&pool, 2).await;
+    assert_eq!(booked_of(&pool, "acct-bad").await, ["bad-2"]);
+    assert_eq!(switches.calls("bad-1"), 1, "a permanent failure runs once");
+    until_parked_empty(&pool, &group).await;
+    running.stop().await;
+}
+
+/// A handler's permanent error whose text Postgres refuses (a NUL, as a payload echoed through
+/// a lossy conversion carries): the failure is recorded (made safe), so the message runs once
+/// and is dead-lettered, instead of counting as retryable and running up to `max_attempts`.
+async fn a_permanent_failure_whose_text_postgres_refuses_runs_once_and_is_recorded(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
+    switches.permanent.lock().unwrap().insert(
+        "nul-1".to_owned(),
+        "cannot parse \0\u{1} payload".to_owned(),
+    );
+    produce(
+        broker,
+        &topic,
+        &[keyed("nul-1", "acct-1"), keyed("ok-1", "acct-1")],
+    )
+    .await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        parking_engine(&pool, &redis, 5).await,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    let stats = running.stats.clone();
+    eventually(60, "nul-1 dead-lettered", || {
+        let s = stats.snapshot();
+        async move { s.dead_lettered == 1 }
+    })
+    .await;
+    read_dead_letters(broker, &format!("{topic}.dlq"), 1).await;
+    until_booked(&pool, 1).await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    assert_eq!(switches.calls("nul-1"), 1, "a permanent failure runs once");
+    let (state, failure): (String, String) =
+        sqlx::query_as("SELECT state, failure FROM dedup_records WHERE key = 'nul-1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "failed");
+    assert!(
+        failure.contains('\u{FFFD}') && !failure.contains('\0'),
+        "{failure:?}"
+    );
+    running.stop().await;
+}
+
+/// An ordering key far past what a btree entry holds (8,000 bytes that do not compress) parks
+/// and runs in order like any other: it is indexed by its digest.
+async fn an_ordering_key_past_a_btree_entrys_limit_parks_and_runs_in_order(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
+    let mut state = 0x2545_F491_4F6C_DD1D_u64;
+    let account: String = (0..4000)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            format!("{:02x}", (state >> 32) as u8)
+        })
+        .collect();
+    switches.shut.lock().unwrap().insert(account.clone());
+    produce(
+        broker,
+        &topic,
+        &[
+            keyed("long-1", &account),
+            keyed("long-2", &account),
+            keyed("ok-1", "acct-ok"),
+        ],
+    )
+    .await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        parking_engine(&pool, &redis, 1000).await,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    until_parked(&pool, &group, &account, 2).await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    switches.open.store(true, Ordering::SeqCst);
+    until_booked(&pool, 3).await;
+    assert_eq!(booked_of(&pool, &account).await, ["long-1", "long-2"]);
+    until_parked_empty(&pool, &group).await;
+    running.stop().await;
+}
+
+/// The partition's parking epoch moves on while this consumer still owns the partition (a bump
+/// that came late): a park refused by the fence is not left pending until the next rebalance,
+/// nor lets the key's next message run ahead. The consumer takes the epoch again, parks the
+/// message behind its key under it, and the committed offset moves to the end; the key then
+/// runs in order.
+async fn a_park_fenced_while_the_partition_is_still_ours_keeps_order_and_moves_the_offset(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
+    switches.shut.lock().unwrap().insert("acct-bad".to_owned());
+    produce(broker, &topic, &[keyed("bad-1", "acct-bad")]).await;
+    let running = spawn(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        parking_engine(&pool, &redis, 1000).await,
+        &switches,
+        AfterGiveUp::Proceed,
+    )
+    .await;
+    until_parked(&pool, &group, "acct-bad", 1).await;
+    // A late bump from elsewhere: this consumer's epoch is stale from now.
+    PgStore::new(pool.clone())
+        .acquire_parked(
+            &dedup_pg::ParkedPartition::new(group.clone(), topic.clone(), 0),
+            "late-bump#1",
+        )
+        .await
+        .unwrap();
+    produce(
+        broker,
+        &topic,
+        &[
+            keyed("bad-2", "acct-bad"),
+            keyed("ok-1", "acct-ok"),
+            keyed("bad-3", "acct-bad"),
+        ],
+    )
+    .await;
+    until_parked(&pool, &group, "acct-bad", 3).await;
+    committed_to_the_end(broker, &group, &topic, 1).await;
+    assert!(
+        booked_of(&pool, "acct-bad").await.is_empty(),
+        "nothing ran ahead"
+    );
+    switches.open.store(true, Ordering::SeqCst);
+    until_booked(&pool, 4).await;
+    assert_eq!(
+        booked_of(&pool, "acct-bad").await,
+        ["bad-1", "bad-2", "bad-3"]
+    );
+    until_parked_empty(&pool, &group).await;
+    running.stop().await;
 }

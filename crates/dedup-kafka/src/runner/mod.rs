@@ -15,7 +15,6 @@ use dedup_core::{
 };
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
-use rdkafka::producer::Producer;
 use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep};
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -126,6 +125,8 @@ pub struct Runner<S, H> {
     handler: H,
     counters: Arc<Counters>,
     park: Option<Arc<park::ParkCtx>>,
+    /// Where dead letters the dead-letter topic refuses for good are kept.
+    refused: Option<Arc<dyn crate::dead_letter::RefusedTable>>,
 }
 
 /// Which messages must wait for each other: one partition (of one ownership), and with
@@ -271,7 +272,18 @@ where
             handler,
             counters: Arc::new(Counters::default()),
             park: None,
+            refused: None,
         })
+    }
+
+    /// Keeps the dead letters that the dead-letter topic refuses for good (larger than it
+    /// accepts, invalid) in `store`'s `dedup_dead_letters` table (`dedup dead-letters`), instead
+    /// of stalling their partition. With parking, its Postgres store keeps them already.
+    #[cfg(feature = "pg")]
+    #[must_use]
+    pub fn with_dead_letter_table(mut self, store: dedup_pg::PgStore) -> Self {
+        self.refused = Some(Arc::new(store));
+        self
     }
 
     /// A handle to the runner's counters, readable while it runs.
@@ -285,19 +297,22 @@ where
         let shared = Arc::new(Mutex::new(Shared::default()));
         adopt_at_start(&self.dedup).await;
         let contact = Arc::new(Contact::default());
-        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None, &contact)?;
+        let (consumer, dead_letters) = clients(
+            &self.config,
+            &shared,
+            &self.counters,
+            None,
+            &contact,
+            self.refused,
+        )?;
         let (shutdown, refused) = until_refused(shutdown, &contact);
 
         let (stop_tx, stop_rx) = watch::channel(false);
-        let dead_letter_topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(Inner {
             config: self.config,
             dedup: self.dedup,
             handler: self.handler,
-            dead_letters: DeadLetters {
-                producer,
-                topic: dead_letter_topic,
-            },
+            dead_letters,
             counters: self.counters.clone(),
             stopping: stop_rx,
             park: self.park,
@@ -396,7 +411,7 @@ where
         }
         lp.commit(CommitMode::Sync);
         lp.consumer.unsubscribe();
-        if let Err(e) = inner.dead_letters.producer.flush(Duration::from_secs(10)) {
+        if let Err(e) = inner.dead_letters.flush(Duration::from_secs(10)) {
             warn!(error = %e, "dead-letter producer flush");
         }
         info!("runner stopped");
@@ -899,26 +914,25 @@ where
         }
     }
 
-    /// Writes the message to the dead-letter topic and waits for the broker's acknowledgement;
-    /// retries until it is written (the offset must not move past a message that is nowhere).
+    /// Gives the message up to the dead-letter topic (or, refused there for good, to Postgres)
+    /// and waits until it is there: the offset must not move past a message that is nowhere.
     async fn dead_letter(&self, job: &Job, reason: &str, attempts: u32) -> Settled {
-        let mut retry = 0;
-        loop {
-            match self
-                .dead_letters
-                .write_keyed(&job.delivery, reason, attempts, job.key.as_ref().ok())
-                .await
-            {
-                Ok(()) => return Settled::DeadLettered,
-                Err(e) => {
-                    self.counters.dead_letter_errors.add(1);
-                    warn!(error = %e, topic = %self.dead_letters.topic, "dead-letter write failed; retrying");
-                    retry += 1;
-                    if !self.wait_retry(job, retry).await {
-                        return Settled::Abandoned;
-                    }
-                }
-            }
+        let delivered = self
+            .dead_letters
+            .deliver(
+                &job.delivery,
+                reason,
+                attempts,
+                job.key.as_ref().ok(),
+                &self.counters,
+                &self.config.backoff,
+                &self.stopping,
+                &|| self.abandoned(job),
+            )
+            .await;
+        match delivered {
+            Some(_) => Settled::DeadLettered,
+            None => Settled::Abandoned,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 
 use dedup_pg::PgStore;
 use tokio::sync::watch;
-use tokio::time::{Instant, sleep};
+use tokio::time::Instant;
 use tracing::warn;
 
 use super::{Batching, Done, Item};
@@ -91,8 +91,9 @@ impl Common {
         (Vec::new(), again)
     }
 
-    /// Writes a dead letter and waits for its acknowledgement, retrying with backoff; gives up
-    /// (the message is then redelivered) if the partition is revoked or the runner stops.
+    /// Gives a message up to the dead-letter topic (or, refused there for good, to Postgres)
+    /// and waits until it is there; gives up (the message is then redelivered) if the partition
+    /// is revoked or the runner stops.
     pub(crate) async fn dead_letter(
         &self,
         d: &Delivery,
@@ -101,29 +102,23 @@ impl Common {
         key: Option<&dedup_core::IdempotencyKey>,
         revoked: &AtomicBool,
     ) -> Settled {
-        let mut retry = 0;
-        loop {
-            match self
-                .dead_letters
-                .write_keyed(d, reason, attempts, key)
-                .await
-            {
-                Ok(()) => return Settled::DeadLettered,
-                Err(e) => {
-                    self.counters.dead_letter_errors.add(1);
-                    warn!(error = %e, topic = %self.dead_letters.topic, "dead-letter write failed; retrying");
-                    retry += 1;
-                    self.counters.retries.add(1);
-                    let mut stopping = self.stopping.clone();
-                    tokio::select! {
-                        () = sleep(self.config.backoff.delay(retry)) => {}
-                        _ = stopping.wait_for(|s| *s) => {}
-                    }
-                    if revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow() {
-                        return Settled::Abandoned;
-                    }
-                }
-            }
+        let abandoned = || revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow();
+        match self
+            .dead_letters
+            .deliver(
+                d,
+                reason,
+                attempts,
+                key,
+                &self.counters,
+                &self.config.backoff,
+                &self.stopping,
+                &abandoned,
+            )
+            .await
+        {
+            Some(_) => Settled::DeadLettered,
+            None => Settled::Abandoned,
         }
     }
 }

@@ -18,7 +18,6 @@ use super::exec::{Common, Exec, Settled};
 use super::{Batching, Done, Item, run_loop};
 use crate::config::{ConfigError, MissingKey, RunnerConfig};
 use crate::consumer::{Contact, Shared, TopicPartition, clients, refused_or, until_refused};
-use crate::dead_letter::DeadLetters;
 use crate::runner::{Handler, RunnerError, attempts_of, no_withdraw, panic_message, scope_of};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
@@ -42,6 +41,7 @@ pub struct LeaseRunner<S, H> {
     dedup: Arc<Dedup<S>>,
     handler: H,
     counters: Arc<Counters>,
+    refused: Option<Arc<dyn crate::dead_letter::RefusedTable>>,
 }
 
 impl<S, H> LeaseRunner<S, H>
@@ -76,7 +76,17 @@ where
             dedup,
             handler,
             counters: Arc::new(Counters::default()),
+            refused: None,
         })
+    }
+
+    /// Keeps the dead letters that the dead-letter topic refuses for good (larger than it
+    /// accepts, invalid) in `store`'s `dedup_dead_letters` table (`dedup dead-letters`), instead
+    /// of stalling their partition.
+    #[must_use]
+    pub fn with_dead_letter_table(mut self, store: dedup_pg::PgStore) -> Self {
+        self.refused = Some(Arc::new(store));
+        self
     }
 
     /// A handle to the runner's counters, readable while it runs.
@@ -94,15 +104,21 @@ where
         let shared = Arc::new(Mutex::new(Shared::default()));
         crate::runner::adopt_at_start(&self.dedup).await;
         let contact = Arc::new(Contact::default());
-        let (consumer, producer) = clients(&self.config, &shared, &self.counters, None, &contact)?;
+        let (consumer, dead_letters) = clients(
+            &self.config,
+            &shared,
+            &self.counters,
+            None,
+            &contact,
+            self.refused,
+        )?;
         let (shutdown, refused) = until_refused(shutdown, &contact);
         let (stop_tx, stop_rx) = watch::channel(false);
-        let topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(Inner {
             common: Common {
                 config: self.config,
                 batching: self.batching,
-                dead_letters: DeadLetters { producer, topic },
+                dead_letters,
                 counters: self.counters.clone(),
                 stopping: stop_rx,
             },

@@ -34,7 +34,6 @@ use std::time::Duration;
 use dedup_core::{BatchCache, Fingerprint, IdempotencyKey, Lease, Policy, Scope};
 use dedup_pg::{BatchBody, PgStore, TxBatchConfig};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::producer::Producer;
 use sqlx::PgConnection;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -45,7 +44,6 @@ use crate::consumer::{
     Backpressure, Contact, RunnerContext, Shared, StartOffsets, TopicPartition, clients, commit,
     lock, refused_or, sleep_until_opt, until_refused,
 };
-use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::runner::RunnerError;
 use crate::stats::{Counters, RunnerStats, StatsHandle};
@@ -298,24 +296,21 @@ impl<H: BatchHandler> TxRunner<H> {
             None => None,
         };
         let contact = Arc::new(Contact::default());
-        let (consumer, producer) = clients(
+        let (consumer, dead_letters) = clients(
             &self.config,
             &shared,
             &self.counters,
             start_offsets,
             &contact,
+            Some(Arc::new(self.store.clone())),
         )?;
         let (shutdown, refused) = until_refused(shutdown, &contact);
         let (stop_tx, stop_rx) = watch::channel(false);
-        let dead_letter_topic = self.config.dead_letter_topic.clone();
         let inner = Arc::new(batch::Inner {
             common: Common {
                 config: self.config,
                 batching: self.batching,
-                dead_letters: DeadLetters {
-                    producer,
-                    topic: dead_letter_topic,
-                },
+                dead_letters,
                 counters: self.counters.clone(),
                 stopping: stop_rx,
             },
@@ -429,12 +424,7 @@ pub(crate) async fn run_loop<X: Exec>(
         let _ = last.await;
     }
     lp.consumer.unsubscribe();
-    if let Err(e) = inner
-        .common()
-        .dead_letters
-        .producer
-        .flush(Duration::from_secs(10))
-    {
+    if let Err(e) = inner.common().dead_letters.flush(Duration::from_secs(10)) {
         warn!(error = %e, "dead-letter producer flush");
     }
     info!("runner stopped");

@@ -424,6 +424,9 @@ where
                 "the bounds must be at least 1",
             ));
         }
+        if self.refused.is_none() {
+            self.refused = Some(Arc::new(store.clone()));
+        }
         self.park = Some(Arc::new(ParkCtx {
             store: Arc::new(store),
             cfg: parking,
@@ -432,5 +435,48 @@ where
             total: AtomicU64::new(0),
         }));
         Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A parking setting that would fail or panic on every parked run is refused when it is
+    /// set, naming the setting.
+    #[test]
+    fn parking_times_are_checked_and_named() {
+        assert!(Parking::default().validate().is_ok());
+        let bad = [
+            (
+                Parking::default().with_backoff(Backoff::new(Duration::ZERO, Duration::ZERO)),
+                "parking.backoff.initial",
+            ),
+            (
+                Parking::default()
+                    .with_backoff(Backoff::new(Duration::from_secs(1), Duration::MAX)),
+                "parking.backoff.max",
+            ),
+            (
+                Parking::default().with_run_bound(Duration::MAX),
+                "parking.run_bound",
+            ),
+            (
+                Parking::default().with_run_bound(Duration::ZERO),
+                "parking.run_bound",
+            ),
+            (Parking::default().with_poll(Duration::ZERO), "parking.poll"),
+        ];
+        for (parking, setting) in bad {
+            let Err(err) = parking.validate() else {
+                panic!("{setting} was accepted");
+            };
+            assert_eq!(err.setting, setting, "{err}");
+        }
+        // The longest accepted wait draws a delay without overflowing.
+        let p =
+            Parking::default().with_backoff(Backoff::new(Duration::from_secs(1), MAX_PARKING_WAIT));
+        assert!(p.validate().is_ok());
+        assert!(p.delay(u32::MAX, u64::MAX) <= MAX_PARKING_WAIT);
     }
 }

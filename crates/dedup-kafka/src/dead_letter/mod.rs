@@ -7,14 +7,16 @@
 //! `dedup-reason`, the latest, never a stack of them.
 
 use std::borrow::Cow;
-use std::time::Duration;
 
 use dedup_core::IdempotencyKey;
-use rdkafka::error::KafkaError;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::delivery::Delivery;
+
+mod deliver;
+mod limits;
+
+pub(crate) use deliver::{DeadLetters, RefusedTable};
+pub(crate) use limits::check_at_start;
 
 /// Dead-letter header: why the message was dead-lettered (at most [`MAX_REASON_LEN`] bytes).
 pub const DLQ_REASON: &str = "dedup-reason";
@@ -38,48 +40,8 @@ const DEDUP_HEADER_PREFIX: &[u8] = b"dedup-";
 /// The longest `dedup-reason` header, in bytes (a handler's error may quote a whole payload).
 pub(crate) const MAX_REASON_LEN: usize = 1024;
 
-/// Writes dead letters.
-pub(crate) struct DeadLetters {
-    pub(crate) producer: FutureProducer,
-    pub(crate) topic: String,
-}
-
-impl DeadLetters {
-    /// One attempt to write `d` to the dead-letter topic; returns once the broker acknowledged
-    /// it (`acks=all`), so the offset may then move past the message; naming the message's idempotency key (where it had a usable one)
-    /// in the `dedup-scope` and `dedup-key` headers, so that an operator can forget the key
-    /// before re-driving the dead letter (`dedup forget --dead-letters`).
-    pub(crate) async fn write_keyed(
-        &self,
-        d: &Delivery,
-        reason: &str,
-        attempts: u32,
-        key: Option<&IdempotencyKey>,
-    ) -> Result<(), KafkaError> {
-        let fresh = Fresh::new(d, reason, attempts);
-        let list = header_list(d, &fresh, key);
-        let mut headers = OwnedHeaders::new_with_capacity(list.len());
-        for (k, v) in list {
-            headers = headers.insert(Header { key: k, value: v });
-        }
-        let mut record: FutureRecord<'_, [u8], [u8]> =
-            FutureRecord::to(&self.topic).headers(headers);
-        if let Some(k) = &d.key {
-            record = record.key(&k[..]);
-        }
-        if let Some(p) = &d.payload {
-            record = record.payload(&p[..]);
-        }
-        self.producer
-            .send(record, Duration::from_secs(30))
-            .await
-            .map(|_| ())
-            .map_err(|(e, _)| e)
-    }
-}
-
 /// The values of the headers dedup writes, as text.
-struct Fresh<'a> {
+pub(crate) struct Fresh<'a> {
     reason: Cow<'a, str>,
     attempts: String,
     partition: String,
@@ -87,7 +49,7 @@ struct Fresh<'a> {
 }
 
 impl<'a> Fresh<'a> {
-    fn new(d: &Delivery, reason: &'a str, attempts: u32) -> Self {
+    pub(crate) fn new(d: &Delivery, reason: &'a str, attempts: u32) -> Self {
         Self {
             reason: bounded_reason(reason),
             attempts: attempts.to_string(),
@@ -106,7 +68,7 @@ fn is_dedup_header(name: &str) -> bool {
 
 /// A dead letter's headers, in order: the original ones that are not dedup's, then dedup's,
 /// fresh (the key's scope and bytes where `key` is given).
-fn header_list<'a>(
+pub(crate) fn header_list<'a>(
     d: &'a Delivery,
     fresh: &'a Fresh<'_>,
     key: Option<&'a IdempotencyKey>,
