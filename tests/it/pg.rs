@@ -259,7 +259,7 @@ async fn a_commit_on_a_terminated_connection_is_not_taken_for_success(pool: PgPo
 async fn migrations_apply_once_and_rerun_cleanly(pool: PgPool) {
     dedup_pg::migrate(&pool).await.unwrap();
     dedup_pg::migrate(&pool).await.unwrap();
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_migrations WHERE success")
         .fetch_one(&pool)
         .await
         .unwrap();

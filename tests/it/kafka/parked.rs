@@ -36,6 +36,7 @@ on_brokers!(
     a_permanent_failure_whose_text_postgres_refuses_runs_once_and_is_recorded,
     an_ordering_key_past_a_btree_entrys_limit_parks_and_runs_in_order,
     a_park_fenced_while_the_partition_is_still_ours_keeps_order_and_moves_the_offset,
+    under_the_hold_policy_a_give_up_waits_for_parking_room_instead_of_letting_its_key_go_on,
 );
 
 /// What the handler books: one row per message, numbered in the order they ran.
@@ -1083,5 +1084,74 @@ async fn a_park_fenced_while_the_partition_is_still_ours_keeps_order_and_moves_t
         ["bad-1", "bad-2", "bad-3"]
     );
     until_parked_empty(&pool, &group).await;
+    running.stop().await;
+}
+
+/// Under the hold policy with the parked queue full, a message that fails in place for good is
+/// not dead-lettered with nothing to hold its key: it waits for room (its key's next message
+/// waits behind it), and once room comes back it is dead-lettered and holds its key.
+async fn under_the_hold_policy_a_give_up_waits_for_parking_room_instead_of_letting_its_key_go_on(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let Scene {
+        redis,
+        topic,
+        group,
+        switches,
+    } = scene(broker, &pool).await;
+    switches.shut.lock().unwrap().insert("acct-a".to_owned());
+    switches
+        .permanent
+        .lock()
+        .unwrap()
+        .insert("p-1".to_owned(), "p-1 is malformed".to_owned());
+    produce(
+        broker,
+        &topic,
+        &[keyed("a-1", "acct-a"), keyed("a-2", "acct-a")],
+    )
+    .await;
+    let running = spawn_parking(
+        broker,
+        &pool,
+        &group,
+        &topic,
+        parking_engine(&pool, &redis, 1000).await,
+        &switches,
+        parking(AfterGiveUp::Hold).with_bounds(10, 2),
+    );
+    until_parked(&pool, &group, "acct-a", 2).await;
+    produce(
+        broker,
+        &topic,
+        &[keyed("p-1", "acct-p"), keyed("p-2", "acct-p")],
+    )
+    .await;
+    let stats = running.stats.clone();
+    eventually(60, "the give-up waits for room", || {
+        let s = stats.snapshot();
+        async move { s.park_full >= 1 }
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(
+        stats.snapshot().dead_lettered,
+        0,
+        "not dead-lettered while full"
+    );
+    assert_eq!(switches.calls("p-2"), 0, "its key's next message waits");
+    // Room comes back: acct-a runs and goes; p-1 is dead-lettered and holds its key.
+    switches.open.store(true, Ordering::SeqCst);
+    until_parked(&pool, &group, "acct-p", 2).await;
+    eventually(60, "p-1 dead-lettered", || {
+        let s = stats.snapshot();
+        async move { s.dead_lettered == 1 }
+    })
+    .await;
+    assert_eq!(booked_of(&pool, "acct-a").await, ["a-1", "a-2"]);
+    assert!(booked_of(&pool, "acct-p").await.is_empty());
+    assert_eq!(switches.calls("p-1"), 1);
+    assert_eq!(switches.calls("p-2"), 0);
     running.stop().await;
 }
