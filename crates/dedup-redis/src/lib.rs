@@ -264,8 +264,10 @@ where
             .collect()
     }
 
-    /// One pipeline of store scripts (or, on a cluster, concurrent calls). An item the pipeline
-    /// could not write (a script not loaded yet, say) is written on its own.
+    /// One pipeline of store scripts (or, on a cluster, concurrent calls). A pipeline does not
+    /// load a script Redis lacks (after a restart, or on a just-started server): on NOSCRIPT the
+    /// script is loaded and the pipeline sent once more. An item the pipeline still could not
+    /// write is written on its own, concurrently.
     async fn store_many(
         &self,
         items: &[(IdempotencyKey, Cached, Duration)],
@@ -278,19 +280,38 @@ where
             pipe.invoke_script(&store_invocation(&self.redis_key(key), key, copy, *ttl));
         }
         let mut conn = self.conn.clone();
-        let values: Vec<redis::Value> = pipe.query_async(&mut conn).await.unwrap_or_default();
+        let values: Vec<redis::Value> = match pipe.query_async(&mut conn).await {
+            Ok(v) => v,
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                match SCRIPTS.store.load_async(&mut conn).await {
+                    Ok(_) => pipe.query_async(&mut conn).await.unwrap_or_default(),
+                    Err(_) => Vec::new(),
+                }
+            }
+            Err(_) => Vec::new(),
+        };
         let mut values = values.into_iter();
-        let mut out = Vec::with_capacity(items.len());
-        for (key, copy, ttl) in items {
-            let written = values
-                .next()
-                .and_then(|v| redis::from_redis_value::<i64>(v).ok());
-            out.push(match written {
-                Some(w) => Ok(w == 1),
-                None => self.store(key, copy, *ttl).await,
-            });
-        }
-        out
+        let written: Vec<Option<bool>> = items
+            .iter()
+            .map(|_| {
+                values
+                    .next()
+                    .and_then(|v| redis::from_redis_value::<i64>(v).ok())
+                    .map(|w| w == 1)
+            })
+            .collect();
+        join_all(
+            items
+                .iter()
+                .zip(written)
+                .map(|((key, copy, ttl), w)| async move {
+                    match w {
+                        Some(w) => Ok(w),
+                        None => self.store(key, copy, *ttl).await,
+                    }
+                }),
+        )
+        .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool, StoreError> {

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{
-    BatchConfig, Batched, Dedup, HandlerError, InstanceId, LeaseContext, Policy, TieredConfig,
-    TieredStore,
+    BatchConfig, Batched, Dedup, HandlerError, InstanceId, LeaseContext, Policy, TierStats,
+    TieredConfig, TieredStore,
 };
 use dedup_kafka::{
     Acquired, BatchHandler, Batching, Delivery, Runner, RunnerConfig, StatsHandle, TxRunner,
@@ -52,39 +52,57 @@ impl Engine {
                 #[allow(clippy::cast_precision_loss)]
                 let per = tiers.authority_claims as f64 / s.batches.max(1) as f64;
                 vec![
-                    format!(
-                        "  answered by L1       {:>10}   Redis {}   Postgres {}",
-                        tiers.l1_hits, tiers.l2_hits, tiers.authority_claims
-                    ),
+                    claims_line(&tiers),
                     format!(
                         "  batch transactions   {:>10}   ({per:.0} messages per transaction)",
                         s.batches
                     ),
-                    format!(
-                        "  backfills            {:>10}   Redis errors {}   timeouts {}",
-                        tiers.backfills, tiers.l2_errors, tiers.l2_timeouts
-                    ),
+                    copies_line(&tiers),
+                    redis_line(&tiers),
                 ]
             }
             Self::PerMessage(dedup) => {
                 let tiers = dedup.store().inner().stats();
                 let (claim_calls, claims, _, _) = dedup.store().batch_counts();
                 vec![
-                    format!(
-                        "  answered by L1       {:>10}   Redis {}   Postgres {}",
-                        tiers.l1_hits, tiers.l2_hits, tiers.authority_claims
-                    ),
+                    claims_line(&tiers),
                     format!(
                         "  Postgres claim calls {claim_calls:>10}   (batches carrying {claims} claims)"
                     ),
-                    format!(
-                        "  backfills            {:>10}   Redis errors {}   timeouts {}",
-                        tiers.backfills, tiers.l2_errors, tiers.l2_timeouts
-                    ),
+                    copies_line(&tiers),
+                    redis_line(&tiers),
                 ]
             }
         }
     }
+}
+
+/// Every claim (one per delivery, and one more per retry) and the tier that answered it.
+fn claims_line(t: &TierStats) -> String {
+    let all = t.l1_hits + t.l2_hits + t.authority_claims;
+    format!(
+        "  claims               {all:>10}   answered by L1 {}, Redis {}, Postgres {} (every delivery's, retries included)",
+        t.l1_hits, t.l2_hits, t.authority_claims
+    )
+}
+
+/// The copies written to Redis after Postgres answered: a new result, or an earlier outcome that
+/// Postgres answered a duplicate with. They add up to every copy tried.
+fn copies_line(t: &TierStats) -> String {
+    let tried = t.backfills + t.backfills_refused + t.backfills_failed;
+    format!(
+        "  Redis copies         {tried:>10}   written {}, refused {} (a newer one held), not written {} (after each outcome Postgres gave: new results and earlier ones)",
+        t.backfills, t.backfills_refused, t.backfills_failed
+    )
+}
+
+/// Calls to Redis that failed or timed out (each falls through to Postgres: speed, never an
+/// answer).
+fn redis_line(t: &TierStats) -> String {
+    format!(
+        "  Redis calls failed   {:>10}   timed out {} (each fell through to Postgres)",
+        t.l2_errors, t.l2_timeouts
+    )
 }
 
 /// What the consumer runs on: Postgres, Redis, and the instance identity, if one was given.

@@ -89,6 +89,10 @@ pub struct TierStats {
     pub backfills: u64,
     /// Copies the fast path refused (it held a newer token).
     pub backfills_refused: u64,
+    /// Copies not known to be written: dropped because the background writer's queue was full,
+    /// in a write that timed out, or answered with an error. `backfills + backfills_refused +
+    /// backfills_failed` is every copy tried.
+    pub backfills_failed: u64,
     /// Claims that reached the authority.
     pub authority_claims: u64,
     /// All calls that reached the authority (claims, completions, failures, heartbeats, reads).
@@ -105,6 +109,7 @@ pub(super) struct Counters {
     pub(super) l2_timeouts: AtomicU64,
     pub(super) backfills: AtomicU64,
     pub(super) backfills_refused: AtomicU64,
+    pub(super) backfills_failed: AtomicU64,
     pub(super) authority_claims: AtomicU64,
     pub(super) authority_calls: AtomicU64,
 }

@@ -139,7 +139,7 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
     /// batch's latency. The copies are still sent only after the authority has the outcome, and
     /// single-key calls still backfill before they return. Needs a Tokio runtime (without one,
     /// the store stays as it was) and stops when the store is dropped. At most 64 batches wait;
-    /// past that, backfills are dropped and counted as fast-path errors.
+    /// past that, backfills are dropped and counted in `TierStats::backfills_failed`.
     pub fn with_background_backfill(mut self) -> Self
     where
         F: Clone + 'static,
@@ -202,6 +202,7 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             l2_timeouts: n(&c.l2_timeouts),
             backfills: n(&c.backfills),
             backfills_refused: n(&c.backfills_refused),
+            backfills_failed: n(&c.backfills_failed),
             authority_claims: n(&c.authority_claims),
             authority_calls: n(&c.authority_calls),
         }
@@ -241,7 +242,7 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         {
             Some(true) => bump(&self.counters.backfills),
             Some(false) => bump(&self.counters.backfills_refused),
-            None => {}
+            None => bump(&self.counters.backfills_failed),
         }
     }
 
@@ -258,12 +259,15 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         }
         if let Some(tx) = &self.deferred {
             if let Err(e) = tx.try_send(items) {
-                bump(&self.counters.l2_errors);
+                // Not a Redis error: the writer is behind. Counted per copy, as dropped.
                 let n = match e {
                     mpsc::error::TrySendError::Full(v) | mpsc::error::TrySendError::Closed(v) => {
                         v.len()
                     }
                 };
+                self.counters
+                    .backfills_failed
+                    .fetch_add(n as u64, Ordering::Relaxed);
                 warn!(
                     n,
                     "background backfill queue full; dropping these backfills"
@@ -621,6 +625,7 @@ async fn write_fills<F: FastPath>(fast: &F, counters: &Counters, limit: Duration
                     Ok(false) => bump(&counters.backfills_refused),
                     Err(e) => {
                         bump(&counters.l2_errors);
+                        bump(&counters.backfills_failed);
                         warn!(key = %key, error = %e, "fast path backfill failed");
                     }
                 }
@@ -628,6 +633,9 @@ async fn write_fills<F: FastPath>(fast: &F, counters: &Counters, limit: Duration
         }
         Err(_) => {
             bump(&counters.l2_timeouts);
+            counters
+                .backfills_failed
+                .fetch_add(items.len() as u64, Ordering::Relaxed);
             warn!(n = items.len(), "fast path batch backfill timed out");
         }
     }
