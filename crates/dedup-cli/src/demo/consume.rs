@@ -86,12 +86,13 @@ fn claims_line(t: &TierStats) -> String {
     )
 }
 
-/// The copies written to Redis after Postgres answered: a new result, or an earlier outcome that
-/// Postgres answered a duplicate with. They add up to every copy tried.
+/// The copies written to Redis after Postgres answered: a new result, or an earlier completed
+/// outcome that Postgres answered a duplicate with (Postgres's claims less the failures). They
+/// add up to every copy tried.
 fn copies_line(t: &TierStats) -> String {
     let tried = t.backfills + t.backfills_refused + t.backfills_failed;
     format!(
-        "  Redis copies         {tried:>10}   written {}, refused {} (a newer one held), not written {} (after each outcome Postgres gave: new results and earlier ones)",
+        "  Redis copies         {tried:>10}   written {}, refused {} (a newer one held), not written {} (one per result Postgres gave: new, or answering a duplicate)",
         t.backfills, t.backfills_refused, t.backfills_failed
     )
 }
