@@ -694,3 +694,55 @@ async fn a_held_marker_holds_its_key_until_an_operator_releases_it(pool: PgPool)
     assert_eq!(got[0].message.offset, 1);
     assert!(got[0].gave_up, "the marker is removed without running");
 }
+
+/// A park of a message naming a record commits while the settle of the record's last other
+/// naming row waits for the record's row lock: the settle's check for other rows reads its own
+/// snapshot (without the new row), and must still leave the record pinned.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned(pool: PgPool) {
+    use dedup_core::Store;
+
+    let store = PgStore::new(pool.clone());
+    let x = crate::support::key("evt-x");
+    let lease =
+        crate::support::acquired(store.claim(&crate::support::req(&x, "w#1")).await.unwrap());
+    store.complete(&lease, b"x done").await.unwrap();
+    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let m = msg(1, "acct-1", "down").with_dedup_key("test", b"evt-x".to_vec());
+    store.park(&part(), e, &m, Duration::ZERO).await.unwrap();
+    // A second park of a copy of X, as PARK_SQL writes it (the pin, then the row), held open.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE dedup_records SET expires_at = 'infinity' WHERE scope = 'test' AND key = 'evt-x'",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query(concat!(
+        "INSERT INTO dedup_parked (consumer_group, topic, partition, \"offset\", has_key,",
+        " ordering_key, message_key, payload, header_names, header_values, timestamp_ms, error,",
+        " attempts, parked_at, due_at, dedup_scope, dedup_key)",
+        " SELECT consumer_group, topic, partition, 9, has_key, ordering_key, message_key, payload,",
+        " header_names, header_values, timestamp_ms, error, attempts, parked_at, due_at,",
+        " dedup_scope, dedup_key FROM dedup_parked WHERE \"offset\" = 1",
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let settling = {
+        let store = store.clone();
+        tokio::spawn(async move { store.settle_head(&part(), e, 1, false).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !settling.is_finished(),
+        "the settle waits for the record's row lock"
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(settling.await.unwrap().unwrap(), HeadSettled::Removed);
+    assert_eq!(
+        expires_of(&pool, "evt-x").await,
+        "infinity",
+        "offset 9 names the record: it stays pinned"
+    );
+}

@@ -211,7 +211,11 @@ impl DeadLetters {
             .map(|_| ())
             .map_err(|(e, _)| {
                 // A fatal error of the producer comes back as the error of the send that met
-                // it, or as a later one's: ask the producer itself.
+                // it, or as a later one's: ask the producer itself, unless the answer already
+                // says what to do (a refusal for good, or one only an operator can cure).
+                if refusal_of(&e) != Refusal::Passing {
+                    return e;
+                }
                 match producer.client().fatal_error() {
                     Some((code, _)) if code != RDKafkaErrorCode::NoError => {
                         KafkaError::MessageProduction(RDKafkaErrorCode::Fatal)

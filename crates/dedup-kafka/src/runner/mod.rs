@@ -188,6 +188,9 @@ struct Done {
     lane: Lane,
     offset: i64,
     settled: Settled,
+    /// The parking epoch the message started under: a count it changes applies only while the
+    /// partition is still under that epoch (a new barrier has counted afresh).
+    park_epoch: Option<i64>,
 }
 
 /// What a message's task tells the loop.
@@ -202,11 +205,12 @@ enum Event {
     Unblocked(Lane),
     /// Parking's barriers, heads and gauges.
     Park(park::ParkEvent),
-    /// The lane's running message is about to park itself: its key counts as parked from now.
-    Parking(Lane),
+    /// The lane's running message is about to park itself (under the epoch given): its key
+    /// counts as parked from now.
+    Parking(Lane, Option<i64>),
     /// A park announced by `Parking` did not happen (refused for good): the key counts one
     /// message fewer.
-    ParkUndone(Lane),
+    ParkUndone(Lane, Option<i64>),
     /// A message whose park was fenced while its partition is still ours: the loop takes it
     /// back, with its lane, until the partition's epoch is taken again.
     Refenced(Job),
@@ -226,6 +230,7 @@ struct Report {
     lane: Lane,
     offset: i64,
     settled: Settled,
+    park_epoch: Option<i64>,
 }
 
 impl Drop for Report {
@@ -235,6 +240,7 @@ impl Drop for Report {
                 lane: self.lane.clone(),
                 offset: self.offset,
                 settled: self.settled,
+                park_epoch: self.park_epoch,
             }));
         }
     }
@@ -512,8 +518,8 @@ where
                 }
             }
             Event::Park(event) => self.on_park_event(event),
-            Event::Parking(lane) => self.on_parking(&lane),
-            Event::ParkUndone(lane) => self.uncount_parked(&lane),
+            Event::Parking(lane, epoch) => self.on_parking(&lane, epoch),
+            Event::ParkUndone(lane, epoch) => self.uncount_parked(&lane, epoch),
             Event::Refenced(job) => self.refence(job),
             Event::Unblocked(lane) => {
                 if let Some(state) = self.lanes.get_mut(&lane)
@@ -609,6 +615,7 @@ where
                 lane: job.lane.clone(),
                 offset: job.delivery.offset,
                 settled: Settled::Abandoned,
+                park_epoch: job.park_epoch,
             };
             // Handler panics are caught where the handler is called (and count as retryable
             // failures); this catches a panic anywhere else in the job, so that the message is
@@ -819,14 +826,28 @@ where
                 let _ = events.send(Event::Blocked(job.lane.clone()));
             }
             let err = match out {
-                Ok(processed) => match self.handler.check_result(&job.delivery, &processed) {
-                    Ok(()) if processed.executed() => return Settled::Executed,
-                    Ok(()) => return Settled::Replayed,
-                    Err(source) => ProcessError::Undecodable {
-                        key: key.clone(),
-                        source,
-                    },
-                },
+                Ok(processed) => {
+                    // A panicking check is the user's code failing on this result: given up
+                    // with the reason, as the parked-head path does (never a loop of panics).
+                    let check = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        self.handler.check_result(&job.delivery, &processed)
+                    }));
+                    match check {
+                        Ok(Ok(())) if processed.executed() => return Settled::Executed,
+                        Ok(Ok(())) => return Settled::Replayed,
+                        Ok(Err(source)) => ProcessError::Undecodable {
+                            key: key.clone(),
+                            source,
+                        },
+                        Err(panic) => {
+                            self.counters.panics.add(1);
+                            let reason =
+                                format!("checking the result panicked: {}", panic_message(&*panic));
+                            warn!(key = %key, reason, "dead-lettering");
+                            return self.give_up(job, &reason, retry + 1, events).await;
+                        }
+                    }
+                }
                 Err(e) => e,
             };
             if matches!(err, ProcessError::Panicked { .. }) {
@@ -840,13 +861,14 @@ where
                 }
                 if !unparkable && self.should_park(&err, failed_runs) {
                     let attempts = attempts_of(&err, retry);
-                    let _ = events.send(Event::Parking(job.lane.clone()));
+                    let _ = events.send(Event::Parking(job.lane.clone(), job.park_epoch));
                     match self.park(job, &err.to_string(), attempts, false).await {
                         Settled::ParkImpossible => {
                             // The key's head: it keeps its place and retries in place, as
                             // without parking, until its attempts are spent.
                             unparkable = true;
-                            let _ = events.send(Event::ParkUndone(job.lane.clone()));
+                            let _ =
+                                events.send(Event::ParkUndone(job.lane.clone(), job.park_epoch));
                         }
                         settled => return settled,
                     }

@@ -79,10 +79,16 @@ macro_rules! unpin {
         concat!(
             "unpin AS (UPDATE dedup_records r",
             " SET expires_at = statement_timestamp() + coalesce(r.pinned_ttl, interval '0'),",
-            " pinned_ttl = NULL FROM ",
+            " updated_at = statement_timestamp(), pinned_ttl = NULL FROM ",
             $gone,
             " g WHERE r.scope = g.dedup_scope AND r.key = g.dedup_key",
-            " AND r.expires_at = 'infinity' AND NOT EXISTS (SELECT 1 FROM dedup_parked q",
+            " AND r.expires_at = 'infinity'",
+            // The record as this statement's snapshot saw it: a park that pinned it again and
+            // committed meanwhile (its row invisible to the check below) changed its version,
+            // and the record stays pinned.
+            " AND r.xmin = (SELECT s.xmin FROM dedup_records s",
+            " WHERE s.scope = g.dedup_scope AND s.key = g.dedup_key)",
+            " AND NOT EXISTS (SELECT 1 FROM dedup_parked q",
             " WHERE q.dedup_scope = g.dedup_scope AND q.dedup_key = g.dedup_key",
             " AND NOT (q.consumer_group = g.consumer_group AND q.topic = g.topic",
             " AND q.partition = g.partition AND q.\"offset\" = g.\"offset\"))",

@@ -145,7 +145,9 @@ where
             return;
         };
         let entry = self.parks.parts.entry(tp.clone()).or_default();
-        if entry.generation == generation && (entry.syncing || entry.epoch.is_some()) {
+        if entry.generation == generation
+            && (entry.syncing || (entry.epoch.is_some() && !entry.stale))
+        {
             return;
         }
         if entry.generation != generation {
@@ -160,6 +162,7 @@ where
             };
         }
         entry.syncing = true;
+        entry.stale = false;
         // The bump happens only while this ownership stands: one that waited past its revocation
         // must not fence the next owner out.
         let revoked = lock(&self.shared)
@@ -208,7 +211,12 @@ where
                         debug!(topic = %tp.0, partition = tp.1, epoch, parked_keys = keys.len(), "parked keys loaded");
                         p.epoch = Some(epoch);
                         p.keys = keys;
-                        self.let_waiting_in();
+                        if p.stale {
+                            // Fenced again while this barrier ran: its answer may be behind.
+                            self.sync(&tp, generation);
+                        } else {
+                            self.let_waiting_in();
+                        }
                     }
                     Err(e) => {
                         // Tried again on the next tick.
@@ -234,15 +242,19 @@ where
             ParkEvent::HeadDone {
                 tp,
                 generation,
+                epoch,
                 key,
                 run,
             } => {
                 self.parks
                     .driving
                     .remove(&(tp.0.clone(), tp.1, generation, key.clone()));
+                // Under a newer epoch the barrier counted the rows afresh: a removal made
+                // before it is in its count already.
                 if run.removed
                     && let Some(p) = self.parks.parts.get_mut(&tp)
                     && p.generation == generation
+                    && p.epoch == Some(epoch)
                     && let Some(n) = p.keys.get_mut(&key)
                 {
                     *n = n.saturating_sub(1);
@@ -274,7 +286,7 @@ where
             .parks
             .parts
             .iter()
-            .filter(|(_, p)| p.epoch.is_some() && !p.waiting.is_empty())
+            .filter(|(_, p)| p.epoch.is_some() && !p.syncing && !p.stale && !p.waiting.is_empty())
             .map(|(tp, _)| tp.clone())
             .collect();
         for tp in ready {
@@ -401,6 +413,7 @@ where
                 lane: job.lane.clone(),
                 offset: job.delivery.offset,
                 settled: Settled::ParkRefused,
+                park_epoch: job.park_epoch,
             };
             report.settled = match inner
                 .park(&job, "parked behind an earlier message of its key", 0, true)
@@ -432,10 +445,12 @@ where
     /// A lane's running message is about to park itself (its in-place runs spent): its key
     /// counts as parked from now, before its row is written, so that neither its lane's next
     /// message nor a head's removal can find the key free while it is being parked.
-    pub(in crate::runner) fn on_parking(&mut self, lane: &Lane) {
+    pub(in crate::runner) fn on_parking(&mut self, lane: &Lane, epoch: Option<i64>) {
         let tp = (lane.topic.clone(), lane.partition);
+        // Under an older epoch the park is fenced (and the message handed back): not counted.
         if let Some(p) = self.parks.parts.get_mut(&tp)
             && p.generation == lane.generation
+            && p.epoch == epoch
         {
             *p.keys.entry(lane.key.clone()).or_default() += 1;
         }
@@ -451,15 +466,17 @@ where
                 | Settled::DeadLetteredHeldAgain
                 | Settled::BehindDeadLettered
         ) {
-            self.uncount_parked(&done.lane);
+            self.uncount_parked(&done.lane, done.park_epoch);
         }
     }
 
-    /// `lane`'s key counts one parked message fewer.
-    pub(in crate::runner) fn uncount_parked(&mut self, lane: &Lane) {
+    /// `lane`'s key counts one parked message fewer, if it was counted under `epoch` (a newer
+    /// barrier counted the rows afresh).
+    pub(in crate::runner) fn uncount_parked(&mut self, lane: &Lane, epoch: Option<i64>) {
         let tp = (lane.topic.clone(), lane.partition);
         if let Some(p) = self.parks.parts.get_mut(&tp)
             && p.generation == lane.generation
+            && p.epoch == epoch
             && let Some(n) = p.keys.get_mut(&lane.key)
         {
             *n = n.saturating_sub(1);
@@ -479,9 +496,10 @@ where
         let mut jobs = vec![job];
         if let Some(state) = self.lanes.remove(&lane) {
             if state.blocked {
-                // Not while parking (a blocked head never parks), but kept true if it were.
-                self.blocked -= state.queue.len();
-                self.held += state.queue.len();
+                // Not while parking (a park follows a granted claim, which unblocks the lane),
+                // but kept true if it were: the head and its queue counted as blocked.
+                self.blocked -= 1 + state.queue.len();
+                self.held += 1 + state.queue.len();
             }
             jobs.extend(state.queue);
         }
@@ -494,8 +512,10 @@ where
         let tp = (lane.topic.clone(), lane.partition);
         match self.parks.parts.get_mut(&tp) {
             Some(p) if p.generation == lane.generation => {
-                p.epoch = None;
-                p.syncing = false;
+                // The epoch is kept until the new one answers: messages already in lanes go on
+                // (a park of theirs under the old epoch is fenced and handed back in turn); new
+                // ones wait behind `jobs`, and nothing waiting is let in before the new barrier.
+                p.stale = true;
                 let rest = std::mem::take(&mut p.waiting);
                 p.waiting = jobs;
                 p.waiting.extend(rest);
@@ -564,6 +584,7 @@ where
             let _ = tx.send(Event::Park(ParkEvent::HeadDone {
                 tp,
                 generation,
+                epoch,
                 key,
                 run,
             }));

@@ -198,12 +198,15 @@ pub(crate) struct PartRef {
 }
 
 /// What a park did.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug)]
 #[cfg_attr(not(feature = "pg"), allow(dead_code))]
 pub(crate) enum Parked {
     Written,
     Already,
     Fenced,
+    /// Postgres refuses the message's data for good (SQLSTATE class 22, or 54000): no retry
+    /// can write it.
+    Refused(String),
 }
 
 /// What settling a head did.
@@ -342,6 +345,9 @@ pub(crate) struct PartParks {
     /// Messages received before the barrier answered, or waiting for room under the bounds.
     waiting: Vec<Job>,
     syncing: bool,
+    /// The epoch moved on while the partition is ours: the barrier must run again (under a new
+    /// epoch) before the messages waiting are let in.
+    stale: bool,
     /// Paused because a message waits for room.
     paused: bool,
 }
@@ -377,6 +383,8 @@ pub(crate) enum ParkEvent {
     HeadDone {
         tp: (String, i32),
         generation: u64,
+        /// The epoch the run was started under.
+        epoch: i64,
         key: Option<Vec<u8>>,
         run: HeadRun,
     },

@@ -62,16 +62,24 @@ impl ParkStore for PgStore {
                 message = message.with_message(None, None, Vec::new(), d.timestamp_ms);
                 message = message.as_held_marker();
             }
-            Ok(
-                match self
-                    .park(&part(p), ParkEpoch(epoch), &message, due_in)
-                    .await?
+            match self
+                .park(&part(p), ParkEpoch(epoch), &message, due_in)
+                .await
+            {
+                Ok(ParkOutcome::Parked) => Ok(Parked::Written),
+                Ok(ParkOutcome::AlreadyParked) => Ok(Parked::Already),
+                Ok(_) => Ok(Parked::Fenced),
+                // A data exception (a NUL in a header name, say) or a program limit: the same
+                // row is refused every time. Any other error (a missing column, a permission)
+                // is retried as a store that is not ready.
+                Err(e)
+                    if dedup_pg::sqlstate(&e)
+                        .is_some_and(|c| c.starts_with("22") || c == "54000") =>
                 {
-                    ParkOutcome::Parked => Parked::Written,
-                    ParkOutcome::AlreadyParked => Parked::Already,
-                    _ => Parked::Fenced,
-                },
-            )
+                    Ok(Parked::Refused(e.to_string()))
+                }
+                Err(e) => Err(e),
+            }
         })
     }
 

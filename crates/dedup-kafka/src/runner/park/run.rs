@@ -159,14 +159,14 @@ where
                         Settled::ParkFenced
                     };
                 }
-                Err(e) if !e.is_retryable() && !e.is_outcome_unknown() => {
-                    // Postgres refuses this message for good (data it cannot store): parking it
-                    // can never succeed.
+                Ok(Parked::Refused(e)) => {
+                    // Postgres refuses this message's data for good (a data exception, a
+                    // program limit): parking it can never succeed.
                     self.counters.park_errors.add(1);
                     if behind && ctx.cfg.after_give_up == AfterGiveUp::Hold {
                         // It must not run ahead of its key's head, nor be given up: the key
                         // stalls, loudly, until an operator acts (or the data is fixed).
-                        error!(topic = %job.delivery.topic, partition = job.delivery.partition, offset = job.delivery.offset, error = %e, "a message behind a held key cannot be parked; its key stalls: run `dedup drop` on the key, or fix what Postgres refuses");
+                        error!(topic = %job.delivery.topic, partition = job.delivery.partition, offset = job.delivery.offset, error = %e, "a message behind a held key cannot be parked (Postgres refuses its data) and must not run ahead: its partition's commit waits (RunnerStats::park_errors)");
                         retry += 1;
                         if !self.wait_retry(job, retry).await {
                             return Settled::ParkRefused;
@@ -225,10 +225,10 @@ where
                 return Settled::Abandoned;
             }
         }
-        let _ = events.send(Event::Parking(job.lane.clone()));
+        let _ = events.send(Event::Parking(job.lane.clone(), job.park_epoch));
         let settled = self.dead_letter(job, reason, attempts).await;
         if settled != Settled::DeadLettered {
-            let _ = events.send(Event::ParkUndone(job.lane.clone()));
+            let _ = events.send(Event::ParkUndone(job.lane.clone(), job.park_epoch));
             return settled;
         }
         let mut retry = 0;
@@ -433,7 +433,9 @@ where
         settle(hold).await
     }
 
-    /// Dead-letters a parked head; false if the write failed (it runs again when seen).
+    /// Dead-letters a parked head through the runner's one dead-letter path (a refusal for good
+    /// kept in Postgres, a dead producer made anew); false if the runner stops first (it runs
+    /// again when seen).
     async fn head_dead_letter(
         &self,
         d: &Delivery,
@@ -441,21 +443,25 @@ where
         attempts: u32,
         key: Option<&dedup_core::IdempotencyKey>,
     ) -> bool {
-        match self
+        let stopping = || *self.stopping.borrow();
+        let delivered = self
             .dead_letters
-            .write_keyed(d, reason, attempts, key)
-            .await
-        {
-            Ok(()) => {
-                self.counters.dead_lettered.add(1);
-                self.counters.parked_dead_lettered.add(1);
-                true
-            }
-            Err(e) => {
-                self.counters.dead_letter_errors.add(1);
-                warn!(error = %e, "dead-lettering a parked head failed; it runs again");
-                false
-            }
+            .deliver(
+                d,
+                reason,
+                attempts,
+                key,
+                &self.counters,
+                &self.config.backoff,
+                &self.stopping,
+                &stopping,
+            )
+            .await;
+        if delivered.is_none() {
+            return false;
         }
+        self.counters.dead_lettered.add(1);
+        self.counters.parked_dead_lettered.add(1);
+        true
     }
 }
