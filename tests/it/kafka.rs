@@ -449,10 +449,16 @@ fn produced_ends(topic: &str, partitions: i32) -> Vec<i64> {
 static PRODUCED: std::sync::Mutex<BTreeMap<(String, i32), i64>> =
     std::sync::Mutex::new(BTreeMap::new());
 
-/// A dead-lettered message: its payload and its headers.
-type Dead = (Option<String>, HashMap<String, String>);
+/// A message read back whole: its Kafka key, payload, and headers in order.
+#[derive(Debug)]
+struct Letter {
+    key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    headers: Vec<(String, Option<Vec<u8>>)>,
+}
 
-async fn read_dead_letters(broker: &Broker, topic: &str, n: usize) -> Vec<Dead> {
+/// Reads `n` messages of `topic` from its start, whole.
+async fn read_letters(broker: &Broker, topic: &str, n: usize) -> Vec<Letter> {
     let mut c = broker.client_config();
     c.set("group.id", unique("dlq-reader"))
         .set("auto.offset.reset", "earliest");
@@ -469,19 +475,36 @@ async fn read_dead_letters(broker: &Broker, topic: &str, n: usize) -> Vec<Dead> 
             .headers()
             .map(|hs| {
                 hs.iter()
-                    .map(|h| {
-                        (
-                            h.key.to_owned(),
-                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
-                        )
-                    })
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
                     .collect()
             })
             .unwrap_or_default();
-        let payload = m.payload().map(|p| String::from_utf8_lossy(p).into_owned());
-        out.push((payload, headers));
+        out.push(Letter {
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec),
+            headers,
+        });
     }
     out
+}
+
+/// A dead-lettered message: its payload and its headers, as text.
+type Dead = (Option<String>, HashMap<String, String>);
+
+async fn read_dead_letters(broker: &Broker, topic: &str, n: usize) -> Vec<Dead> {
+    read_letters(broker, topic, n)
+        .await
+        .into_iter()
+        .map(|l| {
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            let headers = l
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), text(v.as_deref().unwrap_or_default())))
+                .collect();
+            (l.payload.as_deref().map(text), headers)
+        })
+        .collect()
 }
 
 macro_rules! on_brokers {

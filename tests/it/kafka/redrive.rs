@@ -15,15 +15,13 @@ use bytes::Bytes;
 use dedup_core::{Completion, HandlerError, IdempotencyKey, LeaseContext, Scope};
 use dedup_kafka::{DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Delivery};
 use dedup_pg::PgStore;
-use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
-use tokio::time::Instant;
 
 use super::{
-    Broker, Event, HandlerFuture, Running, committed_to_the_end, engine, event, eventually,
-    produce, unique,
+    Broker, Event, HandlerFuture, Letter, Running, committed_to_the_end, engine, event, eventually,
+    produce, read_letters, unique,
 };
 use crate::support::RedisServer;
 
@@ -77,14 +75,6 @@ fn handler(
     }
 }
 
-/// A dead letter as read back: Kafka key, payload, headers in order.
-#[derive(Debug)]
-struct Letter {
-    key: Option<Vec<u8>>,
-    payload: Option<Vec<u8>>,
-    headers: Vec<(String, Option<Vec<u8>>)>,
-}
-
 impl Letter {
     /// Every value of the header `name`.
     fn all(&self, name: &str) -> Vec<&[u8]> {
@@ -122,37 +112,6 @@ impl Letter {
         )
         .unwrap()
     }
-}
-
-/// Reads `n` messages of `topic` from its start, with every header in order.
-async fn read_letters(broker: &Broker, topic: &str, n: usize) -> Vec<Letter> {
-    let mut c = broker.client_config();
-    c.set("group.id", unique("dlq-reader"))
-        .set("auto.offset.reset", "earliest");
-    let consumer: StreamConsumer = c.create().unwrap();
-    consumer.subscribe(&[topic]).unwrap();
-    let mut out = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while out.len() < n {
-        let m = tokio::time::timeout_at(deadline, consumer.recv())
-            .await
-            .unwrap_or_else(|_| panic!("only {} of {n} dead letters arrived", out.len()))
-            .unwrap();
-        let headers = m
-            .headers()
-            .map(|hs| {
-                hs.iter()
-                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                    .collect()
-            })
-            .unwrap_or_default();
-        out.push(Letter {
-            key: m.key().map(<[u8]>::to_vec),
-            payload: m.payload().map(<[u8]>::to_vec),
-            headers,
-        });
-    }
-    out
 }
 
 async fn dead_letters_re_driven_after_a_fix_run_each_effect_once(broker: &Broker, pool: PgPool) {
