@@ -672,3 +672,66 @@ async fn eventually(s: &Tiered, keys: &[dedup_core::IdempotencyKey], want: State
     }
     panic!("Redis never held {want:?} copies of every key");
 }
+
+/// A pipeline of backfills on a Redis that lacks the store script (just restarted, or its
+/// scripts flushed) loads the script once and sends the pipeline again: it does not fall back to
+/// one call per copy, each loading the script for itself.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_pipeline_of_backfills_loads_a_missing_script_once(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await;
+    let mut conn = redis.client().await;
+    let keys: Vec<_> = (0..20).map(|i| key(format!("p{i}"))).collect();
+    let mut items = Vec::new();
+    for k in &keys {
+        let lease = acquired(s.claim(&req(k, "a")).await.unwrap());
+        s.complete(&lease, b"done").await.unwrap();
+        items.push((
+            k.clone(),
+            Cached::completed(&lease, Bytes::from_static(b"done")),
+            ms(60_000),
+        ));
+    }
+    let _: () = conn
+        .del(
+            &keys
+                .iter()
+                .map(|k| s.fast_path().redis_key(k))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    let _: () = dedup_redis::redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = dedup_redis::redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let written = s.fast_path().store_many(&items).await;
+    assert!(written.iter().all(|w| matches!(w, Ok(true))), "{written:?}");
+    let info: String = dedup_redis::redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let calls = |name: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    assert_eq!(calls("script|load"), 1, "{info}");
+    assert!(
+        calls("evalsha") <= 40,
+        "at most one refused pipeline, then one that wrote: {info}"
+    );
+    for k in &keys {
+        let copy = s.fast_path().lookup(k).await.unwrap().unwrap();
+        assert_eq!(copy.state, State::Completed);
+    }
+}

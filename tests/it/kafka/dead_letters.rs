@@ -9,8 +9,9 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 use super::{
-    Broker, Event, Running, assert_one_row_per_key, committed, committed_to_the_end, engine, event,
-    eventually, ledger_handler, produce, unique,
+    Broker, DLQ_OFFSET, DLQ_REASON, Event, Running, assert_one_row_per_key, committed,
+    committed_to_the_end, engine, event, eventually, ledger_handler, produce, read_dead_letters,
+    unique,
 };
 use crate::support::{RedisServer, effects_table};
 
@@ -106,4 +107,67 @@ async fn a_dead_letter_refused_for_good_stalls_without_a_table_and_is_kept_with_
             .unwrap()
     );
     assert!(store.refused_dead_letters(&group).await.unwrap().is_empty());
+}
+
+/// A fatal error of the idempotent dead-letter producer (here the broker answers the first
+/// dead letter's produce request with OUT_OF_ORDER_SEQUENCE_NUMBER, which librdkafka holds for
+/// a lost sequence and makes fatal) leaves that producer failing every later send: the runner
+/// makes the producer anew and the dead letter, and the ones after it, are written once each.
+/// Only the mock cluster injects request errors.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_fatal_error_of_the_dead_letter_producer_makes_it_anew(pool: PgPool) {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let broker = Broker::mock();
+    let Broker::Mock(mock) = &broker else {
+        unreachable!()
+    };
+    let topic = unique("fatal");
+    broker.create_topic(&topic, 1).await;
+    broker.create_topic(&format!("{topic}.dlq"), 1).await;
+    let mut events: Vec<Event> = (0..12).map(|i| event(i, 1)).collect();
+    for i in [3, 7] {
+        events[i].payload = format!("not json {i}");
+    }
+    produce(&broker, &topic, &events).await;
+    // From here on the only producer is the runner's dead-letter producer.
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER],
+    );
+    let group = unique("g");
+    let config = broker
+        .config(&group, &topic)
+        .with_dead_letter_topic(format!("{topic}.dlq"));
+    let run = Running::spawn(config, engine(&pool, &redis).await, "a");
+    let stats = run.stats.clone();
+    eventually(60, "12 settled", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.dead_lettered == 12 }
+    })
+    .await;
+    let s = run.stop().await;
+    assert_eq!((s.executed, s.dead_lettered), (10, 2));
+    assert!(
+        s.dead_letter_errors >= 1,
+        "the first dead letter met the fatal error: {s:?}"
+    );
+    let mut dead = read_dead_letters(&broker, &format!("{topic}.dlq"), 2).await;
+    dead.sort_by_key(|(_, h)| h[DLQ_OFFSET].parse::<i64>().unwrap());
+    assert_eq!(
+        dead.iter()
+            .map(|(_, h)| h[DLQ_OFFSET].as_str())
+            .collect::<Vec<_>>(),
+        ["3", "7"]
+    );
+    assert!(dead[0].1[DLQ_REASON].contains("payload"), "{:?}", dead[0].1);
+    let good = events
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 3 && *i != 7)
+        .filter_map(|(_, e)| e.key.clone());
+    assert_one_row_per_key(&pool, good).await;
+    assert_eq!(committed(&broker, &group, &topic, 1).await, vec![12]);
 }
