@@ -694,8 +694,7 @@ async fn a_pipeline_of_backfills_loads_a_missing_script_once(pool: PgPool) {
     }
     let _: () = conn
         .del(
-            &keys
-                .iter()
+            keys.iter()
                 .map(|k| s.fast_path().redis_key(k))
                 .collect::<Vec<_>>(),
         )
