@@ -654,6 +654,120 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     assert!(text(&bad).1.contains("--duplicates"), "{}", text(&bad).1);
 }
 
+/// `dedup bench --repeat N` runs every contender N times, each run in a key space of its own:
+/// every run books each unique key once; the report holds each contender's median run with the
+/// min-max of its runs, the ratios are ratios of medians, the JSON carries every run, and every
+/// run's rows are deleted after.
+#[test]
+fn the_bench_repeats_its_contenders_and_reports_medians() {
+    let child = dedup()
+        .args([
+            "bench",
+            "--events",
+            "300",
+            "--concurrency",
+            "8",
+            "--only",
+            "a,d,ceiling",
+            "--repeat",
+            "3",
+            "--json",
+        ])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let unique = report["unique_keys"].as_u64().unwrap();
+    assert_eq!(report["repeat"], 3);
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    let mut ids = Vec::new();
+    for run in runs {
+        ids.push(run["run_id"].as_str().unwrap().to_owned());
+        let names: Vec<&str> = run["contenders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["(a)", "(d)"], "{run}");
+        for c in run["contenders"].as_array().unwrap() {
+            // A key space of its own: no run finds an earlier run's keys done.
+            assert_eq!(c["effects"].as_u64(), Some(unique), "{c}");
+        }
+        assert!(run["ceiling_rows_per_s"].as_f64().unwrap() > 0.0);
+    }
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    let median_of = |name: &str| {
+        let c = report["contenders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap();
+        let mut rates: Vec<f64> = c["runs_events_per_s"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_f64().unwrap())
+            .collect();
+        assert_eq!(rates.len(), 3);
+        let median = c["events_per_s"].as_f64().unwrap();
+        let (min, max) = (
+            c["min_events_per_s"].as_f64().unwrap(),
+            c["max_events_per_s"].as_f64().unwrap(),
+        );
+        rates.sort_by(f64::total_cmp);
+        assert_eq!((min, median, max), (rates[0], rates[1], rates[2]), "{c}");
+        median
+    };
+    let ratio = report["ratios"]["d/a"].as_f64().unwrap();
+    assert!((ratio - median_of("(d)") / median_of("(a)")).abs() < 1e-9);
+    for pattern in [format!("bench-%-{pid}-%"), format!("%-{pid}-%-r_")] {
+        let left = sql_value(&format!(
+            "SELECT count(*) FROM dedup_records WHERE scope LIKE '{pattern}'"
+        ));
+        assert_eq!(left, "0", "{pattern}: rows left behind");
+    }
+    assert_eq!(
+        stderr.matches("[bench] cleaned up: deleted").count(),
+        3,
+        "{stderr}"
+    );
+
+    // The table says how many runs, with the spread beside each median.
+    let table = dedup()
+        .args([
+            "bench",
+            "--events",
+            "200",
+            "--concurrency",
+            "4",
+            "--only",
+            "a,d",
+            "--repeat",
+            "2",
+        ])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&table);
+    assert!(table.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("2 runs of every contender"), "{stdout}");
+    assert!(stdout.contains("min-max events/s"), "{stdout}");
+    assert!(stdout.contains("run by run"), "{stdout}");
+}
+
 /// `dedup forget` by key: a FAILED record and one whose lease ran out go; a key under a live
 /// lease (busy) and one a parked message carries (parked) stay; an unknown key is absent. A dry
 /// run changes nothing; a key may be given in hex.

@@ -80,6 +80,11 @@ pub(crate) struct BenchArgs {
     /// (d): batch calls of one kind in flight at once.
     #[arg(long, default_value_t = 2)]
     batch_flushes: usize,
+    /// Run every contender this many times, interleaved (a, b, ... then a, b, ... again), each
+    /// time in a key space of its own: the report gives each contender's median and its min-max,
+    /// and the ratios of medians; the JSON carries every run.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeat: u32,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -169,79 +174,60 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         .ids();
     let (stream, unique) = (generated.ids, generated.unique);
     let stream = Arc::new(stream);
-    let run_id = format!(
+    let base_id = format!(
         "{}-{}",
         std::process::id(),
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs())
     );
-    let ctx = Ctx {
-        batch: BatchConfig::default()
-            .with_max_batch(args.batch_max)
-            .with_max_flushes(args.batch_flushes),
-        stream,
-        concurrency: args.concurrency,
-        tx_workers: args.tx_workers,
-        run_id,
-        quiet: args.json,
-    };
-
-    let mut outcomes = Vec::new();
-    let mut ceiling_rate = None;
-    let mut claim_rate = None;
     txmode::ledger_table(&pool).await?;
     let counting = statements::enable(&pool).await;
-    for c in CONTENDERS {
-        if !args.only.iter().any(|o| o == c) {
-            continue;
-        }
-        let before = if counting {
-            statements::count(&pool).await
+    let mut rounds = Vec::new();
+    for round in 1..=args.repeat {
+        // Each run of a contender in a key space of its own: a second run over the first's keys
+        // would answer every event as a duplicate.
+        let run_id = if args.repeat == 1 {
+            base_id.clone()
         } else {
-            None
+            format!("{base_id}-r{round}")
         };
-        let mut outcome = match c {
-            "a" => usual_postgres(&ctx, &pool, false).await?,
-            "b" => usual_redis(&ctx, &args.redis_url, None).await?,
-            "c" => tiered(&ctx, &pool, &args.redis_url, false).await?,
-            "d" => tiered(&ctx, &pool, &args.redis_url, true).await?,
-            "e" => txmode::transaction_mode(&ctx, &pool, false).await?,
-            "f" => engine::lease_batches(&ctx, &pool, &args.redis_url).await?,
-            "a'" => usual_postgres(&ctx, &pool, true).await?,
-            "b'" => usual_redis(&ctx, &args.redis_url, Some(&pool)).await?,
-            "e'" => txmode::transaction_mode(&ctx, &pool, true).await?,
-            "ceiling" => {
-                ceiling_rate = Some(txmode::ceiling(&ctx, &pool, unique).await?);
-                continue;
-            }
-            _ => {
-                claim_rate = Some(txmode::claims(&ctx, &pool, unique).await?);
-                continue;
-            }
+        let ctx = Ctx {
+            batch: BatchConfig::default()
+                .with_max_batch(args.batch_max)
+                .with_max_flushes(args.batch_flushes),
+            stream: Arc::clone(&stream),
+            concurrency: args.concurrency,
+            tx_workers: args.tx_workers,
+            run_id,
+            quiet: args.json,
         };
-        if let (Some(b), Some(a)) = (before, statements::count(&pool).await) {
-            outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
+        if args.repeat > 1 {
+            ctx.note(&format!("run {round} of {}", args.repeat));
         }
-        outcomes.push(outcome);
+        rounds.push(run_round(&args, &ctx, &pool, unique, counting).await?);
     }
     // Rows are deleted only now: deleting between contenders would set autovacuum to work
     // while the next one is timed.
-    ctx.note("deleting the bench's rows");
-    let cleaned = cleanup(&pool, &ctx.run_id).await;
-    // On stderr, so that `--json` keeps stdout to the report.
-    eprintln!("{}", cleaned.summary(&ctx.run_id));
-    let wrong: Vec<&Outcome> = outcomes
+    for round in &rounds {
+        if !args.json {
+            eprintln!("[bench] deleting the rows of run {}", round.run_id);
+        }
+        let cleaned = cleanup(&pool, &round.run_id).await;
+        // On stderr, so that `--json` keeps stdout to the report.
+        eprintln!("{}", cleaned.summary(&round.run_id));
+    }
+    let wrong: Vec<(usize, &Outcome)> = rounds
         .iter()
-        .filter(|o| o.effects != unique || o.errors > 0)
+        .enumerate()
+        .flat_map(|(i, r)| r.outcomes.iter().map(move |o| (i, o)))
+        .filter(|(_, o)| o.effects != unique || o.errors > 0)
         .collect();
     let report = Report {
         args: &args,
         unique,
         sync: &sync,
-        outcomes: &outcomes,
-        ceiling: ceiling_rate,
-        claims: claim_rate,
+        rounds: &rounds,
     };
     if args.json {
         println!("{}", report.json());
@@ -251,14 +237,76 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     if wrong.is_empty() {
         Ok(ExitCode::SUCCESS)
     } else {
-        for o in wrong {
+        for (i, o) in wrong {
             eprintln!(
-                "dedup bench: {} ran {} effects for {unique} unique keys, with {} errors",
-                o.name, o.effects, o.errors
+                "dedup bench: {} (run {}) ran {} effects for {unique} unique keys, with {} errors",
+                o.name,
+                i + 1,
+                o.effects,
+                o.errors
             );
         }
         Ok(ExitCode::from(1))
     }
+}
+
+/// One run of every contender asked for, in order.
+struct Round {
+    run_id: String,
+    outcomes: Vec<Outcome>,
+    /// The ceiling's rows per second, when it was measured.
+    ceiling: Option<f64>,
+    /// The claim statement's claims per second on new keys, when it was measured.
+    claims: Option<f64>,
+}
+
+async fn run_round(
+    args: &BenchArgs,
+    ctx: &Ctx,
+    pool: &PgPool,
+    unique: u64,
+    counting: bool,
+) -> Result<Round, CliError> {
+    let mut round = Round {
+        run_id: ctx.run_id.clone(),
+        outcomes: Vec::new(),
+        ceiling: None,
+        claims: None,
+    };
+    for c in CONTENDERS {
+        if !args.only.iter().any(|o| o == c) {
+            continue;
+        }
+        let before = if counting {
+            statements::count(pool).await
+        } else {
+            None
+        };
+        let mut outcome = match c {
+            "a" => usual_postgres(ctx, pool, false).await?,
+            "b" => usual_redis(ctx, &args.redis_url, None).await?,
+            "c" => tiered(ctx, pool, &args.redis_url, false).await?,
+            "d" => tiered(ctx, pool, &args.redis_url, true).await?,
+            "e" => txmode::transaction_mode(ctx, pool, false).await?,
+            "f" => engine::lease_batches(ctx, pool, &args.redis_url).await?,
+            "a'" => usual_postgres(ctx, pool, true).await?,
+            "b'" => usual_redis(ctx, &args.redis_url, Some(pool)).await?,
+            "e'" => txmode::transaction_mode(ctx, pool, true).await?,
+            "ceiling" => {
+                round.ceiling = Some(txmode::ceiling(ctx, pool, unique).await?);
+                continue;
+            }
+            _ => {
+                round.claims = Some(txmode::claims(ctx, pool, unique).await?);
+                continue;
+            }
+        };
+        if let (Some(b), Some(a)) = (before, statements::count(pool).await) {
+            outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
+        }
+        round.outcomes.push(outcome);
+    }
+    Ok(round)
 }
 
 /// Every contender, in the order they run.

@@ -1,28 +1,91 @@
-//! The bench's table and JSON.
+//! The bench's table and JSON. With `--repeat N` every figure of the table is a contender's
+//! median run's (the run whose rate is the median: the middle one of N, the upper middle of an
+//! even N), its rate shown with the min-max of every run; ratios are ratios of medians. The
+//! JSON carries every run as well.
 
-use super::{BenchArgs, Outcome};
+use super::{BenchArgs, Outcome, Round};
 
 pub(super) struct Report<'a> {
     pub(super) args: &'a BenchArgs,
     pub(super) unique: u64,
     pub(super) sync: &'a str,
-    pub(super) outcomes: &'a [Outcome],
-    /// The ceiling's rows per second, when it was measured.
-    pub(super) ceiling: Option<f64>,
-    /// The claim statement's claims per second on new keys, when it was measured.
-    pub(super) claims: Option<f64>,
+    pub(super) rounds: &'a [Round],
+}
+
+/// The median of `xs` (the upper middle of an even count); `None` when empty.
+fn median(mut xs: Vec<f64>) -> Option<f64> {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied()
 }
 
 impl Report<'_> {
-    fn rate_of(&self, name: &str) -> Option<f64> {
-        self.outcomes
-            .iter()
-            .find(|o| o.name == name)
-            .map(|o| o.rate(self.args.events))
+    /// The contenders that ran, in the order they ran.
+    fn names(&self) -> Vec<&'static str> {
+        self.rounds
+            .first()
+            .map(|r| r.outcomes.iter().map(|o| o.name).collect())
+            .unwrap_or_default()
     }
 
+    /// Every run of contender `name`, in run order.
+    fn runs_of(&self, name: &str) -> Vec<&Outcome> {
+        self.rounds
+            .iter()
+            .filter_map(|r| r.outcomes.iter().find(|o| o.name == name))
+            .collect()
+    }
+
+    /// The run of `name` whose rate is the median.
+    fn median_run(&self, name: &str) -> Option<&Outcome> {
+        let mut runs = self.runs_of(name);
+        let events = self.args.events;
+        runs.sort_by(|x, y| x.rate(events).total_cmp(&y.rate(events)));
+        runs.get(runs.len() / 2).copied()
+    }
+
+    /// The slowest and the fastest run's rate of `name`.
+    fn spread_of(&self, name: &str) -> Option<(f64, f64)> {
+        let rates: Vec<f64> = self
+            .runs_of(name)
+            .iter()
+            .map(|o| o.rate(self.args.events))
+            .collect();
+        let min = rates.iter().copied().reduce(f64::min)?;
+        let max = rates.iter().copied().reduce(f64::max)?;
+        Some((min, max))
+    }
+
+    /// The median rate of `name`.
+    fn rate_of(&self, name: &str) -> Option<f64> {
+        self.median_run(name).map(|o| o.rate(self.args.events))
+    }
+
+    /// The ratio of the medians of `a` and `b`.
     fn ratio(&self, a: &str, b: &str) -> Option<f64> {
         Some(self.rate_of(a)? / self.rate_of(b)?)
+    }
+
+    /// The ratio of `a`'s and `b`'s rates in each run where both ran.
+    fn run_ratios(&self, a: &str, b: &str) -> Vec<f64> {
+        let events = self.args.events;
+        self.rounds
+            .iter()
+            .filter_map(|r| {
+                let x = r.outcomes.iter().find(|o| o.name == a)?.rate(events);
+                let y = r.outcomes.iter().find(|o| o.name == b)?.rate(events);
+                Some(x / y)
+            })
+            .collect()
+    }
+
+    /// The median of the ceiling's runs.
+    fn ceiling(&self) -> Option<f64> {
+        median(self.rounds.iter().filter_map(|r| r.ceiling).collect())
+    }
+
+    /// The median of the claim statement's runs.
+    fn claims(&self) -> Option<f64> {
+        median(self.rounds.iter().filter_map(|r| r.claims).collect())
     }
 
     /// The unique keys per second a contender recorded.
@@ -33,17 +96,18 @@ impl Report<'_> {
     }
 
     /// A durable contender's unique keys per second over the ceiling's rows per second.
-    fn ceiling_share_of(&self, o: &Outcome) -> Option<f64> {
+    fn ceiling_share_of(&self, o: &Outcome, ceiling: Option<f64>) -> Option<f64> {
         (o.durable && o.effects == self.unique)
-            .then(|| self.ceiling.map(|c| self.unique_rate(o) / c))
+            .then(|| ceiling.map(|c| self.unique_rate(o) / c))
             .flatten()
     }
 
-    /// The best durable contender's share of the ceiling.
+    /// The best durable contender's share of the ceiling, by medians.
     fn ceiling_share(&self) -> Option<f64> {
-        self.outcomes
+        self.names()
             .iter()
-            .filter_map(|o| self.ceiling_share_of(o))
+            .filter_map(|n| self.median_run(n))
+            .filter_map(|o| self.ceiling_share_of(o, self.ceiling()))
             .reduce(f64::max)
     }
 
@@ -76,8 +140,16 @@ impl Report<'_> {
             self.sync,
             if self.sync == "off" { "NO" } else { "yes" }
         );
+        let repeated = self.rounds.len() > 1;
+        if repeated {
+            println!(
+                "{} runs of every contender, interleaved: each row is the contender's median run; \
+                 min-max and the slowest run beside the median are over every run",
+                self.rounds.len()
+            );
+        }
         println!();
-        println!(
+        print!(
             "{:<4} {:<42} {:>10} {:>8} {:>8} {:>11} {:>6} {:>6} {:>6} {:>8} {:>7}",
             "",
             "contender",
@@ -91,9 +163,18 @@ impl Report<'_> {
             "effects",
             "durable"
         );
-        for o in self.outcomes {
+        if repeated {
+            print!(" {:>17} {:>8}", "min-max events/s", "slowest");
+        }
+        println!();
+        let median_runs: Vec<&Outcome> = self
+            .names()
+            .iter()
+            .filter_map(|n| self.median_run(n))
+            .collect();
+        for &o in &median_runs {
             let (l1, l2, auth) = o.tier_shares();
-            println!(
+            print!(
                 "{:<4} {:<42} {:>10.0} {:>8.2} {:>8.2} {:>11} {:>5.1}% {:>5.1}% {:>5.1}% {:>8} {:>7}",
                 o.name,
                 o.label,
@@ -108,13 +189,22 @@ impl Report<'_> {
                 o.effects,
                 if o.durable { "yes" } else { "no" },
             );
+            if let Some((min, max)) = self.spread_of(o.name).filter(|_| repeated) {
+                let median = o.rate(a.events);
+                print!(
+                    " {:>17} {:>+7.1}%",
+                    format!("{min:.0}-{max:.0}"),
+                    (min / median - 1.0) * 100.0
+                );
+            }
+            println!();
         }
         println!();
         println!(
             "PG trips/u: Postgres round trips per unique key. L1/L2/PG: the share of claims each \
              tier answered."
         );
-        for o in self.outcomes {
+        for &o in &median_runs {
             if let Some((engine, handler)) = self.statements_per_unique(o) {
                 println!(
                     "{}: {engine:.3} engine and {handler:.3} handler statements per unique key, counted by the server (pg_stat_statements; BEGIN and COMMIT included)",
@@ -122,7 +212,7 @@ impl Report<'_> {
                 );
             }
         }
-        for o in self.outcomes {
+        for &o in &median_runs {
             if let Some((calls, claims, ccalls, completions)) = o.batches {
                 println!(
                     "{}: {claims} claims in {calls} batch calls, {completions} completions in \
@@ -135,16 +225,26 @@ impl Report<'_> {
             if let (Some(r), Some(rx), Some(ry)) =
                 (self.ratio(x, y), self.rate_of(x), self.rate_of(y))
             {
-                println!("{x}/{y} = {r:.2}x   ({rx:.0} / {ry:.0} events/s)");
+                let per_run = self.run_ratios(x, y);
+                let spread = match (
+                    per_run.iter().copied().reduce(f64::min),
+                    per_run.iter().copied().reduce(f64::max),
+                ) {
+                    (Some(lo), Some(hi)) if repeated => {
+                        format!("; run by run {lo:.2}x to {hi:.2}x")
+                    }
+                    _ => String::new(),
+                };
+                println!("{x}/{y} = {r:.2}x   ({rx:.0} / {ry:.0} events/s{spread})");
             }
         }
-        if let Some(c) = self.ceiling {
+        if let Some(c) = self.ceiling() {
             println!();
             println!(
                 "ceiling: {c:.0} rows/s (500-row INSERTs into a copy of dedup_records, 2 clients)"
             );
-            for o in self.outcomes {
-                if let Some(share) = self.ceiling_share_of(o) {
+            for &o in &median_runs {
+                if let Some(share) = self.ceiling_share_of(o, Some(c)) {
                     println!(
                         "{:<5} {:>8.0} unique keys/s = {:.3} of the ceiling",
                         o.name,
@@ -154,7 +254,7 @@ impl Report<'_> {
                 }
             }
         }
-        if let Some(c) = self.claims {
+        if let Some(c) = self.claims() {
             println!(
                 "claims: {c:.0} rows/s (500-key claim statements on new keys, 2 clients){}",
                 self.claim_cost().map_or(String::new(), |x| format!(
@@ -173,34 +273,71 @@ impl Report<'_> {
         Some((per(all.saturating_sub(handler)), per(handler)))
     }
 
+    /// One run of a contender, as JSON (its share of `ceiling`, the ceiling of the same run or
+    /// the median one).
+    fn outcome_json(&self, o: &Outcome, ceiling: Option<f64>) -> serde_json::Value {
+        let (l1, l2, auth) = o.tier_shares();
+        serde_json::json!({
+            "name": o.name,
+            "label": o.label,
+            "durable": o.durable,
+            "events_per_s": o.rate(self.args.events),
+            "p50_ms": o.percentile_ms(0.5),
+            "p99_ms": o.percentile_ms(0.99),
+            "pg_round_trips_per_unique_key": o.trips_per_unique(self.unique),
+            "server_statements_per_unique_key": self.statements_per_unique(o).map(|(engine, handler)| serde_json::json!({
+                "engine": engine, "handler": handler,
+            })),
+            "hit_ratio": {"l1": l1, "l2": l2, "postgres": auth},
+            "effects": o.effects,
+            "errors": o.errors,
+            "elapsed_s": o.elapsed.as_secs_f64(),
+            "unique_keys_per_s": self.unique_rate(o),
+            "ceiling_share": self.ceiling_share_of(o, ceiling),
+            "batches": o.batches.map(|(calls, claims, ccalls, completions)| serde_json::json!({
+                "claim_calls": calls, "claims": claims,
+                "completion_calls": ccalls, "completions": completions,
+            })),
+        })
+    }
+
+    /// The report as JSON: `contenders` holds each contender's median run (with `runs_events_per_s`,
+    /// every run's rate in run order, and their min and max), `ratios` the ratios of medians, and
+    /// `runs` every run of every contender.
     pub(super) fn json(&self) -> serde_json::Value {
         let a = self.args;
+        let ceiling = self.ceiling();
         let contenders: Vec<serde_json::Value> = self
-            .outcomes
+            .names()
             .iter()
+            .filter_map(|n| self.median_run(n))
             .map(|o| {
-                let (l1, l2, auth) = o.tier_shares();
+                let mut v = self.outcome_json(o, ceiling);
+                let rates: Vec<f64> = self
+                    .runs_of(o.name)
+                    .iter()
+                    .map(|r| r.rate(a.events))
+                    .collect();
+                let (min, max) = self.spread_of(o.name).unwrap_or_default();
+                if let Some(m) = v.as_object_mut() {
+                    m.insert("runs_events_per_s".to_owned(), serde_json::json!(rates));
+                    m.insert("min_events_per_s".to_owned(), serde_json::json!(min));
+                    m.insert("max_events_per_s".to_owned(), serde_json::json!(max));
+                }
+                v
+            })
+            .collect();
+        let runs: Vec<serde_json::Value> = self
+            .rounds
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
                 serde_json::json!({
-                    "name": o.name,
-                    "label": o.label,
-                    "durable": o.durable,
-                    "events_per_s": o.rate(a.events),
-                    "p50_ms": o.percentile_ms(0.5),
-                    "p99_ms": o.percentile_ms(0.99),
-                    "pg_round_trips_per_unique_key": o.trips_per_unique(self.unique),
-                    "server_statements_per_unique_key": self.statements_per_unique(o).map(|(engine, handler)| serde_json::json!({
-                        "engine": engine, "handler": handler,
-                    })),
-                    "hit_ratio": {"l1": l1, "l2": l2, "postgres": auth},
-                    "effects": o.effects,
-                    "errors": o.errors,
-                    "elapsed_s": o.elapsed.as_secs_f64(),
-                    "unique_keys_per_s": self.unique_rate(o),
-                    "ceiling_share": self.ceiling_share_of(o),
-                    "batches": o.batches.map(|(calls, claims, ccalls, completions)| serde_json::json!({
-                        "claim_calls": calls, "claims": claims,
-                        "completion_calls": ccalls, "completions": completions,
-                    })),
+                    "run": i + 1,
+                    "run_id": r.run_id,
+                    "contenders": r.outcomes.iter().map(|o| self.outcome_json(o, r.ceiling)).collect::<Vec<_>>(),
+                    "ceiling_rows_per_s": r.ceiling,
+                    "claim_rows_per_s": r.claims,
                 })
             })
             .collect();
@@ -212,18 +349,20 @@ impl Report<'_> {
             "concurrency": a.concurrency,
             "pg_connections": a.pg_connections,
             "synchronous_commit": self.sync,
+            "repeat": self.rounds.len(),
             "contenders": contenders,
-            "ceiling_rows_per_s": self.ceiling,
-            "claim_rows_per_s": self.claims,
+            "ceiling_rows_per_s": ceiling,
+            "claim_rows_per_s": self.claims(),
             "claim_cost_over_insert": self.claim_cost(),
             "ratios": self.ratios_json(),
+            "runs": runs,
         })
     }
 
     /// What a claim costs beside a plain INSERT of the same rows: the ceiling's rate over the
     /// claim statement's.
     fn claim_cost(&self) -> Option<f64> {
-        Some(self.ceiling? / self.claims?)
+        Some(self.ceiling()? / self.claims()?)
     }
 
     fn ratios_json(&self) -> serde_json::Value {
