@@ -74,7 +74,7 @@ pub(super) async fn tiered(
     })
 }
 
-fn tier_counts(s: &TierStats) -> (u64, u64, u64) {
+pub(super) fn tier_counts(s: &TierStats) -> (u64, u64, u64) {
     (s.l1_hits, s.l2_hits, s.authority_claims)
 }
 

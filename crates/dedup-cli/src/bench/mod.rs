@@ -10,6 +10,9 @@
 //! ledger row in a transaction of its own; (e') dedup in transaction mode, the batch's ledger rows
 //! written in the batch's transaction.
 //!
+//! The Kafka runners themselves, through librdkafka's embedded mock cluster, beside the
+//! contenders they run by hand: (ek) `TxRunner` beside (e), (fk) `LeaseRunner` beside (f).
+//!
 //! And the ceiling: the same Postgres taking 500-row INSERTs into a copy of `dedup_records`.
 //!
 //! The same events, the same concurrency (events in flight), the same servers; each contender in
@@ -32,6 +35,7 @@ use dedup_workload::Workload;
 
 mod engine;
 mod report;
+mod runners;
 mod statements;
 mod txmode;
 mod usual;
@@ -62,11 +66,11 @@ pub(crate) struct BenchArgs {
     /// Postgres connections, the same pool for every contender that uses Postgres.
     #[arg(long, default_value_t = 64)]
     pg_connections: u32,
-    /// Contenders to run, among a, b, c, d, e, f, a', b', e', ceiling and claim (the claim statement
-    /// alone on new keys, beside the ceiling).
+    /// Contenders to run, among a, b, c, d, e, f, a', b', e', ek, fk (the Kafka runners), ceiling
+    /// and claim (the claim statement alone on new keys, beside the ceiling).
     #[arg(
         long,
-        default_value = "a,b,c,d,e,f,a',b',e',ceiling,claim",
+        default_value = "a,b,c,d,e,f,a',b',e',ek,fk,ceiling,claim",
         value_delimiter = ','
     )]
     only: Vec<String>,
@@ -117,9 +121,10 @@ impl Outcome {
         n / self.elapsed.as_secs_f64().max(1e-9)
     }
 
-    fn percentile_ms(&self, p: f64) -> f64 {
+    /// The `p` percentile of the events' latencies; `None` where none were taken.
+    fn percentile_ms(&self, p: f64) -> Option<f64> {
         if self.latencies_us.is_empty() {
-            return 0.0;
+            return None;
         }
         #[allow(
             clippy::cast_possible_truncation,
@@ -129,7 +134,7 @@ impl Outcome {
         let i = (((self.latencies_us.len() - 1) as f64) * p).round() as usize;
         #[allow(clippy::cast_precision_loss)]
         let ms = self.latencies_us[i] as f64 / 1000.0;
-        ms
+        Some(ms)
     }
 
     fn trips_per_unique(&self, unique: u64) -> Option<f64> {
@@ -292,6 +297,10 @@ async fn run_round(
             "a'" => usual_postgres(ctx, pool, true).await?,
             "b'" => usual_redis(ctx, &args.redis_url, Some(pool)).await?,
             "e'" => txmode::transaction_mode(ctx, pool, true).await?,
+            "ek" => runners::through_kafka(ctx, pool, &args.redis_url, runners::Which::Tx).await?,
+            "fk" => {
+                runners::through_kafka(ctx, pool, &args.redis_url, runners::Which::Lease).await?
+            }
             "ceiling" => {
                 round.ceiling = Some(txmode::ceiling(ctx, pool, unique).await?);
                 continue;
@@ -310,8 +319,8 @@ async fn run_round(
 }
 
 /// Every contender, in the order they run.
-const CONTENDERS: [&str; 11] = [
-    "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ceiling", "claim",
+const CONTENDERS: [&str; 13] = [
+    "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ek", "fk", "ceiling", "claim",
 ];
 
 struct Ctx {
@@ -384,8 +393,8 @@ fn result_of(id: u64) -> String {
 }
 
 /// The tags of the scopes a run's dedup contenders write records under (`bench-<tag>-<run>`):
-/// (c), (d), (e), (e'), (f) and the claim statement alone.
-const SCOPE_TAGS: [&str; 6] = ["c", "d", "e", "e2", "f", "claim"];
+/// (c), (d), (e), (e'), (f), (ek), (fk) and the claim statement alone.
+const SCOPE_TAGS: [&str; 8] = ["c", "d", "e", "e2", "f", "ek", "fk", "claim"];
 
 /// Rows deleted per statement when cleaning up.
 const CLEANUP_BATCH: i64 = 10_000;

@@ -112,7 +112,7 @@ impl Report<'_> {
     }
 
     /// The ratios the targets are stated in, with the contenders' absolute rates.
-    const RATIOS: [(&'static str, &'static str, &'static str); 8] = [
+    const RATIOS: [(&'static str, &'static str, &'static str); 10] = [
         ("d/a", "(d)", "(a)"),
         ("d/b", "(d)", "(b)"),
         ("f/a", "(f)", "(a)"),
@@ -121,6 +121,8 @@ impl Report<'_> {
         ("e/a", "(e)", "(a)"),
         ("e'/a'", "(e')", "(a')"),
         ("e'/b'", "(e')", "(b')"),
+        ("ek/e", "(ek)", "(e)"),
+        ("fk/f", "(fk)", "(f)"),
     ];
 
     pub(super) fn table(&self) {
@@ -175,12 +177,14 @@ impl Report<'_> {
         for &o in &median_runs {
             let (l1, l2, auth) = o.tier_shares();
             print!(
-                "{:<4} {:<42} {:>10.0} {:>8.2} {:>8.2} {:>11} {:>5.1}% {:>5.1}% {:>5.1}% {:>8} {:>7}",
+                "{:<4} {:<42} {:>10.0} {:>8} {:>8} {:>11} {:>5.1}% {:>5.1}% {:>5.1}% {:>8} {:>7}",
                 o.name,
                 o.label,
                 o.rate(a.events),
-                o.percentile_ms(0.5),
-                o.percentile_ms(0.99),
+                o.percentile_ms(0.5)
+                    .map_or("-".to_owned(), |t| format!("{t:.2}")),
+                o.percentile_ms(0.99)
+                    .map_or("-".to_owned(), |t| format!("{t:.2}")),
                 o.trips_per_unique(self.unique)
                     .map_or("-".to_owned(), |t| format!("{t:.3}")),
                 l1 * 100.0,

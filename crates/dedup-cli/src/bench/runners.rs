@@ -1,0 +1,242 @@
+//! (ek) and (fk): the Kafka runners themselves, on the bench's stream, through librdkafka's
+//! embedded mock cluster: (ek) `TxRunner` (transaction mode by the batch, as (e) does it by
+//! hand), (fk) `LeaseRunner` (lease mode by the batch over the tiered store, as (f)). Beside (e)
+//! and (f) they show what the runners themselves cost: fetching, lanes, batching, commits.
+//!
+//! The stream is produced first (not timed) into a topic of `--tx-workers` partitions, each
+//! event's id as its `idempotency-key` header and its message key, so that a partition's batch
+//! is as large as one of (e)'s and (f)'s workers' batches. The same in-flight bound
+//! (`--concurrency`) as every contender. Timed from the first message handed to the handler to
+//! the last one settled; the runner's start (joining the group) is not timed. No latency per
+//! event is taken (the events wait in the topic from before the clock starts).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dedup_core::{Completion, Dedup, HandlerError, LeaseContext, TieredConfig, TieredStore};
+use dedup_kafka::{
+    Acquired, BatchHandler, Batching, Delivery, LeaseRunner, Ordering as KeyOrder, RunnerConfig,
+    StatsHandle, TxRunner,
+};
+use dedup_pg::{BatchBody, ItemResult, PgStore};
+use rdkafka::ClientConfig;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sqlx::{PgConnection, PgPool};
+
+use super::engine::tier_counts;
+use super::{Ctx, Outcome, result_of};
+use crate::connect::{CliError, connect_redis};
+
+/// Which runner.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Which {
+    /// `TxRunner`: (ek).
+    Tx,
+    /// `LeaseRunner`: (fk).
+    Lease,
+}
+
+/// Runs `which` runner over the bench's stream.
+pub(super) async fn through_kafka(
+    ctx: &Ctx,
+    pool: &PgPool,
+    redis_url: &str,
+    which: Which,
+) -> Result<Outcome, CliError> {
+    let (name, label, tag) = match which {
+        Which::Tx => ("(ek)", "dedup: TxRunner through Kafka (mock)", "ek"),
+        Which::Lease => ("(fk)", "dedup: LeaseRunner through Kafka (mock)", "fk"),
+    };
+    let partitions = i32::try_from(ctx.tx_workers.max(1)).unwrap_or(i32::MAX);
+    let size = (ctx.concurrency / ctx.tx_workers.max(1)).max(1);
+    ctx.note(&format!(
+        "{name} {label}: producing {} events to {partitions} partitions",
+        ctx.stream.len()
+    ));
+    let mock = MockCluster::new(1)
+        .map_err(|e| CliError::Failed(format!("embedded Kafka mock cluster: {e}")))?;
+    let topic = format!("bench-{tag}-{}", ctx.run_id);
+    mock.create_topic(&topic, partitions, 1)
+        .map_err(|e| CliError::Failed(format!("creating {topic}: {e}")))?;
+    let bootstrap = mock.bootstrap_servers();
+    produce(&bootstrap, &topic, &ctx.stream).await?;
+
+    ctx.note(&format!(
+        "{name} consuming: {partitions} partitions, batches of up to {size}, {} in flight",
+        ctx.concurrency
+    ));
+    let config = RunnerConfig::new(bootstrap, format!("bench-{tag}-{}", ctx.run_id), [&topic])
+        .with_scope(format!("bench-{tag}-{}", ctx.run_id))
+        .with_ordering(KeyOrder::PerKey)
+        .with_max_in_flight(ctx.concurrency)
+        // The mock cluster assigns at once with the KIP-848 protocol.
+        .with_client("group.protocol", "consumer");
+    let batching = Batching::new(size, Duration::from_millis(5));
+    let pg = PgStore::new(pool.clone());
+    let first = Arc::new(OnceLock::new());
+    let effects = Arc::new(AtomicU64::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let until = async {
+        let _ = stopped.await;
+    };
+    let fail = |e: dedup_kafka::RunnerError| CliError::Failed(format!("{name}: {e}"));
+    let (stats, task, tiers): (StatsHandle, _, Option<Arc<Dedup<_>>>) = match which {
+        Which::Tx => {
+            let handler = Counted {
+                first: Arc::clone(&first),
+            };
+            let runner = TxRunner::new(config, batching, pg.clone(), handler).map_err(fail)?;
+            let stats = runner.stats();
+            (stats, tokio::spawn(runner.run(until)), None)
+        }
+        Which::Lease => {
+            let fast =
+                connect_redis(redis_url, &format!("dedup-bench-{tag}-{}", ctx.run_id)).await?;
+            let store = TieredStore::new(pg.clone(), fast, TieredConfig::default())
+                .with_background_backfill();
+            let dedup = Arc::new(Dedup::new(store));
+            let (first, effects) = (Arc::clone(&first), Arc::clone(&effects));
+            let handler = move |d: Arc<Delivery>, _lease: Option<LeaseContext>| {
+                let (first, effects) = (Arc::clone(&first), Arc::clone(&effects));
+                async move {
+                    let _ = first.set(Instant::now());
+                    effects.fetch_add(1, Ordering::Relaxed);
+                    Ok::<_, HandlerError<std::io::Error>>(Completion::store(Bytes::from(
+                        result_for(&d),
+                    )))
+                }
+            };
+            let runner =
+                LeaseRunner::new(config, batching, Arc::clone(&dedup), handler).map_err(fail)?;
+            let stats = runner.stats();
+            (stats, tokio::spawn(runner.run(until)), Some(dedup))
+        }
+    };
+    // Until every event settled (or the runner ended, which it only does on an error).
+    let events = ctx.stream.len() as u64;
+    let mut last_change = (Instant::now(), 0);
+    let ended = loop {
+        let s = stats.snapshot();
+        let settled = s.executed + s.replayed + s.dead_lettered;
+        if settled >= events || task.is_finished() {
+            break Instant::now();
+        }
+        if settled != last_change.1 {
+            last_change = (Instant::now(), settled);
+        } else if last_change.0.elapsed() > Duration::from_secs(120) {
+            let _ = stop.send(());
+            return Err(CliError::Failed(format!(
+                "{name}: no progress for 120 s at {settled} of {events} events settled"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let _ = stop.send(());
+    let s = task
+        .await
+        .map_err(|e| CliError::Failed(format!("{name}: the runner's task: {e}")))?
+        .map_err(fail)?;
+    let started = first.get().copied().unwrap_or(ended);
+    let effects = match which {
+        // Counted once committed: the runner's executed messages.
+        Which::Tx => s.executed,
+        Which::Lease => effects.load(Ordering::Relaxed),
+    };
+    Ok(Outcome {
+        name,
+        label,
+        durable: true,
+        elapsed: ended.saturating_duration_since(started),
+        latencies_us: Vec::new(),
+        effects,
+        errors: s.dead_lettered + s.consumer_errors + s.store_errors,
+        pg_trips: Some(pg.statements()),
+        server_statements: None,
+        tiers: tiers.map_or((0, 0, events), |d| tier_counts(&d.store().stats())),
+        batches: None,
+    })
+}
+
+/// The result stored for an event: its id's, as the other contenders store.
+fn result_for(d: &Delivery) -> String {
+    let id = std::str::from_utf8(d.payload_bytes())
+        .ok()
+        .and_then(|p| p.parse::<u64>().ok())
+        .unwrap_or(u64::MAX);
+    result_of(id)
+}
+
+/// (ek)'s batch handler: nothing to write beside the completions (as (e)); the first call starts
+/// the clock.
+#[derive(Debug)]
+struct Counted {
+    first: Arc<OnceLock<Instant>>,
+}
+
+impl BatchHandler for Counted {
+    type Error = std::io::Error;
+
+    fn handle<'c>(
+        &'c self,
+        _tx: &'c mut PgConnection,
+        batch: &'c [Acquired],
+    ) -> BatchBody<'c, std::io::Error> {
+        let _ = self.first.set(Instant::now());
+        Box::pin(async move {
+            Ok(batch
+                .iter()
+                .map(|a| Ok(Bytes::from(result_for(a.delivery()))))
+                .collect::<Vec<ItemResult<std::io::Error>>>())
+        })
+    }
+}
+
+/// Produces the stream: each event's id as its payload, its `idempotency-key` header and its
+/// message key (the partitioner spreads the keys over the partitions).
+async fn produce(bootstrap: &str, topic: &str, stream: &[u64]) -> Result<(), CliError> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()
+        .map_err(|e| CliError::Failed(format!("Kafka producer: {e}")))?;
+    let mut pending = Vec::with_capacity(4096);
+    for id in stream {
+        let key = format!("e{id}");
+        let payload = id.to_string();
+        let record = FutureRecord::<str, str>::to(topic)
+            .key(&key)
+            .payload(&payload)
+            .headers(OwnedHeaders::new().insert(Header {
+                key: "idempotency-key",
+                value: Some(key.as_bytes()),
+            }));
+        let ack = producer
+            .send_result(record)
+            .map_err(|(e, _)| CliError::Failed(format!("producing: {e}")))?;
+        pending.push(ack);
+        if pending.len() >= 4096 {
+            for ack in pending.drain(..) {
+                await_ack(ack).await?;
+            }
+        }
+    }
+    for ack in pending {
+        await_ack(ack).await?;
+    }
+    Ok(())
+}
+
+async fn await_ack(ack: rdkafka::producer::DeliveryFuture) -> Result<(), CliError> {
+    match ack.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(CliError::Failed(format!("producing: {e}"))),
+        Err(_) => Err(CliError::Failed("producing: the producer went away".into())),
+    }
+}
