@@ -710,6 +710,10 @@ fn the_bench_repeats_its_contenders_and_reports_medians() {
         for c in run["contenders"].as_array().unwrap() {
             // A key space of its own: no run finds an earlier run's keys done.
             assert_eq!(c["effects"].as_u64(), Some(unique), "{c}");
+            // What the processors did meanwhile, from /proc.
+            let busy = c["cpu"]["machine_busy"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&busy), "{c}");
+            assert!(c["cpu"]["bench_process_ms_per_1k_events"].as_f64().unwrap() >= 0.0);
         }
         assert!(run["ceiling_rows_per_s"].as_f64().unwrap() > 0.0);
     }

@@ -69,6 +69,7 @@ pub(super) async fn tiered(
         errors,
         pg_trips: Some(trips),
         server_statements: None,
+        cpu: None,
         tiers: tier_counts(&stats),
         batches,
     })
@@ -213,6 +214,7 @@ pub(super) async fn lease_batches(
         errors: errors.load(Ordering::Relaxed),
         pg_trips: Some(pg.statements()),
         server_statements: None,
+        cpu: None,
         tiers: tier_counts(&dedup.store().stats()),
         batches: None,
     })

@@ -33,6 +33,7 @@ use crate::PgArgs;
 use crate::connect::{CliError, connect_pg};
 use dedup_workload::Workload;
 
+mod cpu;
 mod engine;
 mod report;
 mod runners;
@@ -112,6 +113,8 @@ struct Outcome {
     /// Claims answered by L1, by L2, and by the authority.
     tiers: (u64, u64, u64),
     batches: Option<(u64, u64, u64, u64)>,
+    /// What the machine's processors did meanwhile (Linux).
+    cpu: Option<cpu::CpuUse>,
 }
 
 impl Outcome {
@@ -287,6 +290,7 @@ async fn run_round(
         } else {
             None
         };
+        let ticks = cpu::now();
         let mut outcome = match c {
             "a" => usual_postgres(ctx, pool, false).await?,
             "b" => usual_redis(ctx, &args.redis_url, None).await?,
@@ -310,6 +314,7 @@ async fn run_round(
                 continue;
             }
         };
+        outcome.cpu = ticks.zip(cpu::now()).map(|(b, a)| a.since(b));
         if let (Some(b), Some(a)) = (before, statements::count(pool).await) {
             outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
         }

@@ -217,6 +217,20 @@ impl Report<'_> {
             }
         }
         for &o in &median_runs {
+            if let Some(c) = o.cpu {
+                let (own, others) = c.ms_per_1k(a.events);
+                let (busy, iowait, steal) = c.shares();
+                println!(
+                    "{}: CPU per 1,000 events: {own:.1} ms in the bench, {others:.1} ms elsewhere \
+                     (Postgres, Redis); the machine {:.0}% busy, {:.0}% waiting on I/O, {:.0}% stolen",
+                    o.name,
+                    busy * 100.0,
+                    iowait * 100.0,
+                    steal * 100.0
+                );
+            }
+        }
+        for &o in &median_runs {
             if let Some((calls, claims, ccalls, completions)) = o.batches {
                 println!(
                     "{}: {claims} claims in {calls} batch calls, {completions} completions in \
@@ -302,6 +316,7 @@ impl Report<'_> {
                 "claim_calls": calls, "claims": claims,
                 "completion_calls": ccalls, "completions": completions,
             })),
+            "cpu": o.cpu.map(|c| c.json(self.args.events)),
         })
     }
 

@@ -156,6 +156,7 @@ pub(super) async fn through_kafka(
         errors: s.dead_lettered + s.consumer_errors + s.store_errors,
         pg_trips: Some(pg.statements()),
         server_statements: None,
+        cpu: None,
         tiers: tiers.map_or((0, 0, events), |d| tier_counts(&d.store().stats())),
         batches: None,
     })

@@ -143,6 +143,7 @@ pub(super) async fn transaction_mode(
         errors: errors.load(Ordering::Relaxed),
         pg_trips: Some(store.statements()),
         server_statements: None,
+        cpu: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })

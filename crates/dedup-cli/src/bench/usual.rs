@@ -130,6 +130,7 @@ pub(super) async fn usual_postgres(
         errors,
         pg_trips: Some(unique_calls),
         server_statements: None,
+        cpu: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })
@@ -243,6 +244,7 @@ pub(super) async fn usual_redis(
         errors,
         pg_trips: None,
         server_statements: None,
+        cpu: None,
         tiers: (0, ctx.stream.len() as u64, 0),
         batches: None,
     })
