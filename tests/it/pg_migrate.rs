@@ -187,8 +187,9 @@ async fn an_app_row_with_a_dedup_version_but_another_checksum_stays(pool: PgPool
 #[sqlx::test(migrations = false)]
 async fn a_newer_schema_is_used_until_its_floor_passes_this_binary(pool: PgPool) {
     prepare(&pool, MigrationMode::Apply).await.unwrap();
-    // A newer dedup (generation 3, still usable by generation 2) applied a migration this binary
-    // does not have.
+    // A newer dedup (the next generation, still usable by this one) applied a migration this
+    // binary does not have.
+    let newer = SCHEMA_GENERATION + 1;
     sqlx::query(
         "INSERT INTO dedup_migrations (version, description, success, checksum, execution_time) \
          VALUES (29991231000001, 'from a newer dedup', true, '\\x00', 0)",
@@ -196,7 +197,9 @@ async fn a_newer_schema_is_used_until_its_floor_passes_this_binary(pool: PgPool)
     .execute(&pool)
     .await
     .unwrap();
-    sqlx::query("UPDATE dedup_schema SET generation = 3, compat_floor = 2")
+    sqlx::query("UPDATE dedup_schema SET generation = $1, compat_floor = $2")
+        .bind(newer)
+        .bind(SCHEMA_GENERATION)
         .execute(&pool)
         .await
         .unwrap();
@@ -207,13 +210,18 @@ async fn a_newer_schema_is_used_until_its_floor_passes_this_binary(pool: PgPool)
     ] {
         let status = prepare(&pool, mode).await.unwrap();
         let schema = status.schema.unwrap();
-        assert_eq!((schema.generation, schema.compat_floor), (3, 2), "{mode}");
+        assert_eq!(
+            (schema.generation, schema.compat_floor),
+            (newer, SCHEMA_GENERATION),
+            "{mode}"
+        );
         assert!(status.newer_than_binary(), "{mode}");
     }
     assert!(dedup_pg::migrate(&pool).await.is_ok());
 
-    // The newer dedup contracted the schema: generation 2 may no longer use it.
-    sqlx::query("UPDATE dedup_schema SET compat_floor = 3")
+    // The newer dedup contracted the schema: this generation may no longer use it.
+    sqlx::query("UPDATE dedup_schema SET compat_floor = $1")
+        .bind(newer)
         .execute(&pool)
         .await
         .unwrap();
@@ -227,17 +235,17 @@ async fn a_newer_schema_is_used_until_its_floor_passes_this_binary(pool: PgPool)
             matches!(
                 err,
                 SchemaError::BinaryTooOld {
-                    schema_generation: 3,
-                    compat_floor: 3,
+                    schema_generation,
+                    compat_floor,
                     binary_generation: SCHEMA_GENERATION,
-                }
+                } if schema_generation == newer && compat_floor == newer
             ),
             "{mode}: {err:?}"
         );
         assert!(!err.is_retryable());
         let message = err.to_string();
         assert!(
-            message.contains("generation 3 or later")
+            message.contains(&format!("generation {newer} or later"))
                 && message.contains(&format!("this binary is generation {SCHEMA_GENERATION}")),
             "{message}"
         );

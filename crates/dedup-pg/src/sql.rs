@@ -156,18 +156,14 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
 
 /// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
 /// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
-pub(crate) const COMPLETE_BATCH_SQL: &str = concat!(
-    "UPDATE dedup_records AS r SET state = 'completed', lease_until = NULL, result = q.result,",
-    " failure = NULL, updated_at = statement_timestamp(),",
-    " expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at",
-    "   ELSE statement_timestamp() + q.ret_us::float8 * interval '1 microsecond' END,",
-    " pinned_ttl = CASE WHEN r.expires_at = 'infinity'",
-    "   THEN q.ret_us::float8 * interval '1 microsecond' ELSE r.pinned_ttl END",
-    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[])",
-    "   AS q(scope, key, token, result, ret_us)",
-    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
-    " RETURNING r.scope, r.key"
-);
+///
+/// Through `dedup_complete_batch` (migration 20261127000001): the same UPDATE, planned at each
+/// call with sequential scans and hash and merge joins ruled out, so that each key is found
+/// through the primary key even when the table's statistics say it is empty (a prepared join
+/// planned then kept a sequential scan of the whole table while the table grew).
+pub(crate) const COMPLETE_BATCH_SQL: &str = "SELECT s AS scope, k AS key \
+     FROM dedup_complete_batch($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[]) \
+     AS f(s, k)";
 
 /// Reads many records. $1 scopes, $2 keys.
 pub(crate) const GET_MANY_SQL: &str = concat!(
