@@ -326,3 +326,62 @@ fn modes_read_and_print_as_their_names() {
     assert_eq!(MIGRATOR.table_name, "dedup_migrations");
     assert!(MIGRATOR.ignore_missing);
 }
+
+/// A deploy whose migration step has not run yet: the schema is one migration behind this
+/// binary. Off must refuse it at start (it would otherwise run against a schema that lacks what
+/// this binary uses: every batch completion failing, effects running again), verify names the
+/// missing migration, and apply brings it up to date, after which every mode accepts it.
+#[sqlx::test(migrations = false)]
+async fn a_schema_older_than_the_binary_is_refused_until_it_is_migrated(pool: PgPool) {
+    let all: Vec<&Migration> = MIGRATOR.iter().collect();
+    let (newest, before) = all.split_last().unwrap();
+    MIGRATOR
+        .run_to(before.last().unwrap().version, &pool)
+        .await
+        .unwrap();
+    let (generation,): (i32,) = sqlx::query_as("SELECT generation FROM dedup_schema")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(generation < SCHEMA_GENERATION, "{generation}");
+
+    let err = prepare(&pool, MigrationMode::Off).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SchemaError::SchemaTooOld {
+                schema_generation,
+                binary_generation: SCHEMA_GENERATION,
+            } if schema_generation == generation
+        ),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    let message = err.to_string();
+    assert!(
+        message.contains("dedup migrate")
+            && message.contains(&format!("generation {generation}"))
+            && message.contains(&format!("(generation {SCHEMA_GENERATION})")),
+        "{message}"
+    );
+    let err = prepare(&pool, MigrationMode::Verify).await.unwrap_err();
+    assert!(
+        matches!(err, SchemaError::Missing { version, .. } if version == newest.version),
+        "{err:?}"
+    );
+
+    let status = prepare(&pool, MigrationMode::Apply).await.unwrap();
+    assert_eq!(status.applied, vec![newest.version]);
+    for mode in [
+        MigrationMode::Apply,
+        MigrationMode::Verify,
+        MigrationMode::Off,
+    ] {
+        let status = prepare(&pool, mode).await.unwrap();
+        assert_eq!(
+            status.schema.unwrap().generation,
+            SCHEMA_GENERATION,
+            "{mode}"
+        );
+    }
+}

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+pub use crate::kill_switch::KillSwitch;
+
 /// Where a message's idempotency key comes from.
 #[derive(Clone, PartialEq, Eq, Debug)]
 #[non_exhaustive]
@@ -170,6 +172,9 @@ pub struct RunnerConfig {
     /// Further librdkafka properties for the consumer and the dead-letter producer (for example
     /// `broker.address.family=v4`, `security.protocol`, `group.protocol`).
     pub client: Vec<(String, String)>,
+    /// When the runner stops taking messages because its handler fails everything; off by
+    /// default.
+    pub kill_switch: Option<KillSwitch>,
 }
 
 impl RunnerConfig {
@@ -201,6 +206,7 @@ impl RunnerConfig {
             commit_interval: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(30),
             client: Vec::new(),
+            kill_switch: None,
         }
     }
 
@@ -286,6 +292,13 @@ impl RunnerConfig {
         self
     }
 
+    /// Turns the kill switch on: past a failure rate the runner stops taking messages for a
+    /// pause and withdraws failures instead of recording them (see [`KillSwitch`]).
+    pub fn with_kill_switch(mut self, kill_switch: KillSwitch) -> Self {
+        self.kill_switch = Some(kill_switch);
+        self
+    }
+
     /// Adds a librdkafka property for both the consumer and the dead-letter producer.
     pub fn with_client(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.client.push((key.into(), value.into()));
@@ -350,6 +363,9 @@ impl RunnerConfig {
             ));
         }
         bounded("backoff", self.backoff.max)?;
+        if let Some(ks) = &self.kill_switch {
+            ks.validate()?;
+        }
         match &self.key {
             KeySource::Header(h) if h.is_empty() => {
                 return Err(ConfigError::new("key", "empty header name"));

@@ -67,6 +67,7 @@ mod config;
 mod consumer;
 mod dead_letter;
 mod delivery;
+mod kill_switch;
 mod runner;
 mod stats;
 mod trace;
@@ -75,8 +76,8 @@ mod tx;
 mod typed;
 
 pub use config::{
-    Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, MAX_SETTING_DURATION, MissingKey,
-    Ordering, OrderingKey, RunnerConfig,
+    Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, KillSwitch, MAX_SETTING_DURATION,
+    MissingKey, Ordering, OrderingKey, RunnerConfig,
 };
 pub use dead_letter::{
     DLQ_ATTEMPTS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,

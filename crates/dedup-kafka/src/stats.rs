@@ -121,6 +121,9 @@ pub(crate) struct Counters {
     pub(crate) parked_keys: Counter,
     pub(crate) parked_messages: Counter,
     pub(crate) parked_oldest_ms: Counter,
+    pub(crate) kill_switch_trips: Counter,
+    pub(crate) kill_switch_withdrawn: Counter,
+    pub(crate) kill_switch_open: Counter,
 }
 
 /// A live view of a runner's counters.
@@ -167,6 +170,9 @@ impl StatsHandle {
             parked_keys: c.parked_keys.get(),
             parked_messages: c.parked_messages.get(),
             parked_oldest_ms: c.parked_oldest_ms.get(),
+            kill_switch_trips: c.kill_switch_trips.get(),
+            kill_switch_withdrawn: c.kill_switch_withdrawn.get(),
+            kill_switch_open: c.kill_switch_open.get(),
             latency_p50_us: c.latency.quantile(0.5),
             latency_p99_us: c.latency.quantile(0.99),
         }
@@ -230,6 +236,14 @@ pub struct RunnerStats {
     pub max_blocked: u64,
     /// Times a partition was paused because blocked messages reached `max_blocked`.
     pub blocked_pauses: u64,
+    /// Times the kill switch opened (the handler failed too often; see
+    /// [`KillSwitch`](crate::KillSwitch)), a failed probe included.
+    pub kill_switch_trips: u64,
+    /// Handler failures withdrawn (the key given back unspent, the message retried later)
+    /// because the kill switch was suspect, open or probing.
+    pub kill_switch_withdrawn: u64,
+    /// 1 while the kill switch is open (no messages taken), else 0.
+    pub kill_switch_open: u64,
     /// Messages written to the parked queue (with parking: after their in-place runs, or behind
     /// an earlier parked message of their ordering key).
     pub parked: u64,

@@ -15,8 +15,9 @@
 //! - **The floor.** `dedup_schema` holds the schema's `generation` (the generation of the binary
 //!   whose migrations wrote it) and its `compat_floor` (the oldest generation of binary that can
 //!   still use it). A binary of generation [`SCHEMA_GENERATION`] refuses a schema whose floor is
-//!   above it ([`SchemaError::BinaryTooOld`]) and accepts, with an info log, a newer schema whose
-//!   floor it meets.
+//!   above it ([`SchemaError::BinaryTooOld`]), refuses a schema older than itself once its
+//!   migrations had their chance to run ([`SchemaError::SchemaTooOld`]), and accepts, with an
+//!   info log, a newer schema whose floor it meets.
 //!
 //! The statements are here, not in `sql.rs`: they serve start-up only and name sqlx's tables.
 
@@ -64,7 +65,10 @@ pub enum MigrationMode {
     /// its checksum, then the floor. For roles without DDL rights, with the migrations applied by
     /// a deploy step (`dedup migrate`).
     Verify,
-    /// Check only the floor, and only if `dedup_schema` exists.
+    /// Change nothing and check only `dedup_schema`, if it exists: its floor must allow this
+    /// binary, and its generation must not be older than this binary's (a deploy step that has
+    /// not migrated yet is refused, [`SchemaError::SchemaTooOld`], rather than run against a
+    /// schema missing what this binary uses).
     Off,
 }
 
@@ -154,6 +158,19 @@ pub enum SchemaError {
         schema_generation: i32,
         /// The schema's compatibility floor.
         compat_floor: i32,
+        /// This binary's generation ([`SCHEMA_GENERATION`]).
+        binary_generation: i32,
+    },
+    /// The schema is older than this binary: a migration this binary needs has not been applied
+    /// (the binary would fail on what it is missing, or worse, run effects it cannot record).
+    /// Apply dedup's migrations (`dedup migrate`) before starting this binary.
+    #[error(
+        "the dedup schema is generation {schema_generation}, older than this binary (generation \
+         {binary_generation}): apply dedup's migrations (`dedup migrate`) before starting it"
+    )]
+    SchemaTooOld {
+        /// The schema's generation.
+        schema_generation: i32,
         /// This binary's generation ([`SCHEMA_GENERATION`]).
         binary_generation: i32,
     },
@@ -286,7 +303,8 @@ const SCHEMA_SQL: &str = "SELECT generation, compat_floor FROM dedup_schema WHER
 /// - [`MigrationMode::Verify`]: no DDL and no writes: every embedded migration must be recorded in
 ///   `dedup_migrations` with its checksum (else [`SchemaError::Missing`], [`SchemaError::NotMoved`]
 ///   or [`SchemaError::Mismatch`], naming it), and the floor must allow this binary.
-/// - [`MigrationMode::Off`]: the floor check alone, and only if `dedup_schema` exists.
+/// - [`MigrationMode::Off`]: only if `dedup_schema` exists, the floor check, and a schema older
+///   than this binary refused ([`SchemaError::SchemaTooOld`]).
 ///
 /// A schema newer than this binary whose floor this binary meets (a rollback, or a deploy under
 /// way) is accepted and logged at info.
@@ -414,9 +432,15 @@ fn within_floor(v: SchemaVersion) -> Result<SchemaVersion, SchemaError> {
     Ok(v)
 }
 
-/// The floor check, with the info log for a newer schema.
+/// The floor check, the refusal of an older schema, and the info log for a newer one.
 fn accept(v: SchemaVersion) -> Result<SchemaVersion, SchemaError> {
     let v = within_floor(v)?;
+    if v.generation < SCHEMA_GENERATION {
+        return Err(SchemaError::SchemaTooOld {
+            schema_generation: v.generation,
+            binary_generation: SCHEMA_GENERATION,
+        });
+    }
     if v.generation > SCHEMA_GENERATION {
         info!(
             schema_generation = v.generation,

@@ -23,11 +23,12 @@ use futures_util::FutureExt;
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
-    Backpressure, Contact, RunnerContext, Shared, clients, commit, lock, sleep_until_opt,
-    until_refused,
+    Backpressure, Contact, PauseReason, RunnerContext, Shared, apply_pauses, clients, commit, lock,
+    sleep_until_opt, until_refused,
 };
 use crate::dead_letter::DeadLetters;
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
+use crate::kill_switch::Breaker;
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
 mod park;
@@ -254,6 +255,7 @@ struct Inner<S, H> {
     counters: Arc<Counters>,
     stopping: watch::Receiver<bool>,
     park: Option<Arc<park::ParkCtx>>,
+    breaker: Breaker,
 }
 
 impl<S, H> Runner<S, H>
@@ -314,6 +316,7 @@ where
         let (shutdown, refused) = until_refused(shutdown, &contact);
 
         let (stop_tx, stop_rx) = watch::channel(false);
+        let breaker = Breaker::new(self.config.kill_switch, self.counters.clone());
         let inner = Arc::new(Inner {
             config: self.config,
             dedup: self.dedup,
@@ -322,6 +325,7 @@ where
             counters: self.counters.clone(),
             stopping: stop_rx,
             park: self.park,
+            breaker,
         });
         let mut lp = Loop {
             inner: inner.clone(),
@@ -358,8 +362,11 @@ where
                 _ = commit_tick.tick() => lp.commit(CommitMode::Async),
                 _ = park_tick.tick(), if parking => lp.park_tick(),
                 () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
-                    lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.counters);
+                    lp.pressure.set_paused(true, &lp.shared, &inner.counters);
                 }
+                // The kill switch opened, or its pause is over: the pause reason follows it.
+                () = inner.breaker.opened() => {}
+                () = sleep_until_opt(inner.breaker.open_until()), if inner.breaker.is_open() => {}
                 m = lp.consumer.recv(), if lp.pressure.taking() => match m {
                     Ok(m) => {
                         let delivery = Delivery::from_message(&m);
@@ -372,21 +379,17 @@ where
                     }
                 },
             }
-            let was_paused = lp.pressure.is_paused();
             lp.pressure.update(
                 lp.held,
                 inner.config.max_in_flight,
-                &lp.consumer,
                 &lp.shared,
                 &inner.counters,
             );
-            if was_paused && !lp.pressure.is_paused() {
-                // Resuming the assignment resumed the partitions paused for their blocked lanes,
-                // and those paused for a full parked queue (paused again at once).
-                lp.blocked_paused.clear();
-                lp.repause_parked();
-            }
             lp.pause_blocked();
+            lock(&lp.shared)
+                .pauses
+                .set_all(PauseReason::KillSwitch, inner.breaker.is_open());
+            apply_pauses(&lp.consumer, &lp.shared);
         }
 
         // Shutdown: running messages finish (their retries stop), queued ones are left to
@@ -534,9 +537,9 @@ where
         }
     }
 
-    /// Pauses the partitions of blocked lanes once blocked messages reach `max_blocked` (other
-    /// partitions keep flowing), and resumes them once the blocked messages are down to half the
-    /// bound or the partition has no blocked lane left.
+    /// Holds the partitions of blocked lanes paused ([`PauseReason::Blocked`]) once blocked
+    /// messages reach `max_blocked` (other partitions keep flowing), and lets go of them once the
+    /// blocked messages are down to half the bound or the partition has no blocked lane left.
     fn pause_blocked(&mut self) {
         let max = self.inner.config.max_blocked;
         if self.blocked * 2 <= max && self.blocked_paused.is_empty() {
@@ -559,36 +562,33 @@ where
                 .cloned()
                 .collect()
         };
-        let list = |parts: &mut dyn Iterator<Item = &(String, i32, u64)>| {
-            let mut tpl = rdkafka::TopicPartitionList::new();
-            for (topic, partition, _) in parts {
-                tpl.add_partition(topic, *partition);
-            }
-            tpl
-        };
-        // Resumes first: a partition reassigned while paused is in both sets under two
-        // generations, and must end paused. While the whole assignment is paused its resumption
-        // resumes these too.
-        let resume = list(&mut self.blocked_paused.difference(&want));
-        if resume.count() > 0
-            && !self.pressure.is_paused()
-            && let Err(e) = self.consumer.resume(&resume)
+        // Each partition's reason is set under its ownership: a partition reassigned while
+        // paused is in both sets under two generations, and the old one's clearing leaves the new
+        // one's alone. Other reasons (a full parked queue, backpressure) keep holding it.
+        let mut newly = 0;
         {
-            warn!(error = %e, "resuming partitions with blocked messages failed");
-        }
-        let pause = list(&mut want.difference(&self.blocked_paused));
-        if pause.count() > 0 {
-            match self.consumer.pause(&pause) {
-                Ok(()) => {
-                    self.inner.counters.blocked_pauses.add(pause.count() as u64);
-                    debug!(
-                        partitions = pause.count(),
-                        blocked = self.blocked,
-                        "paused partitions with blocked messages"
-                    );
-                }
-                Err(e) => warn!(error = %e, "pausing partitions with blocked messages failed"),
+            let mut shared = lock(&self.shared);
+            for (topic, partition, generation) in self.blocked_paused.difference(&want) {
+                let tp = (topic.clone(), *partition);
+                shared
+                    .pauses
+                    .set(&tp, *generation, PauseReason::Blocked, false);
             }
+            for (topic, partition, generation) in want.difference(&self.blocked_paused) {
+                let tp = (topic.clone(), *partition);
+                shared
+                    .pauses
+                    .set(&tp, *generation, PauseReason::Blocked, true);
+                newly += 1;
+            }
+        }
+        if newly > 0 {
+            self.inner.counters.blocked_pauses.add(newly);
+            debug!(
+                partitions = newly,
+                blocked = self.blocked,
+                "pausing partitions with blocked messages"
+            );
         }
         self.blocked_paused = want;
     }
@@ -721,6 +721,18 @@ where
         job.revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow()
     }
 
+    /// Waits while the kill switch is open; false if the job should be abandoned instead.
+    async fn wait_while_open(&self, job: &Job) -> bool {
+        if self.breaker.is_open() {
+            let mut stopping = self.stopping.clone();
+            tokio::select! {
+                () = self.breaker.wait_until_shut() => {}
+                _ = stopping.wait_for(|s| *s) => {}
+            }
+        }
+        !self.abandoned(job)
+    }
+
     /// Waits before retry `n`; false if the job should be abandoned instead.
     async fn wait_retry(&self, job: &Job, n: u32) -> bool {
         self.counters.retries.add(1);
@@ -799,8 +811,13 @@ where
         // Postgres refused to park it for good: it runs on in place.
         let mut unparkable = false;
         loop {
+            // An open kill switch starts no handler until its pause is over.
+            if !self.wait_while_open(job).await {
+                return Settled::Abandoned;
+            }
             let delivery = job.delivery.clone();
             let handler = &self.handler;
+            let breaker = &self.breaker;
             let granted = AtomicBool::new(false);
             let granted_ref = &granted;
             let unblock = blocked.then(|| (events.clone(), job.lane.clone()));
@@ -811,9 +828,15 @@ where
                     if let Some((events, lane)) = unblock {
                         let _ = events.send(Event::Unblocked(lane));
                     }
-                    handler.handle(delivery, Some(lease)).map(no_withdraw)
+                    handler
+                        .handle(delivery, Some(lease))
+                        .map(no_withdraw)
+                        .map(|r| breaker.judge(r))
                 })
                 .await;
+            if matches!(out, Err(ProcessError::Panicked { .. })) {
+                self.breaker.failure();
+            }
             if granted.load(AtomicOrdering::Relaxed) {
                 blocked = false;
             }
@@ -894,13 +917,27 @@ where
         let max = self.dedup.policy().max_attempts;
         let mut attempt = 0;
         loop {
+            if !self.wait_while_open(job).await {
+                return Settled::Abandoned;
+            }
             attempt += 1;
             let call = AssertUnwindSafe(
                 self.handler
                     .handle(job.delivery.clone(), None)
                     .map(no_withdraw),
             );
-            let out = match call.catch_unwind().await {
+            let out = call.catch_unwind().await;
+            // Judged by the kill switch: a failure it withdraws spends no attempt.
+            if matches!(out, Ok(Ok(_))) {
+                self.breaker.success();
+            } else if self.breaker.failure() {
+                attempt -= 1;
+                if !self.wait_retry(job, attempt.max(1)).await {
+                    return Settled::Abandoned;
+                }
+                continue;
+            }
+            let out = match out {
                 Ok(out) => out,
                 Err(panic) => {
                     self.counters.panics.add(1);

@@ -20,6 +20,7 @@ use super::exec::{Common, Exec, Settled};
 use super::{Acquired, BatchHandler, Done, Item};
 use crate::consumer::TopicPartition;
 use crate::delivery::Delivery;
+use crate::kill_switch::Breaker;
 use crate::runner::{DisplayHandlerError, panic_message};
 
 pub(crate) struct Inner<H> {
@@ -175,7 +176,11 @@ impl<H: BatchHandler> Inner<H> {
                 .entry(i.key.clone())
                 .or_insert_with(|| i.delivery.clone());
         }
-        let body = body(self.handler.clone(), deliveries);
+        let body = body(
+            self.handler.clone(),
+            deliveries,
+            self.common.breaker.clone(),
+        );
         let answers = match position {
             _ if items.is_empty() => Ok(Vec::new()),
             Some(position) => {
@@ -349,6 +354,7 @@ fn mismatch(item: Item) -> Letter {
 fn body<H: BatchHandler>(
     handler: Arc<H>,
     deliveries: HashMap<IdempotencyKey, Arc<Delivery>>,
+    breaker: Arc<Breaker>,
 ) -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, H::Error> + Send {
     move |tx, leases| {
         let batch: Option<Vec<Acquired>> = leases
@@ -360,15 +366,17 @@ fn body<H: BatchHandler>(
                 })
             })
             .collect();
-        let handler = handler.clone();
+        let (handler, breaker) = (handler.clone(), breaker.clone());
         Box::pin(async move {
             let Some(batch) = batch else {
                 return Err(HandlerError::Store(StoreError::backend(Unmatched)));
             };
-            let out = handler.handle(tx, &batch).await.map_err(no_withdraw)?;
+            // The kill switch judges each message's answer (a failure of the whole call counts
+            // once); while it is wary a failure is withdrawn: released, no attempt spent.
+            let out = breaker.judge(handler.handle(tx, &batch).await.map_err(no_withdraw))?;
             Ok(out
                 .into_iter()
-                .map(|r| r.map_err(no_withdraw))
+                .map(|r| breaker.judge(r.map_err(no_withdraw)))
                 .collect::<Vec<ItemResult<H::Error>>>())
         })
     }

@@ -34,6 +34,8 @@ pub(crate) struct Common {
     pub(crate) dead_letters: DeadLetters,
     pub(crate) counters: Arc<Counters>,
     pub(crate) stopping: watch::Receiver<bool>,
+    /// The kill switch: judges handler answers; while open, no batch starts.
+    pub(crate) breaker: Arc<crate::kill_switch::Breaker>,
 }
 
 impl Common {

@@ -114,6 +114,7 @@ where
         )?;
         let (shutdown, refused) = until_refused(shutdown, &contact);
         let (stop_tx, stop_rx) = watch::channel(false);
+        let kill_switch = self.config.kill_switch;
         let inner = Arc::new(Inner {
             common: Common {
                 config: self.config,
@@ -121,6 +122,10 @@ where
                 dead_letters,
                 counters: self.counters.clone(),
                 stopping: stop_rx,
+                breaker: Arc::new(crate::kill_switch::Breaker::new(
+                    kill_switch,
+                    self.counters.clone(),
+                )),
             },
             dedup: self.dedup,
             handler: self.handler,
@@ -206,6 +211,7 @@ where
                 handler
                     .handle(items[k].delivery.clone(), Some(lease))
                     .map(no_withdraw)
+                    .map(|r| self.common.breaker.judge(r))
             })
             .await;
         self.common.counters.batches.add(1);
@@ -243,6 +249,7 @@ where
             };
             if matches!(err, ProcessError::Panicked { .. }) {
                 self.common.counters.panics.add(1);
+                self.common.breaker.failure();
             }
             if err.is_retryable() {
                 if matches!(err, ProcessError::Store(_)) {

@@ -41,8 +41,8 @@ use tracing::{info, warn};
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
-    Backpressure, Contact, RunnerContext, Shared, StartOffsets, TopicPartition, clients, commit,
-    lock, refused_or, sleep_until_opt, until_refused,
+    Backpressure, Contact, PauseReason, RunnerContext, Shared, StartOffsets, TopicPartition,
+    apply_pauses, clients, commit, lock, refused_or, sleep_until_opt, until_refused,
 };
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::runner::RunnerError;
@@ -306,6 +306,7 @@ impl<H: BatchHandler> TxRunner<H> {
         )?;
         let (shutdown, refused) = until_refused(shutdown, &contact);
         let (stop_tx, stop_rx) = watch::channel(false);
+        let kill_switch = self.config.kill_switch;
         let inner = Arc::new(batch::Inner {
             common: Common {
                 config: self.config,
@@ -313,6 +314,10 @@ impl<H: BatchHandler> TxRunner<H> {
                 dead_letters,
                 counters: self.counters.clone(),
                 stopping: stop_rx,
+                breaker: Arc::new(crate::kill_switch::Breaker::new(
+                    kill_switch,
+                    self.counters.clone(),
+                )),
             },
             store: self.store,
             policy: self.policy,
@@ -362,9 +367,12 @@ pub(crate) async fn run_loop<X: Exec>(
             Some(done) = done_rx.recv() => lp.settle(done),
             _ = commit_tick.tick() => lp.commit(CommitMode::Async),
             () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
-                lp.pressure.set_paused(true, &lp.consumer, &lp.shared, &inner.common().counters);
+                lp.pressure.set_paused(true, &lp.shared, &inner.common().counters);
             }
             () = sleep_until_opt(next), if next.is_some() => {}
+            // The kill switch opened, or its pause is over: the pause reason follows it.
+            () = inner.common().breaker.opened() => {}
+            () = sleep_until_opt(inner.common().breaker.open_until()), if inner.common().breaker.is_open() => {}
             m = lp.consumer.recv(), if lp.pressure.taking() => match m {
                 Ok(m) => {
                     let delivery = Delivery::from_message(&m);
@@ -381,10 +389,13 @@ pub(crate) async fn run_loop<X: Exec>(
         lp.pressure.update(
             lp.held,
             inner.common().config.max_in_flight,
-            &lp.consumer,
             &lp.shared,
             &inner.common().counters,
         );
+        lock(&lp.shared)
+            .pauses
+            .set_all(PauseReason::KillSwitch, inner.common().breaker.is_open());
+        apply_pauses(&lp.consumer, &lp.shared);
     }
 
     // Shutdown: running batches finish (their dead-letter retries stop), queued messages
@@ -674,8 +685,11 @@ impl<X: Exec> Loop<X> {
         q.queue.push(item);
     }
 
-    /// When the next batch is due to run, if one waits.
+    /// When the next batch is due to run, if one waits (none while the kill switch is open).
     fn next_batch_at(&self) -> Option<Instant> {
+        if self.inner.common().breaker.is_open() {
+            return None;
+        }
         self.parts
             .values()
             .filter(|q| q.running.is_none() && !q.queue.is_empty())
@@ -690,7 +704,9 @@ impl<X: Exec> Loop<X> {
             self.inner.common().batching.size,
             self.inner.common().batching.wait,
         );
-        let stopping = *self.inner.common().stopping.borrow();
+        // An open kill switch starts no batch until its pause is over.
+        let stopping =
+            *self.inner.common().stopping.borrow() || self.inner.common().breaker.is_open();
         let shared = self.shared.clone();
         let mut abandoned = 0;
         for (tp, q) in &mut self.parts {

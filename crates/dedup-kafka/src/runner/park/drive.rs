@@ -6,14 +6,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 
 use dedup_core::Store;
-use rdkafka::consumer::Consumer;
 use tracing::{Instrument, debug, info_span, warn};
 
 use futures_util::FutureExt;
 
 use super::super::{Done, Event, Handler, Job, Lane, Loop, Report, Settled};
 use super::{Head, HeadRun, ParkCtx, ParkEvent, PartParks, PartRef};
-use crate::consumer::lock;
+use crate::consumer::{PauseReason, lock};
 
 /// Parked heads run at once at most, over the runner's partitions.
 const MAX_RUNNING: usize = 64;
@@ -36,22 +35,6 @@ where
             .get(&(lane.topic.clone(), lane.partition))
             .filter(|p| p.generation == lane.generation)
             .and_then(|p| p.epoch)
-    }
-
-    /// After the whole assignment was resumed (backpressure let go): the partitions whose
-    /// parked queue is full are paused again.
-    pub(in crate::runner) fn repause_parked(&mut self) {
-        let mut tpl = rdkafka::TopicPartitionList::new();
-        for (tp, p) in &self.parks.parts {
-            if p.paused {
-                tpl.add_partition(&tp.0, tp.1);
-            }
-        }
-        if tpl.count() > 0
-            && let Err(e) = self.consumer.pause(&tpl)
-        {
-            warn!(error = %e, "pausing again the partitions whose parked queue is full failed");
-        }
     }
 
     /// At shutdown: messages waiting for a barrier or for room are left to redelivery.
@@ -122,7 +105,8 @@ where
         let Some(tx) = self.park_event() else {
             return;
         };
-        if !synced.is_empty() && !self.parks.heads_running {
+        // An open kill switch runs no parked head either.
+        if !synced.is_empty() && !self.parks.heads_running && !self.inner.breaker.is_open() {
             self.parks.heads_running = true;
             let (ctx, tx, parts) = (ctx.clone(), tx.clone(), synced.clone());
             tokio::spawn(async move {
@@ -307,12 +291,12 @@ where
                 self.place(job);
             }
             let still = self.parks.parts.get(&tp).is_some_and(|p| p.paused);
-            if was_paused && !still && !self.pressure.is_paused() {
-                let mut tpl = rdkafka::TopicPartitionList::new();
-                tpl.add_partition(&tp.0, tp.1);
-                if let Err(e) = self.consumer.resume(&tpl) {
-                    warn!(error = %e, "resuming a partition after parked room came back failed");
-                }
+            if was_paused && !still {
+                // Its other reasons (blocked lanes, backpressure) may still hold it.
+                let generation = self.parks.parts.get(&tp).map_or(0, |p| p.generation);
+                lock(&self.shared)
+                    .pauses
+                    .set(&tp, generation, PauseReason::ParkedFull, false);
             }
         }
     }
@@ -391,11 +375,9 @@ where
             p.waiting.push(job);
             if !p.paused {
                 p.paused = true;
-                let mut tpl = rdkafka::TopicPartitionList::new();
-                tpl.add_partition(&tp.0, tp.1);
-                if let Err(e) = self.consumer.pause(&tpl) {
-                    warn!(error = %e, "pausing a partition whose parked queue is full failed");
-                }
+                lock(&self.shared)
+                    .pauses
+                    .set(&tp, p.generation, PauseReason::ParkedFull, true);
             }
             return false;
         }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::time::Duration;
 
-use dedup_core::{Fingerprint, ProcessError, Scope, Store};
+use dedup_core::{Fingerprint, HandlerError, ProcessError, Scope, Store};
 use futures_util::FutureExt;
 use tracing::{Instrument, debug, error, info_span, warn};
 
@@ -35,8 +35,10 @@ where
         let Some(ctx) = &self.park else {
             return false;
         };
+        // A kill switch that suspects an outage parks nothing: failures are withdrawn.
         if failed_runs < ctx.cfg.in_place_attempts
             || matches!(err, ProcessError::InFlight { .. } | ProcessError::Store(_))
+            || self.breaker.wary()
         {
             return false;
         }
@@ -343,12 +345,27 @@ where
             .then(|| Fingerprint::of(d.payload_bytes()));
         let handler = &self.handler;
         let delivery = d.clone();
+        let breaker = &self.breaker;
+        let withdrawn = std::sync::atomic::AtomicBool::new(false);
+        let withdrawn_ref = &withdrawn;
         let out = self
             .dedup
             .try_process(&key, fingerprint, move |lease| {
-                handler.handle(delivery, Some(lease)).map(no_withdraw)
+                handler
+                    .handle(delivery, Some(lease))
+                    .map(no_withdraw)
+                    .map(move |r| {
+                        let r = breaker.judge(r);
+                        if matches!(r, Err(HandlerError::Withdraw(_))) {
+                            withdrawn_ref.store(true, AtomicOrdering::Relaxed);
+                        }
+                        r
+                    })
             })
             .await;
+        if matches!(out, Err(ProcessError::Panicked { .. })) {
+            self.breaker.failure();
+        }
         let checked = out.map(|processed| {
             let check = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 self.handler.check_result(&d, &processed)
@@ -399,6 +416,8 @@ where
                 ProcessError::InFlight { .. } | ProcessError::Store(_) => {
                     (head.attempts, "waiting")
                 }
+                // Withdrawn by the kill switch: no attempt spent.
+                _ if withdrawn.load(AtomicOrdering::Relaxed) => (head.attempts, "withdrawn"),
                 _ => (attempts, "failed"),
             };
             span.record("outcome", what);

@@ -1,12 +1,12 @@
-//! The consumer side both runners share: the partitions this member owns and what is settled in
-//! them, the rebalance callbacks, offset commits, backpressure, and the Kafka clients.
+//! The consumer side every runner shares: the partitions this member owns and what is settled in
+//! them, the rebalance callbacks, offset commits, why partitions are paused (`pause`), and the
+//! Kafka clients.
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
 
 use crate::dead_letter::{DeadLetters, RefusedTable};
 use rdkafka::client::ClientContext;
@@ -19,6 +19,9 @@ use tracing::{debug, info, warn};
 
 use crate::config::RunnerConfig;
 use crate::stats::Counters;
+
+mod pause;
+pub(crate) use pause::{Backpressure, PauseReason, Pauses, apply as apply_pauses};
 
 pub(crate) type TopicPartition = (String, i32);
 
@@ -47,7 +50,8 @@ impl Part {
 pub(crate) struct Shared {
     pub(crate) parts: HashMap<TopicPartition, Part>,
     pub(crate) generation: u64,
-    pub(crate) paused: bool,
+    /// Why partitions are paused.
+    pub(crate) pauses: Pauses,
     /// Stored start positions of the partitions being assigned (from `pre_rebalance` to
     /// `post_rebalance`).
     pub(crate) starts: HashMap<TopicPartition, i64>,
@@ -194,6 +198,12 @@ impl ConsumerContext for RunnerContext {
         let mut commit = TopicPartitionList::new();
         {
             let mut shared = lock(&self.shared);
+            let revoked: Vec<TopicPartition> = tpl
+                .elements()
+                .iter()
+                .map(|e| (e.topic().to_owned(), e.partition()))
+                .collect();
+            shared.pauses.revoked(revoked.iter());
             for e in tpl.elements() {
                 let tp = (e.topic().to_owned(), e.partition());
                 if let Some(part) = shared.parts.remove(&tp) {
@@ -227,17 +237,21 @@ impl ConsumerContext for RunnerContext {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 self.contact.reached();
-                let paused = {
+                let (pause, resume) = {
                     let mut shared = lock(&self.shared);
                     shared.generation += 1;
                     let generation = shared.generation;
                     let starts = std::mem::take(&mut shared.starts);
-                    for e in tpl.elements() {
-                        let tp = (e.topic().to_owned(), e.partition());
+                    let assigned: Vec<TopicPartition> = tpl
+                        .elements()
+                        .iter()
+                        .map(|e| (e.topic().to_owned(), e.partition()))
+                        .collect();
+                    for tp in &assigned {
                         // From a stored position, that is the position until a message comes.
-                        let next = starts.get(&tp).copied();
+                        let next = starts.get(tp).copied();
                         shared.parts.insert(
-                            tp,
+                            tp.clone(),
                             Part {
                                 generation,
                                 revoked: Arc::new(AtomicBool::new(false)),
@@ -247,17 +261,28 @@ impl ConsumerContext for RunnerContext {
                             },
                         );
                     }
-                    shared.paused
+                    shared.pauses.assigned(assigned.iter(), generation)
                 };
                 // librdkafka keeps an application pause across revoke and re-assign: say
-                // explicitly which state these partitions are in.
-                let r = if paused {
-                    consumer.pause(tpl)
-                } else {
-                    consumer.resume(tpl)
-                };
-                if let Err(e) = r {
-                    debug!(error = %e, "pause/resume on assignment");
+                // explicitly which state these partitions are in (paused only if a reason of the
+                // whole assignment holds them: their own reasons begin afresh).
+                let paused = !pause.is_empty();
+                for (tps, pausing) in [(pause, true), (resume, false)] {
+                    if tps.is_empty() {
+                        continue;
+                    }
+                    let mut list = TopicPartitionList::new();
+                    for (topic, partition) in &tps {
+                        list.add_partition(topic, *partition);
+                    }
+                    let r = if pausing {
+                        consumer.pause(&list)
+                    } else {
+                        consumer.resume(&list)
+                    };
+                    if let Err(e) = r {
+                        debug!(error = %e, pausing, "pause/resume on assignment");
+                    }
                 }
                 self.counters.assigned.add(tpl.count() as u64);
                 info!(partitions = tpl.count(), paused, "partitions assigned");
@@ -412,91 +437,6 @@ pub(crate) fn commit(
                 }
             }
         }
-    }
-}
-
-/// How long a saturated loop waits for a message to settle before it pauses its partitions.
-const STALL: Duration = Duration::from_secs(1);
-
-/// Backpressure. At `max_in_flight` held messages the loop stops taking messages: no pause, so
-/// nothing is refetched, and every settled message lets one more in, so `recv` (and with it the
-/// rebalance callbacks) keeps running while work completes. If nothing settles for [`STALL`] (a
-/// store down, a slow handler), the loop pauses its partitions and polls again, so rebalances are
-/// served during the stall; it resumes once below the bound.
-#[derive(Debug, Default)]
-pub(crate) struct Backpressure {
-    paused: bool,
-    /// Since when the held messages have been at the bound.
-    saturated_since: Option<Instant>,
-}
-
-impl Backpressure {
-    /// Looks at the held count after each turn of the loop.
-    pub(crate) fn update(
-        &mut self,
-        held: usize,
-        max: usize,
-        consumer: &StreamConsumer<RunnerContext>,
-        shared: &Mutex<Shared>,
-        counters: &Counters,
-    ) {
-        counters.max_held.max(held as u64);
-        if held >= max {
-            if self.saturated_since.is_none() {
-                self.saturated_since = Some(Instant::now());
-                counters.saturated.add(1);
-            }
-            return;
-        }
-        self.saturated_since = None;
-        if self.paused {
-            self.set_paused(false, consumer, shared, counters);
-        }
-    }
-
-    /// Whether the whole assignment is paused.
-    pub(crate) fn is_paused(&self) -> bool {
-        self.paused
-    }
-
-    /// Whether the loop takes messages now.
-    pub(crate) fn taking(&self) -> bool {
-        self.saturated_since.is_none() || self.paused
-    }
-
-    /// When a saturated loop pauses its partitions, if nothing settles before.
-    pub(crate) fn stall_deadline(&self) -> Option<Instant> {
-        match self.saturated_since {
-            Some(t) if !self.paused => Some(t + STALL),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn set_paused(
-        &mut self,
-        pause: bool,
-        consumer: &StreamConsumer<RunnerContext>,
-        shared: &Mutex<Shared>,
-        counters: &Counters,
-    ) {
-        let Ok(assignment) = consumer.assignment() else {
-            return;
-        };
-        let r = if pause {
-            consumer.pause(&assignment)
-        } else {
-            consumer.resume(&assignment)
-        };
-        if let Err(e) = r {
-            warn!(error = %e, pause, "pause/resume failed");
-            return;
-        }
-        self.paused = pause;
-        lock(shared).paused = pause;
-        if pause {
-            counters.pauses.add(1);
-        }
-        debug!(pause, "backpressure");
     }
 }
 
