@@ -25,6 +25,9 @@ pub(crate) struct BatchLedger {
     pub(crate) calls: Arc<AtomicU64>,
     /// If set, each call waits inside its transaction until it reads true.
     pub(crate) gate: Option<tokio::sync::watch::Receiver<bool>>,
+    /// If set, every message is answered as a permanent failure while it reads true (a dropped
+    /// table, a revoked credential: a handler that fails everything).
+    pub(crate) broken: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl BatchHandler for BatchLedger {
@@ -41,6 +44,16 @@ impl BatchHandler for BatchLedger {
             let mut tokens = Vec::with_capacity(batch.len());
             let mut answers: Vec<ItemResult<String>> = Vec::with_capacity(batch.len());
             for a in batch {
+                if self
+                    .broken
+                    .as_ref()
+                    .is_some_and(|b| b.load(Ordering::SeqCst))
+                {
+                    answers.push(Err(HandlerError::Permanent(
+                        "relation \"effects\" does not exist".to_owned(),
+                    )));
+                    continue;
+                }
                 let d = a.delivery();
                 let key = d
                     .header("idempotency-key")

@@ -1486,8 +1486,10 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
 
 mod blocked;
 mod dead_letters;
+mod kill_switch;
 mod lease;
 mod parked;
+mod pauses;
 mod recovery;
 mod redrive;
 mod tls;

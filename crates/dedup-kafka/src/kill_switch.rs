@@ -397,7 +397,7 @@ mod tests {
             KillSwitch::default().with_thresholds(5, 6, 1),
             KillSwitch::default().with_thresholds(5, 1, 0),
         ] {
-            let e = ks.validate().unwrap_err();
+            let e = ks.validate().expect_err("refused");
             assert_eq!(e.setting, "kill_switch", "{ks:?}");
         }
         assert!(KillSwitch::default().validate().is_ok());

@@ -25,6 +25,13 @@
 //!   go to the dead-letter topic with headers [`DLQ_REASON`], [`DLQ_ATTEMPTS`], [`DLQ_TOPIC`],
 //!   [`DLQ_PARTITION`], [`DLQ_OFFSET`], and then the offset moves on. A store that is down is
 //!   retried without limit: a message is never dropped for want of a database.
+//! - **The kill switch** ([`KillSwitch`], off unless set): a handler that fails everything (a
+//!   dropped table, a revoked credential, a bad deploy) does not dead-letter the stream. After a
+//!   few failures in a row further failures are withdrawn (the key given back, no attempt spent,
+//!   the message retried later); past a failure rate the runner stops taking messages and starts
+//!   no handler for a pause (its partitions paused, the consumer still polling), then probes: the
+//!   first success closes it. Counted in [`RunnerStats::kill_switch_trips`] and
+//!   [`RunnerStats::kill_switch_withdrawn`].
 //! - **Rebalances.** On revocation the runner takes no new work for those partitions, lets running
 //!   messages finish on their own (their dedup state is fenced and durable; the new owner replays
 //!   or waits for them), drops queued ones, and commits what is settled. Every assignment resumes

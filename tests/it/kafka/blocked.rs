@@ -21,7 +21,7 @@ on_brokers!(
 );
 
 /// Claims `name` in `group`'s scope as another holder would, with a ten-minute lease.
-async fn hold(pool: &PgPool, group: &str, name: &str) -> dedup_core::Lease {
+pub(super) async fn hold(pool: &PgPool, group: &str, name: &str) -> dedup_core::Lease {
     let req = ClaimRequest::new(key_in(group, name), OwnerId::new("elsewhere#1"))
         .with_policy(Policy::default().with_lease(Duration::from_secs(600)));
     acquired(PgStore::new(pool.clone()).claim(&req).await.unwrap())

@@ -57,7 +57,30 @@ on_brokers!(
     lease_a_stream_with_duplicates_and_poison_books_each_key_once_in_batches,
     lease_one_keys_failures_hold_back_only_that_keys_later_messages,
     lease_a_handler_that_panics_at_once_fails_only_its_message,
+    lease_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_loses_nothing,
 );
+
+/// The kill switch's outage scenario (`kill_switch.rs`) through the lease-mode batch runner.
+async fn lease_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_loses_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let (topic, group, config) = super::kill_switch::stream(broker).await;
+    let dedup = engine(&pool, &redis).await;
+    let store = dedup.store().inner().authority().clone();
+    let (broken, calls) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicU64::new(0)));
+    let run = RunningLease::spawn(
+        config,
+        dedup,
+        super::kill_switch::breakable(store, broken.clone(), calls.clone()),
+    );
+    let stats = run.stats.clone();
+    super::kill_switch::outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
+    run.stop().await;
+}
 
 /// 600 events over 3 partitions, a third of them repeats, poison every 50th key: each key's
 /// effect once (its ledger row and completion in one transaction), in batches; poison

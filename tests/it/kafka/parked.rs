@@ -48,7 +48,7 @@ async fn booked_table(pool: &PgPool) {
 }
 
 /// The booked keys of `account`, in the order they ran.
-async fn booked_of(pool: &PgPool, account: &str) -> Vec<String> {
+pub(super) async fn booked_of(pool: &PgPool, account: &str) -> Vec<String> {
     sqlx::query_scalar("SELECT key FROM booked WHERE account = $1 ORDER BY seq")
         .bind(account)
         .fetch_all(pool)
@@ -76,13 +76,13 @@ async fn assert_booked_once(pool: &PgPool, n: i64) {
 /// The handler's switches: accounts failing (retryably) while their gate is shut, idempotency
 /// keys failing for good, and how often each key was called.
 #[derive(Default)]
-struct Switches {
-    shut: Mutex<HashSet<String>>,
+pub(super) struct Switches {
+    pub(super) shut: Mutex<HashSet<String>>,
     always: Mutex<HashSet<String>>,
     /// Idempotency keys failing permanently, with the error text.
     permanent: Mutex<HashMap<String, String>>,
     calls: Mutex<HashMap<String, u32>>,
-    open: AtomicBool,
+    pub(super) open: AtomicBool,
     /// A key whose run, once the gate is open, waits inside the handler for `release`.
     stall: Mutex<Option<String>>,
     stalled: std::sync::atomic::AtomicU32,
@@ -103,7 +103,7 @@ type HandlerFuture = std::pin::Pin<
 >;
 
 /// Books each message in its lease's transaction, unless a switch says it fails.
-fn booking(
+pub(super) fn booking(
     store: PgStore,
     switches: Arc<Switches>,
 ) -> impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static {
@@ -158,7 +158,7 @@ fn booking(
     }
 }
 
-async fn parking_engine(
+pub(super) async fn parking_engine(
     pool: &PgPool,
     redis: &RedisServer,
     max_attempts: u32,
@@ -179,7 +179,7 @@ async fn parking_engine(
     )
 }
 
-fn parking(after: AfterGiveUp) -> Parking {
+pub(super) fn parking(after: AfterGiveUp) -> Parking {
     Parking::default()
         .with_in_place_attempts(3)
         .with_backoff(Backoff::new(
@@ -190,7 +190,7 @@ fn parking(after: AfterGiveUp) -> Parking {
         .with_after_give_up(after)
 }
 
-fn keyed(name: &str, account: &str) -> Event {
+pub(super) fn keyed(name: &str, account: &str) -> Event {
     let mut e = event(0, 1);
     e.key = Some(name.to_owned());
     e.message_key = Some(account.to_owned());
@@ -225,6 +225,17 @@ fn spawn_parking(
         .config(group, topic)
         .with_ordering(KeyOrdering::PerKey)
         .with_dead_letter_topic(format!("{topic}.dlq"));
+    spawn_parking_config(config, pool, dedup, switches, parking)
+}
+
+/// [`spawn_parking`] with a configuration of the test's own.
+pub(super) fn spawn_parking_config(
+    config: RunnerConfig,
+    pool: &PgPool,
+    dedup: Arc<Dedup<Engine>>,
+    switches: &Arc<Switches>,
+    parking: Parking,
+) -> Running {
     let store = PgStore::new(pool.clone());
     let runner = Runner::new(config, dedup, booking(store.clone(), switches.clone()))
         .unwrap()
@@ -260,14 +271,14 @@ async fn parked(pool: &PgPool, group: &str) -> HashMap<String, u64> {
 
 /// What every scenario starts from: the booking table, a Redis, a topic of one partition, a
 /// group, and the handler's switches.
-struct Scene {
-    redis: RedisServer,
-    topic: String,
-    group: String,
-    switches: Arc<Switches>,
+pub(super) struct Scene {
+    pub(super) redis: RedisServer,
+    pub(super) topic: String,
+    pub(super) group: String,
+    pub(super) switches: Arc<Switches>,
 }
 
-async fn scene(broker: &Broker, pool: &PgPool) -> Scene {
+pub(super) async fn scene(broker: &Broker, pool: &PgPool) -> Scene {
     booked_table(pool).await;
     let topic = unique("parked");
     broker.create_topic(&topic, 1).await;
@@ -296,7 +307,7 @@ async fn until_parked_empty(pool: &PgPool, group: &str) {
 }
 
 /// Waits until `n` messages are booked.
-async fn until_booked(pool: &PgPool, n: i64) {
+pub(super) async fn until_booked(pool: &PgPool, n: i64) {
     eventually(240, &format!("{n} booked"), || async move {
         booked_count(pool).await == n
     })

@@ -106,7 +106,30 @@ on_brokers!(
     tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_transaction,
     tx_a_rebalance_while_batches_run_loses_stalls_and_doubles_nothing,
     tx_a_consumer_stopped_mid_batch_has_its_batch_rolled_back_by_the_server,
+    tx_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_loses_nothing,
 );
+
+/// The kill switch's outage scenario (`kill_switch.rs`) through the transaction-mode runner.
+async fn tx_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_loses_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    effects_table(&pool).await;
+    let (topic, group, config) = super::kill_switch::stream(broker).await;
+    let broken = Arc::new(AtomicBool::new(true));
+    let calls = Arc::new(AtomicU64::new(0));
+    let handler = BatchLedger {
+        worker: "ks".to_owned(),
+        broken: Some(broken.clone()),
+        calls: calls.clone(),
+        ..BatchLedger::default()
+    };
+    let run = RunningTx::spawn(config, &pool, handler);
+    let stats = run.stats.clone();
+    super::kill_switch::outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
+    run.stop().await;
+}
 
 /// 600 events over 3 partitions (a third of them repeats), poison every 50th key, one key reused
 /// with another payload: each key's effect once, in batches; poison and the mismatch

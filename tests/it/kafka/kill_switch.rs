@@ -1,0 +1,172 @@
+//! The kill switch: a handler that fails everything for a while (a dropped table, a revoked
+//! credential), then recovers. The runner must not dead-letter the stream: past the threshold it
+//! stops taking messages and runs no handler for the pause, withdraws failures instead of
+//! recording them, probes, and once the handler works again settles everything, each key's
+//! effect once, offsets to the end. The same scenario runs in every mode (here per message; the
+//! batch modes in `lease.rs` and `tx.rs`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use dedup_core::{HandlerError, LeaseContext};
+use dedup_kafka::{Delivery, KillSwitch, Ordering as KeyOrdering, RunnerConfig, StatsHandle};
+use dedup_pg::PgStore;
+use sqlx::PgPool;
+use tokio::time::sleep;
+
+use super::{
+    Broker, Event, HandlerFuture, Running, committed_to_the_end, engine, event, eventually,
+    ledger_handler, produce, unique,
+};
+use crate::support::{RedisServer, effect_rows, effects_table};
+
+on_brokers!(a_handler_that_fails_everything_for_a_while_trips_the_switch_and_loses_nothing,);
+
+/// Messages in the outage scenario.
+pub(super) const MESSAGES: u32 = 200;
+/// Partitions of its topic.
+pub(super) const PARTITIONS: i32 = 4;
+
+/// The switch the scenario runs under: a 2 s pause, suspect after 2 failures in a row, open at
+/// half of the last 20 outcomes with at least 5 failures.
+pub(super) fn switch() -> KillSwitch {
+    KillSwitch::new(0.5, Duration::from_secs(2)).with_thresholds(20, 5, 2)
+}
+
+/// The scenario's topic (4 partitions, 200 events of distinct keys and accounts), group and
+/// configuration (per-key order, the switch on).
+pub(super) async fn stream(broker: &Broker) -> (String, String, RunnerConfig) {
+    let topic = unique("outage");
+    broker.create_topic(&topic, PARTITIONS).await;
+    let events: Vec<Event> = (0..MESSAGES)
+        .map(|id| {
+            let mut e = event(id, PARTITIONS);
+            e.message_key = Some(format!("acct-{id}"));
+            e
+        })
+        .collect();
+    produce(broker, &topic, &events).await;
+    let group = unique("g");
+    let config = broker
+        .config(&group, &topic)
+        .with_ordering(KeyOrdering::PerKey)
+        .with_kill_switch(switch());
+    (topic, group, config)
+}
+
+/// A ledger handler that fails every message permanently while `broken` reads true, counting
+/// its calls.
+pub(super) fn breakable(
+    store: PgStore,
+    broken: Arc<AtomicBool>,
+    calls: Arc<AtomicU64>,
+) -> impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static {
+    let ledger = ledger_handler(store, "ks");
+    move |d, lease| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        if broken.load(Ordering::SeqCst) {
+            return Box::pin(async {
+                Err(HandlerError::Permanent(
+                    "relation \"effects\" does not exist".to_owned(),
+                ))
+            });
+        }
+        ledger(d, lease)
+    }
+}
+
+/// Drives the outage against a running consumer and checks what it must leave: the switch
+/// opens, no handler runs while it is open, a failed probe opens it again; once the handler is
+/// fixed every message settles with at most one dead letter (the failure before the switch grew
+/// suspect), no key left FAILED that was not dead-lettered, each other key's effect once, and
+/// offsets committed to the end.
+pub(super) async fn outage(
+    broker: &Broker,
+    pool: &PgPool,
+    topic: &str,
+    group: &str,
+    stats: &StatsHandle,
+    broken: &AtomicBool,
+    calls: &AtomicU64,
+) {
+    eventually(60, "the switch open", || {
+        let s = stats.snapshot();
+        async move { s.kill_switch_trips >= 1 && s.kill_switch_open == 1 }
+    })
+    .await;
+    // Runs already past their claim when it opened finish; then no handler starts.
+    sleep(Duration::from_millis(300)).await;
+    let (trips, before) = (
+        stats.snapshot().kill_switch_trips,
+        calls.load(Ordering::SeqCst),
+    );
+    sleep(Duration::from_millis(1000)).await;
+    let s = stats.snapshot();
+    if s.kill_switch_trips == trips && s.kill_switch_open == 1 {
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            before,
+            "a handler ran while the switch was open: {s:?}"
+        );
+    }
+    eventually(60, "a failed probe opening it again", || {
+        let s = stats.snapshot();
+        async move { s.kill_switch_trips >= 2 }
+    })
+    .await;
+    broken.store(false, Ordering::SeqCst);
+    eventually(90, "every message settled after the fix", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed + s.dead_lettered == u64::from(MESSAGES) }
+    })
+    .await;
+    committed_to_the_end(broker, group, topic, PARTITIONS).await;
+    let s = stats.snapshot();
+    // The failure before the switch grew suspect, and runs that read the handler broken just
+    // as it was fixed, after a probe had closed the switch.
+    assert!(s.dead_lettered <= 3, "the stream was dead-lettered: {s:?}");
+    assert!(s.kill_switch_withdrawn >= 1, "{s:?}");
+    assert_eq!(s.kill_switch_open, 0, "{s:?}");
+    let failed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'failed'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        u64::try_from(failed).unwrap(),
+        s.dead_lettered,
+        "keys left FAILED that were not dead-lettered: {s:?}"
+    );
+    let mut rows: BTreeMap<String, usize> = BTreeMap::new();
+    for (k, _, _) in effect_rows(pool).await {
+        *rows.entry(k).or_default() += 1;
+    }
+    assert!(rows.values().all(|n| *n == 1), "a key's effect twice");
+    assert_eq!(
+        rows.len() as u64,
+        u64::from(MESSAGES) - s.dead_lettered,
+        "{s:?}"
+    );
+}
+
+async fn a_handler_that_fails_everything_for_a_while_trips_the_switch_and_loses_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let redis = RedisServer::start();
+    let (topic, group, config) = stream(broker).await;
+    let dedup = engine(&pool, &redis).await;
+    let store = dedup.store().inner().authority().clone();
+    let (broken, calls) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicU64::new(0)));
+    let run = Running::spawn_with(
+        config,
+        dedup,
+        breakable(store, broken.clone(), calls.clone()),
+    );
+    let stats = run.stats.clone();
+    outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
+    run.stop().await;
+}
