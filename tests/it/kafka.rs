@@ -1492,5 +1492,6 @@ mod parked;
 mod pauses;
 mod recovery;
 mod redrive;
+mod share;
 mod tls;
 mod tx;

@@ -150,7 +150,8 @@ pub struct RunnerConfig {
     /// Whether the payload's fingerprint is checked (a key reused with another payload is then
     /// dead-lettered as a mismatch).
     pub check_payload: bool,
-    /// The most messages held at once (running or waiting their turn). At the bound the runner
+    /// The most messages held at once (running or waiting their turn), shared fairly between the
+    /// partitions with work (a lone busy partition may hold all of it). At the bound the runner
     /// takes no more until one settles; after a second without one it pauses its partitions.
     pub max_in_flight: usize,
     /// The most messages held in *blocked* lanes ([`Runner`](crate::Runner)): a message whose key

@@ -14,10 +14,17 @@
 //!   [`Ordering::PerKey`], different *ordering keys* of one partition concurrently, each ordering
 //!   key's messages in offset order. The ordering key is the Kafka message key by default (an
 //!   order, an account: [`OrderingKey`]), never the idempotency key, which is unique per event;
-//!   messages without one run in partition order. At most
-//!   [`RunnerConfig::max_in_flight`] messages are held: at the bound the runner stops taking
-//!   messages until one settles (without pausing, so nothing is refetched); if none settles for a
-//!   second it pauses its partitions and keeps polling, so rebalances are served during a stall.
+//!   messages without one run in partition order. [`RunnerConfig::max_in_flight`] bounds the
+//!   messages held, shared fairly between the partitions that have work: each partition's
+//!   messages come through a queue of its own, taken while the partition holds less than its
+//!   share (the bound over the partitions with work, or with work in the last half second; a lone
+//!   busy partition may use all of it), so
+//!   under a deep backlog every partition runs from the start instead of the first one's fetched
+//!   messages filling the bound. A partition that holds more than a share that shrank (others
+//!   found work) is given nothing until it is under it, so each message it settles lets another
+//!   partition in. At the bound nothing is taken until one settles (without pausing, so nothing
+//!   is refetched); if none settles for a second the runner pauses its partitions and keeps
+//!   polling, so rebalances are served during a stall.
 //! - **Failures.** Retryable errors are retried with [`Backoff`] up to the policy's attempt limit;
 //!   a handler that panics counts as a retryable failure (caught, counted in
 //!   [`RunnerStats::panics`], dead-lettered as "handler panicked: ..." past the attempts);

@@ -20,7 +20,9 @@ use tracing::{debug, info, warn};
 use crate::config::RunnerConfig;
 use crate::stats::Counters;
 
+mod fetch;
 mod pause;
+pub(crate) use fetch::Fetch;
 pub(crate) use pause::{Backpressure, PauseReason, Pauses, apply as apply_pauses};
 
 pub(crate) type TopicPartition = (String, i32);
@@ -130,6 +132,8 @@ pub(crate) struct RunnerContext {
     pub(crate) counters: Arc<Counters>,
     /// Where assigned partitions start, if the runner stores positions itself.
     pub(crate) start_offsets: Option<Arc<dyn StartOffsets>>,
+    /// Each partition's own queue, for a fair share of the in-flight bound.
+    pub(crate) fetch: Arc<Fetch>,
 }
 
 /// Positions a runner stores itself (offsets in the transaction), read when partitions are
@@ -167,6 +171,13 @@ impl ConsumerContext for RunnerContext {
         consumer: &rdkafka::consumer::BaseConsumer<Self>,
         rebalance: &Rebalance<'_>,
     ) {
+        // Each partition's queue is split before librdkafka assigns it, so that none of its
+        // messages goes to the consumer's queue (see `fetch`).
+        match rebalance {
+            Rebalance::Assign(tpl) => self.fetch.assigning(&partitions_of(tpl)),
+            Rebalance::Revoke(tpl) => self.fetch.revoked(&partitions_of(tpl)),
+            Rebalance::Error(_) => {}
+        }
         if let (Rebalance::Assign(tpl), Some(source)) = (rebalance, &self.start_offsets) {
             // Start each partition where the stored position says (set in the list that is about
             // to be assigned: a seek right after the assignment would fail).
@@ -307,6 +318,76 @@ impl ConsumerContext for RunnerContext {
     }
 }
 
+/// The partitions of a rebalance's list (none for an empty list, which `elements` would not
+/// like).
+fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
+    if tpl.count() == 0 {
+        return Vec::new();
+    }
+    tpl.elements()
+        .iter()
+        .map(|e| (e.topic().to_owned(), e.partition()))
+        .collect()
+}
+
+/// Where a runner's messages come from: each partition's own queue (read by its task, see
+/// `fetch`), and the consumer's queue, which serves the rebalance callbacks and any message of a
+/// partition that could not be split.
+pub(crate) struct Source {
+    pub(crate) consumer: Arc<StreamConsumer<RunnerContext>>,
+    pub(crate) fetch: Arc<Fetch>,
+    fetched: tokio::sync::mpsc::UnboundedReceiver<fetch::Fetched>,
+}
+
+impl Source {
+    /// The next message; `None` for a consumer error (counted and logged) or a message a stopped
+    /// partition task had sent (its partition was revoked or assigned again since).
+    pub(crate) async fn recv(&mut self, counters: &Counters) -> Option<crate::Delivery> {
+        tokio::select! {
+            m = self.consumer.recv() => match m {
+                Ok(m) => {
+                    let d = crate::Delivery::from_message(&m);
+                    if self.fetch.is_split(&(d.topic.clone(), d.partition)) {
+                        // Split before its assignment, none should come this way.
+                        warn!(topic = %d.topic, partition = d.partition, offset = d.offset, "a message of a split partition came through the consumer's queue");
+                    }
+                    Some(d)
+                }
+                Err(e) => {
+                    counters.consumer_errors.add(1);
+                    warn!(error = %e, "consumer error");
+                    None
+                }
+            },
+            Some(f) = self.fetched.recv() => self.fetch.take(&f).then_some(f.delivery),
+        }
+    }
+
+    /// After each turn of the loop: each partition's task may run ahead by what its share allows
+    /// (`blocked`: messages per partition and ownership that do not count against it).
+    pub(crate) fn share(
+        &self,
+        shared: &Mutex<Shared>,
+        max_in_flight: usize,
+        blocked: &HashMap<(String, i32, u64), usize>,
+    ) {
+        self.fetch.share(shared, max_in_flight, blocked);
+    }
+
+    /// Stops the partition tasks (shutdown), leaving the consumer's queue for the callbacks.
+    pub(crate) fn stop(&self) {
+        self.fetch.stop();
+    }
+}
+
+impl Drop for Source {
+    /// A runner dropped mid-run (its future cancelled) must not leave partition tasks behind:
+    /// each holds the consumer, which would stay in its group, heartbeating, with its partitions.
+    fn drop(&mut self) {
+        self.fetch.stop();
+    }
+}
+
 /// `shutdown`, or the cluster refusing this client before it was reached (the reason is then in
 /// the returned cell): what a runner's loop runs until.
 pub(crate) fn until_refused(
@@ -339,7 +420,8 @@ pub(crate) fn refused_or(
 }
 
 /// The Kafka clients of a runner: the consumer (manual commits, offsets stored by the runner),
-/// subscribed to the configured topics, and the dead-letter producer (idempotent, `acks=all`).
+/// subscribed to the configured topics, with its partitions' own queues, and the dead-letter
+/// producer (idempotent, `acks=all`).
 pub(crate) fn clients(
     config: &RunnerConfig,
     shared: &Arc<Mutex<Shared>>,
@@ -347,7 +429,7 @@ pub(crate) fn clients(
     start_offsets: Option<Arc<dyn StartOffsets>>,
     contact: &Arc<Contact>,
     refused: Option<Arc<dyn RefusedTable>>,
-) -> Result<(StreamConsumer<RunnerContext>, DeadLetters), KafkaError> {
+) -> Result<(Source, DeadLetters), KafkaError> {
     let base = || {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &config.brokers);
@@ -364,12 +446,16 @@ pub(crate) fn clients(
     if !config.client.iter().any(|(k, _)| k == "auto.offset.reset") {
         cc.set("auto.offset.reset", "earliest");
     }
-    let consumer: StreamConsumer<RunnerContext> = cc.create_with_context(RunnerContext {
-        contact: contact.clone(),
-        shared: shared.clone(),
-        counters: counters.clone(),
-        start_offsets,
-    })?;
+    let (fetch, fetched) = Fetch::new(counters.clone());
+    let consumer: Arc<StreamConsumer<RunnerContext>> =
+        Arc::new(cc.create_with_context(RunnerContext {
+            contact: contact.clone(),
+            shared: shared.clone(),
+            counters: counters.clone(),
+            start_offsets,
+            fetch: fetch.clone(),
+        })?);
+    fetch.set_consumer(&consumer);
     let mut pc = base();
     pc.set("enable.idempotence", "true").set("acks", "all");
     // Consumer-only properties would make the producer refuse to start.
@@ -400,7 +486,12 @@ pub(crate) fn clients(
     let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
     consumer.subscribe(&topics)?;
     info!(group = %config.group_id, topics = ?topics, "runner subscribed");
-    Ok((consumer, dead_letters))
+    let source = Source {
+        consumer,
+        fetch,
+        fetched,
+    };
+    Ok((source, dead_letters))
 }
 
 /// Commits, for each partition this member owns, the offset before which all is settled.

@@ -239,8 +239,10 @@ const STALL: Duration = Duration::from_secs(1);
 #[derive(Debug, Default)]
 pub(crate) struct Backpressure {
     paused: bool,
-    /// Since when the held messages have been at the bound.
+    /// Since when the held messages have been at the bound without one settling.
     saturated_since: Option<Instant>,
+    /// The held count at the last look.
+    last_held: usize,
 }
 
 impl Backpressure {
@@ -253,10 +255,16 @@ impl Backpressure {
         counters: &Counters,
     ) {
         counters.max_held.max(held as u64);
+        let progress = held < self.last_held;
+        self.last_held = held;
         if held >= max {
             if self.saturated_since.is_none() {
                 self.saturated_since = Some(Instant::now());
                 counters.saturated.add(1);
+            } else if progress && !self.paused {
+                // Something settled: a stall is a second without that, not at the bound (a
+                // partition's fair share may keep the count above it for a while).
+                self.saturated_since = Some(Instant::now());
             }
             return;
         }

@@ -13,7 +13,7 @@ use dedup_core::{
     Adoption, AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey,
     LeaseContext, ProcessError, Processed, Scope, Store,
 };
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::error::KafkaError;
 use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep};
@@ -23,7 +23,7 @@ use futures_util::FutureExt;
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
-    Backpressure, Contact, PauseReason, RunnerContext, Shared, apply_pauses, clients, commit, lock,
+    Backpressure, Contact, PauseReason, Shared, Source, apply_pauses, clients, commit, lock,
     sleep_until_opt, until_refused,
 };
 use crate::dead_letter::DeadLetters;
@@ -305,7 +305,7 @@ where
         let shared = Arc::new(Mutex::new(Shared::default()));
         adopt_at_start(&self.dedup).await;
         let contact = Arc::new(Contact::default());
-        let (consumer, dead_letters) = clients(
+        let (source, dead_letters) = clients(
             &self.config,
             &shared,
             &self.counters,
@@ -329,12 +329,13 @@ where
         });
         let mut lp = Loop {
             inner: inner.clone(),
-            consumer,
+            source,
             shared,
             scope,
             lanes: HashMap::new(),
             held: 0,
             blocked: 0,
+            blocked_by: HashMap::new(),
             blocked_paused: HashSet::new(),
             pressure: Backpressure::default(),
             done_tx: None,
@@ -367,17 +368,11 @@ where
                 // The kill switch opened, or its pause is over: the pause reason follows it.
                 () = inner.breaker.opened() => {}
                 () = sleep_until_opt(inner.breaker.open_until()), if inner.breaker.is_open() => {}
-                m = lp.consumer.recv(), if lp.pressure.taking() => match m {
-                    Ok(m) => {
-                        let delivery = Delivery::from_message(&m);
-                        drop(m);
-                        lp.receive(delivery);
+                d = lp.source.recv(&inner.counters), if lp.pressure.taking() => {
+                    if let Some(d) = d {
+                        lp.receive(d);
                     }
-                    Err(e) => {
-                        inner.counters.consumer_errors.add(1);
-                        warn!(error = %e, "consumer error");
-                    }
-                },
+                }
             }
             lp.pressure.update(
                 lp.held,
@@ -389,17 +384,21 @@ where
             lock(&lp.shared)
                 .pauses
                 .set_all(PauseReason::KillSwitch, inner.breaker.is_open());
-            apply_pauses(&lp.consumer, &lp.shared);
+            apply_pauses(&*lp.source.consumer, &lp.shared);
+            lp.source
+                .share(&lp.shared, inner.config.max_in_flight, &lp.blocked_by);
         }
 
         // Shutdown: running messages finish (their retries stop), queued ones are left to
         // redelivery, settled offsets are committed.
         info!(held = lp.held, blocked = lp.blocked, "runner draining");
         let _ = stop_tx.send(true);
+        lp.source.stop();
         for lane in lp.lanes.values_mut() {
             let dropped = std::mem::take(&mut lane.queue).len();
             if lane.blocked {
                 lp.blocked -= dropped;
+                // Not read again: the loop stops sharing.
             } else {
                 lp.held -= dropped;
             }
@@ -411,7 +410,7 @@ where
             tokio::select! {
                 Some(event) = done_rx.recv() => lp.on_event(event),
                 // Keep serving rebalance callbacks; new messages are not taken.
-                _ = lp.consumer.recv() => {}
+                _ = lp.source.consumer.recv() => {}
                 () = tokio::time::sleep_until(deadline) => {
                     warn!(held = lp.held, blocked = lp.blocked, "drain timed out; the rest will be redelivered");
                     break;
@@ -419,7 +418,8 @@ where
             }
         }
         lp.commit(CommitMode::Sync);
-        lp.consumer.unsubscribe();
+        lp.source.stop();
+        lp.source.consumer.unsubscribe();
         if let Err(e) = inner.dead_letters.flush(Duration::from_secs(10)) {
             warn!(error = %e, "dead-letter producer flush");
         }
@@ -433,7 +433,7 @@ where
 
 struct Loop<S, H> {
     inner: Arc<Inner<S, H>>,
-    consumer: StreamConsumer<RunnerContext>,
+    source: Source,
     shared: Arc<Mutex<Shared>>,
     scope: Scope,
     lanes: HashMap<Lane, LaneState>,
@@ -443,6 +443,8 @@ struct Loop<S, H> {
     /// Messages of blocked lanes (a head waiting for another holder's lease, and the messages
     /// queued behind it): what `max_blocked` bounds.
     blocked: usize,
+    /// `blocked` per partition and ownership (they do not count against the partition's share).
+    blocked_by: HashMap<(String, i32, u64), usize>,
     /// The partitions (of one ownership) paused because blocked messages reached their bound.
     blocked_paused: HashSet<(String, i32, u64)>,
     pressure: Backpressure,
@@ -491,7 +493,7 @@ where
         match self.lanes.get_mut(&lane) {
             Some(state) => {
                 if state.blocked {
-                    self.blocked += 1;
+                    count_blocked(&mut self.blocked, &mut self.blocked_by, &lane, 1);
                     self.inner.counters.max_blocked.max(self.blocked as u64);
                 } else {
                     self.held += 1;
@@ -516,7 +518,12 @@ where
                     state.blocked = true;
                     let n = 1 + state.queue.len();
                     self.held -= n;
-                    self.blocked += n;
+                    count_blocked(
+                        &mut self.blocked,
+                        &mut self.blocked_by,
+                        &lane,
+                        n.cast_signed(),
+                    );
                     self.inner.counters.max_blocked.max(self.blocked as u64);
                 }
             }
@@ -530,7 +537,12 @@ where
                 {
                     state.blocked = false;
                     let n = 1 + state.queue.len();
-                    self.blocked -= n;
+                    count_blocked(
+                        &mut self.blocked,
+                        &mut self.blocked_by,
+                        &lane,
+                        -n.cast_signed(),
+                    );
                     self.held += n;
                 }
             }
@@ -649,8 +661,14 @@ where
                 // The blocked head settled without running (replayed, dead-lettered, or left):
                 // the messages behind it are no longer blocked.
                 state.blocked = false;
-                self.blocked -= 1 + state.queue.len();
+                let n = 1 + state.queue.len();
                 self.held += state.queue.len();
+                count_blocked(
+                    &mut self.blocked,
+                    &mut self.blocked_by,
+                    &done.lane,
+                    -n.cast_signed(),
+                );
             }
             _ => self.held -= 1,
         }
@@ -708,7 +726,12 @@ where
 
 impl<S, H> Loop<S, H> {
     fn commit(&self, mode: CommitMode) {
-        commit(&self.consumer, &self.shared, &self.inner.counters, mode);
+        commit(
+            &self.source.consumer,
+            &self.shared,
+            &self.inner.counters,
+            mode,
+        );
     }
 }
 
@@ -1011,6 +1034,23 @@ pub(crate) async fn adopt_at_start<S: Store>(dedup: &Dedup<S>) {
         Err(e) => {
             warn!(error = %e, "adopting earlier incarnations' leases failed: they run out as usual")
         }
+    }
+}
+
+/// Moves `n` messages of `lane` into (or, negative, out of) the blocked count, in all and for
+/// its partition and ownership.
+fn count_blocked(
+    blocked: &mut usize,
+    by: &mut HashMap<(String, i32, u64), usize>,
+    lane: &Lane,
+    n: isize,
+) {
+    *blocked = blocked.saturating_add_signed(n);
+    let key = (lane.topic.clone(), lane.partition, lane.generation);
+    let entry = by.entry(key.clone()).or_default();
+    *entry = entry.saturating_add_signed(n);
+    if *entry == 0 {
+        by.remove(&key);
     }
 }
 

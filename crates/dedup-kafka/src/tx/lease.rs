@@ -104,7 +104,7 @@ where
         let shared = Arc::new(Mutex::new(Shared::default()));
         crate::runner::adopt_at_start(&self.dedup).await;
         let contact = Arc::new(Contact::default());
-        let (consumer, dead_letters) = clients(
+        let (source, dead_letters) = clients(
             &self.config,
             &shared,
             &self.counters,
@@ -130,7 +130,7 @@ where
             dedup: self.dedup,
             handler: self.handler,
         });
-        let stats = run_loop(inner, consumer, shared, scope, stop_tx, shutdown).await;
+        let stats = run_loop(inner, source, shared, scope, stop_tx, shutdown).await;
         refused_or(refused, stats)
     }
 }

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use dedup_core::{BatchCache, Fingerprint, IdempotencyKey, Lease, Policy, Scope};
 use dedup_pg::{BatchBody, PgStore, TxBatchConfig};
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer};
 use sqlx::PgConnection;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -41,8 +41,8 @@ use tracing::{info, warn};
 
 use crate::config::{ConfigError, MissingKey, Ordering, RunnerConfig};
 use crate::consumer::{
-    Backpressure, Contact, PauseReason, RunnerContext, Shared, StartOffsets, TopicPartition,
-    apply_pauses, clients, commit, lock, refused_or, sleep_until_opt, until_refused,
+    Backpressure, Contact, PauseReason, Shared, Source, StartOffsets, TopicPartition, apply_pauses,
+    clients, commit, lock, refused_or, sleep_until_opt, until_refused,
 };
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::runner::RunnerError;
@@ -296,7 +296,7 @@ impl<H: BatchHandler> TxRunner<H> {
             None => None,
         };
         let contact = Arc::new(Contact::default());
-        let (consumer, dead_letters) = clients(
+        let (source, dead_letters) = clients(
             &self.config,
             &shared,
             &self.counters,
@@ -327,7 +327,7 @@ impl<H: BatchHandler> TxRunner<H> {
             offsets_in_tx: self.offsets.is_some(),
             caches: self.caches,
         });
-        let stats = run_loop(inner, consumer, shared, self.scope, stop_tx, shutdown).await;
+        let stats = run_loop(inner, source, shared, self.scope, stop_tx, shutdown).await;
         refused_or(refused, stats)
     }
 }
@@ -336,7 +336,7 @@ impl<H: BatchHandler> TxRunner<H> {
 /// then drain, commit and leave the group.
 pub(crate) async fn run_loop<X: Exec>(
     inner: Arc<X>,
-    consumer: StreamConsumer<RunnerContext>,
+    source: Source,
     shared: Arc<Mutex<Shared>>,
     scope: Scope,
     stop_tx: watch::Sender<bool>,
@@ -345,7 +345,7 @@ pub(crate) async fn run_loop<X: Exec>(
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut lp = Loop {
         inner: inner.clone(),
-        consumer,
+        source,
         shared,
         scope,
         parts: HashMap::new(),
@@ -373,17 +373,11 @@ pub(crate) async fn run_loop<X: Exec>(
             // The kill switch opened, or its pause is over: the pause reason follows it.
             () = inner.common().breaker.opened() => {}
             () = sleep_until_opt(inner.common().breaker.open_until()), if inner.common().breaker.is_open() => {}
-            m = lp.consumer.recv(), if lp.pressure.taking() => match m {
-                Ok(m) => {
-                    let delivery = Delivery::from_message(&m);
-                    drop(m);
-                    lp.receive(delivery);
+            d = lp.source.recv(&inner.common().counters), if lp.pressure.taking() => {
+                if let Some(d) = d {
+                    lp.receive(d);
                 }
-                Err(e) => {
-                    inner.common().counters.consumer_errors.add(1);
-                    warn!(error = %e, "consumer error");
-                }
-            },
+            }
         }
         lp.dispatch_ready();
         lp.pressure.update(
@@ -395,13 +389,19 @@ pub(crate) async fn run_loop<X: Exec>(
         lock(&lp.shared)
             .pauses
             .set_all(PauseReason::KillSwitch, inner.common().breaker.is_open());
-        apply_pauses(&lp.consumer, &lp.shared);
+        apply_pauses(&*lp.source.consumer, &lp.shared);
+        lp.source.share(
+            &lp.shared,
+            inner.common().config.max_in_flight,
+            &HashMap::new(),
+        );
     }
 
     // Shutdown: running batches finish (their dead-letter retries stop), queued messages
     // are left to redelivery, settled offsets are committed.
     info!(held = lp.held, running = lp.running, "runner draining");
     let _ = stop_tx.send(true);
+    lp.source.stop();
     let queued: usize = lp
         .parts
         .values_mut()
@@ -414,7 +414,7 @@ pub(crate) async fn run_loop<X: Exec>(
         tokio::select! {
             Some(done) = done_rx.recv() => lp.settle(done),
             // Keep serving rebalance callbacks; new messages are not taken.
-            _ = lp.consumer.recv() => {}
+            _ = lp.source.consumer.recv() => {}
             () = tokio::time::sleep_until(deadline) => {
                 warn!(running = lp.running, "drain timed out; the rest will be redelivered");
                 break;
@@ -422,7 +422,7 @@ pub(crate) async fn run_loop<X: Exec>(
         }
     }
     commit(
-        &lp.consumer,
+        &lp.source.consumer,
         &lp.shared,
         &inner.common().counters,
         CommitMode::Sync,
@@ -434,7 +434,8 @@ pub(crate) async fn run_loop<X: Exec>(
     if let Some(last) = lp.store_positions() {
         let _ = last.await;
     }
-    lp.consumer.unsubscribe();
+    lp.source.stop();
+    lp.source.consumer.unsubscribe();
     if let Err(e) = inner.common().dead_letters.flush(Duration::from_secs(10)) {
         warn!(error = %e, "dead-letter producer flush");
     }
@@ -487,7 +488,7 @@ struct Queue {
 
 struct Loop<X> {
     inner: Arc<X>,
-    consumer: StreamConsumer<RunnerContext>,
+    source: Source,
     shared: Arc<Mutex<Shared>>,
     scope: Scope,
     parts: HashMap<TopicPartition, Queue>,
@@ -530,7 +531,7 @@ const PARTITION_GROUP: u64 = u64::MAX;
 impl<X: Exec> Loop<X> {
     fn commit(&mut self, mode: CommitMode) {
         commit(
-            &self.consumer,
+            &self.source.consumer,
             &self.shared,
             &self.inner.common().counters,
             mode,

@@ -480,8 +480,14 @@ where
             if state.blocked {
                 // Not while parking (a park follows a granted claim, which unblocks the lane),
                 // but kept true if it were: the head and its queue counted as blocked.
-                self.blocked -= 1 + state.queue.len();
-                self.held += 1 + state.queue.len();
+                let n = 1 + state.queue.len();
+                super::super::count_blocked(
+                    &mut self.blocked,
+                    &mut self.blocked_by,
+                    &lane,
+                    -n.cast_signed(),
+                );
+                self.held += n;
             }
             jobs.extend(state.queue);
         }

@@ -1,0 +1,162 @@
+//! A fair share of the in-flight bound: under a deep backlog on several partitions, every
+//! partition makes progress from the start, instead of the first partition's fetched messages
+//! filling `max_in_flight` while the others wait for it to drain.
+//!
+//! The handler holds every run until a run has started on each of the four partitions (or 30 s
+//! have passed): with a fair share all four start at once; without one the first partition's
+//! messages hold the whole bound, nothing settles, and the others never start.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::{Completion, HandlerError, LeaseContext};
+use dedup_kafka::{Batching, Delivery, LeaseRunner, Ordering as KeyOrdering, StatsHandle};
+use sqlx::PgPool;
+use tokio::sync::{Notify, oneshot};
+
+use super::{
+    Broker, Event, Running, committed_to_the_end, engine, event, eventually, produce, unique,
+};
+use crate::support::RedisServer;
+
+on_brokers!(
+    a_deep_backlog_on_four_partitions_runs_all_four_from_the_start,
+    lease_a_deep_backlog_on_four_partitions_runs_all_four_from_the_start,
+);
+
+const PARTITIONS: i32 = 4;
+const PER_PARTITION: u32 = 100;
+const IN_FLIGHT: usize = 40;
+
+/// 400 messages on 4 partitions, all produced before the consumer starts.
+async fn backlog(broker: &Broker) -> (String, String) {
+    let topic = unique("backlog");
+    broker.create_topic(&topic, PARTITIONS).await;
+    let events: Vec<Event> = (0..PER_PARTITION * 4)
+        .map(|id| {
+            let mut e = event(id, PARTITIONS);
+            e.message_key = Some(format!("acct-{id}"));
+            e
+        })
+        .collect();
+    produce(broker, &topic, &events).await;
+    (topic, unique("g"))
+}
+
+/// Holds runs until every partition has one started.
+#[derive(Default)]
+struct Gate {
+    started: Mutex<HashSet<i32>>,
+    open: AtomicBool,
+    /// Opened by the wait running out, not by the fourth partition.
+    timed_out: AtomicBool,
+    notify: Notify,
+}
+
+type HandlerFuture = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Completion, HandlerError<String>>> + Send>,
+>;
+
+fn gated(
+    gate: Arc<Gate>,
+) -> impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static {
+    move |d, _lease| {
+        let gate = gate.clone();
+        Box::pin(async move {
+            let all = {
+                let mut started = gate.started.lock().unwrap();
+                started.insert(d.partition);
+                started.len() == PARTITIONS as usize
+            };
+            if all {
+                gate.open.store(true, Ordering::SeqCst);
+                gate.notify.notify_waiters();
+            }
+            if !gate.open.load(Ordering::SeqCst) {
+                let wait = gate.notify.notified();
+                if !gate.open.load(Ordering::SeqCst)
+                    && tokio::time::timeout(Duration::from_secs(30), wait)
+                        .await
+                        .is_err()
+                {
+                    gate.timed_out.store(true, Ordering::SeqCst);
+                    gate.open.store(true, Ordering::SeqCst);
+                    gate.notify.notify_waiters();
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            Ok(Completion::store(bytes::Bytes::new()))
+        })
+    }
+}
+
+/// Every message executed, offsets at the end, the four partitions started side by side, and
+/// never more than the bound held.
+async fn all_four_side_by_side(
+    broker: &Broker,
+    topic: &str,
+    group: &str,
+    stats: &StatsHandle,
+    gate: &Gate,
+) {
+    let total = u64::from(PER_PARTITION * 4);
+    eventually(120, "every message executed", || {
+        let s = stats.snapshot();
+        async move { s.executed == total }
+    })
+    .await;
+    committed_to_the_end(broker, group, topic, PARTITIONS).await;
+    let s = stats.snapshot();
+    assert!(
+        !gate.timed_out.load(Ordering::SeqCst),
+        "the partitions did not all start while the first ones ran: started {:?}; {s:?}",
+        gate.started.lock().unwrap()
+    );
+    assert!(s.max_held <= IN_FLIGHT as u64, "{s:?}");
+}
+
+/// The per-message runner, one message at a time per partition, 40 in flight.
+async fn a_deep_backlog_on_four_partitions_runs_all_four_from_the_start(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let redis = RedisServer::start();
+    let (topic, group) = backlog(broker).await;
+    let gate = Arc::new(Gate::default());
+    let config = broker.config(&group, &topic).with_max_in_flight(IN_FLIGHT);
+    let run = Running::spawn_with(config, engine(&pool, &redis).await, gated(gate.clone()));
+    let stats = run.stats.clone();
+    all_four_side_by_side(broker, &topic, &group, &stats, &gate).await;
+    run.stop().await;
+}
+
+/// The lease-mode batch runner, per-key order (each message its own key), 40 in flight.
+async fn lease_a_deep_backlog_on_four_partitions_runs_all_four_from_the_start(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let redis = RedisServer::start();
+    let (topic, group) = backlog(broker).await;
+    let gate = Arc::new(Gate::default());
+    let config = broker
+        .config(&group, &topic)
+        .with_ordering(KeyOrdering::PerKey)
+        .with_max_in_flight(IN_FLIGHT);
+    let runner = LeaseRunner::new(
+        config,
+        Batching::new(10, Duration::from_millis(5)),
+        engine(&pool, &redis).await,
+        gated(gate.clone()),
+    )
+    .unwrap();
+    let stats = runner.stats();
+    let (stop, rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(runner.run(async {
+        let _ = rx.await;
+    }));
+    all_four_side_by_side(broker, &topic, &group, &stats, &gate).await;
+    let _ = stop.send(());
+    handle.await.unwrap().unwrap();
+}
