@@ -77,18 +77,24 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "pg")]
+mod batch;
 mod config;
 mod consumer;
 mod dead_letter;
 mod delivery;
+mod handler;
 mod kill_switch;
 mod runner;
+mod start;
 mod stats;
 mod trace;
-#[cfg(feature = "pg")]
-mod tx;
 mod typed;
 
+#[cfg(feature = "pg")]
+pub use batch::{
+    Acquired, BatchHandler, Batching, LeaseRunner, MAX_ASSIGNMENT_WAIT, MAX_BATCH, TxRunner,
+};
 pub use config::{
     Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, KillSwitch, MAX_SETTING_DURATION,
     MissingKey, Ordering, OrderingKey, RunnerConfig,
@@ -97,10 +103,8 @@ pub use dead_letter::{
     DLQ_ATTEMPTS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
 };
 pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
-pub use runner::{AfterGiveUp, Handler, Parking, Runner, RunnerError};
+pub use handler::Handler;
+pub use runner::{AfterGiveUp, Parking, Runner};
+pub use start::RunnerError;
 pub use stats::{RunnerStats, StatsHandle};
-#[cfg(feature = "pg")]
-pub use tx::{
-    Acquired, BatchHandler, Batching, LeaseRunner, MAX_ASSIGNMENT_WAIT, MAX_BATCH, TxRunner,
-};
 pub use typed::{Ignore, OnResult, Typed};

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::delivery::Delivery;
-use crate::runner::Handler;
+use crate::handler::Handler;
 
 /// A [`Handler`] whose closure returns a `T`, stored with a [`ResultCodec`].
 ///

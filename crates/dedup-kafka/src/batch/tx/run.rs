@@ -16,12 +16,13 @@ use futures_util::future::join_all;
 use sqlx::PgConnection;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::exec::{Common, Exec, Settled};
-use super::{Acquired, BatchHandler, Done, Item};
+use super::super::exec::{Common, Exec, Settled};
+use super::super::{Done, Item};
+use super::{Acquired, BatchHandler};
 use crate::consumer::TopicPartition;
 use crate::delivery::Delivery;
+use crate::handler::{DisplayHandlerError, panic_message};
 use crate::kill_switch::Breaker;
-use crate::runner::{DisplayHandlerError, panic_message};
 
 pub(crate) struct Inner<H> {
     pub(crate) common: Common,

@@ -18,7 +18,8 @@ use super::exec::{Common, Exec, Settled};
 use super::{Batching, Done, Item, run_loop};
 use crate::config::{ConfigError, MissingKey, RunnerConfig};
 use crate::consumer::{Contact, Shared, TopicPartition, clients, refused_or, until_refused};
-use crate::runner::{Handler, RunnerError, attempts_of, no_withdraw, panic_message, scope_of};
+use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
+use crate::start::{RunnerError, scope_of};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
 /// An idempotent consumer in lease mode by the batch: each partition's messages are taken in
@@ -102,7 +103,7 @@ where
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = scope_of(&self.config)?;
         let shared = Arc::new(Mutex::new(Shared::default()));
-        crate::runner::adopt_at_start(&self.dedup).await;
+        crate::start::adopt_at_start(&self.dedup).await;
         let contact = Arc::new(Contact::default());
         let (source, dead_letters) = clients(
             &self.config,

@@ -1,0 +1,260 @@
+//! Transaction mode by the batch: [`TxRunner`] takes what it has received for a partition, up to
+//! a size or a short wait, and runs it in one Postgres transaction
+//! ([`PgStore::transact_batch_ordered`]): every claim in one statement, the handler's writes for
+//! the whole batch, every completion in one statement, one COMMIT.
+//!
+//! ```text
+//! receive ──► per-partition queue ──(500 messages, or 5 ms)──► one transaction per batch
+//!                 ▲                                              │ executed / replayed: settled
+//!                 └── InFlight, deferred, released: again ◄──────┤ FAILED, mismatch: dead letter
+//!                     (backoff, in offset order per group)       ▼
+//!                                               offsets committed up to the first unsettled
+//! ```
+//!
+//! `run.rs` is one batch (its transaction, what each answer means, its dead letters);
+//! `offsets.rs` reads stored positions at assignment (offsets in the transaction).
+
+mod offsets;
+mod run;
+
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::{BatchCache, Lease, Policy, Scope};
+use dedup_pg::{BatchBody, PgStore};
+use sqlx::PgConnection;
+use tokio::sync::watch;
+
+use super::exec::Common;
+use super::{Batching, run_loop};
+use crate::config::{ConfigError, MissingKey, RunnerConfig};
+use crate::consumer::{Contact, Shared, StartOffsets, clients, refused_or, until_refused};
+use crate::delivery::Delivery;
+use crate::start::RunnerError;
+use crate::stats::{Counters, RunnerStats, StatsHandle};
+
+/// A message of the batch whose key this transaction holds: the handler writes its effect.
+#[derive(Clone, Debug)]
+pub struct Acquired {
+    delivery: Arc<Delivery>,
+    lease: Lease,
+}
+
+impl Acquired {
+    /// The message.
+    pub fn delivery(&self) -> &Delivery {
+        &self.delivery
+    }
+
+    /// The claim it runs under (its key, fencing token and attempt).
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The fencing token as Postgres's `bigint`, to store beside the effect.
+    pub fn token(&self) -> i64 {
+        i64::try_from(self.lease.token.get()).unwrap_or(i64::MAX)
+    }
+}
+
+/// What [`TxRunner`] calls for each batch: the business writes of every acquired message, on the
+/// batch's transaction, in as few statements as it likes, and one answer per message, in order.
+///
+/// It may be called again on parts of the batch after a failure (under savepoints), and only ever
+/// sees its own writes of the current attempt. An error for the whole call fails every message
+/// in it (the batch then runs again in parts, so the message at fault ends alone). A message
+/// answered `Err(HandlerError::Retryable)` is released and retried with backoff; `Permanent`
+/// fails its key and dead-letters it. `Withdraw` counts as `Retryable` here (a message is retried
+/// until it settles, so a withdrawal would retry it without end). A per-message handler is a loop
+/// over `batch` inside `handle`.
+pub trait BatchHandler: Send + Sync + 'static {
+    /// The handler's own error.
+    type Error: fmt::Display + Send + 'static;
+
+    /// Writes the batch's effects.
+    fn handle<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        batch: &'c [Acquired],
+    ) -> BatchBody<'c, Self::Error>;
+}
+
+/// An idempotent consumer in transaction mode by the batch (per partition, up to a size or a
+/// short wait, one batch at a time; ordering groups kept as `transact_batch_ordered` keeps them): the
+/// effects of a whole batch, its claims and its completions commit in one Postgres transaction.
+/// Offsets are committed only up to the first message not settled (completed, replayed, or
+/// acknowledged by the dead-letter topic).
+#[derive(Debug)]
+pub struct TxRunner<H> {
+    config: RunnerConfig,
+    batching: Batching,
+    scope: Scope,
+    store: PgStore,
+    policy: Policy,
+    handler: Arc<H>,
+    counters: Arc<Counters>,
+    owner_prefix: String,
+    /// Offsets in the transaction: on, with the bound on reading them at assignment.
+    offsets: Option<Duration>,
+    caches: Option<Arc<dyn BatchCache>>,
+}
+
+/// The longest a rebalance callback may wait for stored positions (it holds the poll).
+pub const MAX_ASSIGNMENT_WAIT: Duration = Duration::from_secs(60);
+
+impl<H: BatchHandler> TxRunner<H> {
+    /// A runner writing through `store` and calling `handler` per batch. Every setting is
+    /// checked here, so a configuration that could fail at run time is refused now, named.
+    ///
+    /// # Errors
+    /// A setting that cannot work: the runner's ([`RunnerConfig::validate`]), the batching's, and
+    /// [`MissingKey::ProcessWithoutDedup`], which transaction mode cannot honour (every message
+    /// runs under a claim).
+    pub fn new(
+        config: RunnerConfig,
+        batching: Batching,
+        store: PgStore,
+        handler: H,
+    ) -> Result<Self, RunnerError> {
+        config.validate()?;
+        batching.validate()?;
+        if matches!(config.missing_key, MissingKey::ProcessWithoutDedup) {
+            return Err(ConfigError {
+                setting: "missing_key",
+                problem: "transaction mode runs every message under a claim: dead-letter keyless messages, or use the per-message Runner".to_owned(),
+            }
+            .into());
+        }
+        let scope = crate::start::scope_of(&config)?;
+        Ok(Self {
+            config,
+            batching,
+            scope,
+            store,
+            policy: Policy::default(),
+            handler: Arc::new(handler),
+            counters: Arc::new(Counters::default()),
+            owner_prefix: format!(
+                "pid{}-{:x}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros())
+            ),
+            offsets: None,
+            caches: None,
+        })
+    }
+
+    /// Puts caches in front of the transactions (a [`TieredStore`](dedup_core::TieredStore)
+    /// over the same Postgres, for example, with Redis as its fast path): keys they hold settled
+    /// (completed, failed, used with another payload) are answered without a transaction, in one
+    /// L1 pass and one fast-path call per batch; after each commit the keys it completed are
+    /// copied to them, in one call. Nothing is copied before the commit.
+    pub fn with_caches(mut self, caches: Arc<dyn BatchCache>) -> Self {
+        self.caches = Some(caches);
+        self
+    }
+
+    /// Offsets in the transaction: each batch stores its partition's position (`dedup_offsets`)
+    /// in its own transaction, so the effects and the consumer's position commit together; on
+    /// assignment each partition starts from its stored position, read with a bounded `wait`
+    /// (the rebalance callback holds the poll meanwhile), and from Kafka's committed offset when
+    /// there is none or it is not read in time (safe: claims deduplicate what is read again).
+    /// A dead-lettered message's offset is stored once its dead letter is acknowledged. Kafka
+    /// offset commits go on as before, for tooling and lag monitoring.
+    ///
+    /// # Errors
+    /// `wait` is zero or longer than [`MAX_ASSIGNMENT_WAIT`].
+    pub fn with_offsets_in_transaction(mut self, wait: Duration) -> Result<Self, RunnerError> {
+        if wait.is_zero() || wait > MAX_ASSIGNMENT_WAIT {
+            return Err(ConfigError {
+                setting: "offsets_in_transaction",
+                problem: format!(
+                    "the wait {wait:?} is not between 1 ns and {MAX_ASSIGNMENT_WAIT:?}"
+                ),
+            }
+            .into());
+        }
+        self.offsets = Some(wait);
+        Ok(self)
+    }
+
+    /// Sets the claim policy (lease, attempts, retention).
+    ///
+    /// # Errors
+    /// A policy that cannot work.
+    pub fn with_policy(mut self, policy: Policy) -> Result<Self, RunnerError> {
+        policy.validate().map_err(|e| ConfigError {
+            setting: "policy",
+            problem: e.to_string(),
+        })?;
+        self.policy = policy;
+        Ok(self)
+    }
+
+    /// A handle to the runner's counters, readable while it runs.
+    pub fn stats(&self) -> StatsHandle {
+        StatsHandle(self.counters.clone())
+    }
+
+    /// Consumes until `shutdown` completes, then lets running batches finish (up to the drain
+    /// timeout), commits and leaves the group.
+    ///
+    /// # Errors
+    /// The Kafka client could not start or subscribe.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let start_offsets: Option<Arc<dyn StartOffsets>> = match self.offsets {
+            Some(wait) => Some(Arc::new(
+                offsets::OffsetReader::start(
+                    self.store.pool().connect_options(),
+                    self.config.group_id.clone(),
+                    wait,
+                )
+                .map_err(|e| ConfigError {
+                    setting: "offsets_in_transaction",
+                    problem: format!("starting the offset reader thread: {e}"),
+                })?,
+            )),
+            None => None,
+        };
+        let contact = Arc::new(Contact::default());
+        let (source, dead_letters) = clients(
+            &self.config,
+            &shared,
+            &self.counters,
+            start_offsets,
+            &contact,
+            Some(Arc::new(self.store.clone())),
+        )?;
+        let (shutdown, refused) = until_refused(shutdown, &contact);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let kill_switch = self.config.kill_switch;
+        let inner = Arc::new(run::Inner {
+            common: Common {
+                config: self.config,
+                batching: self.batching,
+                dead_letters,
+                counters: self.counters.clone(),
+                stopping: stop_rx,
+                breaker: Arc::new(crate::kill_switch::Breaker::new(
+                    kill_switch,
+                    self.counters.clone(),
+                )),
+            },
+            store: self.store,
+            policy: self.policy,
+            handler: self.handler,
+            owner_prefix: self.owner_prefix,
+            claims: AtomicU64::new(0),
+            offsets_in_tx: self.offsets.is_some(),
+            caches: self.caches,
+        });
+        let stats = run_loop(inner, source, shared, self.scope, stop_tx, shutdown).await;
+        refused_or(refused, stats)
+    }
+}

@@ -1,0 +1,110 @@
+//! What every runner calls: the per-message [`Handler`] and how its answers are read (a
+//! withdrawal counted as a retry, the attempts an error says were made, a panic's message).
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use dedup_core::typed::CodecError;
+use dedup_core::{
+    AfterHandlerError, Completion, HandlerError, LeaseContext, ProcessError, Processed,
+};
+
+use crate::delivery::Delivery;
+
+/// What the runner calls for each message.
+///
+/// `lease` is the dedup lease the message runs under (pass it to a transactional completion such
+/// as `PgStore::transact`); it is `None` only for a keyless message under
+/// [`MissingKey::ProcessWithoutDedup`]. Any `Fn(Arc<Delivery>, Option<LeaseContext>) -> Future`
+/// closure is a handler.
+pub trait Handler: Send + Sync + 'static {
+    /// The handler's own error.
+    type Error: fmt::Display + Send + 'static;
+
+    /// Handles one message.
+    fn handle(
+        &self,
+        delivery: Arc<Delivery>,
+        lease: Option<LeaseContext>,
+    ) -> impl Future<Output = Result<Completion, HandlerError<Self::Error>>> + Send;
+
+    /// Looks at a keyed message's result, fresh or replayed, before the message settles. An error
+    /// dead-letters the message with [`ProcessError::Undecodable`]'s text as the reason (a typed
+    /// result that no longer decodes: see [`Typed`](crate::Typed)). The default accepts every
+    /// result.
+    ///
+    /// # Errors
+    /// The result cannot be used.
+    fn check_result(&self, delivery: &Delivery, processed: &Processed) -> Result<(), CodecError> {
+        let _ = (delivery, processed);
+        Ok(())
+    }
+}
+
+impl<F, Fut, E> Handler for F
+where
+    F: Fn(Arc<Delivery>, Option<LeaseContext>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Completion, HandlerError<E>>> + Send,
+    E: fmt::Display + Send + 'static,
+{
+    type Error = E;
+
+    fn handle(
+        &self,
+        delivery: Arc<Delivery>,
+        lease: Option<LeaseContext>,
+    ) -> impl Future<Output = Result<Completion, HandlerError<E>>> + Send {
+        self(delivery, lease)
+    }
+}
+
+/// A message is retried until it settles, so a handler's `Withdraw` (give the key back, spend no
+/// attempt) would retry it without end: the runner counts it as a retryable failure.
+pub(crate) fn no_withdraw<E>(
+    r: Result<Completion, HandlerError<E>>,
+) -> Result<Completion, HandlerError<E>> {
+    match r {
+        Err(HandlerError::Withdraw(e)) => Err(HandlerError::Retryable(e)),
+        other => other,
+    }
+}
+
+/// The attempts an error says were made, or `otherwise`.
+pub(crate) fn attempts_of<E>(err: &ProcessError<E>, otherwise: u32) -> u32 {
+    match err {
+        ProcessError::Failed { attempts, .. } => *attempts,
+        ProcessError::Handler {
+            after: AfterHandlerError::Failed { attempts },
+            ..
+        }
+        | ProcessError::Panicked {
+            after: AfterHandlerError::Failed { attempts },
+            ..
+        } => *attempts,
+        _ => otherwise,
+    }
+}
+
+/// A panic's message, where it has one.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
+}
+
+pub(crate) struct DisplayHandlerError<'a, E>(pub(crate) &'a HandlerError<E>);
+
+impl<E: fmt::Display> fmt::Display for DisplayHandlerError<'_, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            HandlerError::Retryable(e) => write!(f, "retryable: {e}"),
+            HandlerError::Permanent(e) => write!(f, "permanent: {e}"),
+            HandlerError::Withdraw(e) => write!(f, "withdrawn: {e}"),
+            HandlerError::Store(e) => write!(f, "store: {e}"),
+            _ => f.write_str("handler error"),
+        }
+    }
+}
