@@ -24,16 +24,12 @@ use std::time::Duration;
 
 use dedup_core::{Fingerprint, IdempotencyKey, Scope};
 use dedup_pg::TxBatchConfig;
-use rdkafka::consumer::{CommitMode, Consumer};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::config::{ConfigError, Ordering};
-use crate::consumer::{
-    Backpressure, PauseReason, Shared, Source, TopicPartition, apply_pauses, commit, lock,
-    sleep_until_opt,
-};
+use crate::consumer::{Backpressure, Drive, Shared, Source, TopicPartition, Work, lock};
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::stats::{RunnerStats, StatsHandle};
 use exec::{Exec, Settled};
@@ -121,92 +117,93 @@ pub(crate) async fn run_loop<X: Exec>(
         done_tx,
         stored: Arc::new(Mutex::new(HashMap::new())),
         storing: None,
+        none: HashMap::new(),
     };
-    let mut commit_tick = tokio::time::interval(inner.common().config.commit_interval);
-    commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(shutdown);
-    loop {
-        let next = lp.next_batch_at();
-        tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            Some(done) = done_rx.recv() => lp.settle(done),
-            _ = commit_tick.tick() => lp.commit(CommitMode::Async),
-            () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
-                lp.pressure.set_paused(true, &lp.shared, &inner.common().counters);
-            }
-            () = sleep_until_opt(next), if next.is_some() => {}
-            // The kill switch opened, or its pause is over: the pause reason follows it.
-            () = inner.common().breaker.opened() => {}
-            () = sleep_until_opt(inner.common().breaker.open_until()), if inner.common().breaker.is_open() => {}
-            d = lp.source.recv(&inner.common().counters), if lp.pressure.taking() => {
-                if let Some(d) = d {
-                    lp.receive(d);
-                }
-            }
-        }
-        lp.dispatch_ready();
-        lp.pressure.update(
-            lp.held,
-            inner.common().config.max_in_flight,
-            &lp.shared,
-            &inner.common().counters,
-        );
-        lock(&lp.shared)
-            .pauses
-            .set_all(PauseReason::KillSwitch, inner.common().breaker.is_open());
-        apply_pauses(&*lp.source.consumer, &lp.shared);
-        lp.source.share(
-            &lp.shared,
-            inner.common().config.max_in_flight,
-            &HashMap::new(),
-        );
+    let common = inner.common();
+    Drive {
+        counters: &common.counters,
+        breaker: &common.breaker,
+        dead_letters: &common.dead_letters,
+        max_in_flight: common.config.max_in_flight,
+        commit_interval: common.config.commit_interval,
+        drain_timeout: common.config.drain_timeout,
+    }
+    .run(&mut lp, &mut done_rx, &stop_tx, shutdown)
+    .await;
+    StatsHandle(common.counters.clone()).snapshot()
+}
+
+impl<X: Exec> Work for Loop<X> {
+    type Event = Done;
+
+    fn source(&mut self) -> &mut Source {
+        &mut self.source
     }
 
-    // Shutdown: running batches finish (their dead-letter retries stop), queued messages
-    // are left to redelivery, settled offsets are committed.
-    info!(held = lp.held, running = lp.running, "runner draining");
-    let _ = stop_tx.send(true);
-    lp.source.stop();
-    let queued: usize = lp
-        .parts
-        .values_mut()
-        .map(|p| std::mem::take(&mut p.queue).len())
-        .sum();
-    lp.held -= queued;
-    inner.common().counters.abandoned.add(queued as u64);
-    let deadline = Instant::now() + inner.common().config.drain_timeout;
-    while lp.running > 0 {
-        tokio::select! {
-            Some(done) = done_rx.recv() => lp.settle(done),
-            // Keep serving rebalance callbacks; new messages are not taken.
-            _ = lp.source.consumer.recv() => {}
-            () = tokio::time::sleep_until(deadline) => {
-                warn!(running = lp.running, "drain timed out; the rest will be redelivered");
-                break;
-            }
+    fn shared(&self) -> &Arc<Mutex<Shared>> {
+        &self.shared
+    }
+
+    fn pressure(&mut self) -> &mut Backpressure {
+        &mut self.pressure
+    }
+
+    fn receive(&mut self, delivery: Delivery) {
+        Loop::receive(self, delivery);
+    }
+
+    fn on_event(&mut self, done: Done) {
+        self.settle(done);
+    }
+
+    fn wake_at(&self) -> Option<Instant> {
+        self.next_batch_at()
+    }
+
+    /// A batch is due: `after_turn` starts it.
+    fn on_wake(&mut self) {}
+
+    fn after_turn(&mut self) {
+        self.dispatch_ready();
+    }
+
+    fn on_commit(&mut self) {
+        self.store_moved();
+    }
+
+    fn held(&self) -> usize {
+        self.held
+    }
+
+    fn not_shared(&self) -> &HashMap<(String, i32, u64), usize> {
+        &self.none
+    }
+
+    /// Queued messages are left to redelivery; running batches finish (their dead-letter
+    /// retries stop).
+    fn drain_start(&mut self) {
+        let queued: usize = self
+            .parts
+            .values_mut()
+            .map(|p| std::mem::take(&mut p.queue).len())
+            .sum();
+        self.held -= queued;
+        self.inner.common().counters.abandoned.add(queued as u64);
+    }
+
+    fn running(&self) -> usize {
+        self.running
+    }
+
+    /// The positions last: after any write under way, whatever moved since.
+    async fn finish(&mut self) {
+        if let Some(under_way) = self.storing.take() {
+            let _ = under_way.await;
+        }
+        if let Some(last) = self.store_positions() {
+            let _ = last.await;
         }
     }
-    commit(
-        &lp.source.consumer,
-        &lp.shared,
-        &inner.common().counters,
-        CommitMode::Sync,
-    );
-    // The positions last: after any write under way, whatever moved since.
-    if let Some(under_way) = lp.storing.take() {
-        let _ = under_way.await;
-    }
-    if let Some(last) = lp.store_positions() {
-        let _ = last.await;
-    }
-    lp.source.stop();
-    lp.source.consumer.unsubscribe();
-    if let Err(e) = inner.common().dead_letters.flush(Duration::from_secs(10)) {
-        warn!(error = %e, "dead-letter producer flush");
-    }
-    info!("runner stopped");
-    StatsHandle(inner.common().counters.clone()).snapshot()
 }
 
 /// A message waiting for its batch.
@@ -268,6 +265,8 @@ struct Loop<X> {
     stored: Arc<Mutex<HashMap<TopicPartition, i64>>>,
     /// The write of those positions under way, if one is.
     storing: Option<tokio::task::JoinHandle<()>>,
+    /// Nothing held here escapes its partition's share.
+    none: HashMap<(String, i32, u64), usize>,
 }
 
 /// When a partition's waiting messages should run, less the batch wait: now for those that can
@@ -295,13 +294,9 @@ fn waiting_since(queue: &[Item], now: Instant, wait: Duration) -> Option<Instant
 const PARTITION_GROUP: u64 = u64::MAX;
 
 impl<X: Exec> Loop<X> {
-    fn commit(&mut self, mode: CommitMode) {
-        commit(
-            &self.source.consumer,
-            &self.shared,
-            &self.inner.common().counters,
-            mode,
-        );
+    /// After each periodic commit, offsets in the transaction: the positions that moved without
+    /// a batch are stored, unless a write of them is under way.
+    fn store_moved(&mut self) {
         if self
             .storing
             .as_ref()

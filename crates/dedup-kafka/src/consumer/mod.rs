@@ -20,8 +20,10 @@ use tracing::{debug, info, warn};
 use crate::config::RunnerConfig;
 use crate::stats::Counters;
 
+mod drive;
 mod fetch;
 mod pause;
+pub(crate) use drive::{Drive, Work};
 pub(crate) use fetch::Fetch;
 pub(crate) use pause::{Backpressure, PauseReason, Pauses, apply as apply_pauses};
 

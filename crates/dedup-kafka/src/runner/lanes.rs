@@ -9,14 +9,14 @@ use std::sync::{Arc, Mutex};
 
 use dedup_core::{IdempotencyKey, Scope, Store};
 use futures_util::FutureExt;
-use rdkafka::consumer::CommitMode;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::job::Inner;
 use super::park;
 use crate::config::Ordering;
-use crate::consumer::{Backpressure, PauseReason, Shared, Source, commit, lock};
+use crate::consumer::{Backpressure, PauseReason, Shared, Source, Work, lock};
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::handler::{Handler, panic_message};
 
@@ -156,6 +156,8 @@ pub(in crate::runner) struct Loop<S, H> {
     pub(in crate::runner) pressure: Backpressure,
     pub(in crate::runner) done_tx: Option<mpsc::UnboundedSender<Event>>,
     pub(in crate::runner) parks: park::Parks,
+    /// With parking, when the parked queue is looked at next.
+    pub(in crate::runner) next_park: Option<Instant>,
 }
 
 impl<S, H> Loop<S, H>
@@ -430,17 +432,6 @@ where
     }
 }
 
-impl<S, H> Loop<S, H> {
-    pub(in crate::runner) fn commit(&self, mode: CommitMode) {
-        commit(
-            &self.source.consumer,
-            &self.shared,
-            &self.inner.counters,
-            mode,
-        );
-    }
-}
-
 /// Moves `n` messages of `lane` into (or, negative, out of) the blocked count, in all and for
 /// its partition and ownership.
 pub(in crate::runner) fn count_blocked(
@@ -455,5 +446,78 @@ pub(in crate::runner) fn count_blocked(
     *entry = entry.saturating_add_signed(n);
     if *entry == 0 {
         by.remove(&key);
+    }
+}
+
+impl<S, H> Work for Loop<S, H>
+where
+    S: Store + Send + Sync + 'static,
+    H: Handler,
+{
+    type Event = Event;
+
+    fn source(&mut self) -> &mut Source {
+        &mut self.source
+    }
+
+    fn shared(&self) -> &Arc<Mutex<Shared>> {
+        &self.shared
+    }
+
+    fn pressure(&mut self) -> &mut Backpressure {
+        &mut self.pressure
+    }
+
+    fn receive(&mut self, delivery: Delivery) {
+        Loop::receive(self, delivery);
+    }
+
+    fn on_event(&mut self, event: Event) {
+        Loop::on_event(self, event);
+    }
+
+    fn wake_at(&self) -> Option<Instant> {
+        self.next_park
+    }
+
+    /// The parking tick: barriers, due heads, gauges, room.
+    fn on_wake(&mut self) {
+        self.park_tick();
+        self.next_park = self
+            .inner
+            .park
+            .as_ref()
+            .map(|p| Instant::now() + p.cfg.poll);
+    }
+
+    fn after_turn(&mut self) {
+        self.pause_blocked();
+    }
+
+    fn held(&self) -> usize {
+        self.held
+    }
+
+    fn not_shared(&self) -> &HashMap<(String, i32, u64), usize> {
+        &self.blocked_by
+    }
+
+    /// Queued messages are left to redelivery; running ones finish.
+    fn drain_start(&mut self) {
+        for lane in self.lanes.values_mut() {
+            let dropped = std::mem::take(&mut lane.queue).len();
+            if lane.blocked {
+                // Only the totals: the loop shares nothing any more.
+                self.blocked -= dropped;
+            } else {
+                self.held -= dropped;
+            }
+            self.inner.counters.abandoned.add(dropped as u64);
+        }
+        self.drop_waiting();
+    }
+
+    fn running(&self) -> usize {
+        self.held + self.blocked
     }
 }

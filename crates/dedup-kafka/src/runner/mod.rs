@@ -5,19 +5,13 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use dedup_core::{Dedup, Scope, Store};
-use rdkafka::consumer::{CommitMode, Consumer};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tracing::{info, warn};
 
 use crate::config::RunnerConfig;
-use crate::consumer::{
-    Backpressure, Contact, PauseReason, Shared, apply_pauses, clients, lock, refused_or,
-    sleep_until_opt, until_refused,
-};
+use crate::consumer::{Backpressure, Contact, Drive, Shared, clients, refused_or, until_refused};
 use crate::kill_switch::Breaker;
 use crate::start::{RunnerError, adopt_at_start, scope_of};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
@@ -115,6 +109,7 @@ where
             park: self.park,
             breaker,
         });
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
         let mut lp = Loop {
             inner: inner.clone(),
             source,
@@ -126,92 +121,20 @@ where
             blocked_by: HashMap::new(),
             blocked_paused: HashSet::new(),
             pressure: Backpressure::default(),
-            done_tx: None,
+            done_tx: Some(done_tx),
             parks: park::Parks::default(),
+            next_park: inner.park.as_ref().map(|_| Instant::now()),
         };
-        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
-        lp.done_tx = Some(done_tx);
-
-        let mut commit_tick = tokio::time::interval(inner.config.commit_interval);
-        commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let parking = inner.park.is_some();
-        let mut park_tick = tokio::time::interval(
-            inner
-                .park
-                .as_ref()
-                .map_or(Duration::from_secs(3600), |p| p.cfg.poll),
-        );
-        park_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tokio::pin!(shutdown);
-        loop {
-            tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                Some(event) = done_rx.recv() => lp.on_event(event),
-                _ = commit_tick.tick() => lp.commit(CommitMode::Async),
-                _ = park_tick.tick(), if parking => lp.park_tick(),
-                () = sleep_until_opt(lp.pressure.stall_deadline()), if lp.pressure.stall_deadline().is_some() => {
-                    lp.pressure.set_paused(true, &lp.shared, &inner.counters);
-                }
-                // The kill switch opened, or its pause is over: the pause reason follows it.
-                () = inner.breaker.opened() => {}
-                () = sleep_until_opt(inner.breaker.open_until()), if inner.breaker.is_open() => {}
-                d = lp.source.recv(&inner.counters), if lp.pressure.taking() => {
-                    if let Some(d) = d {
-                        lp.receive(d);
-                    }
-                }
-            }
-            lp.pressure.update(
-                lp.held,
-                inner.config.max_in_flight,
-                &lp.shared,
-                &inner.counters,
-            );
-            lp.pause_blocked();
-            lock(&lp.shared)
-                .pauses
-                .set_all(PauseReason::KillSwitch, inner.breaker.is_open());
-            apply_pauses(&*lp.source.consumer, &lp.shared);
-            lp.source
-                .share(&lp.shared, inner.config.max_in_flight, &lp.blocked_by);
+        Drive {
+            counters: &inner.counters,
+            breaker: &inner.breaker,
+            dead_letters: &inner.dead_letters,
+            max_in_flight: inner.config.max_in_flight,
+            commit_interval: inner.config.commit_interval,
+            drain_timeout: inner.config.drain_timeout,
         }
-
-        // Shutdown: running messages finish (their retries stop), queued ones are left to
-        // redelivery, settled offsets are committed.
-        info!(held = lp.held, blocked = lp.blocked, "runner draining");
-        let _ = stop_tx.send(true);
-        lp.source.stop();
-        for lane in lp.lanes.values_mut() {
-            let dropped = std::mem::take(&mut lane.queue).len();
-            if lane.blocked {
-                lp.blocked -= dropped;
-                // Not read again: the loop stops sharing.
-            } else {
-                lp.held -= dropped;
-            }
-            inner.counters.abandoned.add(dropped as u64);
-        }
-        lp.drop_waiting();
-        let deadline = Instant::now() + inner.config.drain_timeout;
-        while lp.held + lp.blocked > 0 {
-            tokio::select! {
-                Some(event) = done_rx.recv() => lp.on_event(event),
-                // Keep serving rebalance callbacks; new messages are not taken.
-                _ = lp.source.consumer.recv() => {}
-                () = tokio::time::sleep_until(deadline) => {
-                    warn!(held = lp.held, blocked = lp.blocked, "drain timed out; the rest will be redelivered");
-                    break;
-                }
-            }
-        }
-        lp.commit(CommitMode::Sync);
-        lp.source.stop();
-        lp.source.consumer.unsubscribe();
-        if let Err(e) = inner.dead_letters.flush(Duration::from_secs(10)) {
-            warn!(error = %e, "dead-letter producer flush");
-        }
-        info!("runner stopped");
+        .run(&mut lp, &mut done_rx, &stop_tx, shutdown)
+        .await;
         refused_or(refused, StatsHandle(inner.counters.clone()).snapshot())
     }
 }
