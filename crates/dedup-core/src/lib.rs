@@ -64,8 +64,8 @@ pub use process::{
     ProcessError, Processed,
 };
 pub use record::{
-    AfterFailure, ClaimOutcome, ClaimRequest, FencingToken, Lease, OwnerId, Policy, Record, State,
-    Timestamp, micros,
+    AfterFailure, ClaimOutcome, ClaimRequest, FencingToken, Lease, OwnerId, OwnerIds, Policy,
+    Record, State, Timestamp, micros,
 };
 pub use store::{MemoryStore, Store};
 pub use tiered::{

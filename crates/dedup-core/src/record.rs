@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -92,6 +93,43 @@ impl OwnerId {
     /// The owner's name.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// The owner ids one holder claims under: a prefix and a counter, `<prefix>#<n>` per claim.
+#[derive(Debug)]
+pub struct OwnerIds {
+    prefix: Arc<str>,
+    next: AtomicU64,
+}
+
+impl OwnerIds {
+    /// A prefix unique to this process and its start: `pid<pid>-<start in µs, hex>`.
+    pub fn for_process() -> Self {
+        Self::with_prefix(format!(
+            "pid{}-{:x}",
+            std::process::id(),
+            Timestamp::now().as_micros()
+        ))
+    }
+
+    /// Ids under `prefix` (an instance identity's, say).
+    pub fn with_prefix(prefix: impl Into<Arc<str>>) -> Self {
+        Self {
+            prefix: prefix.into(),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The next claim's owner id.
+    pub fn next(&self) -> OwnerId {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        OwnerId::new(format!("{}#{n}", self.prefix))
     }
 }
 

@@ -61,11 +61,14 @@ where
 
 /// A message is retried until it settles, so a handler's `Withdraw` (give the key back, spend no
 /// attempt) would retry it without end: the runner counts it as a retryable failure.
-pub(crate) fn no_withdraw<E>(
-    r: Result<Completion, HandlerError<E>>,
-) -> Result<Completion, HandlerError<E>> {
-    match r {
-        Err(HandlerError::Withdraw(e)) => Err(HandlerError::Retryable(e)),
+pub(crate) fn no_withdraw<T, E>(r: Result<T, HandlerError<E>>) -> Result<T, HandlerError<E>> {
+    r.map_err(retry_withdrawn)
+}
+
+/// [`no_withdraw`] for the error alone.
+pub(crate) fn retry_withdrawn<E>(e: HandlerError<E>) -> HandlerError<E> {
+    match e {
+        HandlerError::Withdraw(e) => HandlerError::Retryable(e),
         other => other,
     }
 }

@@ -1,11 +1,19 @@
 //! What every runner does before its loop: its errors, its dedup scope, and taking over the
 //! leases an earlier incarnation of its identity left behind.
 
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+
 use dedup_core::{Adoption, Dedup, Scope, Store};
 use rdkafka::error::KafkaError;
+use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::config::{ConfigError, RunnerConfig};
+use crate::consumer::{Contact, Shared, Source, StartOffsets, clients, until_refused};
+use crate::dead_letter::{DeadLetters, RefusedTable};
+use crate::kill_switch::Breaker;
+use crate::stats::Counters;
 
 /// Why a runner could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -58,5 +66,53 @@ pub(crate) fn scope_of(config: &RunnerConfig) -> Result<Scope, ConfigError> {
             "group_id"
         },
         problem: format!("not usable as a dedup scope: {e}"),
+    })
+}
+
+/// A runner, started: its clients, the partitions it owns, the future it runs until (the caller's
+/// shutdown, or the cluster refusing it), the flag that tells its tasks it stops, and its kill
+/// switch.
+pub(crate) struct Started<F> {
+    pub(crate) shared: Arc<Mutex<Shared>>,
+    pub(crate) source: Source,
+    pub(crate) dead_letters: DeadLetters,
+    pub(crate) shutdown: F,
+    pub(crate) refused: Arc<OnceLock<String>>,
+    pub(crate) stop_tx: watch::Sender<bool>,
+    pub(crate) stopping: watch::Receiver<bool>,
+    pub(crate) breaker: Arc<Breaker>,
+}
+
+/// What every runner does before its loop: the Kafka clients (with stored start positions and a
+/// table for refused dead letters where the runner has them), the watch for a refusal, the stop
+/// flag and the kill switch.
+pub(crate) fn start<F: Future<Output = ()>>(
+    config: &RunnerConfig,
+    counters: &Arc<Counters>,
+    start_offsets: Option<Arc<dyn StartOffsets>>,
+    refused_table: Option<Arc<dyn RefusedTable>>,
+    shutdown: F,
+) -> Result<Started<impl Future<Output = ()> + use<F>>, RunnerError> {
+    let shared = Arc::new(Mutex::new(Shared::default()));
+    let contact = Arc::new(Contact::default());
+    let (source, dead_letters) = clients(
+        config,
+        &shared,
+        counters,
+        start_offsets,
+        &contact,
+        refused_table,
+    )?;
+    let (shutdown, refused) = until_refused(shutdown, &contact);
+    let (stop_tx, stopping) = watch::channel(false);
+    Ok(Started {
+        shared,
+        source,
+        dead_letters,
+        shutdown,
+        refused,
+        stop_tx,
+        stopping,
+        breaker: Arc::new(Breaker::new(config.kill_switch, counters.clone())),
     })
 }

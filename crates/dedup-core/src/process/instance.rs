@@ -4,7 +4,7 @@ use std::process;
 
 use crate::error::StoreError;
 use crate::instance::{Adoption, InstanceId};
-use crate::record::Timestamp;
+use crate::record::{OwnerIds, Timestamp};
 use crate::store::Store;
 
 use super::Dedup;
@@ -19,14 +19,14 @@ impl<S: Store> Dedup<S> {
     /// [`InstanceId`]). Its claims are then owned by `<id>/<incarnation>#<n>`, and
     /// [`adopt`](Self::adopt) can end the leases an earlier incarnation left behind.
     pub fn with_instance(mut self, id: InstanceId) -> Self {
-        self.owner_prefix = format!("{}{}", id.owner_prefix(), incarnation()).into();
+        self.owners = OwnerIds::with_prefix(format!("{}{}", id.owner_prefix(), incarnation()));
         self.instance = Some(id);
         self
     }
 
     /// What this incarnation's owner ids start with (`<id>/<incarnation>` with an identity).
     pub fn owner_prefix(&self) -> &str {
-        &self.owner_prefix
+        self.owners.prefix()
     }
 
     /// Ends the live leases of this identity's earlier incarnations (a predecessor killed
@@ -38,7 +38,7 @@ impl<S: Store> Dedup<S> {
         let Some(id) = &self.instance else {
             return Ok(Adoption::Unsupported);
         };
-        let mine = format!("{}#", self.owner_prefix);
+        let mine = format!("{}#", self.owners.prefix());
         self.store.adopt(id, &mine).await
     }
 }

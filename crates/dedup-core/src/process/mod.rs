@@ -13,8 +13,6 @@ pub use outcome::{
 
 use std::fmt;
 use std::future::Future;
-use std::process;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -24,7 +22,7 @@ use tracing::{Instrument, info_span, warn};
 
 use crate::error::{InputError, StoreError};
 use crate::key::{Fingerprint, IdempotencyKey};
-use crate::record::{ClaimOutcome, ClaimRequest, Lease, OwnerId, Policy, State, Timestamp};
+use crate::record::{ClaimOutcome, ClaimRequest, Lease, OwnerId, OwnerIds, Policy, State};
 use crate::store::Store;
 
 /// How many times a call whose outcome is unknown, or whose backend is briefly unavailable, is
@@ -50,10 +48,10 @@ pub struct Dedup<S> {
     policy: Policy,
     in_flight_wait: Duration,
     completion_deadline: Option<Duration>,
-    owner_prefix: Arc<str>,
     /// The stable identity, if configured (`with_instance`).
     instance: Option<crate::InstanceId>,
-    claims: AtomicU64,
+    /// The owner ids claims are made under.
+    owners: OwnerIds,
     /// The leases of this instance's running batches, extended together.
     beats: heartbeat::Heartbeats,
 }
@@ -66,9 +64,8 @@ impl<S: Store> Dedup<S> {
             policy: Policy::default(),
             in_flight_wait: Duration::from_secs(5),
             completion_deadline: None,
-            owner_prefix: format!("pid{}-{:x}", process::id(), Timestamp::now().as_micros()).into(),
             instance: None,
-            claims: AtomicU64::new(0),
+            owners: OwnerIds::for_process(),
             beats: heartbeat::Heartbeats::default(),
         }
     }
@@ -114,7 +111,7 @@ impl<S: Store> Dedup<S> {
     /// Names this instance in owner ids (a host or pod name helps an operator); the default is the
     /// process id.
     pub fn with_owner_prefix(mut self, prefix: impl Into<Arc<str>>) -> Self {
-        self.owner_prefix = prefix.into();
+        self.owners = OwnerIds::with_prefix(prefix);
         self
     }
 
@@ -134,8 +131,7 @@ impl<S: Store> Dedup<S> {
     }
 
     fn next_owner(&self) -> OwnerId {
-        let n = self.claims.fetch_add(1, Ordering::Relaxed);
-        OwnerId::new(format!("{}#{n}", self.owner_prefix))
+        self.owners.next()
     }
 
     /// Runs `handler` for `key` once; replays the stored result to duplicates.

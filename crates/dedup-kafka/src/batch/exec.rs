@@ -39,6 +39,25 @@ pub(crate) struct Common {
 }
 
 impl Common {
+    /// What every runner of batches holds, from its start-up (`crate::start::start`).
+    pub(crate) fn new(
+        config: RunnerConfig,
+        batching: Batching,
+        dead_letters: DeadLetters,
+        counters: Arc<Counters>,
+        stopping: watch::Receiver<bool>,
+        breaker: Arc<crate::kill_switch::Breaker>,
+    ) -> Self {
+        Self {
+            config,
+            batching,
+            dead_letters,
+            counters,
+            stopping,
+            breaker,
+        }
+    }
+
     /// A message settled: its latency counted.
     pub(crate) fn done(&self, item: &Item, s: Settled) -> (i64, Settled) {
         let us = u64::try_from(item.received.elapsed().as_micros()).unwrap_or(u64::MAX);

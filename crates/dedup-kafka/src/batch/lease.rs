@@ -5,21 +5,20 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
 
 use dedup_core::{BatchItem, Dedup, ProcessError, Processed, Store};
 use futures_util::FutureExt;
 use futures_util::future::join_all;
-use tokio::sync::watch;
 use tracing::{Instrument, info_span, warn};
 
 use super::exec::{Common, Exec, Settled};
 use super::{Batching, Done, Item, run_loop};
-use crate::config::{ConfigError, MissingKey, RunnerConfig};
-use crate::consumer::{Contact, Shared, TopicPartition, clients, refused_or, until_refused};
+use crate::config::RunnerConfig;
+use crate::consumer::{TopicPartition, refused_or};
 use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
-use crate::start::{RunnerError, scope_of};
+use crate::start::{RunnerError, Started, scope_of, start};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
 /// An idempotent consumer in lease mode by the batch: each partition's messages are taken in
@@ -61,16 +60,7 @@ where
         dedup: Arc<Dedup<S>>,
         handler: H,
     ) -> Result<Self, RunnerError> {
-        config.validate()?;
-        batching.validate()?;
-        if matches!(config.missing_key, MissingKey::ProcessWithoutDedup) {
-            return Err(ConfigError {
-                setting: "missing_key",
-                problem: "lease mode by the batch runs every message under a claim: dead-letter keyless messages, or use the per-message Runner".to_owned(),
-            }
-            .into());
-        }
-        scope_of(&config)?;
+        batching.check(&config, "lease mode by the batch")?;
         Ok(Self {
             config,
             batching,
@@ -102,32 +92,26 @@ where
     /// The Kafka client could not start or subscribe.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = scope_of(&self.config)?;
-        let shared = Arc::new(Mutex::new(Shared::default()));
         crate::start::adopt_at_start(&self.dedup).await;
-        let contact = Arc::new(Contact::default());
-        let (source, dead_letters) = clients(
-            &self.config,
-            &shared,
-            &self.counters,
-            None,
-            &contact,
-            self.refused,
-        )?;
-        let (shutdown, refused) = until_refused(shutdown, &contact);
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let kill_switch = self.config.kill_switch;
+        let Started {
+            shared,
+            source,
+            dead_letters,
+            shutdown,
+            refused,
+            stop_tx,
+            stopping,
+            breaker,
+        } = start(&self.config, &self.counters, None, self.refused, shutdown)?;
         let inner = Arc::new(Inner {
-            common: Common {
-                config: self.config,
-                batching: self.batching,
+            common: Common::new(
+                self.config,
+                self.batching,
                 dead_letters,
-                counters: self.counters.clone(),
-                stopping: stop_rx,
-                breaker: Arc::new(crate::kill_switch::Breaker::new(
-                    kill_switch,
-                    self.counters.clone(),
-                )),
-            },
+                self.counters.clone(),
+                stopping,
+                breaker,
+            ),
             dedup: self.dedup,
             handler: self.handler,
         });

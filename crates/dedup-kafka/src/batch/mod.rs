@@ -73,6 +73,29 @@ impl Batching {
         self
     }
 
+    /// The checks every runner of batches makes at construction: the runner's settings, the
+    /// batching's, and [`MissingKey::ProcessWithoutDedup`](crate::MissingKey), which no batch can
+    /// honour (every message of a batch runs under a claim); `mode` names the runner in the
+    /// refusal. Answers the dedup scope.
+    pub(crate) fn check(
+        &self,
+        config: &crate::RunnerConfig,
+        mode: &str,
+    ) -> Result<Scope, crate::RunnerError> {
+        config.validate()?;
+        self.validate()?;
+        if matches!(config.missing_key, crate::MissingKey::ProcessWithoutDedup) {
+            return Err(ConfigError {
+                setting: "missing_key",
+                problem: format!(
+                    "{mode} runs every message under a claim: dead-letter keyless messages, or use the per-message Runner"
+                ),
+            }
+            .into());
+        }
+        Ok(crate::start::scope_of(config)?)
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         if self.size == 0 || self.size > MAX_BATCH {
             return Err(ConfigError {

@@ -392,10 +392,10 @@ impl Drop for Source {
 
 /// `shutdown`, or the cluster refusing this client before it was reached (the reason is then in
 /// the returned cell): what a runner's loop runs until.
-pub(crate) fn until_refused(
-    shutdown: impl Future<Output = ()>,
+pub(crate) fn until_refused<F: Future<Output = ()>>(
+    shutdown: F,
     contact: &Arc<Contact>,
-) -> (impl Future<Output = ()>, Arc<OnceLock<String>>) {
+) -> (impl Future<Output = ()> + use<F>, Arc<OnceLock<String>>) {
     let cell = Arc::new(OnceLock::new());
     let (contact, out) = (contact.clone(), cell.clone());
     let stop = async move {

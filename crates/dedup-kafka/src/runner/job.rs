@@ -28,7 +28,7 @@ pub(in crate::runner) struct Inner<S, H> {
     pub(in crate::runner) counters: Arc<Counters>,
     pub(in crate::runner) stopping: watch::Receiver<bool>,
     pub(in crate::runner) park: Option<Arc<park::ParkCtx>>,
-    pub(in crate::runner) breaker: Breaker,
+    pub(in crate::runner) breaker: Arc<Breaker>,
 }
 
 impl<S, H> Inner<S, H>

@@ -4,16 +4,15 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use dedup_core::{Dedup, Scope, Store};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::config::RunnerConfig;
-use crate::consumer::{Backpressure, Contact, Drive, Shared, clients, refused_or, until_refused};
-use crate::kill_switch::Breaker;
-use crate::start::{RunnerError, adopt_at_start, scope_of};
+use crate::consumer::{Backpressure, Drive, refused_or};
+use crate::start::{RunnerError, Started, adopt_at_start, scope_of, start};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
 mod job;
@@ -84,28 +83,24 @@ where
     /// Consumes until `shutdown` completes, then drains, commits and leaves the group.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
         let scope = self.scope.clone();
-        let shared = Arc::new(Mutex::new(Shared::default()));
         adopt_at_start(&self.dedup).await;
-        let contact = Arc::new(Contact::default());
-        let (source, dead_letters) = clients(
-            &self.config,
-            &shared,
-            &self.counters,
-            None,
-            &contact,
-            self.refused,
-        )?;
-        let (shutdown, refused) = until_refused(shutdown, &contact);
-
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let breaker = Breaker::new(self.config.kill_switch, self.counters.clone());
+        let Started {
+            shared,
+            source,
+            dead_letters,
+            shutdown,
+            refused,
+            stop_tx,
+            stopping,
+            breaker,
+        } = start(&self.config, &self.counters, None, self.refused, shutdown)?;
         let inner = Arc::new(Inner {
             config: self.config,
             dedup: self.dedup,
             handler: self.handler,
             dead_letters,
             counters: self.counters.clone(),
-            stopping: stop_rx,
+            stopping,
             park: self.park,
             breaker,
         });

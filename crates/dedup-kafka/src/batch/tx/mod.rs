@@ -19,21 +19,19 @@ mod run;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use dedup_core::{BatchCache, Lease, Policy, Scope};
+use dedup_core::{BatchCache, Lease, OwnerIds, Policy, Scope};
 use dedup_pg::{BatchBody, PgStore};
 use sqlx::PgConnection;
-use tokio::sync::watch;
 
 use super::exec::Common;
 use super::{Batching, run_loop};
-use crate::config::{ConfigError, MissingKey, RunnerConfig};
-use crate::consumer::{Contact, Shared, StartOffsets, clients, refused_or, until_refused};
+use crate::config::{ConfigError, RunnerConfig};
+use crate::consumer::{StartOffsets, refused_or};
 use crate::delivery::Delivery;
-use crate::start::RunnerError;
+use crate::start::{RunnerError, Started, start};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
 /// A message of the batch whose key this transaction holds: the handler writes its effect.
@@ -96,7 +94,7 @@ pub struct TxRunner<H> {
     policy: Policy,
     handler: Arc<H>,
     counters: Arc<Counters>,
-    owner_prefix: String,
+    owners: Arc<OwnerIds>,
     /// Offsets in the transaction: on, with the bound on reading them at assignment.
     offsets: Option<Duration>,
     caches: Option<Arc<dyn BatchCache>>,
@@ -119,16 +117,7 @@ impl<H: BatchHandler> TxRunner<H> {
         store: PgStore,
         handler: H,
     ) -> Result<Self, RunnerError> {
-        config.validate()?;
-        batching.validate()?;
-        if matches!(config.missing_key, MissingKey::ProcessWithoutDedup) {
-            return Err(ConfigError {
-                setting: "missing_key",
-                problem: "transaction mode runs every message under a claim: dead-letter keyless messages, or use the per-message Runner".to_owned(),
-            }
-            .into());
-        }
-        let scope = crate::start::scope_of(&config)?;
+        let scope = batching.check(&config, "transaction mode")?;
         Ok(Self {
             config,
             batching,
@@ -137,13 +126,7 @@ impl<H: BatchHandler> TxRunner<H> {
             policy: Policy::default(),
             handler: Arc::new(handler),
             counters: Arc::new(Counters::default()),
-            owner_prefix: format!(
-                "pid{}-{:x}",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_micros())
-            ),
+            owners: Arc::new(OwnerIds::for_process()),
             offsets: None,
             caches: None,
         })
@@ -207,7 +190,6 @@ impl<H: BatchHandler> TxRunner<H> {
     /// # Errors
     /// The Kafka client could not start or subscribe.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
-        let shared = Arc::new(Mutex::new(Shared::default()));
         let start_offsets: Option<Arc<dyn StartOffsets>> = match self.offsets {
             Some(wait) => Some(Arc::new(
                 offsets::OffsetReader::start(
@@ -222,35 +204,35 @@ impl<H: BatchHandler> TxRunner<H> {
             )),
             None => None,
         };
-        let contact = Arc::new(Contact::default());
-        let (source, dead_letters) = clients(
+        let Started {
+            shared,
+            source,
+            dead_letters,
+            shutdown,
+            refused,
+            stop_tx,
+            stopping,
+            breaker,
+        } = start(
             &self.config,
-            &shared,
             &self.counters,
             start_offsets,
-            &contact,
             Some(Arc::new(self.store.clone())),
+            shutdown,
         )?;
-        let (shutdown, refused) = until_refused(shutdown, &contact);
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let kill_switch = self.config.kill_switch;
         let inner = Arc::new(run::Inner {
-            common: Common {
-                config: self.config,
-                batching: self.batching,
+            common: Common::new(
+                self.config,
+                self.batching,
                 dead_letters,
-                counters: self.counters.clone(),
-                stopping: stop_rx,
-                breaker: Arc::new(crate::kill_switch::Breaker::new(
-                    kill_switch,
-                    self.counters.clone(),
-                )),
-            },
+                self.counters.clone(),
+                stopping,
+                breaker,
+            ),
             store: self.store,
             policy: self.policy,
             handler: self.handler,
-            owner_prefix: self.owner_prefix,
-            claims: AtomicU64::new(0),
+            owners: self.owners,
             offsets_in_tx: self.offsets.is_some(),
             caches: self.caches,
         });

@@ -4,11 +4,11 @@
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::atomic::AtomicBool;
 
 use dedup_core::{
     AfterHandlerError, BatchCache, Cached, ClaimOutcome, ClaimRequest, HandlerError,
-    IdempotencyKey, Lease, OwnerId, Policy, State, StoreError,
+    IdempotencyKey, Lease, OwnerId, OwnerIds, Policy, State, StoreError,
 };
 use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxOffsets};
 use futures_util::FutureExt;
@@ -21,7 +21,7 @@ use super::super::{Done, Item};
 use super::{Acquired, BatchHandler};
 use crate::consumer::TopicPartition;
 use crate::delivery::Delivery;
-use crate::handler::{DisplayHandlerError, panic_message};
+use crate::handler::{DisplayHandlerError, panic_message, retry_withdrawn};
 use crate::kill_switch::Breaker;
 
 pub(crate) struct Inner<H> {
@@ -29,9 +29,8 @@ pub(crate) struct Inner<H> {
     pub(crate) store: PgStore,
     pub(crate) policy: Policy,
     pub(crate) handler: Arc<H>,
-    pub(crate) owner_prefix: String,
-    /// Claims made, for a per-claim owner id.
-    pub(crate) claims: AtomicU64,
+    /// The owner ids its claims are made under.
+    pub(crate) owners: Arc<OwnerIds>,
     /// Whether each batch stores its partition's position in its transaction.
     pub(crate) offsets_in_tx: bool,
     /// Caches in front of the transaction, if any.
@@ -333,8 +332,7 @@ impl<H: BatchHandler> Inner<H> {
     }
 
     fn owner(&self) -> OwnerId {
-        let n = self.claims.fetch_add(1, AtomicOrdering::Relaxed);
-        OwnerId::new(format!("{}#{n}", self.owner_prefix))
+        self.owners.next()
     }
 }
 
@@ -374,21 +372,12 @@ fn body<H: BatchHandler>(
             };
             // The kill switch judges each message's answer (a failure of the whole call counts
             // once); while it is wary a failure is withdrawn: released, no attempt spent.
-            let out = breaker.judge(handler.handle(tx, &batch).await.map_err(no_withdraw))?;
+            let out = breaker.judge(handler.handle(tx, &batch).await.map_err(retry_withdrawn))?;
             Ok(out
                 .into_iter()
-                .map(|r| breaker.judge(r.map_err(no_withdraw)))
+                .map(|r| breaker.judge(r.map_err(retry_withdrawn)))
                 .collect::<Vec<ItemResult<H::Error>>>())
         })
-    }
-}
-
-/// A message is retried until it settles, so a handler's `Withdraw` would retry it without end:
-/// the runner counts it as a retryable failure.
-fn no_withdraw<E>(e: HandlerError<E>) -> HandlerError<E> {
-    match e {
-        HandlerError::Withdraw(e) => HandlerError::Retryable(e),
-        other => other,
     }
 }
 
