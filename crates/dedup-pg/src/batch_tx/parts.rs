@@ -1,13 +1,16 @@
 //! The unhappy path of a batch transaction: calling the handler (a panic is a failure of the
 //! call), and recording one message's failure inside the transaction.
 
+use std::collections::{HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 
 use dedup_core::{AfterHandlerError, HandlerError, Lease, State, StoreError, machine};
 use futures_util::FutureExt;
 use sqlx::postgres::PgConnection;
 
+use super::pass::{Held, aborted};
 use super::{BatchAnswer, BatchBody, BatchRetried, ItemResult};
+use crate::PgStore;
 use crate::classify::classify;
 use crate::complete::finish;
 use crate::rows::token_i64;
@@ -134,4 +137,138 @@ pub(super) async fn withdraw(conn: &mut PgConnection, lease: &Lease) -> Result<(
         .await
         .map_err(|e| classify(e, true))?;
     Ok(())
+}
+
+/// A part of the acquired messages, run under one savepoint in the second pass.
+pub(super) type Part = Vec<usize>;
+
+/// `items` in order, cut so that each one `alone` says is a part by itself and the runs between
+/// them are parts.
+pub(super) fn segments(items: Part, alone: impl Fn(usize) -> bool) -> VecDeque<Part> {
+    let mut parts = VecDeque::new();
+    let mut run = Vec::new();
+    for k in items {
+        if alone(k) {
+            if !run.is_empty() {
+                parts.push_back(std::mem::take(&mut run));
+            }
+            parts.push_back(vec![k]);
+        } else {
+            run.push(k);
+        }
+    }
+    if !run.is_empty() {
+        parts.push_back(run);
+    }
+    parts
+}
+
+impl PgStore {
+    /// The second pass's handler calls: each message that failed before on its own, the runs
+    /// between them together, each part under a savepoint; a part that fails is cut again (by
+    /// what the handler said failed, or in halves) until the message at fault is alone, and its
+    /// group's later messages wait (left `None`).
+    pub(super) async fn run_in_parts<E, H>(
+        &self,
+        tx: &mut PgConnection,
+        handler: &mut H,
+        held: &mut Held<'_>,
+        leases: &[Lease],
+        alone: &[usize],
+        req_of: &(dyn Fn(usize) -> usize + Sync),
+    ) -> Result<Vec<Option<ItemResult<E>>>, StoreError>
+    where
+        E: std::fmt::Display + Send,
+        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
+    {
+        // Parts in request order: each message that failed before on its own, the
+        // runs between them together.
+        let mut parts: VecDeque<Part> =
+            segments((0..leases.len()).collect(), |k| alone.contains(&req_of(k)));
+        let mut results: Vec<Option<ItemResult<E>>> = (0..leases.len()).map(|_| None).collect();
+        while let Some(part) = parts.pop_front() {
+            // A message whose group had a failure before it waits (left as None).
+            let part: Part = part
+                .into_iter()
+                .filter(|&k| !held.waits(req_of(k)))
+                .collect();
+            if part.is_empty() {
+                continue;
+            }
+            let sub: Vec<Lease> = part.iter().map(|&k| leases[k].clone()).collect();
+            sqlx::query("SAVEPOINT dedup_part")
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| classify(e, false))?;
+            self.count(1);
+            let mut out = call(handler, &mut *tx, &sub).await;
+            let all_ok = matches!(&out, Ok(r) if r.iter().all(Result::is_ok));
+            if all_ok {
+                let released = sqlx::query("RELEASE SAVEPOINT dedup_part")
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| classify(e, false));
+                self.count(1);
+                match released {
+                    Ok(_) => {
+                        if let Ok(r) = out {
+                            for (&k, r) in part.iter().zip(r) {
+                                results[k] = Some(r);
+                            }
+                        }
+                        continue;
+                    }
+                    // The handler said yes but left the transaction aborted (a
+                    // statement of its failed): the part failed as a whole.
+                    Err(e) if aborted(&e) => {
+                        out = Err(HandlerError::Store(StoreError::backend(BatchRetried(
+                            "the handler left the transaction aborted",
+                        ))));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            // Undone, and released too, so that failed parts do not nest.
+            sqlx::query("ROLLBACK TO SAVEPOINT dedup_part")
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| classify(e, false))?;
+            sqlx::query("RELEASE SAVEPOINT dedup_part")
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| classify(e, false))?;
+            self.count(2);
+            match out {
+                // The message at fault, alone: its group's later messages wait.
+                Ok(mut r) if part.len() == 1 => {
+                    held.hold(req_of(part[0]));
+                    results[part[0]] = r.pop();
+                }
+                Err(e) if part.len() == 1 => {
+                    held.hold(req_of(part[0]));
+                    results[part[0]] = Some(Err(e));
+                }
+                // The handler said which failed: those alone, the runs between
+                // together, still in request order.
+                Ok(r) => {
+                    let bad: HashSet<usize> = part
+                        .iter()
+                        .zip(&r)
+                        .filter(|(_, r)| r.is_err())
+                        .map(|(&k, _)| k)
+                        .collect();
+                    for p in segments(part, |k| bad.contains(&k)).into_iter().rev() {
+                        parts.push_front(p);
+                    }
+                }
+                // Failed as a whole: halves, until the message at fault is alone.
+                Err(_) => {
+                    let mid = part.len() / 2;
+                    parts.push_front(part[mid..].to_vec());
+                    parts.push_front(part[..mid].to_vec());
+                }
+            }
+        }
+        Ok(results)
+    }
 }

@@ -1,15 +1,15 @@
 //! One pass of a batch transaction: BEGIN, the locks, the claims (fresh keys need none), the
 //! handler (whole, or in parts after a failure), the completions, the position, COMMIT.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 
+use bytes::Bytes;
 use dedup_core::{ClaimOutcome, ClaimRequest, Lease, State, Store, StoreError};
 use sqlx::postgres::PgConnection;
 use tracing::debug;
 
 use super::fresh::{insert_claimed, insert_completed, read_fresh};
 use super::parts::{call, handler_reason, record_failure, withdraw};
-use dedup_core::HandlerError;
 
 use super::{BatchAnswer, BatchBody, BatchRetried, ItemResult, TxBatchConfig};
 use crate::PgStore;
@@ -20,12 +20,15 @@ use crate::offsets::{TxOffsets, store_offsets_on};
 use crate::sql::TRY_LOCK_SQL;
 
 /// Whether `e` says the transaction was aborted by an earlier failed statement (SQLSTATE 25P02).
-fn aborted(e: &StoreError) -> bool {
+pub(super) fn aborted(e: &StoreError) -> bool {
     crate::classify::sqlstate(e).as_deref() == Some("25P02")
 }
 
 /// Runs a savepoint statement (SAVEPOINT, RELEASE, ROLLBACK TO).
-async fn savepoint(conn: &mut PgConnection, sql: &'static str) -> Result<(), StoreError> {
+pub(super) async fn savepoint(
+    conn: &mut PgConnection,
+    sql: &'static str,
+) -> Result<(), StoreError> {
     sqlx::query(sql)
         .execute(&mut *conn)
         .await
@@ -33,8 +36,31 @@ async fn savepoint(conn: &mut PgConnection, sql: &'static str) -> Result<(), Sto
         .map_err(|e| classify(e, false))
 }
 
-/// A part of the acquired messages, run under one savepoint in the second pass.
-type Part = Vec<usize>;
+/// What recording a pass's answers needs to know of it.
+struct Recording<'a> {
+    leases: &'a [Lease],
+    /// Each lease's index into the distinct requests.
+    positions: &'a [usize],
+    /// Fresh keys: nothing written for them yet.
+    unwritten: &'a HashSet<usize>,
+    req_of: &'a (dyn Fn(usize) -> usize + Sync),
+    /// A failure that shows the handler left the transaction aborted runs the batch again in
+    /// parts (first pass only).
+    retry_whole: bool,
+}
+
+/// Why recording stopped.
+enum Stop {
+    /// The handler left the transaction aborted: the batch runs again in parts.
+    RetryWhole,
+    Fail(StoreError),
+}
+
+impl From<StoreError> for Stop {
+    fn from(e: StoreError) -> Self {
+        Self::Fail(e)
+    }
+}
 
 /// What a pass runs over: the requests, their ordering groups and the position to store, if
 /// any; `distinct` the first appearance of each key.
@@ -51,7 +77,6 @@ impl PgStore {
     /// One transaction over the distinct requests. `alone`: `None` on the happy path (no
     /// savepoint); in the second pass, the messages that failed in the first, each to be run
     /// alone. `groups`: the ordering group of each request, if the batch keeps an order.
-    #[allow(clippy::too_many_lines)]
     pub(super) async fn run_once<E, H>(
         &self,
         plan: &Plan<'_>,
@@ -86,117 +111,11 @@ impl PgStore {
             self.count(1);
             // Ordering groups with a message that did not settle: their later messages wait.
             let mut held = Held::new(groups);
-            // Lock what can be locked at once; the rest is InFlight.
-            let scopes: Vec<&str> = distinct.iter().map(|&i| reqs[i].key.scope().as_str()).collect();
-            let keys: Vec<&[u8]> = distinct.iter().map(|&i| reqs[i].key.key_bytes()).collect();
-            let idle = format!("{}ms", config.idle_timeout.as_millis().max(1));
-            let wait = format!("{}ms", config.lock_timeout.as_millis().max(1));
-            let got: Vec<bool> = sqlx::query_scalar(TRY_LOCK_SQL)
-                .bind(&scopes)
-                .bind(&keys)
-                .bind(&idle)
-                .bind(&wait)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(|e| classify(e, false))?;
-            self.count(1);
             let mut answers: Vec<Option<BatchAnswer<E>>> = distinct.iter().map(|_| None).collect();
-            let mut locked = Vec::with_capacity(distinct.len());
-            for (n, ok) in got.into_iter().enumerate() {
-                let i = distinct[n];
-                if held.waits(i) {
-                    answers[n] = Some(BatchAnswer::Deferred);
-                } else if ok {
-                    locked.push(i);
-                } else {
-                    held.hold(i);
-                    answers[n] = Some(BatchAnswer::InFlight);
-                }
-            }
-            let index: HashMap<usize, usize> =
-                distinct.iter().enumerate().map(|(n, &i)| (i, n)).collect();
-            // Fresh keys (no row at all) are granted without a claim statement; the others are
-            // claimed in one statement, and what it leaves out one by one.
-            let mut outcomes: HashMap<usize, ClaimOutcome> = HashMap::new();
-            let mut unwritten: HashSet<usize> = HashSet::new();
-            let mut existing = Vec::new();
-            if !locked.is_empty() {
-                self.count(1);
-                for (&i, lease) in locked.iter().zip(read_fresh(&mut tx, reqs, &locked).await?) {
-                    match lease {
-                        Some(lease) => {
-                            unwritten.insert(i);
-                            outcomes.insert(i, ClaimOutcome::Acquired(lease));
-                        }
-                        None => existing.push(i),
-                    }
-                }
-            }
-            if !existing.is_empty() {
-                self.count(1);
-                for (i, answer, _) in claim_many(&mut tx, reqs, &existing).await? {
-                    outcomes.insert(i, answer?);
-                }
-                // Left out: a lost race, or a key out of attempts (the single claim marks it).
-                let left: Vec<usize> = existing
-                    .iter()
-                    .copied()
-                    .filter(|i| !outcomes.contains_key(i))
-                    .collect();
-                // Each under a savepoint: a single claim that met a lock timeout answers InFlight
-                // but leaves the transaction aborted, which rolling back to it undoes.
-                for i in left {
-                    savepoint(&mut tx, "SAVEPOINT dedup_claim").await?;
-                    let (answer, statements) = claim_counted(&mut tx, &reqs[i]).await;
-                    let keep = matches!(&answer, Ok(o) if !matches!(o, ClaimOutcome::InFlight { .. }));
-                    if !keep {
-                        savepoint(&mut tx, "ROLLBACK TO SAVEPOINT dedup_claim").await?;
-                    }
-                    savepoint(&mut tx, "RELEASE SAVEPOINT dedup_claim").await?;
-                    self.count(statements + if keep { 2 } else { 3 });
-                    outcomes.insert(i, answer?);
-                }
-            }
-            // In request order, so that a group's InFlight holds back only its later messages.
-            let mut leases: Vec<(usize, Lease)> = Vec::new();
-            for &i in &locked {
-                let n = index[&i];
-                let Some(outcome) = outcomes.remove(&i) else {
-                    answers[n] = Some(BatchAnswer::InFlight);
-                    continue;
-                };
-                answers[n] = Some(match outcome {
-                    ClaimOutcome::Acquired(lease) if held.waits(i) => {
-                        // A fresh key has nothing written to give back.
-                        if !unwritten.contains(&i) {
-                            withdraw(&mut tx, &lease).await?;
-                            self.count(1);
-                        }
-                        BatchAnswer::Deferred
-                    }
-                    ClaimOutcome::Acquired(lease) => {
-                        leases.push((n, lease));
-                        continue;
-                    }
-                    ClaimOutcome::Completed {
-                        result,
-                        token,
-                        fingerprint,
-                    } => BatchAnswer::Replayed {
-                        result,
-                        token,
-                        fingerprint,
-                    },
-                    ClaimOutcome::Failed { reason, attempts } => {
-                        BatchAnswer::Failed { reason, attempts }
-                    }
-                    ClaimOutcome::PayloadMismatch => BatchAnswer::PayloadMismatch,
-                    _ => {
-                        held.hold(i);
-                        BatchAnswer::InFlight
-                    }
-                });
-            }
+            let locked = self.try_lock(&mut tx, plan, &mut held, &mut answers).await?;
+            let (leases, unwritten) = self
+                .claim_and_sort(&mut tx, plan, &locked, &mut held, &mut answers)
+                .await?;
             let (positions, leases): (Vec<usize>, Vec<Lease>) = leases.into_iter().unzip();
             let req_of = |k: usize| reqs_index(&positions, distinct, k);
             // The handler: the whole batch at once, or in parts under savepoints.
@@ -228,180 +147,26 @@ impl PgStore {
                     }
                 }
                 Some(alone) => {
-                    // Parts in request order: each message that failed before on its own, the
-                    // runs between them together.
-                    let mut parts: VecDeque<Part> =
-                        segments((0..leases.len()).collect(), |k| alone.contains(&req_of(k)));
-                    let mut results: Vec<Option<ItemResult<E>>> =
-                        (0..leases.len()).map(|_| None).collect();
-                    while let Some(part) = parts.pop_front() {
-                        // A message whose group had a failure before it waits (left as None).
-                        let part: Part = part.into_iter().filter(|&k| !held.waits(req_of(k))).collect();
-                        if part.is_empty() {
-                            continue;
-                        }
-                        let sub: Vec<Lease> = part.iter().map(|&k| leases[k].clone()).collect();
-                        sqlx::query("SAVEPOINT dedup_part")
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(|e| classify(e, false))?;
-                        self.count(1);
-                        let mut out = call(handler, &mut tx, &sub).await;
-                        let all_ok = matches!(&out, Ok(r) if r.iter().all(Result::is_ok));
-                        if all_ok {
-                            let released = sqlx::query("RELEASE SAVEPOINT dedup_part")
-                                .execute(&mut *tx)
-                                .await
-                                .map_err(|e| classify(e, false));
-                            self.count(1);
-                            match released {
-                                Ok(_) => {
-                                    if let Ok(r) = out {
-                                        for (&k, r) in part.iter().zip(r) {
-                                            results[k] = Some(r);
-                                        }
-                                    }
-                                    continue;
-                                }
-                                // The handler said yes but left the transaction aborted (a
-                                // statement of its failed): the part failed as a whole.
-                                Err(e) if aborted(&e) => {
-                                    out = Err(HandlerError::Store(StoreError::backend(
-                                        BatchRetried("the handler left the transaction aborted"),
-                                    )));
-                                }
-                                Err(e) => return Err(e),
-                            }
-                        }
-                        // Undone, and released too, so that failed parts do not nest.
-                        sqlx::query("ROLLBACK TO SAVEPOINT dedup_part")
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(|e| classify(e, false))?;
-                        sqlx::query("RELEASE SAVEPOINT dedup_part")
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(|e| classify(e, false))?;
-                        self.count(2);
-                        match out {
-                            // The message at fault, alone: its group's later messages wait.
-                            Ok(mut r) if part.len() == 1 => {
-                                held.hold(req_of(part[0]));
-                                results[part[0]] = r.pop();
-                            }
-                            Err(e) if part.len() == 1 => {
-                                held.hold(req_of(part[0]));
-                                results[part[0]] = Some(Err(e));
-                            }
-                            // The handler said which failed: those alone, the runs between
-                            // together, still in request order.
-                            Ok(r) => {
-                                let bad: HashSet<usize> = part
-                                    .iter()
-                                    .zip(&r)
-                                    .filter(|(_, r)| r.is_err())
-                                    .map(|(&k, _)| k)
-                                    .collect();
-                                for p in segments(part, |k| bad.contains(&k)).into_iter().rev() {
-                                    parts.push_front(p);
-                                }
-                            }
-                            // Failed as a whole: halves, until the message at fault is alone.
-                            Err(_) => {
-                                let mid = part.len() / 2;
-                                parts.push_front(part[mid..].to_vec());
-                                parts.push_front(part[..mid].to_vec());
-                            }
-                        }
-                    }
-                    results
+                    self.run_in_parts(&mut tx, handler, &mut held, &leases, alone, &req_of)
+                        .await?
                 }
             };
-            // Record: fresh successes written COMPLETED in one statement, the other successes
-            // completed in one; each failure on its own (a fresh key's claim written first); a
-            // message that waited on its group given back.
-            let fresh_failed: Vec<&Lease> = results
-                .iter()
-                .enumerate()
-                .filter(|(k, r)| matches!(r, Some(Err(_))) && unwritten.contains(&req_of(*k)))
-                .map(|(k, _)| &leases[k])
-                .collect();
-            if !fresh_failed.is_empty() {
-                self.count(1);
-                insert_claimed(&mut tx, &fresh_failed).await?;
-            }
-            let mut done = Vec::new();
-            let mut done_at = Vec::new();
-            let mut written = Vec::new();
-            let mut written_at = Vec::new();
-            for (k, r) in results.into_iter().enumerate() {
-                let n = positions[k];
-                let lease = &leases[k];
-                let fresh = unwritten.contains(&req_of(k));
-                match r {
-                    Some(Ok(result)) if fresh => {
-                        written.push((lease.clone(), result));
-                        written_at.push(k);
-                    }
-                    Some(Ok(result)) => {
-                        done.push((lease.clone(), result));
-                        done_at.push(k);
-                    }
-                    Some(Err(error)) => {
-                        answers[n] = Some(record_failure(&mut tx, lease, error).await?);
-                        self.count(1);
-                    }
-                    None => {
-                        if !fresh {
-                            withdraw(&mut tx, lease).await?;
-                            self.count(1);
-                        }
-                        answers[n] = Some(BatchAnswer::Deferred);
-                    }
-                }
-            }
-            // A handler that answered every message as done but left the transaction aborted (one
-            // of its statements failed) shows here, at the first write after it: the batch runs
-            // again in parts, so that the message at fault is found.
             let retry_whole = alone.is_none();
-            if !written.is_empty() {
-                self.count(1);
-                if let Err(e) = insert_completed(&mut tx, &written).await {
-                    if retry_whole && aborted(&e) {
-                        tx.rollback().await.map_err(|e| classify(e, false))?;
-                        return Ok(Pass::Retry(Vec::new()));
-                    }
-                    return Err(e);
+            let rec = Recording {
+                leases: &leases,
+                positions: &positions,
+                unwritten: &unwritten,
+                req_of: &req_of,
+                retry_whole,
+            };
+            let (done, written) = match self.record(&mut tx, &rec, results, &mut answers).await {
+                Ok(recorded) => recorded,
+                Err(Stop::RetryWhole) => {
+                    tx.rollback().await.map_err(|e| classify(e, false))?;
+                    return Ok(Pass::Retry(Vec::new()));
                 }
-                for (k, (lease, result)) in written_at.iter().zip(&written) {
-                    answers[positions[*k]] = Some(BatchAnswer::Executed {
-                        result: result.clone(),
-                        token: lease.token,
-                        attempts: lease.attempts,
-                    });
-                }
-            }
-            if !done.is_empty() {
-                let (completed, failed, statements) = complete_many(&mut tx, &done).await;
-                self.count(statements);
-                if let Some(e) = failed {
-                    if retry_whole && aborted(&e) {
-                        tx.rollback().await.map_err(|e| classify(e, false))?;
-                        return Ok(Pass::Retry(Vec::new()));
-                    }
-                    return Err(e);
-                }
-                for ((k, r), (lease, result)) in done_at.iter().zip(completed).zip(&done) {
-                    // Our own uncommitted claims: only an oversized result can refuse here,
-                    // and that fails the whole batch before anything is recorded wrongly.
-                    r?;
-                    answers[positions[*k]] = Some(BatchAnswer::Executed {
-                        result: result.clone(),
-                        token: lease.token,
-                        attempts: lease.attempts,
-                    });
-                }
-            }
+                Err(Stop::Fail(e)) => return Err(e),
+            };
             // The consumer's position, with the effects.
             if let Some(offsets) = offsets {
                 let first: HashMap<&dedup_core::IdempotencyKey, usize> = distinct
@@ -459,6 +224,265 @@ impl PgStore {
         }
         out
     }
+
+    /// Locks what can be locked at once (each key's transaction-scoped lock, waiting up to the
+    /// lock bound); the rest is InFlight, and a message whose group already waits is Deferred.
+    /// Answers the requests locked.
+    async fn try_lock<E>(
+        &self,
+        tx: &mut PgConnection,
+        plan: &Plan<'_>,
+        held: &mut Held<'_>,
+        answers: &mut [Option<BatchAnswer<E>>],
+    ) -> Result<Vec<usize>, StoreError> {
+        let (reqs, distinct, config) = (plan.reqs, plan.distinct, plan.config);
+        // Lock what can be locked at once; the rest is InFlight.
+        let scopes: Vec<&str> = distinct
+            .iter()
+            .map(|&i| reqs[i].key.scope().as_str())
+            .collect();
+        let keys: Vec<&[u8]> = distinct.iter().map(|&i| reqs[i].key.key_bytes()).collect();
+        let idle = format!("{}ms", config.idle_timeout.as_millis().max(1));
+        let wait = format!("{}ms", config.lock_timeout.as_millis().max(1));
+        let got: Vec<bool> = sqlx::query_scalar(TRY_LOCK_SQL)
+            .bind(&scopes)
+            .bind(&keys)
+            .bind(&idle)
+            .bind(&wait)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| classify(e, false))?;
+        self.count(1);
+        let mut locked = Vec::with_capacity(distinct.len());
+        for (n, ok) in got.into_iter().enumerate() {
+            let i = distinct[n];
+            if held.waits(i) {
+                answers[n] = Some(BatchAnswer::Deferred);
+            } else if ok {
+                locked.push(i);
+            } else {
+                held.hold(i);
+                answers[n] = Some(BatchAnswer::InFlight);
+            }
+        }
+        Ok(locked)
+    }
+
+    /// Claims the locked requests and files each answer in request order (so that a group's
+    /// InFlight holds back only its later messages): the leases to run, in order with their
+    /// index into the distinct requests, and the fresh keys among them.
+    async fn claim_and_sort<E>(
+        &self,
+        tx: &mut PgConnection,
+        plan: &Plan<'_>,
+        locked: &[usize],
+        held: &mut Held<'_>,
+        answers: &mut [Option<BatchAnswer<E>>],
+    ) -> Result<(Vec<(usize, Lease)>, HashSet<usize>), StoreError> {
+        let (reqs, distinct) = (plan.reqs, plan.distinct);
+        let index: HashMap<usize, usize> =
+            distinct.iter().enumerate().map(|(n, &i)| (i, n)).collect();
+        // Fresh keys (no row at all) are granted without a claim statement; the others are
+        // claimed in one statement, and what it leaves out one by one.
+        let (mut outcomes, unwritten) = self.claim_locked(&mut *tx, reqs, locked).await?;
+        // In request order, so that a group's InFlight holds back only its later messages.
+        let mut leases: Vec<(usize, Lease)> = Vec::new();
+        for &i in locked {
+            let n = index[&i];
+            let Some(outcome) = outcomes.remove(&i) else {
+                answers[n] = Some(BatchAnswer::InFlight);
+                continue;
+            };
+            answers[n] = Some(match outcome {
+                ClaimOutcome::Acquired(lease) if held.waits(i) => {
+                    // A fresh key has nothing written to give back.
+                    if !unwritten.contains(&i) {
+                        withdraw(&mut *tx, &lease).await?;
+                        self.count(1);
+                    }
+                    BatchAnswer::Deferred
+                }
+                ClaimOutcome::Acquired(lease) => {
+                    leases.push((n, lease));
+                    continue;
+                }
+                ClaimOutcome::Completed {
+                    result,
+                    token,
+                    fingerprint,
+                } => BatchAnswer::Replayed {
+                    result,
+                    token,
+                    fingerprint,
+                },
+                ClaimOutcome::Failed { reason, attempts } => {
+                    BatchAnswer::Failed { reason, attempts }
+                }
+                ClaimOutcome::PayloadMismatch => BatchAnswer::PayloadMismatch,
+                _ => {
+                    held.hold(i);
+                    BatchAnswer::InFlight
+                }
+            });
+        }
+        Ok((leases, unwritten))
+    }
+
+    /// Records what the handler answered: fresh successes written COMPLETED in one statement, the
+    /// other successes completed in one; each failure on its own (a fresh key's claim written
+    /// first); a message that waited on its group given back. Answers the completions (the
+    /// commit reads one back if its reply is lost).
+    #[allow(clippy::type_complexity)]
+    async fn record<E: std::fmt::Display + Send>(
+        &self,
+        tx: &mut PgConnection,
+        rec: &Recording<'_>,
+        results: Vec<Option<ItemResult<E>>>,
+        answers: &mut [Option<BatchAnswer<E>>],
+    ) -> Result<(Vec<(Lease, Bytes)>, Vec<(Lease, Bytes)>), Stop> {
+        let Recording {
+            leases,
+            positions,
+            unwritten,
+            req_of,
+            retry_whole,
+        } = *rec;
+        // Record: fresh successes written COMPLETED in one statement, the other successes
+        // completed in one; each failure on its own (a fresh key's claim written first); a
+        // message that waited on its group given back.
+        let fresh_failed: Vec<&Lease> = results
+            .iter()
+            .enumerate()
+            .filter(|(k, r)| matches!(r, Some(Err(_))) && unwritten.contains(&req_of(*k)))
+            .map(|(k, _)| &leases[k])
+            .collect();
+        if !fresh_failed.is_empty() {
+            self.count(1);
+            insert_claimed(&mut *tx, &fresh_failed).await?;
+        }
+        let mut done = Vec::new();
+        let mut done_at = Vec::new();
+        let mut written = Vec::new();
+        let mut written_at = Vec::new();
+        for (k, r) in results.into_iter().enumerate() {
+            let n = positions[k];
+            let lease = &leases[k];
+            let fresh = unwritten.contains(&req_of(k));
+            match r {
+                Some(Ok(result)) if fresh => {
+                    written.push((lease.clone(), result));
+                    written_at.push(k);
+                }
+                Some(Ok(result)) => {
+                    done.push((lease.clone(), result));
+                    done_at.push(k);
+                }
+                Some(Err(error)) => {
+                    answers[n] = Some(record_failure(&mut *tx, lease, error).await?);
+                    self.count(1);
+                }
+                None => {
+                    if !fresh {
+                        withdraw(&mut *tx, lease).await?;
+                        self.count(1);
+                    }
+                    answers[n] = Some(BatchAnswer::Deferred);
+                }
+            }
+        }
+        // A handler that answered every message as done but left the transaction aborted (one
+        // of its statements failed) shows here, at the first write after it: the batch runs
+        // again in parts, so that the message at fault is found.
+        if !written.is_empty() {
+            self.count(1);
+            if let Err(e) = insert_completed(&mut *tx, &written).await {
+                if retry_whole && aborted(&e) {
+                    return Err(Stop::RetryWhole);
+                }
+                return Err(Stop::Fail(e));
+            }
+            for (k, (lease, result)) in written_at.iter().zip(&written) {
+                answers[positions[*k]] = Some(BatchAnswer::Executed {
+                    result: result.clone(),
+                    token: lease.token,
+                    attempts: lease.attempts,
+                });
+            }
+        }
+        if !done.is_empty() {
+            let (completed, failed, statements) = complete_many(&mut *tx, &done).await;
+            self.count(statements);
+            if let Some(e) = failed {
+                if retry_whole && aborted(&e) {
+                    return Err(Stop::RetryWhole);
+                }
+                return Err(Stop::Fail(e));
+            }
+            for ((k, r), (lease, result)) in done_at.iter().zip(completed).zip(&done) {
+                // Our own uncommitted claims: only an oversized result can refuse here,
+                // and that fails the whole batch before anything is recorded wrongly.
+                r?;
+                answers[positions[*k]] = Some(BatchAnswer::Executed {
+                    result: result.clone(),
+                    token: lease.token,
+                    attempts: lease.attempts,
+                });
+            }
+        }
+        Ok((done, written))
+    }
+
+    /// The claims of the locked requests: fresh keys (no row at all) granted without a claim
+    /// statement (answered in the second set: nothing written for them yet), the others claimed
+    /// in one statement, and what it leaves out one by one under a savepoint.
+    async fn claim_locked(
+        &self,
+        tx: &mut PgConnection,
+        reqs: &[ClaimRequest],
+        locked: &[usize],
+    ) -> Result<(HashMap<usize, ClaimOutcome>, HashSet<usize>), StoreError> {
+        let mut outcomes: HashMap<usize, ClaimOutcome> = HashMap::new();
+        let mut unwritten: HashSet<usize> = HashSet::new();
+        let mut existing = Vec::new();
+        if !locked.is_empty() {
+            self.count(1);
+            for (&i, lease) in locked.iter().zip(read_fresh(&mut *tx, reqs, locked).await?) {
+                match lease {
+                    Some(lease) => {
+                        unwritten.insert(i);
+                        outcomes.insert(i, ClaimOutcome::Acquired(lease));
+                    }
+                    None => existing.push(i),
+                }
+            }
+        }
+        if !existing.is_empty() {
+            self.count(1);
+            for (i, answer, _) in claim_many(&mut *tx, reqs, &existing).await? {
+                outcomes.insert(i, answer?);
+            }
+            // Left out: a lost race, or a key out of attempts (the single claim marks it).
+            let left: Vec<usize> = existing
+                .iter()
+                .copied()
+                .filter(|i| !outcomes.contains_key(i))
+                .collect();
+            // Each under a savepoint: a single claim that met a lock timeout answers InFlight
+            // but leaves the transaction aborted, which rolling back to it undoes.
+            for i in left {
+                savepoint(&mut *tx, "SAVEPOINT dedup_claim").await?;
+                let (answer, statements) = claim_counted(&mut *tx, &reqs[i]).await;
+                let keep = matches!(&answer, Ok(o) if !matches!(o, ClaimOutcome::InFlight { .. }));
+                if !keep {
+                    savepoint(&mut *tx, "ROLLBACK TO SAVEPOINT dedup_claim").await?;
+                }
+                savepoint(&mut *tx, "RELEASE SAVEPOINT dedup_claim").await?;
+                self.count(statements + if keep { 2 } else { 3 });
+                outcomes.insert(i, answer?);
+            }
+        }
+        Ok((outcomes, unwritten))
+    }
 }
 
 /// Whether request `i` settles with this pass's answers (`answers[n]` for `distinct[n]`):
@@ -487,7 +511,7 @@ fn settles<E>(
 
 /// The ordering groups of a batch in which a message did not settle: the group's later messages
 /// wait. Without groups, nothing waits.
-struct Held<'g> {
+pub(super) struct Held<'g> {
     groups: Option<&'g [u64]>,
     held: HashSet<u64>,
 }
@@ -501,37 +525,16 @@ impl<'g> Held<'g> {
     }
 
     /// Request `i` did not settle: its group's later messages wait.
-    fn hold(&mut self, i: usize) {
+    pub(super) fn hold(&mut self, i: usize) {
         if let Some(g) = self.groups {
             self.held.insert(g[i]);
         }
     }
 
     /// Whether request `i` waits for an earlier message of its group.
-    fn waits(&self, i: usize) -> bool {
+    pub(super) fn waits(&self, i: usize) -> bool {
         self.groups.is_some_and(|g| self.held.contains(&g[i]))
     }
-}
-
-/// `items` in order, cut so that each one `alone` says is a part by itself and the runs between
-/// them are parts.
-fn segments(items: Part, alone: impl Fn(usize) -> bool) -> VecDeque<Part> {
-    let mut parts = VecDeque::new();
-    let mut run = Vec::new();
-    for k in items {
-        if alone(k) {
-            if !run.is_empty() {
-                parts.push_back(std::mem::take(&mut run));
-            }
-            parts.push_back(vec![k]);
-        } else {
-            run.push(k);
-        }
-    }
-    if !run.is_empty() {
-        parts.push_back(run);
-    }
-    parts
 }
 
 /// The outcome of one transaction over the batch.
