@@ -86,6 +86,7 @@ impl Drive<'_> {
             let wake = work.wake_at();
             let stall = work.pressure().stall_deadline();
             let taking = work.pressure().taking();
+            let room = work.held() < self.max_in_flight;
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
@@ -103,7 +104,7 @@ impl Drive<'_> {
                 // The kill switch opened, or its pause is over: the pause reason follows it.
                 () = self.breaker.opened() => {}
                 () = sleep_until_opt(self.breaker.open_until()), if self.breaker.is_open() => {}
-                d = work.source().recv(c), if taking => {
+                d = work.source().recv(c, taking, room), if taking || room => {
                     if let Some(d) = d {
                         work.receive(d);
                     }

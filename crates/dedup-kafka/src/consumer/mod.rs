@@ -343,10 +343,19 @@ pub(crate) struct Source {
 
 impl Source {
     /// The next message; `None` for a consumer error (counted and logged) or a message a stopped
-    /// partition task had sent (its partition was revoked or assigned again since).
-    pub(crate) async fn recv(&mut self, counters: &Counters) -> Option<crate::Delivery> {
+    /// partition task had sent (its partition was revoked or assigned again since). The
+    /// consumer's queue is read while `taking` (also while every partition is paused, for the
+    /// callbacks: a paused partition's messages never come that way); the partitions' own queues
+    /// only while `room` (fewer held than the bound: what their tasks hold is not dropped by a
+    /// pause).
+    pub(crate) async fn recv(
+        &mut self,
+        counters: &Counters,
+        taking: bool,
+        room: bool,
+    ) -> Option<crate::Delivery> {
         tokio::select! {
-            m = self.consumer.recv() => match m {
+            m = self.consumer.recv(), if taking => match m {
                 Ok(m) => {
                     let d = crate::Delivery::from_message(&m);
                     if self.fetch.is_split(&(d.topic.clone(), d.partition)) {
@@ -361,7 +370,7 @@ impl Source {
                     None
                 }
             },
-            Some(f) = self.fetched.recv() => self.fetch.take(&f).then_some(f.delivery),
+            Some(f) = self.fetched.recv(), if room => self.fetch.take(&f).then_some(f.delivery),
         }
     }
 
