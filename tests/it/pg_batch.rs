@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{AfterHandlerError, ClaimRequest, Fingerprint, HandlerError, Lease, State, Store};
-use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxBatchConfig, TxOffsets};
+use dedup_pg::{
+    BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore, TxBatchConfig, TxOffsets,
+};
 use sqlx::{PgConnection, PgPool};
 
 use crate::support::{Boom, acquired, effect_rows, effects_table, key, req};
@@ -86,8 +88,7 @@ async fn a_batch_commits_claims_effects_and_completions_together(pool: PgPool) {
     let before = store.statements();
     let answers = store
         .transact_batch(
-            &reqs(&batch),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&batch)),
             ledger(calls.clone(), &[], &[]),
         )
         .await
@@ -131,8 +132,7 @@ async fn a_batch_commits_claims_effects_and_completions_together(pool: PgPool) {
     // The same batch again: all replays, no handler call, no effect.
     let again = store
         .transact_batch(
-            &reqs(&batch[..100]),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&batch[..100])),
             ledger(calls.clone(), &[], &[]),
         )
         .await
@@ -157,8 +157,7 @@ async fn a_poisoned_message_fails_alone_and_its_neighbours_commit(pool: PgPool) 
     let calls = Arc::new(AtomicU32::new(0));
     let answers = store
         .transact_batch(
-            &reqs(&batch),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&batch)),
             ledger(calls.clone(), &["m13"], &["m20"]),
         )
         .await
@@ -197,8 +196,7 @@ async fn a_poisoned_message_fails_alone_and_its_neighbours_commit(pool: PgPool) 
     // The released one runs in a later batch as attempt 2.
     let later = store
         .transact_batch(
-            &reqs(&["m20", "m13"]),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&["m20", "m13"])),
             ledger(calls.clone(), &[], &[]),
         )
         .await
@@ -225,8 +223,7 @@ async fn a_key_held_by_another_batch_answers_in_flight_without_waiting(pool: PgP
         tokio::spawn(async move {
             store
                 .transact_batch(
-                    &reqs(&["held"]),
-                    TxBatchConfig::default(),
+                    BatchRequest::new(&reqs(&["held"])),
                     move |_tx: &mut PgConnection, leases: &[Lease]| -> BatchBody<'_, Boom> {
                         let signal = signal.take();
                         Box::pin(async move {
@@ -247,8 +244,7 @@ async fn a_key_held_by_another_batch_answers_in_flight_without_waiting(pool: PgP
     let answers = tokio::time::timeout(
         Duration::from_secs(60),
         store.transact_batch(
-            &reqs(&["a", "held", "b"]),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&["a", "held", "b"])),
             ledger(calls.clone(), &[], &[]),
         ),
     )
@@ -267,11 +263,7 @@ async fn a_key_held_by_another_batch_answers_in_flight_without_waiting(pool: PgP
     let theirs = other.await.unwrap().unwrap();
     assert!(matches!(theirs[0], BatchAnswer::Executed { .. }));
     let retried = store
-        .transact_batch(
-            &reqs(&["held"]),
-            TxBatchConfig::default(),
-            ledger(calls, &[], &[]),
-        )
+        .transact_batch(BatchRequest::new(&reqs(&["held"])), ledger(calls, &[], &[]))
         .await
         .unwrap();
     assert!(
@@ -301,8 +293,7 @@ async fn a_key_held_by_a_claim_in_transaction_holds_the_batch_no_longer_than_its
     let bounded = TxBatchConfig::default().with_lock_timeout(Duration::from_millis(300));
     let err = store
         .transact_batch(
-            &reqs(&["a", "held"]),
-            bounded,
+            BatchRequest::new(&reqs(&["a", "held"])).with_config(bounded),
             ledger(calls.clone(), &[], &[]),
         )
         .await
@@ -319,7 +310,10 @@ async fn a_key_held_by_a_claim_in_transaction_holds_the_batch_no_longer_than_its
     assert!(store.get(&key("a")).await.unwrap().is_none());
     other.rollback().await.unwrap();
     let answers = store
-        .transact_batch(&reqs(&["a", "held"]), bounded, ledger(calls, &[], &[]))
+        .transact_batch(
+            BatchRequest::new(&reqs(&["a", "held"])).with_config(bounded),
+            ledger(calls, &[], &[]),
+        )
         .await
         .unwrap();
     assert!(
@@ -342,8 +336,7 @@ async fn an_oversized_result_fails_its_message_alone(pool: PgPool) {
         .collect();
     let answers = store
         .transact_batch(
-            &batch,
-            TxBatchConfig::default(),
+            BatchRequest::new(&batch),
             |tx: &mut PgConnection, leases: &[Lease]| -> BatchBody<'_, Boom> {
                 Box::pin(async move {
                     let mut out = Vec::new();
@@ -397,8 +390,9 @@ async fn a_batch_stuck_in_its_transaction_is_rolled_back_by_the_server(pool: PgP
         tokio::spawn(async move {
             store
                 .transact_batch(
-                    &reqs(&["s1", "s2"]),
-                    TxBatchConfig::default().with_idle_timeout(Duration::from_millis(300)),
+                    BatchRequest::new(&reqs(&["s1", "s2"])).with_config(
+                        TxBatchConfig::default().with_idle_timeout(Duration::from_millis(300)),
+                    ),
                     |tx: &mut PgConnection, leases: &[Lease]| -> BatchBody<'_, Boom> {
                         Box::pin(async move {
                             sqlx::query("INSERT INTO effects VALUES ('s1', 0, 'stuck')")
@@ -421,8 +415,7 @@ async fn a_batch_stuck_in_its_transaction_is_rolled_back_by_the_server(pool: PgP
     let calls = Arc::new(AtomicU32::new(0));
     let answers = store
         .transact_batch(
-            &reqs(&["s1", "s2"]),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&["s1", "s2"])),
             ledger(calls, &[], &[]),
         )
         .await
@@ -459,8 +452,7 @@ async fn concurrent_batches_run_each_key_once(pool: PgPool) {
                 let batch: Vec<&str> = pending.iter().map(String::as_str).collect();
                 let answers = store
                     .transact_batch(
-                        &reqs(&batch),
-                        TxBatchConfig::default(),
+                        BatchRequest::new(&reqs(&batch)),
                         ledger(calls.clone(), &[], &[]),
                     )
                     .await
@@ -523,11 +515,7 @@ async fn a_withdrawn_message_spends_no_attempt_and_its_neighbours_commit(pool: P
     let store = PgStore::new(pool.clone());
     for round in 0..3 {
         let answers = store
-            .transact_batch(
-                &reqs(&["w0", "w1", "w2"]),
-                TxBatchConfig::default(),
-                withdrawing(),
-            )
+            .transact_batch(BatchRequest::new(&reqs(&["w0", "w1", "w2"])), withdrawing())
             .await
             .unwrap();
         match &answers[1] {
@@ -566,10 +554,8 @@ async fn an_ordered_batch_holds_back_a_groups_later_messages_after_a_failure(poo
     let store = PgStore::new(pool.clone());
     let calls = Arc::new(AtomicU32::new(0));
     let answers = store
-        .transact_batch_ordered(
-            &reqs(&["a1", "a2", "a3", "b1", "b2"]),
-            &[1, 1, 1, 2, 2],
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&reqs(&["a1", "a2", "a3", "b1", "b2"])).ordered(&[1, 1, 1, 2, 2]),
             ledger(calls.clone(), &[], &["a2"]),
         )
         .await
@@ -610,10 +596,8 @@ async fn an_ordered_batch_holds_back_a_groups_later_messages_after_a_failure(poo
     assert_eq!(keys(effect_rows(&pool).await), ["a1", "b1", "b2"]);
     // Again: a2 (its second attempt) and then a3 (its first: nothing was spent).
     let again = store
-        .transact_batch_ordered(
-            &reqs(&["a2", "a3"]),
-            &[1, 1],
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&reqs(&["a2", "a3"])).ordered(&[1, 1]),
             ledger(calls.clone(), &[], &[]),
         )
         .await
@@ -631,8 +615,7 @@ async fn an_ordered_batch_holds_back_a_groups_later_messages_after_a_failure(poo
     // Without groups, the later message of the same batch is not held back.
     let free = store
         .transact_batch(
-            &reqs(&["c1", "c2", "c3"]),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&["c1", "c2", "c3"])),
             ledger(calls, &[], &["c2"]),
         )
         .await
@@ -644,10 +627,8 @@ async fn an_ordered_batch_holds_back_a_groups_later_messages_after_a_failure(poo
     );
     // A mismatched group list is refused before anything runs.
     let err = store
-        .transact_batch_ordered(
-            &reqs(&["d1"]),
-            &[],
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&reqs(&["d1"])).ordered(&[]),
             ledger(Arc::new(AtomicU32::new(0)), &[], &[]),
         )
         .await
@@ -665,10 +646,9 @@ async fn an_ordered_batch_holds_back_behind_a_held_key_and_a_poisoned_message(po
     let _lease = acquired(store.claim(&reqs(&["h1"])[0]).await.unwrap());
     let calls = Arc::new(AtomicU32::new(0));
     let answers = store
-        .transact_batch_ordered(
-            &reqs(&["h1", "h2", "c1", "p1", "p2", "p3"]),
-            &[7, 7, 8, 9, 9, 9],
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&reqs(&["h1", "h2", "c1", "p1", "p2", "p3"]))
+                .ordered(&[7, 7, 8, 9, 9, 9]),
             ledger(calls, &["p2"], &[]),
         )
         .await
@@ -733,7 +713,7 @@ async fn a_fresh_key_claimed_by_another_writer_during_the_batch_fails_it_whole(p
     let store = PgStore::new(pool.clone());
     let handler = racing(store.clone());
     let err = store
-        .transact_batch(&reqs(&["x", "y"]), TxBatchConfig::default(), handler)
+        .transact_batch(BatchRequest::new(&reqs(&["x", "y"])), handler)
         .await
         .expect_err("the batch must not commit over the other writer's row");
     assert!(err.is_retryable() && !err.is_outcome_unknown(), "{err:?}");
@@ -750,8 +730,7 @@ async fn a_fresh_key_claimed_by_another_writer_during_the_batch_fails_it_whole(p
     );
     let again = store
         .transact_batch(
-            &reqs(&["x", "y"]),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&["x", "y"])),
             ledger(Arc::new(AtomicU32::new(0)), &[], &[]),
         )
         .await
@@ -816,11 +795,8 @@ async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(po
     // "c" fails retryably: the position stops at it.
     let (r, g, o) = batch(&["a", "b", "c", "d"], vec![10, 11, 12, 13], 14);
     store
-        .transact_batch_with_offsets(
-            &r,
-            &g,
-            &o,
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
             ledger(calls.clone(), &[], &["c"]),
         )
         .await
@@ -829,11 +805,8 @@ async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(po
     // Then everything settles: the position is the batch's end.
     let (r, g, o) = batch(&["c", "e"], vec![12, 14], 15);
     store
-        .transact_batch_with_offsets(
-            &r,
-            &g,
-            &o,
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
             ledger(calls.clone(), &[], &[]),
         )
         .await
@@ -842,11 +815,8 @@ async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(po
     // A late batch of an earlier owner cannot move it back.
     let (r, g, o) = batch(&["f"], vec![5], 6);
     store
-        .transact_batch_with_offsets(
-            &r,
-            &g,
-            &o,
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
             ledger(calls.clone(), &[], &[]),
         )
         .await
@@ -855,11 +825,8 @@ async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(po
     // A message to be dead-lettered holds the position until its dead letter is acknowledged.
     let (r, g, o) = batch(&["p", "h"], vec![15, 16], 17);
     let answers = store
-        .transact_batch_with_offsets(
-            &r,
-            &g,
-            &o,
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
             ledger(calls, &["p"], &[]),
         )
         .await
@@ -878,16 +845,52 @@ async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(po
     assert_eq!(position().await, Some(17), "never back");
     // A mismatched offset list is refused before anything runs.
     let err = store
-        .transact_batch_with_offsets(
-            &reqs(&["x"]),
-            &[0],
-            &TxOffsets::new("g", "t", 0, vec![], 1),
-            TxBatchConfig::default(),
+        .transact_batch(
+            BatchRequest::new(&reqs(&["x"]))
+                .ordered(&[0])
+                .with_offsets(&TxOffsets::new("g", "t", 0, vec![], 1)),
             ledger(Arc::new(AtomicU32::new(0)), &[], &[]),
         )
         .await
         .unwrap_err();
     assert!(matches!(err, dedup_core::StoreError::Input(_)), "{err:?}");
+}
+
+/// Offsets in the transaction without ordering groups: the messages are independent (a failed
+/// one holds back no other's effect), and the position still stops at the first that did not
+/// settle.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn independent_messages_store_their_position_up_to_the_first_unsettled(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let calls = Arc::new(AtomicU32::new(0));
+    let r = reqs(&["a", "b", "c"]);
+    let o = TxOffsets::new("g", "t", 0, vec![20, 21, 22], 23);
+    let answers = store
+        .transact_batch(
+            BatchRequest::new(&r).with_offsets(&o),
+            ledger(calls, &[], &["b"]),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(answers[0], BatchAnswer::Executed { .. }),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(answers[1], BatchAnswer::Handler { .. }),
+        "{answers:?}"
+    );
+    // Not deferred behind "b": without groups, "c" ran and committed.
+    assert!(
+        matches!(answers[2], BatchAnswer::Executed { .. }),
+        "{answers:?}"
+    );
+    let stored = store
+        .stored_offsets("g", &[("t".to_owned(), 0)])
+        .await
+        .unwrap();
+    assert_eq!(stored.get(&("t".to_owned(), 0)).copied(), Some(21));
 }
 
 /// A handler that answers every message as done but left the transaction aborted (it ignored a
@@ -899,8 +902,7 @@ async fn a_handler_that_leaves_the_transaction_aborted_fails_only_its_message(po
     let store = PgStore::new(pool.clone());
     let answers = store
         .transact_batch(
-            &reqs(&["a", "bad", "c", "d"]),
-            TxBatchConfig::default(),
+            BatchRequest::new(&reqs(&["a", "bad", "c", "d"])),
             ignoring_a_failure(),
         )
         .await

@@ -90,7 +90,7 @@ mod store;
 mod text;
 
 pub use admin::ForgetReport;
-pub use batch_tx::{BatchAnswer, BatchBody, ItemResult, TxBatchConfig};
+pub use batch_tx::{BatchAnswer, BatchBody, BatchRequest, ItemResult, TxBatchConfig};
 pub use offsets::{TxOffsets, stored_offsets_on};
 pub use parked::{
     HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedFilter, ParkedGauges, ParkedHead,

@@ -13,7 +13,7 @@ use crate::classify::classify;
 use crate::sql::{STORE_OFFSETS_SQL, STORED_OFFSETS_SQL};
 
 /// The position of one partition to store in a batch's transaction
-/// ([`PgStore::transact_batch_with_offsets`]): the offset before which every message is settled
+/// ([`BatchRequest::with_offsets`](crate::BatchRequest::with_offsets)): the offset before which every message is settled
 /// once the batch commits.
 #[derive(Clone, Debug)]
 #[non_exhaustive]

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use dedup_core::{ClaimRequest, IdempotencyKey, Lease, OwnerId, Scope};
-use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxBatchConfig};
+use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore};
 use sqlx::{PgConnection, PgPool};
 
 use super::{Ctx, Outcome, result_of};
@@ -82,7 +82,7 @@ pub(super) async fn transaction_mode(
                 let t = Instant::now();
                 let handler = handler(ledger, Arc::clone(&contender), Arc::clone(&run));
                 match store
-                    .transact_batch(&reqs, TxBatchConfig::default(), handler)
+                    .transact_batch(BatchRequest::new(&reqs), handler)
                     .await
                 {
                     Ok(answers) => {

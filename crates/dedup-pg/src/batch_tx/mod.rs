@@ -31,8 +31,9 @@
 //! × `max_connections` entries (6,400 with the defaults): size it for the batches that run at
 //! once. A full table is SQLSTATE 53200, a passing error: the batch is retried.
 //!
-//! Caches are not involved yet: this is the authority's half of the batch path (the runner and
-//! the tiered store build on it).
+//! This is the authority's half of the batch path, with no cache in it: the Kafka `TxRunner`
+//! answers keys its caches hold settled before the transaction and backfills them after the
+//! commit, through the tiered store's `BatchCache`.
 //!
 //! A client that stops mid-batch (SIGSTOP, a long GC pause) holds its keys only until
 //! `idle_in_transaction_session_timeout` ([`TxBatchConfig::idle_timeout`]) ends its session: the
@@ -132,7 +133,7 @@ pub enum BatchAnswer<E> {
     /// Retry later.
     InFlight,
     /// Not run: an earlier message of its ordering group (see
-    /// [`PgStore::transact_batch_ordered`]) did not settle in this batch, so this one waits for
+    /// [`BatchRequest::ordered`]) did not settle in this batch, so this one waits for
     /// it. Nothing was spent; run it again after that message.
     Deferred,
     /// The key is poison: dead-letter the message.
@@ -165,117 +166,132 @@ impl<E> BatchAnswer<E> {
     }
 }
 
+/// What one batch transaction is asked to run ([`PgStore::transact_batch`]): the claim requests,
+/// and, where the batch needs them, the ordering group of each request, the consumer position to
+/// store in the same transaction, and the timeouts. Built in steps that cannot fail; the lengths
+/// are checked when the batch runs.
+///
+/// ```
+/// # use dedup_core::{ClaimRequest, IdempotencyKey, OwnerId, Scope};
+/// # use dedup_pg::{BatchRequest, TxBatchConfig};
+/// # let scope = Scope::new("orders").unwrap();
+/// # let owner = OwnerId::new("worker-1");
+/// let reqs = vec![
+///     ClaimRequest::new(IdempotencyKey::new(scope.clone(), "a").unwrap(), owner.clone()),
+///     ClaimRequest::new(IdempotencyKey::new(scope.clone(), "b").unwrap(), owner.clone()),
+/// ];
+/// let groups = [7, 7]; // one account: b runs only once a has settled
+/// let batch = BatchRequest::new(&reqs).ordered(&groups).with_config(TxBatchConfig::default());
+/// # let _ = batch;
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a batch request does nothing until it is given to `PgStore::transact_batch`"]
+pub struct BatchRequest<'a> {
+    reqs: &'a [ClaimRequest],
+    groups: Option<&'a [u64]>,
+    offsets: Option<&'a TxOffsets>,
+    config: TxBatchConfig,
+}
+
+impl<'a> BatchRequest<'a> {
+    /// A batch of independent messages, one per request: one that fails holds back no other.
+    pub fn new(reqs: &'a [ClaimRequest]) -> Self {
+        Self {
+            reqs,
+            groups: None,
+            offsets: None,
+            config: TxBatchConfig::default(),
+        }
+    }
+
+    /// Messages that keep an order within their *ordering group* (`groups[i]` for `reqs[i]`: an
+    /// account, an order, a partition). A message runs only if every earlier message of its
+    /// group in the batch settled: once one answers InFlight or its handler fails, the group's
+    /// later messages are not run and answer [`BatchAnswer::Deferred`] (their claims given back,
+    /// no attempt spent), so a retry can never let a later message overtake an earlier one. A
+    /// key answered from the store (replayed, FAILED, a payload mismatch) holds nothing back. On
+    /// the happy path this costs nothing: the whole batch, groups and all, still runs in one
+    /// handler call, in request order. After a failure the parts run in request order.
+    ///
+    /// `groups` must have one entry per request ([`InputError::Setting`] when the batch runs).
+    pub fn ordered(mut self, groups: &'a [u64]) -> Self {
+        self.groups = Some(groups);
+        self
+    }
+
+    /// Also stores the consumer's position in the batch's transaction (`dedup_offsets`): the
+    /// batch's effects and the position commit together, so a consumer restarted from the
+    /// stored position never hands a committed batch to its handler again. The position stored
+    /// is `offsets.end`, or the offset of the batch's first message that did not settle
+    /// (InFlight, deferred, failed or to be dead-lettered: a dead letter moves the position only
+    /// once it is acknowledged, with [`store_offsets`](PgStore::store_offsets)), whichever is
+    /// lower; it only ever moves forward.
+    ///
+    /// `offsets.offsets` must have one entry per request ([`InputError::Setting`] when the batch
+    /// runs).
+    pub fn with_offsets(mut self, offsets: &'a TxOffsets) -> Self {
+        self.offsets = Some(offsets);
+        self
+    }
+
+    /// The transaction's timeouts (default [`TxBatchConfig::default`]).
+    pub fn with_config(mut self, config: TxBatchConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The lists given beside the requests, checked to have one entry per request.
+    fn check(&self) -> Result<(), StoreError> {
+        let n = self.reqs.len();
+        if self.groups.is_some_and(|g| g.len() != n) {
+            return Err(StoreError::Input(InputError::Setting {
+                setting: "groups",
+                problem: "needs one ordering group per request",
+            }));
+        }
+        if self.offsets.is_some_and(|o| o.offsets.len() != n) {
+            return Err(StoreError::Input(InputError::Setting {
+                setting: "offsets",
+                problem: "needs one offset per request",
+            }));
+        }
+        Ok(())
+    }
+}
+
 impl PgStore {
     /// Runs a batch in one transaction: claims (fresh keys need none), the handler's
     /// writes for every acquired message, and the completions commit together, with one WAL
     /// flush. One answer per request, in order; a key that appears twice is answered after the
-    /// commit as the duplicate of its first appearance. The messages are independent: one that
-    /// fails holds back no other (see
-    /// [`transact_batch_ordered`](Self::transact_batch_ordered) for messages that keep an order).
+    /// commit as the duplicate of its first appearance. [`BatchRequest`] says whether the
+    /// messages are independent or keep an order, and whether the consumer's position commits
+    /// with them.
     ///
     /// `handler` may be called more than once (the retry in parts after a failure), each time on
     /// a subset of the acquired messages, and only ever sees writes of the current attempt. An
     /// error for the whole batch (the connection, BEGIN, the claim statement, the COMMIT) is
     /// returned as it is: nothing committed, except where it [is an unknown
     /// outcome](StoreError::is_outcome_unknown) that could not be read back.
+    ///
+    /// # Errors
+    /// As above, and [`InputError::Setting`] for a list given beside the requests that does not
+    /// have one entry per request, or an invalid policy.
     pub async fn transact_batch<E, H>(
         &self,
-        reqs: &[ClaimRequest],
-        config: TxBatchConfig,
-        handler: H,
-    ) -> Result<Vec<BatchAnswer<E>>, StoreError>
-    where
-        E: std::fmt::Display + Send,
-        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
-    {
-        self.transact_many(reqs, None, None, config, handler).await
-    }
-
-    /// [`transact_batch`](Self::transact_batch) for messages that keep an order within their
-    /// *ordering group* (`groups[i]` for `reqs[i]`: an account, an order, a partition). A
-    /// message runs only if every earlier message of its group in the batch settled: once one
-    /// answers InFlight or its handler fails, the group's later messages are not run and answer
-    /// [`BatchAnswer::Deferred`] (their claims given back, no attempt spent), so a retry can
-    /// never let a later message overtake an earlier one. A key answered from the store
-    /// (replayed, FAILED, a payload mismatch) holds nothing back. On the happy path this costs
-    /// nothing: the whole batch, groups and all, still runs in one handler call, in request
-    /// order. After a failure the parts run in request order.
-    ///
-    /// # Errors
-    /// As `transact_batch`; `groups` must have one entry per request
-    /// ([`InputError::Setting`] otherwise).
-    pub async fn transact_batch_ordered<E, H>(
-        &self,
-        reqs: &[ClaimRequest],
-        groups: &[u64],
-        config: TxBatchConfig,
-        handler: H,
-    ) -> Result<Vec<BatchAnswer<E>>, StoreError>
-    where
-        E: std::fmt::Display + Send,
-        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
-    {
-        one_per_request(
-            reqs,
-            groups.len(),
-            "groups",
-            "needs one ordering group per request",
-        )?;
-        self.transact_many(reqs, Some(groups), None, config, handler)
-            .await
-    }
-
-    /// [`transact_batch_ordered`](Self::transact_batch_ordered) that also stores the consumer's
-    /// position in the batch's transaction (`dedup_offsets`): the batch's effects and the
-    /// position commit together, so a consumer restarted from the stored position never hands
-    /// a committed batch to its handler again. The position stored is `offsets.end`, or the
-    /// offset of the batch's first message that did not settle (InFlight, deferred, failed or
-    /// to be dead-lettered: a dead letter moves the position only once it is acknowledged, with
-    /// [`store_offsets`](Self::store_offsets)), whichever is lower; it only ever moves forward.
-    ///
-    /// # Errors
-    /// As `transact_batch_ordered`; `offsets.offsets` must have one entry per request
-    /// ([`InputError::Setting`] otherwise).
-    pub async fn transact_batch_with_offsets<E, H>(
-        &self,
-        reqs: &[ClaimRequest],
-        groups: &[u64],
-        offsets: &TxOffsets,
-        config: TxBatchConfig,
-        handler: H,
-    ) -> Result<Vec<BatchAnswer<E>>, StoreError>
-    where
-        E: std::fmt::Display + Send,
-        H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
-    {
-        one_per_request(
-            reqs,
-            groups.len(),
-            "groups",
-            "needs one ordering group per request",
-        )?;
-        one_per_request(
-            reqs,
-            offsets.offsets.len(),
-            "offsets",
-            "needs one offset per request",
-        )?;
-        self.transact_many(reqs, Some(groups), Some(offsets), config, handler)
-            .await
-    }
-
-    async fn transact_many<E, H>(
-        &self,
-        reqs: &[ClaimRequest],
-        groups: Option<&[u64]>,
-        offsets: Option<&TxOffsets>,
-        config: TxBatchConfig,
+        batch: BatchRequest<'_>,
         mut handler: H,
     ) -> Result<Vec<BatchAnswer<E>>, StoreError>
     where
         E: std::fmt::Display + Send,
         H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
     {
+        batch.check()?;
+        let BatchRequest {
+            reqs,
+            groups,
+            offsets,
+            config,
+        } = batch;
         for req in reqs {
             req.policy.validate()?;
         }
@@ -371,20 +387,6 @@ impl PgStore {
             .into_iter()
             .map(|a| a.unwrap_or(BatchAnswer::InFlight))
             .collect())
-    }
-}
-
-/// Refuses a per-request list of another length than the requests, naming it.
-fn one_per_request(
-    reqs: &[ClaimRequest],
-    len: usize,
-    setting: &'static str,
-    problem: &'static str,
-) -> Result<(), StoreError> {
-    if len == reqs.len() {
-        Ok(())
-    } else {
-        Err(StoreError::Input(InputError::Setting { setting, problem }))
     }
 }
 

@@ -1,6 +1,6 @@
 //! Transaction mode by the batch: [`TxRunner`] takes what it has received for a partition, up to
 //! a size or a short wait, and runs it in one Postgres transaction
-//! ([`PgStore::transact_batch_ordered`]): every claim in one statement, the handler's writes for
+//! ([`PgStore::transact_batch`] with [`BatchRequest::ordered`](dedup_pg::BatchRequest::ordered)): every claim in one statement, the handler's writes for
 //! the whole batch, every completion in one statement, one COMMIT.
 //!
 //! ```text
@@ -81,7 +81,7 @@ pub trait BatchHandler: Send + Sync + 'static {
 }
 
 /// An idempotent consumer in transaction mode by the batch (per partition, up to a size or a
-/// short wait, one batch at a time; ordering groups kept as `transact_batch_ordered` keeps them): the
+/// short wait, one batch at a time; ordering groups kept as `BatchRequest::ordered` keeps them): the
 /// effects of a whole batch, its claims and its completions commit in one Postgres transaction.
 /// Offsets are committed only up to the first message not settled (completed, replayed, or
 /// acknowledged by the dead-letter topic).

@@ -10,15 +10,16 @@ use dedup_core::{
     AfterHandlerError, BatchCache, Cached, ClaimOutcome, ClaimRequest, HandlerError,
     IdempotencyKey, Lease, OwnerId, OwnerIds, Policy, State, StoreError,
 };
-use dedup_pg::{BatchAnswer, BatchBody, ItemResult, PgStore, TxOffsets};
+use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore, TxOffsets};
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use sqlx::PgConnection;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::super::exec::{Common, Exec, Settled};
+use super::super::exec::{Common, Exec};
 use super::super::{Done, Item};
 use super::{Acquired, BatchHandler};
+use crate::consumer::Settled;
 use crate::consumer::TopicPartition;
 use crate::delivery::Delivery;
 use crate::handler::{DisplayHandlerError, panic_message, retry_withdrawn};
@@ -105,7 +106,17 @@ impl<H: BatchHandler> Exec for Inner<H> {
     }
 }
 
+/// What a batch's messages have come to so far: settled, to run again, or to dead-letter.
+#[derive(Default)]
+struct Sorted {
+    settled: Vec<(i64, Settled)>,
+    again: Vec<Item>,
+    letters: Vec<Letter>,
+}
+
 impl<H: BatchHandler> Inner<H> {
+    /// The batch's stages: the caches answer what they hold settled, one transaction runs the
+    /// rest, each answer is filed, and the dead letters are written.
     async fn run(
         &self,
         tp: &TopicPartition,
@@ -113,10 +124,11 @@ impl<H: BatchHandler> Inner<H> {
         end: Option<i64>,
         revoked: &AtomicBool,
     ) -> (Vec<(i64, Settled)>, Vec<Item>) {
-        let mut settled = Vec::with_capacity(items.len());
-        let mut again = Vec::new();
-        let mut letters = Vec::new();
-        let mut reqs: Vec<ClaimRequest> = items
+        let mut out = Sorted {
+            settled: Vec::with_capacity(items.len()),
+            ..Sorted::default()
+        };
+        let reqs: Vec<ClaimRequest> = items
             .iter()
             .map(|i| {
                 ClaimRequest::new(i.key.clone(), self.owner())
@@ -124,151 +136,18 @@ impl<H: BatchHandler> Inner<H> {
                     .with_policy(self.policy)
             })
             .collect();
-        // Keys the caches hold settled are answered at once; the rest go to the transaction.
-        let (items, end) = match &self.caches {
-            Some(caches) => {
-                let cached = caches.settled_many(&reqs).await;
-                let mut rest = Vec::with_capacity(items.len());
-                let mut rest_reqs = Vec::with_capacity(items.len());
-                let mut end = end;
-                for ((item, req), answer) in items.into_iter().zip(reqs).zip(cached) {
-                    match answer {
-                        Some(ClaimOutcome::Completed { .. }) => {
-                            settled.push(self.common.done(&item, Settled::Replayed));
-                        }
-                        Some(ClaimOutcome::Failed { reason, attempts }) => {
-                            end = end.map(|e| e.min(item.delivery.offset));
-                            letters.push(Letter {
-                                item,
-                                reason,
-                                attempts,
-                            });
-                        }
-                        Some(ClaimOutcome::PayloadMismatch) => {
-                            end = end.map(|e| e.min(item.delivery.offset));
-                            letters.push(mismatch(item));
-                        }
-                        _ => {
-                            rest.push(item);
-                            rest_reqs.push(req);
-                        }
-                    }
-                }
-                reqs = rest_reqs;
-                (rest, end)
-            }
-            None => (items, end),
-        };
-        let position = end.map(|end| {
-            TxOffsets::new(
-                self.common.config.group_id.clone(),
-                tp.0.clone(),
-                tp.1,
-                items.iter().map(|i| i.delivery.offset).collect(),
-                end,
-            )
-        });
-        let position = position.as_ref();
-        let groups: Vec<u64> = items.iter().map(|i| i.group).collect();
-        let mut deliveries: HashMap<IdempotencyKey, Arc<Delivery>> = HashMap::new();
-        for i in &items {
-            deliveries
-                .entry(i.key.clone())
-                .or_insert_with(|| i.delivery.clone());
-        }
-        let body = body(
-            self.handler.clone(),
-            deliveries,
-            self.common.breaker.clone(),
-        );
-        let answers = match position {
-            _ if items.is_empty() => Ok(Vec::new()),
-            Some(position) => {
-                self.store
-                    .transact_batch_with_offsets(
-                        &reqs,
-                        &groups,
-                        position,
-                        self.common.batching.transaction,
-                        body,
-                    )
-                    .await
-            }
-            None => {
-                self.store
-                    .transact_batch_ordered(&reqs, &groups, self.common.batching.transaction, body)
-                    .await
-            }
-        };
-        match answers {
-            Ok(answers) => {
-                if !items.is_empty() {
+        let (items, reqs, end) = self.answer_cached(items, reqs, end, &mut out).await;
+        if !items.is_empty() {
+            match self.transact(tp, &items, &reqs, end).await {
+                Ok(answers) => {
                     self.common.counters.batches.add(1);
+                    self.file(items, answers, &mut out).await;
                 }
-                let mut copies = Vec::new();
-                for (item, answer) in items.into_iter().zip(answers) {
-                    // What the commit completed, and what Postgres replayed (the caches had
-                    // lost it: a flush, a restart, an eviction), go to the caches.
-                    let copy = match &answer {
-                        BatchAnswer::Executed {
-                            result,
-                            token,
-                            attempts,
-                        } => Some((result, *token, item.fingerprint, *attempts)),
-                        BatchAnswer::Replayed {
-                            result,
-                            token,
-                            fingerprint,
-                        } => Some((result, *token, *fingerprint, 1)),
-                        _ => None,
-                    };
-                    if let Some((result, token, fingerprint, attempts)) = copy {
-                        let mut copy = Cached::new(State::Completed, token);
-                        copy.fingerprint = fingerprint;
-                        copy.attempts = attempts;
-                        copy.result = Some(result.clone());
-                        copies.push((item.key.clone(), copy, self.policy.retention));
-                    }
-                    self.sort(item, answer, &mut settled, &mut again, &mut letters);
-                }
-                // After the commit: the caches learn what it settled.
-                if let Some(caches) = &self.caches
-                    && !copies.is_empty()
-                {
-                    caches.committed_many(copies).await;
-                }
-            }
-            Err(e) if e.is_retryable() => {
-                self.common.counters.store_errors.add(1);
-                warn!(error = %e, messages = items.len(), "batch transaction failed; retrying");
-                for item in items {
-                    again.push(self.common.retry_later(item));
-                }
-            }
-            // Failed for good as a whole: the messages run again one per batch, so that one at
-            // fault is found and dead-lettered alone; a message alone is dead-lettered.
-            Err(e) if items.len() > 1 => {
-                self.common.counters.store_errors.add(1);
-                warn!(error = %e, messages = items.len(), "batch transaction refused; running its messages alone");
-                for mut item in items {
-                    item.solo = true;
-                    again.push(self.common.retry_later(item));
-                }
-            }
-            Err(e) => {
-                warn!(error = %e, "transaction refused for a message alone; dead-lettering it");
-                let reason = format!("the batch transaction failed: {e}");
-                for item in items {
-                    letters.push(Letter {
-                        item,
-                        reason: reason.clone(),
-                        attempts: 0,
-                    });
-                }
+                Err(e) => self.refused(items, &e, &mut out),
             }
         }
         // Dead letters, each acknowledged before its offset may move on.
-        let written = join_all(letters.iter().map(|l| {
+        let written = join_all(out.letters.iter().map(|l| {
             self.common.dead_letter(
                 &l.item.delivery,
                 &l.reason,
@@ -278,26 +157,172 @@ impl<H: BatchHandler> Inner<H> {
             )
         }))
         .await;
-        for (l, s) in letters.iter().zip(written) {
-            settled.push((l.item.delivery.offset, s));
+        for (l, s) in out.letters.iter().zip(written) {
+            out.settled.push((l.item.delivery.offset, s));
         }
-        for (offset, s) in &settled {
+        for (offset, s) in &out.settled {
             if matches!(s, Settled::Executed | Settled::Replayed) {
                 debug!(offset, settled = ?s, "settled");
             }
         }
-        (settled, again)
+        (out.settled, out.again)
+    }
+
+    /// Keys the caches hold settled are answered at once (a replay, a dead letter); the rest,
+    /// with their requests, go on to the transaction. A message answered here moves the stored
+    /// position no further than itself unless it settled.
+    async fn answer_cached(
+        &self,
+        items: Vec<Item>,
+        reqs: Vec<ClaimRequest>,
+        mut end: Option<i64>,
+        out: &mut Sorted,
+    ) -> (Vec<Item>, Vec<ClaimRequest>, Option<i64>) {
+        let Some(caches) = &self.caches else {
+            return (items, reqs, end);
+        };
+        let cached = caches.settled_many(&reqs).await;
+        let mut rest = Vec::with_capacity(items.len());
+        let mut rest_reqs = Vec::with_capacity(items.len());
+        for ((item, req), answer) in items.into_iter().zip(reqs).zip(cached) {
+            match answer {
+                Some(ClaimOutcome::Completed { .. }) => {
+                    out.settled.push(self.common.done(&item, Settled::Replayed));
+                }
+                Some(ClaimOutcome::Failed { reason, attempts }) => {
+                    end = end.map(|e| e.min(item.delivery.offset));
+                    out.letters.push(Letter {
+                        item,
+                        reason,
+                        attempts,
+                    });
+                }
+                Some(ClaimOutcome::PayloadMismatch) => {
+                    end = end.map(|e| e.min(item.delivery.offset));
+                    out.letters.push(mismatch(item));
+                }
+                _ => {
+                    rest.push(item);
+                    rest_reqs.push(req);
+                }
+            }
+        }
+        (rest, rest_reqs, end)
+    }
+
+    /// The batch's one transaction: ordered by the messages' groups, and storing the partition's
+    /// position with the effects where offsets live in the transaction (`end`).
+    async fn transact(
+        &self,
+        tp: &TopicPartition,
+        items: &[Item],
+        reqs: &[ClaimRequest],
+        end: Option<i64>,
+    ) -> Result<Vec<BatchAnswer<H::Error>>, StoreError> {
+        let position = end.map(|end| {
+            TxOffsets::new(
+                self.common.config.group_id.clone(),
+                tp.0.clone(),
+                tp.1,
+                items.iter().map(|i| i.delivery.offset).collect(),
+                end,
+            )
+        });
+        let groups: Vec<u64> = items.iter().map(|i| i.group).collect();
+        let mut deliveries: HashMap<IdempotencyKey, Arc<Delivery>> = HashMap::new();
+        for i in items {
+            deliveries
+                .entry(i.key.clone())
+                .or_insert_with(|| i.delivery.clone());
+        }
+        let body = body(
+            self.handler.clone(),
+            deliveries,
+            self.common.breaker.clone(),
+        );
+        let mut batch = BatchRequest::new(reqs)
+            .ordered(&groups)
+            .with_config(self.common.batching.transaction);
+        if let Some(position) = &position {
+            batch = batch.with_offsets(position);
+        }
+        self.store.transact_batch(batch, body).await
+    }
+
+    /// Files each message by its answer; then the caches learn what the commit settled (what it
+    /// completed, and what Postgres replayed because the caches had lost it: a flush, a
+    /// restart, an eviction). Only after the commit: nothing is COMPLETED in a cache before.
+    async fn file(&self, items: Vec<Item>, answers: Vec<BatchAnswer<H::Error>>, out: &mut Sorted) {
+        let mut copies = Vec::new();
+        for (item, answer) in items.into_iter().zip(answers) {
+            let copy = match &answer {
+                BatchAnswer::Executed {
+                    result,
+                    token,
+                    attempts,
+                } => Some((result, *token, item.fingerprint, *attempts)),
+                BatchAnswer::Replayed {
+                    result,
+                    token,
+                    fingerprint,
+                } => Some((result, *token, *fingerprint, 1)),
+                _ => None,
+            };
+            if self.caches.is_some()
+                && let Some((result, token, fingerprint, attempts)) = copy
+            {
+                let mut copy = Cached::new(State::Completed, token);
+                copy.fingerprint = fingerprint;
+                copy.attempts = attempts;
+                copy.result = Some(result.clone());
+                copies.push((item.key.clone(), copy, self.policy.retention));
+            }
+            self.sort(item, answer, out);
+        }
+        if let Some(caches) = &self.caches
+            && !copies.is_empty()
+        {
+            caches.committed_many(copies).await;
+        }
+    }
+
+    /// The transaction failed as a whole: retried if that can help; refused for good, its
+    /// messages run again one per batch, so that one at fault is found and dead-lettered alone;
+    /// a message alone is dead-lettered.
+    fn refused(&self, items: Vec<Item>, e: &StoreError, out: &mut Sorted) {
+        if e.is_retryable() {
+            self.common.counters.store_errors.add(1);
+            warn!(error = %e, messages = items.len(), "batch transaction failed; retrying");
+            for item in items {
+                out.again.push(self.common.retry_later(item));
+            }
+        } else if items.len() > 1 {
+            self.common.counters.store_errors.add(1);
+            warn!(error = %e, messages = items.len(), "batch transaction refused; running its messages alone");
+            for mut item in items {
+                item.solo = true;
+                out.again.push(self.common.retry_later(item));
+            }
+        } else {
+            warn!(error = %e, "transaction refused for a message alone; dead-lettering it");
+            let reason = format!("the batch transaction failed: {e}");
+            for item in items {
+                out.letters.push(Letter {
+                    item,
+                    reason: reason.clone(),
+                    attempts: 0,
+                });
+            }
+        }
     }
 
     /// Files one message by its answer.
-    fn sort(
-        &self,
-        item: Item,
-        answer: BatchAnswer<H::Error>,
-        settled: &mut Vec<(i64, Settled)>,
-        again: &mut Vec<Item>,
-        letters: &mut Vec<Letter>,
-    ) {
+    fn sort(&self, item: Item, answer: BatchAnswer<H::Error>, out: &mut Sorted) {
+        let Sorted {
+            settled,
+            again,
+            letters,
+        } = out;
         let offset = item.delivery.offset;
         match answer {
             BatchAnswer::Executed { .. } => {
