@@ -95,6 +95,7 @@ pub(crate) fn start<F: Future<Output = ()>>(
 ) -> Result<Started<impl Future<Output = ()> + use<F>>, RunnerError> {
     let shared = Arc::new(Mutex::new(Shared::default()));
     let contact = Arc::new(Contact::default());
+    let (stop_tx, stopping) = watch::channel(false);
     let (source, dead_letters) = clients(
         config,
         &shared,
@@ -102,9 +103,9 @@ pub(crate) fn start<F: Future<Output = ()>>(
         start_offsets,
         &contact,
         refused_table,
+        stopping.clone(),
     )?;
     let (shutdown, refused) = until_refused(shutdown, &contact);
-    let (stop_tx, stopping) = watch::channel(false);
     Ok(Started {
         shared,
         source,

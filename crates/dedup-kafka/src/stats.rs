@@ -17,7 +17,7 @@ impl Counter {
     pub(crate) fn set(&self, n: u64) {
         self.0.store(n, Ordering::Relaxed);
     }
-    fn get(&self) -> u64 {
+    pub(crate) fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
 }

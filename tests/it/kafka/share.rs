@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{Completion, HandlerError, LeaseContext};
-use dedup_kafka::{Batching, Delivery, LeaseRunner, Ordering as KeyOrdering, StatsHandle};
+use dedup_kafka::{Batching, Delivery, LeaseRunner, Ordering as KeyOrdering, Runner, StatsHandle};
 use sqlx::PgPool;
 use tokio::sync::{Notify, oneshot};
 
@@ -24,6 +24,7 @@ use crate::support::RedisServer;
 on_brokers!(
     a_deep_backlog_on_four_partitions_runs_all_four_from_the_start,
     lease_a_deep_backlog_on_four_partitions_runs_all_four_from_the_start,
+    a_runner_dropped_mid_run_leaves_its_partitions_to_the_next_member,
 );
 
 const PARTITIONS: i32 = 4;
@@ -159,4 +160,65 @@ async fn lease_a_deep_backlog_on_four_partitions_runs_all_four_from_the_start(
     all_four_side_by_side(broker, &topic, &group, &stats, &gate).await;
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
+}
+
+/// A handler that takes a little while and records each message it executed.
+fn slow(
+    executed: Arc<Mutex<Vec<i64>>>,
+) -> impl Fn(Arc<Delivery>, Option<LeaseContext>) -> HandlerFuture + Send + Sync + 'static {
+    move |d, _lease| {
+        let executed = executed.clone();
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            executed
+                .lock()
+                .unwrap()
+                .push(i64::from(d.partition) * 1_000_000 + d.offset);
+            Ok(Completion::store(bytes::Bytes::new()))
+        })
+    }
+}
+
+/// A runner whose future is dropped mid-run (a task aborted, a `select!` that lost) leaves no
+/// partition task behind holding its consumer: the consumer closes and leaves the group, so a
+/// new member of the group gets every partition at once and finishes the stream, each message
+/// executed once across the two. With a task left behind, the old consumer would stay in the
+/// group, unpolled, holding its partitions until `max.poll.interval.ms` (5 minutes).
+async fn a_runner_dropped_mid_run_leaves_its_partitions_to_the_next_member(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let redis = RedisServer::start();
+    let (topic, group) = backlog(broker).await;
+    let dedup = engine(&pool, &redis).await;
+    let executed = Arc::new(Mutex::new(Vec::new()));
+    let config = broker.config(&group, &topic).with_max_in_flight(IN_FLIGHT);
+    let first = Runner::new(config.clone(), dedup.clone(), slow(executed.clone())).unwrap();
+    let first_stats = first.stats();
+    let handle = tokio::spawn(first.run(std::future::pending()));
+    eventually(60, "the first runner executed some messages", || {
+        let s = first_stats.snapshot();
+        async move { s.executed >= 20 }
+    })
+    .await;
+    // Dropped mid-run: no drain, no commit, no goodbye.
+    handle.abort();
+    assert!(handle.await.unwrap_err().is_cancelled());
+    let second = Running::spawn_with(config, dedup, slow(executed.clone()));
+    let total = u64::from(PER_PARTITION * 4);
+    // Counted by the handler: the first runner's tasks still running when it was dropped
+    // finish their messages, with no loop left to count them in its stats.
+    eventually(60, "every message executed across the two runners", || {
+        let n = executed.lock().unwrap().len() as u64;
+        async move { n >= total }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, PARTITIONS).await;
+    let second = second.stop().await;
+    let mut ids = executed.lock().unwrap().clone();
+    let n = ids.len();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), n, "a message was executed twice");
+    assert_eq!(n as u64, total, "{second:?}");
 }

@@ -12,20 +12,10 @@ use tracing::warn;
 
 use super::{Batching, Done, Item};
 use crate::config::RunnerConfig;
-use crate::consumer::TopicPartition;
+use crate::consumer::{Settled, TopicPartition};
 use crate::dead_letter::DeadLetters;
 use crate::delivery::Delivery;
 use crate::stats::Counters;
-
-/// How a message of a batch ended.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Settled {
-    Executed,
-    Replayed,
-    DeadLettered,
-    /// Left unsettled (revoked or shutting down): it will be redelivered.
-    Abandoned,
-}
 
 /// What every runner of batches holds.
 pub(crate) struct Common {
@@ -124,23 +114,9 @@ impl Common {
         revoked: &AtomicBool,
     ) -> Settled {
         let abandoned = || revoked.load(AtomicOrdering::Acquire) || *self.stopping.borrow();
-        match self
-            .dead_letters
-            .deliver(
-                d,
-                reason,
-                attempts,
-                key,
-                &self.counters,
-                &self.config.backoff,
-                &self.stopping,
-                &abandoned,
-            )
+        self.dead_letters
+            .settle(d, reason, attempts, key, &abandoned)
             .await
-        {
-            Some(_) => Settled::DeadLettered,
-            None => Settled::Abandoned,
-        }
     }
 }
 

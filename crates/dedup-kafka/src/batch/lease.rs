@@ -13,9 +13,10 @@ use futures_util::FutureExt;
 use futures_util::future::join_all;
 use tracing::{Instrument, info_span, warn};
 
-use super::exec::{Common, Exec, Settled};
+use super::exec::{Common, Exec};
 use super::{Batching, Done, Item, run_loop};
 use crate::config::RunnerConfig;
+use crate::consumer::Settled;
 use crate::consumer::{TopicPartition, refused_or};
 use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
 use crate::start::{RunnerError, Started, scope_of, start};

@@ -8,10 +8,12 @@
 //! one does not settle, the group's later messages wait for it, and the next batch takes them
 //! after it.
 
+mod batching;
 mod exec;
 mod lease;
 mod tx;
 
+pub use batching::{Batching, MAX_BATCH};
 pub use lease::LeaseRunner;
 pub use tx::{Acquired, BatchHandler, MAX_ASSIGNMENT_WAIT, TxRunner};
 
@@ -23,99 +25,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{Fingerprint, IdempotencyKey, Scope};
-use dedup_pg::TxBatchConfig;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::warn;
 
-use crate::config::{ConfigError, Ordering};
-use crate::consumer::{Backpressure, Drive, Shared, Source, TopicPartition, Work, lock};
+use crate::config::Ordering;
+use crate::consumer::{Backpressure, Drive, Settled, Shared, Source, TopicPartition, Work, lock};
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::stats::{RunnerStats, StatsHandle};
-use exec::{Exec, Settled};
-
-/// How [`TxRunner`] cuts batches.
-#[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
-pub struct Batching {
-    /// The most messages in one transaction. Default 500.
-    pub size: usize,
-    /// How long a partition's first waiting message waits for others before its batch runs
-    /// anyway. Default 5 ms.
-    pub wait: Duration,
-    /// The transaction's bounds (idle in transaction, lock waits).
-    pub transaction: TxBatchConfig,
-}
-
-impl Default for Batching {
-    fn default() -> Self {
-        Self {
-            size: 500,
-            wait: Duration::from_millis(5),
-            transaction: TxBatchConfig::default(),
-        }
-    }
-}
-
-impl Batching {
-    /// Sets the size and the wait.
-    pub fn new(size: usize, wait: Duration) -> Self {
-        Self {
-            size,
-            wait,
-            ..Self::default()
-        }
-    }
-
-    /// Sets the transaction's bounds.
-    pub fn with_transaction(mut self, transaction: TxBatchConfig) -> Self {
-        self.transaction = transaction;
-        self
-    }
-
-    /// The checks every runner of batches makes at construction: the runner's settings, the
-    /// batching's, and [`MissingKey::ProcessWithoutDedup`](crate::MissingKey), which no batch can
-    /// honour (every message of a batch runs under a claim); `mode` names the runner in the
-    /// refusal. Answers the dedup scope.
-    pub(crate) fn check(
-        &self,
-        config: &crate::RunnerConfig,
-        mode: &str,
-    ) -> Result<Scope, crate::RunnerError> {
-        config.validate()?;
-        self.validate()?;
-        if matches!(config.missing_key, crate::MissingKey::ProcessWithoutDedup) {
-            return Err(ConfigError {
-                setting: "missing_key",
-                problem: format!(
-                    "{mode} runs every message under a claim: dead-letter keyless messages, or use the per-message Runner"
-                ),
-            }
-            .into());
-        }
-        Ok(crate::start::scope_of(config)?)
-    }
-
-    fn validate(&self) -> Result<(), ConfigError> {
-        if self.size == 0 || self.size > MAX_BATCH {
-            return Err(ConfigError {
-                setting: "batching.size",
-                problem: format!("{} is not between 1 and {MAX_BATCH}", self.size),
-            });
-        }
-        if self.wait > MAX_BATCH_WAIT {
-            return Err(ConfigError {
-                setting: "batching.wait",
-                problem: format!("{:?} is longer than {MAX_BATCH_WAIT:?}", self.wait),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// The largest batch: its arrays go to Postgres as statement parameters.
-pub const MAX_BATCH: usize = 10_000;
-const MAX_BATCH_WAIT: Duration = Duration::from_secs(10);
+use exec::Exec;
 
 /// The loop of a runner of batches: receive, queue per partition, run batches, settle, commit;
 /// then drain, commit and leave the group.
@@ -580,28 +498,7 @@ impl<X: Exec> Loop<X> {
         self.running -= 1;
         let c = &self.inner.common().counters;
         self.held -= done.settled.len();
-        {
-            let mut shared = lock(&self.shared);
-            let part = shared
-                .parts
-                .get_mut(&done.tp)
-                .filter(|p| p.generation == done.generation);
-            let mut part = part;
-            for (offset, settled) in &done.settled {
-                match settled {
-                    Settled::Executed => c.executed.add(1),
-                    Settled::Replayed => c.replayed.add(1),
-                    Settled::DeadLettered => c.dead_lettered.add(1),
-                    Settled::Abandoned => {
-                        c.abandoned.add(1);
-                        continue;
-                    }
-                }
-                if let Some(p) = part.as_deref_mut() {
-                    p.pending.remove(offset);
-                }
-            }
-        }
+        lock(&self.shared).settled(&done.tp, done.generation, done.settled, c);
         let Some(q) = self.parts.get_mut(&done.tp) else {
             self.held -= done.again.len();
             c.abandoned.add(done.again.len() as u64);

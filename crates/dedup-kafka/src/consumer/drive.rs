@@ -117,9 +117,8 @@ impl Drive<'_> {
                 .pauses
                 .set_all(PauseReason::KillSwitch, self.breaker.is_open());
             apply_pauses(&*work.source().consumer, &shared);
-            let not_shared = work.not_shared().clone();
-            work.source()
-                .share(&shared, self.max_in_flight, &not_shared);
+            let fetch = work.source().fetch.clone();
+            fetch.share(&shared, self.max_in_flight, work.not_shared());
         }
 
         // Shutdown: running work finishes (its retries stop), what waits is left to redelivery,

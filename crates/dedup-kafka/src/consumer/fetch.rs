@@ -59,6 +59,8 @@ struct Split {
     idle_since: Option<Instant>,
     /// The task holds a message it may not hand on yet: the partition has work.
     holding: Arc<AtomicBool>,
+    /// What the partition holds against its share, as last counted.
+    held: usize,
 }
 
 /// The most messages a partition's task may hand on ahead of the loop: a partition under its
@@ -145,6 +147,7 @@ impl Fetch {
                     seen: 0,
                     idle_since: Some(Instant::now()),
                     holding,
+                    held: 0,
                 },
             );
         }
@@ -198,23 +201,27 @@ impl Fetch {
             return;
         }
         // What counts against the bound: received and not settled, less what waits blocked.
-        let held: HashMap<TopicPartition, usize> = lock(shared)
-            .parts
-            .iter()
-            .map(|(tp, p)| {
-                let out = blocked
-                    .get(&(tp.0.clone(), tp.1, p.generation))
-                    .copied()
-                    .unwrap_or(0);
-                (tp.clone(), p.pending.len().saturating_sub(out))
+        // Read in place, under both locks (always taken in this order), once per partition and
+        // with no allocation unless messages wait blocked: this runs on every turn of the loop.
+        let shared = lock(shared);
+        let held = |tp: &TopicPartition| {
+            shared.parts.get(tp).map_or(0, |p| {
+                let out = if blocked.is_empty() {
+                    0
+                } else {
+                    blocked
+                        .get(&(tp.0.clone(), tp.1, p.generation))
+                        .copied()
+                        .unwrap_or(0)
+                };
+                p.pending.len().saturating_sub(out)
             })
-            .collect();
+        };
         let now = Instant::now();
         let mut busy = 0;
         for (tp, s) in splits.iter_mut() {
-            let has_work =
-                held.get(tp).is_some_and(|n| *n > 0) || s.holding.load(AtomicOrdering::Relaxed);
-            if has_work {
+            s.held = held(tp);
+            if s.held > 0 || s.holding.load(AtomicOrdering::Relaxed) {
                 s.idle_since = None;
             } else if s.idle_since.is_none() {
                 s.idle_since = Some(now);
@@ -224,10 +231,8 @@ impl Fetch {
             }
         }
         let share = max_in_flight.div_ceil(busy.max(1)).max(1);
-        for (tp, s) in splits.iter() {
-            let room = share
-                .saturating_sub(held.get(tp).copied().unwrap_or(0))
-                .min(AHEAD);
+        for s in splits.values() {
+            let room = share.saturating_sub(s.held).min(AHEAD);
             let allowed = s.seen + room as u64;
             // Never lowered: what was allowed may be on its way already.
             s.allowed.send_if_modified(|a| {

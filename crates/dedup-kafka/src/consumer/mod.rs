@@ -23,9 +23,11 @@ use crate::stats::Counters;
 mod drive;
 mod fetch;
 mod pause;
+mod settled;
 pub(crate) use drive::{Drive, Work};
 pub(crate) use fetch::Fetch;
 pub(crate) use pause::{Backpressure, PauseReason, Pauses, apply as apply_pauses};
+pub(crate) use settled::Settled;
 
 pub(crate) type TopicPartition = (String, i32);
 
@@ -374,17 +376,6 @@ impl Source {
         }
     }
 
-    /// After each turn of the loop: each partition's task may run ahead by what its share allows
-    /// (`blocked`: messages per partition and ownership that do not count against it).
-    pub(crate) fn share(
-        &self,
-        shared: &Mutex<Shared>,
-        max_in_flight: usize,
-        blocked: &HashMap<(String, i32, u64), usize>,
-    ) {
-        self.fetch.share(shared, max_in_flight, blocked);
-    }
-
     /// Stops the partition tasks (shutdown), leaving the consumer's queue for the callbacks.
     pub(crate) fn stop(&self) {
         self.fetch.stop();
@@ -440,6 +431,7 @@ pub(crate) fn clients(
     start_offsets: Option<Arc<dyn StartOffsets>>,
     contact: &Arc<Contact>,
     refused: Option<Arc<dyn RefusedTable>>,
+    stopping: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Source, DeadLetters), KafkaError> {
     let base = || {
         let mut c = ClientConfig::new();
@@ -493,6 +485,11 @@ pub(crate) fn clients(
         config.dead_letter_topic.clone(),
         config.group_id.clone(),
         refused,
+        crate::dead_letter::Owner {
+            counters: counters.clone(),
+            backoff: config.backoff,
+            stopping,
+        },
     )?;
     let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
     consumer.subscribe(&topics)?;

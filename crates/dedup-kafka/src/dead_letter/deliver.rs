@@ -1,6 +1,6 @@
 //! Delivering a dead letter until it is somewhere: the dead-letter topic, or (for a dead letter
 //! the topic refuses for good) a Postgres table. Every runner gives its dead letters up through
-//! [`DeadLetters::deliver`], so that the offset never moves past a message that is nowhere and
+//! [`DeadLetters::deliver`] (or `settle`), so that the offset never moves past a message that is nowhere and
 //! a partition never stalls for good on the path meant to unstall it.
 //!
 //! What the producer's answer means:
@@ -30,6 +30,7 @@ use tracing::{error, info, warn};
 
 use super::{Fresh, header_list};
 use crate::config::Backoff;
+use crate::consumer::Settled;
 use crate::delivery::Delivery;
 use crate::stats::Counters;
 
@@ -131,6 +132,19 @@ pub(crate) struct DeadLetters {
     pub(crate) topic: String,
     group: String,
     table: Option<Arc<dyn RefusedTable>>,
+    /// Where failed writes and their retries are counted.
+    counters: Arc<Counters>,
+    /// The wait between retries.
+    backoff: Backoff,
+    /// The runner stops: a wait between retries ends early.
+    stopping: watch::Receiver<bool>,
+}
+
+/// The runner a dead-letter writer belongs to: where it counts, how it waits, and when it stops.
+pub(crate) struct Owner {
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) backoff: Backoff,
+    pub(crate) stopping: watch::Receiver<bool>,
 }
 
 impl DeadLetters {
@@ -141,6 +155,7 @@ impl DeadLetters {
         topic: String,
         group: String,
         table: Option<Arc<dyn RefusedTable>>,
+        owner: Owner,
     ) -> Result<Self, KafkaError> {
         let producer: FutureProducer = config.create()?;
         Ok(Self {
@@ -149,6 +164,9 @@ impl DeadLetters {
             topic,
             group,
             table,
+            counters: owner.counters,
+            backoff: owner.backoff,
+            stopping: owner.stopping,
         })
     }
 
@@ -225,21 +243,34 @@ impl DeadLetters {
             })
     }
 
+    /// Gives `d` up until it is somewhere (see [`deliver`](Self::deliver)): `DeadLettered`, or
+    /// `Abandoned` when `abandoned` answers true after a wait (revoked, or the runner stops).
+    pub(crate) async fn settle(
+        &self,
+        d: &Delivery,
+        reason: &str,
+        attempts: u32,
+        key: Option<&IdempotencyKey>,
+        abandoned: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Settled {
+        match self.deliver(d, reason, attempts, key, abandoned).await {
+            Some(_) => Settled::DeadLettered,
+            None => Settled::Abandoned,
+        }
+    }
+
     /// Gives `d` up until it is somewhere: the dead-letter topic, or (refused for good there)
     /// the Postgres table. `None`: the message is left to redelivery (`abandoned` answered true
     /// after a wait: revoked, or the runner stops).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn deliver(
         &self,
         d: &Delivery,
         reason: &str,
         attempts: u32,
         key: Option<&IdempotencyKey>,
-        counters: &Counters,
-        backoff: &Backoff,
-        stopping: &watch::Receiver<bool>,
         abandoned: &(dyn Fn() -> bool + Send + Sync),
     ) -> Option<Delivered> {
+        let counters = &self.counters;
         let mut retry = 0;
         loop {
             let e = match self.write_keyed(d, reason, attempts, key).await {
@@ -289,9 +320,9 @@ impl DeadLetters {
             }
             retry += 1;
             counters.retries.add(1);
-            let mut stopping = stopping.clone();
+            let mut stopping = self.stopping.clone();
             tokio::select! {
-                () = sleep(backoff.delay(retry)) => {}
+                () = sleep(self.backoff.delay(retry)) => {}
                 _ = stopping.wait_for(|s| *s) => {}
             }
             if abandoned() {

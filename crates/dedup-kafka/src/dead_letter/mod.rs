@@ -15,7 +15,7 @@ use crate::delivery::Delivery;
 mod deliver;
 mod limits;
 
-pub(crate) use deliver::{DeadLetters, RefusedTable};
+pub(crate) use deliver::{DeadLetters, Owner, RefusedTable};
 pub(crate) use limits::check_at_start;
 
 /// Dead-letter header: why the message was dead-lettered (at most [`MAX_REASON_LEN`] bytes).

@@ -11,9 +11,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep};
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::lanes::{Event, Job, Settled};
+use super::lanes::{Event, Job};
 use super::park;
 use crate::config::{MissingKey, RunnerConfig};
+use crate::consumer::Settled;
 use crate::dead_letter::DeadLetters;
 use crate::delivery::KeyError;
 use crate::handler::{DisplayHandlerError, Handler, attempts_of, no_withdraw, panic_message};
@@ -304,22 +305,14 @@ where
         reason: &str,
         attempts: u32,
     ) -> Settled {
-        let delivered = self
-            .dead_letters
-            .deliver(
+        self.dead_letters
+            .settle(
                 &job.delivery,
                 reason,
                 attempts,
                 job.key.as_ref().ok(),
-                &self.counters,
-                &self.config.backoff,
-                &self.stopping,
                 &|| self.abandoned(job),
             )
-            .await;
-        match delivered {
-            Some(_) => Settled::DeadLettered,
-            None => Settled::Abandoned,
-        }
+            .await
     }
 }

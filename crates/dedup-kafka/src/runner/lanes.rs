@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 use super::job::Inner;
 use super::park;
 use crate::config::Ordering;
-use crate::consumer::{Backpressure, PauseReason, Shared, Source, Work, lock};
+use crate::consumer::{Backpressure, PauseReason, Settled, Shared, Source, Work, lock};
 use crate::delivery::{Delivery, KeyError, extract_key, ordering_key};
 use crate::handler::{Handler, panic_message};
 
@@ -38,40 +38,6 @@ pub(in crate::runner) struct Job {
     pub(in crate::runner) lane: Lane,
     /// The partition's parking epoch when the message started (with parking).
     pub(in crate::runner) park_epoch: Option<i64>,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(in crate::runner) enum Settled {
-    Executed,
-    Replayed,
-    DeadLettered,
-    ProcessedWithoutDedup,
-    /// Parked after its in-place runs failed: its key's later messages park behind it.
-    Parked,
-    /// Parked behind an earlier parked message of its key, without running.
-    ParkedBehind,
-    /// Found parked already (a replay after a crash or a rebalance).
-    ParkedAlready,
-    /// To be parked, and not: another owner has the partition, or the runner stops. Left to
-    /// redelivery, as `Abandoned`.
-    ParkRefused,
-    /// To be parked, and the partition's parking epoch had moved on while the partition is
-    /// still ours: the loop takes the message back (with its lane) until the epoch is taken
-    /// again. Never reported as done.
-    ParkFenced,
-    /// To be parked, and Postgres refuses its data for good: the caller decides (a failing
-    /// message runs on in place; one behind its key is dead-lettered, or stalls under `Hold`).
-    ParkImpossible,
-    /// Dead-lettered in place under the hold policy, and its row written as its key's held
-    /// marker: the key's later messages wait for an operator.
-    DeadLetteredHeld,
-    /// As `DeadLetteredHeld`, its marker found written before (a replay: the barrier counted it).
-    DeadLetteredHeldAgain,
-    /// To be parked behind its key, refused for good by Postgres, and dead-lettered instead
-    /// (never run ahead of its key's head).
-    BehindDeadLettered,
-    /// Left unsettled (revoked or shutting down): it will be redelivered.
-    Abandoned,
 }
 
 #[derive(Debug)]
@@ -381,37 +347,12 @@ where
             _ => self.held -= 1,
         }
         let c = &self.inner.counters;
-        match done.settled {
-            Settled::Executed => c.executed.add(1),
-            Settled::Replayed => c.replayed.add(1),
-            Settled::DeadLettered
-            | Settled::DeadLetteredHeld
-            | Settled::DeadLetteredHeldAgain
-            | Settled::BehindDeadLettered => c.dead_lettered.add(1),
-            Settled::ProcessedWithoutDedup => c.processed_without_dedup.add(1),
-            // Counted where they were parked.
-            Settled::Parked | Settled::ParkedBehind | Settled::ParkedAlready => {}
-            Settled::Abandoned
-            | Settled::ParkRefused
-            | Settled::ParkFenced
-            | Settled::ParkImpossible => c.abandoned.add(1),
-        }
-        if !matches!(
-            done.settled,
-            Settled::Abandoned
-                | Settled::ParkRefused
-                | Settled::ParkFenced
-                | Settled::ParkImpossible
-        ) {
-            let mut shared = lock(&self.shared);
-            if let Some(part) = shared
-                .parts
-                .get_mut(&(done.lane.topic.clone(), done.lane.partition))
-                && part.generation == done.lane.generation
-            {
-                part.pending.remove(&done.offset);
-            }
-        }
+        lock(&self.shared).settled(
+            &(done.lane.topic.clone(), done.lane.partition),
+            done.lane.generation,
+            [(done.offset, done.settled)],
+            c,
+        );
         // The lane's next message, unless its partition has moved on.
         loop {
             let Some(state) = self.lanes.get_mut(&done.lane) else {

@@ -21,9 +21,10 @@ mod park;
 pub use park::{AfterGiveUp, Parking};
 
 // What `park` reaches through `super::super`.
+use crate::consumer::Settled;
 use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
 use job::Inner;
-use lanes::{Done, Event, Job, Lane, Loop, Report, Settled, count_blocked};
+use lanes::{Done, Event, Job, Lane, Loop, Report, count_blocked};
 
 /// An idempotent consumer: runs every message through [`Dedup::process`] and commits an offset
 /// only once every message before it is settled (completed, replayed, or dead-lettered).

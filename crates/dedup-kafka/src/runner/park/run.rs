@@ -5,13 +5,36 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::time::Duration;
 
-use dedup_core::{Fingerprint, HandlerError, ProcessError, Scope, Store};
+use dedup_core::{Fingerprint, HandlerError, IdempotencyKey, ProcessError, Scope, Store};
 use futures_util::FutureExt;
 use tracing::{Instrument, debug, error, info_span, warn};
 
 use super::super::{Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
 use super::{AfterGiveUp, Head, HeadOutcome, HeadRun, ParkCtx, Parked, PartRef, Taken};
 use crate::delivery::{Delivery, extract_key};
+
+/// Where a parked head's row is, for this run of it.
+struct HeadAt<'a> {
+    ctx: &'a ParkCtx,
+    part: PartRef,
+    epoch: i64,
+    offset: i64,
+    /// The hold policy: a head given up on stays as its key's held marker.
+    hold: bool,
+}
+
+/// What the claim and handler of a parked head came to.
+enum HeadAnswer<E> {
+    /// Executed (true) or replayed, its result checked.
+    Settled(bool),
+    /// Checking its result panicked: the reason to dead-letter it with.
+    CheckPanicked(String),
+    /// Failed; `withdrawn` if the kill switch withdrew the failure.
+    Failed {
+        err: ProcessError<E>,
+        withdrawn: bool,
+    },
+}
 
 fn part_ref(ctx: &ParkCtx, lane: &Lane) -> PartRef {
     PartRef {
@@ -258,47 +281,25 @@ where
         head: Head,
     ) -> HeadRun {
         let d = Arc::new(head.delivery.clone());
-        let part = PartRef {
-            group: ctx.group.clone(),
-            topic: d.topic.clone(),
-            partition: d.partition,
+        let at = HeadAt {
+            ctx,
+            part: PartRef {
+                group: ctx.group.clone(),
+                topic: d.topic.clone(),
+                partition: d.partition,
+            },
+            epoch,
+            offset: d.offset,
+            hold: ctx.cfg.after_give_up == AfterGiveUp::Hold,
         };
         let span = tracing::Span::current();
-        let offset = d.offset;
-        // Retried while the store answers nothing definite: a settle that committed and lost its
-        // reply answers Gone the next time (the head was taken by this run, so only this run
-        // removes it).
-        let settle = |hold: bool| {
-            let part = part.clone();
-            async move {
-                let mut n = 0u32;
-                loop {
-                    match ctx.store.settle(&part, epoch, offset, hold).await {
-                        Ok(HeadOutcome::Removed | HeadOutcome::Gone) => return HeadRun::REMOVED,
-                        Ok(HeadOutcome::Held | HeadOutcome::Fenced) => return HeadRun::KEPT,
-                        Err(e) => {
-                            // Until the answer is definite (a lost reply answers Gone next
-                            // time), or the runner stops: its row is the next owner's then.
-                            if *self.stopping.borrow() {
-                                return HeadRun::KEPT;
-                            }
-                            warn!(error = %e, "settling a parked head failed; retrying");
-                            n = n.saturating_add(1);
-                            tokio::time::sleep(self.config.backoff.delay(n)).await;
-                        }
-                    }
-                }
-            }
-        };
-        let hold = ctx.cfg.after_give_up == AfterGiveUp::Hold;
         match ctx
             .store
-            .take(&part, epoch, d.offset, ctx.cfg.run_bound)
+            .take(&at.part, epoch, d.offset, ctx.cfg.run_bound)
             .await
         {
             Ok(Taken::Run) => {}
-            Ok(Taken::Gone) => return HeadRun::KEPT,
-            Ok(Taken::Fenced) => return HeadRun::KEPT,
+            Ok(Taken::Gone | Taken::Fenced) => return HeadRun::KEPT,
             Err(e) => {
                 self.counters.store_errors.add(1);
                 warn!(error = %e, "taking a parked head failed");
@@ -308,7 +309,7 @@ where
         if head.gave_up {
             // Dead-lettered before under the hold policy; an operator released its key.
             span.record("outcome", "released");
-            return settle(false).await;
+            return self.settle_head(&at, false).await;
         }
         if head.dropped {
             span.record("outcome", "dropped");
@@ -317,28 +318,51 @@ where
                 head.error
             );
             let key = extract_key(&self.config.key, scope, &d).ok();
-            if !self
-                .head_dead_letter(&d, &reason, head.attempts, key.as_ref())
-                .await
-            {
-                return HeadRun::KEPT;
-            }
-            return settle(false).await;
+            return self
+                .letter_head(&at, false, &d, &reason, head.attempts, key.as_ref())
+                .await;
         }
         self.counters.parked_retries.add(1);
         let key = match extract_key(&self.config.key, scope, &d) {
             Ok(k) => k,
             Err(e) => {
                 span.record("outcome", "dead_lettered");
-                if !self
-                    .head_dead_letter(&d, &e.to_string(), head.attempts, None)
-                    .await
-                {
-                    return HeadRun::KEPT;
-                }
-                return settle(hold).await;
+                return self
+                    .letter_head(&at, at.hold, &d, &e.to_string(), head.attempts, None)
+                    .await;
             }
         };
+        let (err, withdrawn) = match self.process_head(&key, &d).await {
+            HeadAnswer::Settled(executed) => {
+                span.record("outcome", if executed { "executed" } else { "replayed" });
+                if executed {
+                    self.counters.executed.add(1);
+                } else {
+                    self.counters.replayed.add(1);
+                }
+                return self.settle_head(&at, false).await;
+            }
+            HeadAnswer::CheckPanicked(reason) => {
+                span.record("outcome", "dead_lettered");
+                return self
+                    .letter_head(&at, at.hold, &d, &reason, head.attempts, Some(&key))
+                    .await;
+            }
+            HeadAnswer::Failed { err, withdrawn } => (err, withdrawn),
+        };
+        if err.is_retryable() {
+            return self.defer_head(&at, &head, &key, err, withdrawn).await;
+        }
+        let attempts = attempts_of(&err, head.attempts + 1);
+        span.record("outcome", "dead_lettered");
+        warn!(key = %key, error = %err, attempts, "parked head dead-lettered");
+        self.letter_head(&at, at.hold, &d, &err.to_string(), attempts, Some(&key))
+            .await
+    }
+
+    /// The head's claim and handler (judged by the kill switch, a withdrawal noted), then the
+    /// check of its result.
+    async fn process_head(&self, key: &IdempotencyKey, d: &Arc<Delivery>) -> HeadAnswer<H::Error> {
         let fingerprint = self
             .config
             .check_payload
@@ -350,7 +374,7 @@ where
         let withdrawn_ref = &withdrawn;
         let out = self
             .dedup
-            .try_process(&key, fingerprint, move |lease| {
+            .try_process(key, fingerprint, move |lease| {
                 handler
                     .handle(delivery, Some(lease))
                     .map(no_withdraw)
@@ -366,90 +390,116 @@ where
         if matches!(out, Err(ProcessError::Panicked { .. })) {
             self.breaker.failure();
         }
-        let checked = out.map(|processed| {
-            let check = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                self.handler.check_result(&d, &processed)
-            }));
-            (processed, check)
-        });
-        let err = match checked {
-            Ok((processed, Ok(Ok(())))) => {
-                span.record(
-                    "outcome",
-                    if processed.executed() {
-                        "executed"
-                    } else {
-                        "replayed"
-                    },
-                );
-                if processed.executed() {
-                    self.counters.executed.add(1);
-                } else {
-                    self.counters.replayed.add(1);
-                }
-                return settle(false).await;
+        let processed = match out {
+            Ok(p) => p,
+            Err(err) => {
+                return HeadAnswer::Failed {
+                    err,
+                    withdrawn: withdrawn.load(AtomicOrdering::Relaxed),
+                };
             }
-            Ok((_, Ok(Err(source)))) => ProcessError::Undecodable {
-                key: key.clone(),
-                source,
+        };
+        let check = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.handler.check_result(d, &processed)
+        }));
+        match check {
+            Ok(Ok(())) => HeadAnswer::Settled(processed.executed()),
+            Ok(Err(source)) => HeadAnswer::Failed {
+                err: ProcessError::Undecodable {
+                    key: key.clone(),
+                    source,
+                },
+                withdrawn: false,
             },
-            Ok((_, Err(panic))) => {
+            Err(panic) => {
                 self.counters.panics.add(1);
-                let reason = format!(
+                HeadAnswer::CheckPanicked(format!(
                     "checking the result panicked: {}",
                     super::super::panic_message(&*panic)
-                );
-                span.record("outcome", "dead_lettered");
-                if !self
-                    .head_dead_letter(&d, &reason, head.attempts, Some(&key))
-                    .await
-                {
-                    return HeadRun::KEPT;
-                }
-                return settle(hold).await;
+                ))
             }
-            Err(e) => e,
-        };
-        let attempts = head.attempts + 1;
-        if err.is_retryable() {
-            let (spent, what) = match &err {
-                ProcessError::InFlight { .. } | ProcessError::Store(_) => {
-                    (head.attempts, "waiting")
-                }
-                // Withdrawn by the kill switch: no attempt spent.
-                _ if withdrawn.load(AtomicOrdering::Relaxed) => (head.attempts, "withdrawn"),
-                _ => (attempts, "failed"),
-            };
-            span.record("outcome", what);
-            let parked_runs = spent.saturating_sub(ctx.cfg.in_place_attempts).max(1);
-            let due = ctx
-                .cfg
-                .delay(parked_runs, d.offset.unsigned_abs() ^ u64::from(spent));
-            debug!(key = %key, error = %err, attempts = spent, due_in = ?due, "parked head failed again");
-            match ctx
-                .store
-                .defer(&part, epoch, d.offset, &err.to_string(), spent, due)
-                .await
-            {
-                Ok(true) => {}
-                // Gone or fenced: the next look, or the next owner, sees to it.
-                Ok(false) => {}
-                Err(e) => {
-                    warn!(error = %e, "deferring a parked head failed; it runs again when seen");
-                }
-            }
-            return HeadRun::KEPT;
         }
-        let attempts = attempts_of(&err, attempts);
-        span.record("outcome", "dead_lettered");
-        warn!(key = %key, error = %err, attempts, "parked head dead-lettered");
-        if !self
-            .head_dead_letter(&d, &err.to_string(), attempts, Some(&key))
+    }
+
+    /// A head that may still succeed waits in its row until its next run: an attempt spent
+    /// only if its handler ran and failed (not for a key held elsewhere, a store error, or a
+    /// withdrawal by the kill switch).
+    async fn defer_head(
+        &self,
+        at: &HeadAt<'_>,
+        head: &Head,
+        key: &IdempotencyKey,
+        err: ProcessError<H::Error>,
+        withdrawn: bool,
+    ) -> HeadRun {
+        let (spent, what) = match &err {
+            ProcessError::InFlight { .. } | ProcessError::Store(_) => (head.attempts, "waiting"),
+            _ if withdrawn => (head.attempts, "withdrawn"),
+            _ => (head.attempts + 1, "failed"),
+        };
+        tracing::Span::current().record("outcome", what);
+        let cfg = &at.ctx.cfg;
+        let parked_runs = spent.saturating_sub(cfg.in_place_attempts).max(1);
+        let due = cfg.delay(parked_runs, at.offset.unsigned_abs() ^ u64::from(spent));
+        debug!(key = %key, error = %err, attempts = spent, due_in = ?due, "parked head failed again");
+        match at
+            .ctx
+            .store
+            .defer(&at.part, at.epoch, at.offset, &err.to_string(), spent, due)
             .await
         {
+            // Deferred; or gone or fenced: the next look, or the next owner, sees to it.
+            Ok(_) => {}
+            Err(e) => {
+                warn!(error = %e, "deferring a parked head failed; it runs again when seen");
+            }
+        }
+        HeadRun::KEPT
+    }
+
+    /// Settles a head's row (removed, or kept as its key's held marker with `hold`), retried
+    /// while the store answers nothing definite: a settle that committed and lost its reply
+    /// answers Gone the next time (the head was taken by this run, so only this run removes it).
+    async fn settle_head(&self, at: &HeadAt<'_>, hold: bool) -> HeadRun {
+        let mut n = 0u32;
+        loop {
+            match at
+                .ctx
+                .store
+                .settle(&at.part, at.epoch, at.offset, hold)
+                .await
+            {
+                Ok(HeadOutcome::Removed | HeadOutcome::Gone) => return HeadRun::REMOVED,
+                Ok(HeadOutcome::Held | HeadOutcome::Fenced) => return HeadRun::KEPT,
+                Err(e) => {
+                    // Until the answer is definite, or the runner stops: its row is the next
+                    // owner's then.
+                    if *self.stopping.borrow() {
+                        return HeadRun::KEPT;
+                    }
+                    warn!(error = %e, "settling a parked head failed; retrying");
+                    n = n.saturating_add(1);
+                    tokio::time::sleep(self.config.backoff.delay(n)).await;
+                }
+            }
+        }
+    }
+
+    /// Dead-letters a head, then settles its row (`hold`: kept as its key's held marker); kept
+    /// as it is if the runner stops first.
+    async fn letter_head(
+        &self,
+        at: &HeadAt<'_>,
+        hold: bool,
+        d: &Delivery,
+        reason: &str,
+        attempts: u32,
+        key: Option<&IdempotencyKey>,
+    ) -> HeadRun {
+        if !self.head_dead_letter(d, reason, attempts, key).await {
             return HeadRun::KEPT;
         }
-        settle(hold).await
+        self.settle_head(at, hold).await
     }
 
     /// Dead-letters a parked head through the runner's one dead-letter path (a refusal for good
@@ -465,16 +515,7 @@ where
         let stopping = || *self.stopping.borrow();
         let delivered = self
             .dead_letters
-            .deliver(
-                d,
-                reason,
-                attempts,
-                key,
-                &self.counters,
-                &self.config.backoff,
-                &self.stopping,
-                &stopping,
-            )
+            .deliver(d, reason, attempts, key, &stopping)
             .await;
         if delivered.is_none() {
             return false;
