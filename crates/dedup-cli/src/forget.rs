@@ -100,49 +100,9 @@ struct Read {
 }
 
 pub(crate) async fn run(args: ForgetArgs) -> Result<ExitCode, CliError> {
-    let mut skipped: Vec<(i64, String)> = Vec::new();
-    let keys: Vec<IdempotencyKey> = match (&args.scope, &args.dead_letters) {
-        (Some(scope), None) => given_keys(scope, &args.keys, &args.hex_keys)?,
-        (None, Some(topic)) => {
-            let (Some(partition), Some(from), Some(to)) = (args.partition, args.from, args.to)
-            else {
-                return Err(CliError::Config(
-                    "--dead-letters needs --partition, --from and --to".into(),
-                ));
-            };
-            if from < 0 || to < from {
-                return Err(CliError::Config(format!(
-                    "--from {from} --to {to}: offsets from 0, --to at least --from"
-                )));
-            }
-            let Some(brokers) = args.brokers.clone() else {
-                return Err(CliError::Config(
-                    "--dead-letters needs --brokers (or KAFKA_BROKERS)".into(),
-                ));
-            };
-            let extra = properties(&args.kafka_properties)?;
-            let reads = read_range(
-                brokers,
-                extra,
-                topic.clone(),
-                partition,
-                (from, to),
-                Duration::from_secs(args.timeout_secs.max(1)),
-            )
-            .await?;
-            println!(
-                "read {} dead letter(s) from {topic} partition {partition}, offsets {from} to {to}",
-                reads.len()
-            );
-            let mut keys = Vec::with_capacity(reads.len());
-            for r in reads {
-                match r.key {
-                    Ok(k) => keys.push(k),
-                    Err(why) => skipped.push((r.offset, why)),
-                }
-            }
-            keys
-        }
+    let (keys, skipped) = match (&args.scope, &args.dead_letters) {
+        (Some(scope), None) => (given_keys(scope, &args.keys, &args.hex_keys)?, Vec::new()),
+        (None, Some(topic)) => dead_letter_keys(&args, topic).await?,
         _ => {
             return Err(CliError::Config(
                 "name the keys: --scope S --key K [--key K2 ...], or \
@@ -151,40 +111,128 @@ pub(crate) async fn run(args: ForgetArgs) -> Result<ExitCode, CliError> {
             ));
         }
     };
-    let mut seen = HashSet::with_capacity(keys.len());
-    let keys: Vec<IdempotencyKey> = keys
-        .into_iter()
-        .filter(|k| seen.insert(k.clone()))
-        .collect();
+    let keys = distinct(keys);
 
     let pool = connect_pg(&args.pg.database_url, 2).await?;
     let store = PgStore::new(pool);
     // A dead letter's key whose effect ran (COMPLETED) is not reset unless asked: keys given by
     // hand are the operator's explicit choice.
-    let mut completed = Vec::new();
-    let keys = if args.dead_letters.is_some() && !args.include_completed {
-        let mut done = HashSet::new();
-        for chunk in keys.chunks(CHUNK) {
-            let records = store
-                .get_many(chunk)
-                .await
-                .map_err(|e| CliError::Failed(format!("reading the keys' records: {e}")))?;
-            done.extend(
-                records
-                    .into_iter()
-                    .filter(|(_, r)| r.state == State::Completed)
-                    .map(|(k, _)| k),
-            );
-        }
-        let (kept, rest): (Vec<_>, Vec<_>) = keys.into_iter().partition(|k| done.contains(k));
-        completed = kept;
-        rest
+    let (completed, keys) = if args.dead_letters.is_some() && !args.include_completed {
+        split_completed(&store, keys).await?
     } else {
-        keys
+        (Vec::new(), keys)
     };
+    let report = forget_in_chunks(&store, &keys, args.dry_run).await?;
+
+    // The fast path's copies: a forgotten key's, and an absent key's (a copy outliving its
+    // record). Never a busy or parked key's.
+    let mut dropped = None;
+    if !args.dry_run
+        && let Some(url) = &args.redis_url
+    {
+        dropped = Some(drop_copies(url, &args.redis_prefix, &report).await?);
+    }
+
+    print_keys(&report, &completed, &skipped, args.dry_run);
+    print_totals(
+        &report,
+        completed.len(),
+        skipped.len(),
+        args.dry_run,
+        dropped,
+    );
+    let kept = report.busy.len() + report.parked.len();
+    if kept > 0 && !args.dry_run {
+        // A script that re-drives after this must not replay keys that still answer as before.
+        eprintln!("dedup forget: {kept} key(s) were kept (busy or parked): see above");
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The keys a range of a dead-letter topic names, and the dead letters (offset, why) naming none.
+async fn dead_letter_keys(
+    args: &ForgetArgs,
+    topic: &str,
+) -> Result<(Vec<IdempotencyKey>, Vec<(i64, String)>), CliError> {
+    let (Some(partition), Some(from), Some(to)) = (args.partition, args.from, args.to) else {
+        return Err(CliError::Config(
+            "--dead-letters needs --partition, --from and --to".into(),
+        ));
+    };
+    if from < 0 || to < from {
+        return Err(CliError::Config(format!(
+            "--from {from} --to {to}: offsets from 0, --to at least --from"
+        )));
+    }
+    let Some(brokers) = args.brokers.clone() else {
+        return Err(CliError::Config(
+            "--dead-letters needs --brokers (or KAFKA_BROKERS)".into(),
+        ));
+    };
+    let extra = properties(&args.kafka_properties)?;
+    let reads = read_range(
+        brokers,
+        extra,
+        topic.to_owned(),
+        partition,
+        (from, to),
+        Duration::from_secs(args.timeout_secs.max(1)),
+    )
+    .await?;
+    println!(
+        "read {} dead letter(s) from {topic} partition {partition}, offsets {from} to {to}",
+        reads.len()
+    );
+    let mut keys = Vec::with_capacity(reads.len());
+    let mut skipped = Vec::new();
+    for r in reads {
+        match r.key {
+            Ok(k) => keys.push(k),
+            Err(why) => skipped.push((r.offset, why)),
+        }
+    }
+    Ok((keys, skipped))
+}
+
+/// The keys without repeats, each in the place it first came.
+fn distinct(keys: Vec<IdempotencyKey>) -> Vec<IdempotencyKey> {
+    let mut seen = HashSet::with_capacity(keys.len());
+    keys.into_iter()
+        .filter(|k| seen.insert(k.clone()))
+        .collect()
+}
+
+/// Splits the keys into those whose record is COMPLETED and the rest.
+async fn split_completed(
+    store: &PgStore,
+    keys: Vec<IdempotencyKey>,
+) -> Result<(Vec<IdempotencyKey>, Vec<IdempotencyKey>), CliError> {
+    let mut done = HashSet::new();
+    for chunk in keys.chunks(CHUNK) {
+        let records = store
+            .get_many(chunk)
+            .await
+            .map_err(|e| CliError::Failed(format!("reading the keys' records: {e}")))?;
+        done.extend(
+            records
+                .into_iter()
+                .filter(|(_, r)| r.state == State::Completed)
+                .map(|(k, _)| k),
+        );
+    }
+    Ok(keys.into_iter().partition(|k| done.contains(k)))
+}
+
+/// Forgets the keys, a chunk at a time (with `dry_run`, only says what would be forgotten).
+async fn forget_in_chunks(
+    store: &PgStore,
+    keys: &[IdempotencyKey],
+    dry_run: bool,
+) -> Result<ForgetReport, CliError> {
     let mut report = ForgetReport::default();
     for chunk in keys.chunks(CHUNK) {
-        let part = if args.dry_run {
+        let part = if dry_run {
             store.forget_keys_preview(chunk).await
         } else {
             store.forget_keys(chunk).await
@@ -195,39 +243,40 @@ pub(crate) async fn run(args: ForgetArgs) -> Result<ExitCode, CliError> {
         report.parked.extend(part.parked);
         report.absent.extend(part.absent);
     }
+    Ok(report)
+}
 
-    // The fast path's copies: a forgotten key's, and an absent key's (a copy outliving its
-    // record). Never a busy or parked key's.
-    let mut dropped = None;
-    if !args.dry_run
-        && let Some(url) = &args.redis_url
-    {
-        let fast = connect_redis(url, &args.redis_prefix).await?;
-        let mut conn = fast.connection().clone();
-        let script = Script::new(DROP_LUA);
-        let mut n = 0u64;
-        for key in report.forgotten.iter().chain(&report.absent) {
-            let gone: i64 = script
-                .key(fast.redis_key(key))
-                .invoke_async(&mut conn)
-                .await
-                .map_err(|e: redis::RedisError| {
-                    CliError::Failed(format!(
-                        "dropping {key}'s copy in Redis at {}: {e} (its Postgres record is \
-                         forgotten; run this again to drop the copies)",
-                        redact(url)
-                    ))
-                })?;
-            n += u64::try_from(gone).unwrap_or(0);
-        }
-        dropped = Some(n);
+/// Drops the Redis copies of the forgotten and absent keys; returns how many were there.
+async fn drop_copies(url: &str, prefix: &str, report: &ForgetReport) -> Result<u64, CliError> {
+    let fast = connect_redis(url, prefix).await?;
+    let mut conn = fast.connection().clone();
+    let script = Script::new(DROP_LUA);
+    let mut n = 0u64;
+    for key in report.forgotten.iter().chain(&report.absent) {
+        let gone: i64 = script
+            .key(fast.redis_key(key))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e: redis::RedisError| {
+                CliError::Failed(format!(
+                    "dropping {key}'s copy in Redis at {}: {e} (its Postgres record is \
+                     forgotten; run this again to drop the copies)",
+                    redact(url)
+                ))
+            })?;
+        n += u64::try_from(gone).unwrap_or(0);
     }
+    Ok(n)
+}
 
-    let verb = if args.dry_run {
-        "would forget"
-    } else {
-        "forgotten"
-    };
+/// Prints each key with what became of it, then each dead letter skipped.
+fn print_keys(
+    report: &ForgetReport,
+    completed: &[IdempotencyKey],
+    skipped: &[(i64, String)],
+    dry_run: bool,
+) {
+    let verb = if dry_run { "would forget" } else { "forgotten" };
     for k in &report.forgotten {
         println!("{verb:<13} {k}");
     }
@@ -240,44 +289,43 @@ pub(crate) async fn run(args: ForgetArgs) -> Result<ExitCode, CliError> {
     for k in &report.absent {
         println!("{:<13} {k}", "absent");
     }
-    for k in &completed {
+    for k in completed {
         println!("{:<13} {k}", "completed");
     }
-    for (offset, why) in &skipped {
+    for (offset, why) in skipped {
         println!("{:<13} offset {offset}: {why}", "skipped");
     }
+}
+
+/// Prints the counts, and what became of the copies in Redis.
+fn print_totals(
+    report: &ForgetReport,
+    completed: usize,
+    skipped: usize,
+    dry_run: bool,
+    dropped: Option<u64>,
+) {
     println!(
         "{}{} key(s) {}, {} busy (a holder runs it under a live lease: ask again once it \
          ended), {} parked (a parked message carries it: `dedup unpark` or `dedup drop` first), \
          {} absent (no record), {} completed (kept: its effect ran; --include-completed \
          resets it), {} dead letter(s) skipped (no usable key)",
-        if args.dry_run { "dry run: " } else { "" },
+        if dry_run { "dry run: " } else { "" },
         report.forgotten.len(),
-        if args.dry_run {
-            "to forget"
-        } else {
-            "forgotten"
-        },
+        if dry_run { "to forget" } else { "forgotten" },
         report.busy.len(),
         report.parked.len(),
         report.absent.len(),
-        completed.len(),
-        skipped.len()
+        completed,
+        skipped
     );
-    match (args.dry_run, dropped) {
+    match (dry_run, dropped) {
         (true, _) => println!("dry run: nothing was changed"),
         (false, Some(n)) => println!("{n} copy(ies) dropped from Redis"),
         (false, None) => {
             println!("no REDIS_URL: copies in a tiered store's Redis, if any, were not dropped")
         }
     }
-    let kept = report.busy.len() + report.parked.len();
-    if kept > 0 && !args.dry_run {
-        // A script that re-drives after this must not replay keys that still answer as before.
-        eprintln!("dedup forget: {kept} key(s) were kept (busy or parked): see above");
-        return Ok(ExitCode::from(1));
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// The keys given by hand, in one scope.

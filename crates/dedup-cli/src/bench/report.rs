@@ -126,6 +126,28 @@ impl Report<'_> {
     ];
 
     pub(super) fn table(&self) {
+        let repeated = self.rounds.len() > 1;
+        self.print_heading(repeated);
+        let median_runs: Vec<&Outcome> = self
+            .names()
+            .iter()
+            .filter_map(|n| self.median_run(n))
+            .collect();
+        for &o in &median_runs {
+            self.print_row(o, repeated);
+        }
+        println!();
+        println!(
+            "PG trips/u: Postgres round trips per unique key. L1/L2/PG: the share of claims each \
+             tier answered."
+        );
+        self.print_counts(&median_runs);
+        self.print_ratios(repeated);
+        self.print_ceiling(&median_runs);
+    }
+
+    /// Prints the bench's settings and the table's column names.
+    fn print_heading(&self, repeated: bool) {
         let a = self.args;
         println!(
             "dedup bench: {} events, {} unique keys ({:.0}% duplicates, Zipf s={}), \
@@ -142,7 +164,6 @@ impl Report<'_> {
             self.sync,
             if self.sync == "off" { "NO" } else { "yes" }
         );
-        let repeated = self.rounds.len() > 1;
         if repeated {
             println!(
                 "{} runs of every contender, interleaved: each row is the contender's median run; \
@@ -169,46 +190,44 @@ impl Report<'_> {
             print!(" {:>17} {:>8}", "min-max events/s", "slowest");
         }
         println!();
-        let median_runs: Vec<&Outcome> = self
-            .names()
-            .iter()
-            .filter_map(|n| self.median_run(n))
-            .collect();
-        for &o in &median_runs {
-            let (l1, l2, auth) = o.tier_shares();
+    }
+
+    /// Prints the table's row for the median run `o` (with `repeated`, the spread of every run).
+    fn print_row(&self, o: &Outcome, repeated: bool) {
+        let a = self.args;
+        let (l1, l2, auth) = o.tier_shares();
+        print!(
+            "{:<4} {:<42} {:>10.0} {:>8} {:>8} {:>11} {:>5.1}% {:>5.1}% {:>5.1}% {:>8} {:>7}",
+            o.name,
+            o.label,
+            o.rate(a.events),
+            o.percentile_ms(0.5)
+                .map_or("-".to_owned(), |t| format!("{t:.2}")),
+            o.percentile_ms(0.99)
+                .map_or("-".to_owned(), |t| format!("{t:.2}")),
+            o.trips_per_unique(self.unique)
+                .map_or("-".to_owned(), |t| format!("{t:.3}")),
+            l1 * 100.0,
+            l2 * 100.0,
+            auth * 100.0,
+            o.effects,
+            if o.durable { "yes" } else { "no" },
+        );
+        if let Some((min, max)) = self.spread_of(o.name).filter(|_| repeated) {
+            let median = o.rate(a.events);
             print!(
-                "{:<4} {:<42} {:>10.0} {:>8} {:>8} {:>11} {:>5.1}% {:>5.1}% {:>5.1}% {:>8} {:>7}",
-                o.name,
-                o.label,
-                o.rate(a.events),
-                o.percentile_ms(0.5)
-                    .map_or("-".to_owned(), |t| format!("{t:.2}")),
-                o.percentile_ms(0.99)
-                    .map_or("-".to_owned(), |t| format!("{t:.2}")),
-                o.trips_per_unique(self.unique)
-                    .map_or("-".to_owned(), |t| format!("{t:.3}")),
-                l1 * 100.0,
-                l2 * 100.0,
-                auth * 100.0,
-                o.effects,
-                if o.durable { "yes" } else { "no" },
+                " {:>17} {:>+7.1}%",
+                format!("{min:.0}-{max:.0}"),
+                (min / median - 1.0) * 100.0
             );
-            if let Some((min, max)) = self.spread_of(o.name).filter(|_| repeated) {
-                let median = o.rate(a.events);
-                print!(
-                    " {:>17} {:>+7.1}%",
-                    format!("{min:.0}-{max:.0}"),
-                    (min / median - 1.0) * 100.0
-                );
-            }
-            println!();
         }
         println!();
-        println!(
-            "PG trips/u: Postgres round trips per unique key. L1/L2/PG: the share of claims each \
-             tier answered."
-        );
-        for &o in &median_runs {
+    }
+
+    /// Prints the server's statements, the CPU and the batch calls of each median run.
+    fn print_counts(&self, median_runs: &[&Outcome]) {
+        let a = self.args;
+        for &o in median_runs {
             if let Some((engine, handler)) = self.statements_per_unique(o) {
                 println!(
                     "{}: {engine:.3} engine and {handler:.3} handler statements per unique key, counted by the server (pg_stat_statements; BEGIN and COMMIT included)",
@@ -216,7 +235,7 @@ impl Report<'_> {
                 );
             }
         }
-        for &o in &median_runs {
+        for &o in median_runs {
             if let Some(c) = o.cpu {
                 let (own, others) = c.ms_per_1k(a.events);
                 let (busy, iowait, steal) = c.shares();
@@ -230,7 +249,7 @@ impl Report<'_> {
                 );
             }
         }
-        for &o in &median_runs {
+        for &o in median_runs {
             if let Some((calls, claims, ccalls, completions)) = o.batches {
                 println!(
                     "{}: {claims} claims in {calls} batch calls, {completions} completions in \
@@ -239,6 +258,10 @@ impl Report<'_> {
                 );
             }
         }
+    }
+
+    /// Prints the ratios of medians (with `repeated`, their range run by run).
+    fn print_ratios(&self, repeated: bool) {
         for (_, x, y) in Self::RATIOS {
             if let (Some(r), Some(rx), Some(ry)) =
                 (self.ratio(x, y), self.rate_of(x), self.rate_of(y))
@@ -256,12 +279,16 @@ impl Report<'_> {
                 println!("{x}/{y} = {r:.2}x   ({rx:.0} / {ry:.0} events/s{spread})");
             }
         }
+    }
+
+    /// Prints the ceiling, each durable median run's share of it, and the claim statement's rate.
+    fn print_ceiling(&self, median_runs: &[&Outcome]) {
         if let Some(c) = self.ceiling() {
             println!();
             println!(
                 "ceiling: {c:.0} rows/s (500-row INSERTs into a copy of dedup_records, 2 clients)"
             );
-            for &o in &median_runs {
+            for &o in median_runs {
                 if let Some(share) = self.ceiling_share_of(o, Some(c)) {
                     println!(
                         "{:<5} {:>8.0} unique keys/s = {:.3} of the ceiling",

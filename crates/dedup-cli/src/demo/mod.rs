@@ -1,26 +1,28 @@
 //! `dedup demo`: a stream with duplicates through Kafka and dedup into a ledger.
 
 mod consume;
+mod report;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use dedup_core::{Fingerprint, InstanceId};
-use dedup_kafka::{Ordering, RunnerConfig, RunnerStats};
+use dedup_kafka::{Ordering, RunnerConfig, RunnerStats, StatsHandle};
 use dedup_pg::PgStore;
 use indicatif::{ProgressBar, ProgressStyle};
 use opentelemetry::propagation::Injector;
 use rdkafka::config::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord, Producer};
 use tracing::info_span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg, connect_redis, redact};
 use dedup_workload::{Workload, ledger_payload};
+use report::Report;
 
 #[derive(Args, Debug)]
 pub(crate) struct DemoArgs {
@@ -108,6 +110,9 @@ impl Injector for HeaderInjector<'_> {
     }
 }
 
+/// The embedded Kafka mock cluster.
+type Mock = MockCluster<'static, DefaultProducerContext>;
+
 fn progress(quiet: bool, len: u64, what: &str) -> ProgressBar {
     if quiet {
         return ProgressBar::hidden();
@@ -133,30 +138,8 @@ fn client_config(bootstrap: &str, extra: &[(String, String)]) -> ClientConfig {
 }
 
 pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
-    if args.events == 0 {
-        return Err(CliError::Config("--events must be at least 1".into()));
-    }
-    if !(0.0..=0.9).contains(&args.duplicates) {
-        return Err(CliError::Config(
-            "--duplicates must be between 0 and 0.9".into(),
-        ));
-    }
-    if args.partitions < 1 {
-        return Err(CliError::Config("--partitions must be at least 1".into()));
-    }
-    let instance = args
-        .instance_id
-        .as_deref()
-        .map(InstanceId::new)
-        .transpose()
-        .map_err(|e| CliError::Config(format!("--instance-id: {e}")))?;
-    let mut extra = Vec::new();
-    for p in &args.kafka_properties {
-        let (k, v) = p
-            .split_once('=')
-            .ok_or_else(|| CliError::Config(format!("--kafka-property {p:?} is not key=value")))?;
-        extra.push((k.to_owned(), v.to_owned()));
-    }
+    let instance = check(&args)?;
+    let extra = kafka_properties(&args.kafka_properties)?;
     let started_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
@@ -168,6 +151,118 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         consume::Mode::Tx => 4096,
         consume::Mode::PerMessage => 32,
     });
+    let pool = prepare_pg(&args, in_flight).await?;
+    let fast = connect_redis(&args.redis_url, &run_id).await?;
+
+    // Kafka: the given cluster, or the embedded mock (kept in this function: it is not Send).
+    let (mock, bootstrap, kafka_name) = kafka_target(args.brokers.as_deref())?;
+    let topic = run_id.clone();
+    let producer = open_topic(
+        mock.as_ref(),
+        &bootstrap,
+        &extra,
+        &topic,
+        args.partitions,
+        &kafka_name,
+    )
+    .await?;
+
+    // Produce.
+    let (events, unique) = stream(args.events, args.duplicates, args.hot_keys);
+    let poison_keys = (0..unique).filter(|id| id % 997 == 996).count() as u64;
+    println!(
+        "dedup demo: {} events ({} unique keys, {:.0}% duplicates) to {topic} on {kafka_name}",
+        args.events,
+        unique,
+        args.duplicates * 100.0
+    );
+    let produce_secs = produce(&producer, &events, &topic, &args).await?;
+
+    // Consume.
+    let pg = PgStore::new(pool.clone());
+    let config = runner_config(
+        &bootstrap,
+        &run_id,
+        &topic,
+        in_flight,
+        &extra,
+        mock.is_some(),
+        instance.as_ref(),
+    );
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let started = consume::start(
+        args.mode,
+        config,
+        consume::Engines {
+            pg,
+            fast,
+            instance: instance.clone(),
+        },
+        run_id.clone(),
+        stop_rx,
+    )?;
+    let (stats, task) = (started.stats.clone(), started.task);
+    let (interrupted, consume_secs) = wait_settled(&stats, &task, &args, &mut signals).await;
+    let _ = stop_tx.send(());
+    let s: RunnerStats = task
+        .await
+        .map_err(|e| CliError::Failed(format!("runner: {e}")))??;
+    drop(mock);
+
+    // Check the ledger.
+    let (rows, keys) = ledger_counts(&pool, &run_id).await?;
+    let report = Report {
+        args: &args,
+        instance: instance.as_ref(),
+        topic: &topic,
+        in_flight,
+        unique,
+        poison_keys,
+        produce_secs,
+        consume_secs,
+        rows,
+        keys,
+        engine: &started.engine,
+        stats: s,
+    };
+    report.print();
+    report.verdict(interrupted)
+}
+
+/// Checks the arguments; returns the instance identity, if one is given.
+fn check(args: &DemoArgs) -> Result<Option<InstanceId>, CliError> {
+    if args.events == 0 {
+        return Err(CliError::Config("--events must be at least 1".into()));
+    }
+    if !(0.0..=0.9).contains(&args.duplicates) {
+        return Err(CliError::Config(
+            "--duplicates must be between 0 and 0.9".into(),
+        ));
+    }
+    if args.partitions < 1 {
+        return Err(CliError::Config("--partitions must be at least 1".into()));
+    }
+    args.instance_id
+        .as_deref()
+        .map(InstanceId::new)
+        .transpose()
+        .map_err(|e| CliError::Config(format!("--instance-id: {e}")))
+}
+
+/// The extra Kafka properties, each `key=value` split in two.
+fn kafka_properties(props: &[String]) -> Result<Vec<(String, String)>, CliError> {
+    let mut extra = Vec::new();
+    for p in props {
+        let (k, v) = p
+            .split_once('=')
+            .ok_or_else(|| CliError::Config(format!("--kafka-property {p:?} is not key=value")))?;
+        extra.push((k.to_owned(), v.to_owned()));
+    }
+    Ok(extra)
+}
+
+/// Connects to Postgres, applies the migrations, and creates the demo's ledger table.
+async fn prepare_pg(args: &DemoArgs, in_flight: usize) -> Result<sqlx::PgPool, CliError> {
     let conns = match args.mode {
         // One transaction per partition at a time, and a few for the rest.
         consume::Mode::Tx => u32::try_from(args.partitions.clamp(1, 60) + 4).unwrap_or(64),
@@ -185,18 +280,20 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     .execute(&pool)
     .await
     .map_err(|e| CliError::Failed(format!("creating the ledger: {e}")))?;
-    let fast = connect_redis(&args.redis_url, &run_id).await?;
+    Ok(pool)
+}
 
-    // Kafka: the given cluster, or the embedded mock (kept in this function: it is not Send).
-    let mock = match &args.brokers {
+/// The Kafka to use: the embedded mock (without brokers), the bootstrap servers, and its name.
+fn kafka_target(brokers: Option<&str>) -> Result<(Option<Mock>, String, String), CliError> {
+    let mock = match brokers {
         Some(_) => None,
         None => Some(
             MockCluster::new(3)
                 .map_err(|e| CliError::Failed(format!("embedded Kafka mock cluster: {e}")))?,
         ),
     };
-    let bootstrap = match (&args.brokers, &mock) {
-        (Some(b), _) => b.clone(),
+    let bootstrap = match (brokers, &mock) {
+        (Some(b), _) => b.to_owned(),
         (None, Some(m)) => m.bootstrap_servers(),
         (None, None) => unreachable!("one of the two is set"),
     };
@@ -205,12 +302,23 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     } else {
         redact(&bootstrap)
     };
-    let topic = run_id.clone();
-    if let Some(m) = &mock {
-        m.create_topic(&topic, args.partitions, 1)
+    Ok((mock, bootstrap, kafka_name))
+}
+
+/// Creates the demo topic and a producer for it, and checks that Kafka answers.
+async fn open_topic(
+    mock: Option<&Mock>,
+    bootstrap: &str,
+    extra: &[(String, String)],
+    topic: &str,
+    partitions: i32,
+    kafka_name: &str,
+) -> Result<FutureProducer, CliError> {
+    if let Some(m) = mock {
+        m.create_topic(topic, partitions, 1)
             .map_err(|e| CliError::Failed(format!("creating {topic}: {e}")))?;
     }
-    let producer: FutureProducer = client_config(&bootstrap, &extra)
+    let producer: FutureProducer = client_config(bootstrap, extra)
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("linger.ms", "5")
@@ -225,53 +333,33 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             ))
         })?;
     if mock.is_none() {
-        create_topic(&bootstrap, &extra, &topic, args.partitions).await?;
+        create_topic(bootstrap, extra, topic, partitions).await?;
     }
+    Ok(producer)
+}
 
-    // Produce.
-    let (events, unique) = stream(args.events, args.duplicates, args.hot_keys);
-    let poison_keys = (0..unique).filter(|id| id % 997 == 996).count() as u64;
-    println!(
-        "dedup demo: {} events ({} unique keys, {:.0}% duplicates) to {topic} on {kafka_name}",
-        args.events,
-        unique,
-        args.duplicates * 100.0
-    );
+/// Produces the stream to `topic`, with a progress bar; returns the seconds it took.
+async fn produce(
+    producer: &FutureProducer,
+    events: &[Event],
+    topic: &str,
+    args: &DemoArgs,
+) -> Result<f64, CliError> {
     let bar = progress(args.quiet, args.events, "producing");
     let produce_started = Instant::now();
     let mut pending = Vec::with_capacity(1024);
-    for e in &events {
+    for e in events {
         let key = format!("order-{}", e.id);
-        let partition = i32::from_be_bytes(
-            Fingerprint::of(key.as_bytes()).as_bytes()[..4]
-                .try_into()
-                .unwrap_or([0; 4]),
-        )
-        .rem_euclid(args.partitions);
+        let partition = partition_of(&key, args.partitions);
         // A producer span per event, its W3C context carried in the headers (exported only
         // with OTEL_EXPORTER_OTLP_ENDPOINT set).
         let span = info_span!("dedup.demo.produce", "messaging.system" = "kafka", "messaging.destination.name" = %topic, key = %key);
-        let mut trace = Vec::new();
-        let cx = span.context();
-        opentelemetry::global::get_text_map_propagator(|p| {
-            p.inject_context(&cx, &mut HeaderInjector(&mut trace));
-        });
-        let mut headers = OwnedHeaders::new().insert(Header {
-            key: "idempotency-key",
-            value: Some(key.as_bytes()),
-        });
-        for (k, v) in &trace {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v.as_bytes()),
-            });
-        }
         // The order is also the message key: what the runner's per-key lanes keep in order.
-        let record = FutureRecord::<str, str>::to(&topic)
+        let record = FutureRecord::<str, str>::to(topic)
             .partition(partition)
             .key(&key)
             .payload(&e.payload)
-            .headers(headers);
+            .headers(headers(&key, &span));
         let ack = producer
             .send_result(record)
             .map_err(|(e, _)| CliError::Failed(format!("producing: {e}")))?;
@@ -282,36 +370,72 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     }
     await_acks(&mut pending, &bar).await?;
     bar.finish_and_clear();
-    let produce_secs = produce_started.elapsed().as_secs_f64();
+    Ok(produce_started.elapsed().as_secs_f64())
+}
 
-    // Consume.
-    let pg = PgStore::new(pool.clone());
-    let mut config = RunnerConfig::new(bootstrap.clone(), run_id.clone(), [topic.clone()])
+/// The partition of `key`: the first four bytes of its fingerprint, modulo `partitions`.
+fn partition_of(key: &str, partitions: i32) -> i32 {
+    i32::from_be_bytes(
+        Fingerprint::of(key.as_bytes()).as_bytes()[..4]
+            .try_into()
+            .unwrap_or([0; 4]),
+    )
+    .rem_euclid(partitions)
+}
+
+/// A message's headers: its idempotency key, and the W3C trace context of `span`.
+fn headers(key: &str, span: &tracing::Span) -> OwnedHeaders {
+    let mut trace = Vec::new();
+    let cx = span.context();
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&cx, &mut HeaderInjector(&mut trace));
+    });
+    let mut headers = OwnedHeaders::new().insert(Header {
+        key: "idempotency-key",
+        value: Some(key.as_bytes()),
+    });
+    for (k, v) in &trace {
+        headers = headers.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    headers
+}
+
+/// The consumer's configuration: the demo topic, keys kept in order, and the extra properties.
+fn runner_config(
+    bootstrap: &str,
+    run_id: &str,
+    topic: &str,
+    in_flight: usize,
+    extra: &[(String, String)],
+    mock: bool,
+    instance: Option<&InstanceId>,
+) -> RunnerConfig {
+    let mut config = RunnerConfig::new(bootstrap.to_owned(), run_id.to_owned(), [topic.to_owned()])
         .with_ordering(Ordering::PerKey)
         .with_max_in_flight(in_flight.max(1));
-    for (k, v) in &extra {
+    for (k, v) in extra {
         config = config.with_client(k.clone(), v.clone());
     }
-    if mock.is_some() {
+    if mock {
         // The embedded cluster assigns at once with the KIP-848 protocol.
         config = config.with_client("group.protocol", "consumer");
     }
-    if let Some(id) = &instance {
+    if let Some(id) = instance {
         config = config.with_instance_id(id);
     }
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let started = consume::start(
-        args.mode,
-        config,
-        consume::Engines {
-            pg,
-            fast,
-            instance: instance.clone(),
-        },
-        run_id.clone(),
-        stop_rx,
-    )?;
-    let (stats, task) = (started.stats.clone(), started.task);
+    config
+}
+
+/// Waits for the events to settle; returns whether a signal cut it short, and the seconds.
+async fn wait_settled(
+    stats: &StatsHandle,
+    task: &tokio::task::JoinHandle<Result<RunnerStats, CliError>>,
+    args: &DemoArgs,
+    signals: &mut Signals,
+) -> (bool, f64) {
     let consume_started = Instant::now();
     let bar = progress(args.quiet, args.events, "consuming");
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
@@ -333,90 +457,16 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     }
     let consume_secs = consume_started.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let _ = stop_tx.send(());
-    let s: RunnerStats = task
-        .await
-        .map_err(|e| CliError::Failed(format!("runner: {e}")))??;
-    drop(mock);
-
-    // Check the ledger.
-    let (rows, keys): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(DISTINCT key) FROM dedup_demo_ledger WHERE run = $1",
-    )
-    .bind(&run_id)
-    .fetch_one(&pool)
-    .await
-    .map_err(|e| CliError::Failed(format!("reading the ledger: {e}")))?;
-    let expected = unique - poison_keys;
-    let settled = s.executed + s.replayed + s.dead_lettered;
-    #[allow(clippy::cast_precision_loss)]
-    let rate = settled as f64 / consume_secs.max(1e-9);
-    println!();
-    println!(
-        "events produced        {:>10}   ({:.1} s)",
-        args.events, produce_secs
-    );
-    println!("unique keys            {unique:>10}   ({poison_keys} poison)");
-    println!("ledger rows            {rows:>10}   (distinct keys {keys}; expected {expected})");
-    if let Some(id) = &instance {
-        println!(
-            "instance               {:>10}   ({})",
-            id.as_str(),
-            match args.mode {
-                consume::Mode::Tx => "static group member",
-                consume::Mode::PerMessage =>
-                    "static group member; earlier runs' leases adopted at start",
-            }
-        );
-    }
-    println!("handler executions     {:>10}", s.executed);
-    println!("duplicates replayed    {:>10}", s.replayed);
-    for line in started.engine.lines(&s) {
-        println!("{line}");
-    }
-    println!(
-        "dead letters           {:>10}   (to {topic}.dlq)",
-        s.dead_lettered
-    );
-    println!("retries                {:>10}", s.retries);
-    println!(
-        "throughput             {rate:>10.0}   deliveries/s over {consume_secs:.1} s ({})",
-        match args.mode {
-            consume::Mode::Tx => "transaction mode, batches of up to 500".to_owned(),
-            consume::Mode::PerMessage => format!("one at a time, {in_flight} in flight"),
-        }
-    );
-    println!(
-        "decision latency       p50 {:.2} ms   p99 {:.2} ms",
-        micros_to_ms(s.latency_p50_us),
-        micros_to_ms(s.latency_p99_us)
-    );
-    println!(
-        "offset commits         {:>10}   (failed {})",
-        s.commits, s.commit_errors
-    );
-    if interrupted {
-        println!(
-            "interrupted: {settled} of {} settled; in-flight work drained and offsets committed",
-            args.events
-        );
-        return Ok(ExitCode::from(130));
-    }
-    let ok = settled == args.events && rows == keys && u64::try_from(rows).ok() == Some(expected);
-    if ok {
-        println!("ledger check           OK: one row per key, no key doubled, none lost");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        Err(CliError::Failed(format!(
-            "ledger check FAILED: {settled} of {} settled, {rows} rows for {keys} keys, {expected} expected",
-            args.events
-        )))
-    }
+    (interrupted, consume_secs)
 }
 
-#[allow(clippy::cast_precision_loss)]
-fn micros_to_ms(us: u64) -> f64 {
-    us as f64 / 1000.0
+/// The ledger's rows for this run, and the distinct keys among them.
+async fn ledger_counts(pool: &sqlx::PgPool, run_id: &str) -> Result<(i64, i64), CliError> {
+    sqlx::query_as("SELECT count(*), count(DISTINCT key) FROM dedup_demo_ledger WHERE run = $1")
+        .bind(run_id)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| CliError::Failed(format!("reading the ledger: {e}")))
 }
 
 async fn await_acks(

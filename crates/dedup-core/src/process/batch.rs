@@ -54,6 +54,55 @@ struct Running {
     done: Arc<AtomicBool>,
 }
 
+/// What `process_batch` answers for one message.
+type Answer<E> = Result<Processed, ProcessError<E>>;
+
+/// Answers the repeats of a key in the batch (the indexes left unanswered) as the duplicate of
+/// its first appearance, now that it has settled.
+fn answer_repeats<E>(
+    items: &[BatchItem],
+    first: &HashMap<&IdempotencyKey, usize>,
+    out: &mut [Option<Answer<E>>],
+) {
+    let in_flight = |item: &BatchItem| ProcessError::InFlight {
+        key: item.key.clone(),
+        owner: None,
+        lease_until: None,
+    };
+    for (i, item) in items.iter().enumerate() {
+        if out[i].is_some() {
+            continue;
+        }
+        let f = first[&item.key];
+        let answer = match &out[f] {
+            // Its first was refused as a reuse of the key: this one may be the true
+            // redelivery, which a claim of its own answers.
+            Some(Err(ProcessError::PayloadMismatch { .. })) => Err(in_flight(item)),
+            _ if machine::mismatch(items[f].fingerprint, item.fingerprint) => {
+                Err(ProcessError::PayloadMismatch {
+                    key: item.key.clone(),
+                })
+            }
+            Some(Ok(Processed::Executed { result, .. } | Processed::Replayed { result })) => {
+                Ok(Processed::Replayed {
+                    result: result.clone(),
+                })
+            }
+            Some(Err(ProcessError::Failed {
+                reason, attempts, ..
+            })) => Err(ProcessError::Failed {
+                key: item.key.clone(),
+                reason: reason.clone(),
+                attempts: *attempts,
+            }),
+            // Its first is not settled (it failed retryably, is held elsewhere, ...): this one
+            // is retried with it.
+            _ => Err(in_flight(item)),
+        };
+        out[i] = Some(answer);
+    }
+}
+
 impl<S: Store> Dedup<S> {
     /// Runs each message's effect once, a whole batch at a time, for effects outside the store:
     /// the keys are claimed in one call ([`Store::claim_batch`]: L1, one fast-path call and one
@@ -86,8 +135,7 @@ impl<S: Store> Dedup<S> {
             executed = tracing::field::Empty,
         );
         async move {
-            let mut out: Vec<Option<Result<Processed, ProcessError<E>>>> =
-                items.iter().map(|_| None).collect();
+            let mut out: Vec<Option<Answer<E>>> = items.iter().map(|_| None).collect();
             // First appearances are claimed; repeats are answered after them.
             let mut first: HashMap<&IdempotencyKey, usize> = HashMap::new();
             let mut distinct = Vec::with_capacity(items.len());
@@ -97,110 +145,15 @@ impl<S: Store> Dedup<S> {
                     i
                 });
             }
-            let reqs: Vec<ClaimRequest> = distinct
-                .iter()
-                .map(|&i| {
-                    ClaimRequest::new(items[i].key.clone(), self.next_owner())
-                        .with_fingerprint(items[i].fingerprint)
-                        .with_policy(self.policy)
-                })
-                .collect();
-            // The leases cannot have started before the claims left.
-            let sent = Instant::now();
-            let claims = self.store.claim_batch(&reqs).await;
-            let mut running = Vec::new();
-            for ((&i, req), claim) in distinct.iter().zip(&reqs).zip(claims) {
-                let claim = match claim {
-                    // A lost reply: read back, as a single claim would be; our own owner id
-                    // found in flight (a batch whose reply was lost, claimed again one by one)
-                    // is our lease, adopted rather than waited out.
-                    Err(e) if e.is_outcome_unknown() => self.claim_resolved_as(req, true).await,
-                    Ok(ClaimOutcome::InFlight { owner: Some(o), .. }) if o == req.owner => {
-                        self.claim_resolved_as(req, true).await
-                    }
-                    other => other,
-                };
-                out[i] = Some(match claim {
-                    Ok(ClaimOutcome::Acquired(lease)) => {
-                        running.push(Running {
-                            item: i,
-                            granted: Arc::new(Granted::new(sent + lease.policy.lease)),
-                            lease,
-                            lost: Arc::new(AtomicBool::new(false)),
-                            done: Arc::new(AtomicBool::new(false)),
-                        });
-                        continue;
-                    }
-                    Ok(ClaimOutcome::Completed { result, .. }) => {
-                        Ok(Processed::Replayed { result })
-                    }
-                    Ok(ClaimOutcome::Failed { reason, attempts }) => Err(ProcessError::Failed {
-                        key: req.key.clone(),
-                        reason,
-                        attempts,
-                    }),
-                    Ok(ClaimOutcome::PayloadMismatch) => Err(ProcessError::PayloadMismatch {
-                        key: req.key.clone(),
-                    }),
-                    Ok(ClaimOutcome::InFlight { owner, lease_until }) => {
-                        Err(ProcessError::InFlight {
-                            key: req.key.clone(),
-                            owner,
-                            lease_until,
-                        })
-                    }
-                    Err(e) => Err(ProcessError::Store(e)),
-                });
-            }
+            let (mut running, sent) = self.claim_items(items, &distinct, &mut out).await;
             // Resolving lost replies one by one may have taken a while: the leases granted so
             // far are extended before any handler starts, and one lost meanwhile is not run.
             if !running.is_empty() && sent.elapsed() > self.policy.lease / 3 {
-                let leases: Vec<Lease> = running.iter().map(|r| r.lease.clone()).collect();
-                let at = Instant::now();
-                let answers = self.store.extend_batch(&leases).await;
-                let mut kept = Vec::with_capacity(running.len());
-                for (r, answer) in running.into_iter().zip(answers) {
-                    match answer {
-                        Err(e) if e.is_lease_lost() => {
-                            out[r.item] = Some(Err(ProcessError::LeaseLost {
-                                key: r.lease.key.clone(),
-                                token: r.lease.token,
-                            }));
-                        }
-                        Ok(_) => {
-                            r.granted.extended(at + r.lease.policy.lease);
-                            kept.push(r);
-                        }
-                        // Not extended now: the heartbeat tries again.
-                        Err(_) => kept.push(r),
-                    }
-                }
-                running = kept;
+                running = self.extend_before_start(running, &mut out).await;
             }
             tracing::Span::current().record("acquired", running.len());
             if !running.is_empty() {
-                // One heartbeat for the instance: these leases join the registry of every
-                // running batch's, until this batch is over (or dropped).
-                let _registered = self.beats.register(
-                    running
-                        .iter()
-                        .map(|r| Beat {
-                            lease: r.lease.clone(),
-                            lost: Arc::clone(&r.lost),
-                            granted: Arc::clone(&r.granted),
-                            done: Arc::clone(&r.done),
-                        })
-                        .collect(),
-                );
-                let beat = self.heartbeat_many();
-                tokio::pin!(beat);
-                let work = self.run_many(&running, &handler);
-                tokio::pin!(work);
-                let answers = tokio::select! {
-                    biased;
-                    answers = &mut work => answers,
-                    never = &mut beat => match never {},
-                };
+                let answers = self.run_beating(&running, &handler).await;
                 for (r, answer) in running.iter().zip(answers) {
                     out[r.item] = Some(answer);
                 }
@@ -210,49 +163,7 @@ impl<S: Store> Dedup<S> {
                 .filter(|a| matches!(a, Some(Ok(Processed::Executed { .. }))))
                 .count();
             tracing::Span::current().record("executed", executed);
-            // Repeats: the duplicate of their first appearance, now that it has settled.
-            for (i, item) in items.iter().enumerate() {
-                if out[i].is_some() {
-                    continue;
-                }
-                let f = first[&item.key];
-                let answer = match &out[f] {
-                    // Its first was refused as a reuse of the key: this one may be the true
-                    // redelivery, which a claim of its own answers.
-                    Some(Err(ProcessError::PayloadMismatch { .. })) => {
-                        Err(ProcessError::InFlight {
-                            key: item.key.clone(),
-                            owner: None,
-                            lease_until: None,
-                        })
-                    }
-                    _ if machine::mismatch(items[f].fingerprint, item.fingerprint) => {
-                        Err(ProcessError::PayloadMismatch {
-                            key: item.key.clone(),
-                        })
-                    }
-                    Some(Ok(
-                        Processed::Executed { result, .. } | Processed::Replayed { result },
-                    )) => Ok(Processed::Replayed {
-                        result: result.clone(),
-                    }),
-                    Some(Err(ProcessError::Failed {
-                        reason, attempts, ..
-                    })) => Err(ProcessError::Failed {
-                        key: item.key.clone(),
-                        reason: reason.clone(),
-                        attempts: *attempts,
-                    }),
-                    // Its first is not settled (it failed retryably, is held elsewhere, ...):
-                    // this one is retried with it.
-                    _ => Err(ProcessError::InFlight {
-                        key: item.key.clone(),
-                        owner: None,
-                        lease_until: None,
-                    }),
-                };
-                out[i] = Some(answer);
-            }
+            answer_repeats(items, &first, &mut out);
             out.into_iter()
                 .zip(items)
                 .map(|(a, item)| {
@@ -268,6 +179,128 @@ impl<S: Store> Dedup<S> {
         }
         .instrument(span)
         .await
+    }
+
+    /// Claims the first appearances (`distinct`) in one call, and answers each that was not
+    /// acquired; the acquired ones come back to run. A lost reply is read back, as a single
+    /// claim would be; our own owner id found in flight (a batch whose reply was lost, claimed
+    /// again one by one) is our lease, adopted rather than waited out. Answers when the claims
+    /// left too.
+    async fn claim_items<E>(
+        &self,
+        items: &[BatchItem],
+        distinct: &[usize],
+        out: &mut [Option<Answer<E>>],
+    ) -> (Vec<Running>, Instant) {
+        let reqs: Vec<ClaimRequest> = distinct
+            .iter()
+            .map(|&i| {
+                ClaimRequest::new(items[i].key.clone(), self.next_owner())
+                    .with_fingerprint(items[i].fingerprint)
+                    .with_policy(self.policy)
+            })
+            .collect();
+        // The leases cannot have started before the claims left.
+        let sent = Instant::now();
+        let claims = self.store.claim_batch(&reqs).await;
+        let mut running = Vec::new();
+        for ((&i, req), claim) in distinct.iter().zip(&reqs).zip(claims) {
+            let claim = match claim {
+                Err(e) if e.is_outcome_unknown() => self.claim_resolved_as(req, true).await,
+                Ok(ClaimOutcome::InFlight { owner: Some(o), .. }) if o == req.owner => {
+                    self.claim_resolved_as(req, true).await
+                }
+                other => other,
+            };
+            out[i] = Some(match claim {
+                Ok(ClaimOutcome::Acquired(lease)) => {
+                    running.push(Running {
+                        item: i,
+                        granted: Arc::new(Granted::new(sent + lease.policy.lease)),
+                        lease,
+                        lost: Arc::new(AtomicBool::new(false)),
+                        done: Arc::new(AtomicBool::new(false)),
+                    });
+                    continue;
+                }
+                Ok(ClaimOutcome::Completed { result, .. }) => Ok(Processed::Replayed { result }),
+                Ok(ClaimOutcome::Failed { reason, attempts }) => Err(ProcessError::Failed {
+                    key: req.key.clone(),
+                    reason,
+                    attempts,
+                }),
+                Ok(ClaimOutcome::PayloadMismatch) => Err(ProcessError::PayloadMismatch {
+                    key: req.key.clone(),
+                }),
+                Ok(ClaimOutcome::InFlight { owner, lease_until }) => Err(ProcessError::InFlight {
+                    key: req.key.clone(),
+                    owner,
+                    lease_until,
+                }),
+                Err(e) => Err(ProcessError::Store(e)),
+            });
+        }
+        (running, sent)
+    }
+
+    /// Extends the leases granted so far in one call, before any handler starts: one lost
+    /// meanwhile is answered and not run; one not extended now is left to the heartbeat.
+    async fn extend_before_start<E>(
+        &self,
+        running: Vec<Running>,
+        out: &mut [Option<Answer<E>>],
+    ) -> Vec<Running> {
+        let leases: Vec<Lease> = running.iter().map(|r| r.lease.clone()).collect();
+        let at = Instant::now();
+        let answers = self.store.extend_batch(&leases).await;
+        let mut kept = Vec::with_capacity(running.len());
+        for (r, answer) in running.into_iter().zip(answers) {
+            match answer {
+                Err(e) if e.is_lease_lost() => {
+                    out[r.item] = Some(Err(ProcessError::LeaseLost {
+                        key: r.lease.key.clone(),
+                        token: r.lease.token,
+                    }));
+                }
+                Ok(_) => {
+                    r.granted.extended(at + r.lease.policy.lease);
+                    kept.push(r);
+                }
+                Err(_) => kept.push(r),
+            }
+        }
+        kept
+    }
+
+    /// Runs the acquired messages ([`run_many`](Self::run_many)) under the instance's one
+    /// heartbeat: their leases join the registry of every running batch's until this batch is
+    /// over (or dropped).
+    async fn run_beating<F, Fut, E>(&self, running: &[Running], handler: &F) -> Vec<Answer<E>>
+    where
+        F: Fn(usize, LeaseContext) -> Fut,
+        Fut: Future<Output = Result<Completion, HandlerError<E>>>,
+        E: fmt::Display,
+    {
+        let _registered = self.beats.register(
+            running
+                .iter()
+                .map(|r| Beat {
+                    lease: r.lease.clone(),
+                    lost: Arc::clone(&r.lost),
+                    granted: Arc::clone(&r.granted),
+                    done: Arc::clone(&r.done),
+                })
+                .collect(),
+        );
+        let beat = self.heartbeat_many();
+        tokio::pin!(beat);
+        let work = self.run_many(running, handler);
+        tokio::pin!(work);
+        tokio::select! {
+            biased;
+            answers = &mut work => answers,
+            never = &mut beat => match never {},
+        }
     }
 
     /// Runs every acquired message's handler concurrently, then records the ends: the

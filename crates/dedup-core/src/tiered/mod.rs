@@ -16,22 +16,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::timeout;
-use tracing::{Instrument, info_span, warn};
+use tracing::warn;
 
 use crate::error::StoreError;
-use crate::instance::{Adoption, InstanceId};
 use crate::key::IdempotencyKey;
-use crate::machine;
-use crate::record::{AfterFailure, ClaimOutcome, ClaimRequest, Lease, Record, State, Timestamp};
+use crate::record::{ClaimOutcome, ClaimRequest, State};
 use crate::store::Store;
 
 mod batch_cache;
 mod cache;
 mod config;
 mod span;
+mod store;
 
 pub use batch_cache::{BatchCache, CacheFuture};
 pub use cache::{Cached, FastPath, NoFastPath};
@@ -439,157 +437,6 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             self.backfill(&req.key, copy, ttl).await;
         }
         Ok((outcome, Tier::Authority))
-    }
-}
-
-impl<A: Store, F: FastPath> Store for TieredStore<A, F> {
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        req.policy.validate()?;
-        let span = decision_span(&req.key);
-        let started = Instant::now();
-        let res = self.claim_tiered(req).instrument(span.clone()).await;
-        if let Ok((outcome, tier)) = &res {
-            record_decision(&span, tier.name(), outcome, started);
-        }
-        res.map(|(outcome, _)| outcome)
-    }
-
-    fn answer_cached(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
-        self.l1_answer(req)
-    }
-
-    /// L1 first, then one fast-path call for what L1 could not answer, then one authority call
-    /// for what the fast path could not settle; then one fast-path call to backfill.
-    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome, StoreError>> {
-        let span = info_span!(
-            "dedup.claim_batch",
-            size = reqs.len(),
-            l2_asked = tracing::field::Empty,
-            authority_asked = tracing::field::Empty,
-        );
-        self.claim_batch_tiered(reqs, &span)
-            .instrument(span.clone())
-            .await
-    }
-
-    /// One authority call, then one fast-path call to backfill what it completed.
-    async fn complete_batch(&self, items: &[(Lease, Bytes)]) -> Vec<Result<(), StoreError>> {
-        bump(&self.counters.authority_calls);
-        let done = self.authority.complete_batch(items).await;
-        let fills = items
-            .iter()
-            .zip(&done)
-            .filter(|(_, r)| r.is_ok())
-            .map(|((lease, result), _)| {
-                let copy = Cached::completed(lease, result.clone());
-                (lease.key.clone(), copy, lease.policy.retention)
-            })
-            .collect();
-        self.backfill_many(fills).await;
-        done
-    }
-    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<(), StoreError> {
-        bump(&self.counters.authority_calls);
-        self.authority.complete(lease, result).await?;
-        let copy = Cached::completed(lease, Bytes::copy_from_slice(result));
-        self.backfill(&lease.key, copy, lease.policy.retention)
-            .await;
-        Ok(())
-    }
-
-    async fn fail_retryable(&self, lease: &Lease, error: &str) -> Result<AfterFailure, StoreError> {
-        bump(&self.counters.authority_calls);
-        let after = self.authority.fail_retryable(lease, error).await?;
-        match after {
-            AfterFailure::Released { .. } => {
-                let _ = self
-                    .fast("release", &lease.key, self.fast.release(lease))
-                    .await;
-            }
-            AfterFailure::Failed { attempts } => {
-                let reason =
-                    machine::exhausted_reason(attempts, lease.policy.max_attempts, Some(error));
-                let copy = Cached::failed(lease, reason);
-                self.backfill(&lease.key, copy, lease.policy.failed_retention)
-                    .await;
-            }
-        }
-        Ok(after)
-    }
-
-    async fn withdraw(&self, lease: &Lease) -> Result<(), StoreError> {
-        bump(&self.counters.authority_calls);
-        self.authority.withdraw(lease).await?;
-        let _ = self
-            .fast("release", &lease.key, self.fast.release(lease))
-            .await;
-        Ok(())
-    }
-
-    async fn fail_permanent(&self, lease: &Lease, reason: &str) -> Result<(), StoreError> {
-        bump(&self.counters.authority_calls);
-        self.authority.fail_permanent(lease, reason).await?;
-        let copy = Cached::failed(lease, reason.to_owned());
-        self.backfill(&lease.key, copy, lease.policy.failed_retention)
-            .await;
-        Ok(())
-    }
-
-    async fn extend(&self, lease: &Lease) -> Result<Timestamp, StoreError> {
-        bump(&self.counters.authority_calls);
-        let until = self.authority.extend(lease).await?;
-        let _ = self
-            .fast(
-                "extend",
-                &lease.key,
-                self.fast.extend(lease, until, lease.policy.lease),
-            )
-            .await;
-        Ok(until)
-    }
-
-    /// The authority extends every lease in one call. IN_PROGRESS markers in the fast path are
-    /// not extended: one that expires before its lease only makes a concurrent duplicate ask the
-    /// authority, which answers InFlight.
-    async fn extend_batch(&self, leases: &[Lease]) -> Vec<Result<Timestamp, StoreError>> {
-        bump(&self.counters.authority_calls);
-        self.authority.extend_batch(leases).await
-    }
-
-    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        bump(&self.counters.authority_calls);
-        self.authority.get(key).await
-    }
-
-    /// The authority adopts; then the adopted leases' IN_PROGRESS markers are dropped, so that a
-    /// duplicate asks the authority (and takes the key over) instead of waiting out a marker. A
-    /// marker that could not be dropped (the fast path is down) only delays its key until it
-    /// expires with the old lease.
-    async fn adopt(&self, instance: &InstanceId, mine: &str) -> Result<Adoption, StoreError> {
-        bump(&self.counters.authority_calls);
-        let adoption = self.authority.adopt(instance, mine).await?;
-        if let Adoption::Adopted(records) = &adoption {
-            let leases: Vec<Lease> = records.iter().filter_map(Lease::of_record).collect();
-            futures_util::future::join_all(
-                leases
-                    .iter()
-                    .map(|lease| self.fast("release", &lease.key, self.fast.release(lease))),
-            )
-            .await;
-        }
-        Ok(adoption)
-    }
-
-    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
-        bump(&self.counters.authority_calls);
-        self.authority.purge(limit).await
-    }
-
-    async fn committed(&self, lease: &Lease, result: &[u8]) {
-        self.authority.committed(lease, result).await;
-        let copy = Cached::completed(lease, Bytes::copy_from_slice(result));
-        self.backfill(&lease.key, copy, lease.policy.retention)
-            .await;
     }
 }
 
