@@ -17,6 +17,9 @@
 //! effect), `DEDUP_HANDLER_MS` a wait inside every handler before its effect (a call to another
 //! service), and `DEDUP_ORDERING=per-key` per-key ordering by the Kafka message key.
 //!
+//! `DEDUP_LEASE_BATCH` runs lease mode by the batch instead (`LeaseRunner`, batches of up to 20)
+//! with the same handler.
+//!
 //! `DEDUP_PARK` turns parking on (key order, two runs in place, attempts up to 1,000), and
 //! `DEDUP_FAIL_TABLE` fails a message retryably while its Kafka message key is in the table
 //! `fail_accounts (account text)`.
@@ -33,7 +36,8 @@ use dedup_core::{
     Dedup, HandlerError, InstanceId, LeaseContext, Policy, TieredConfig, TieredStore,
 };
 use dedup_kafka::{
-    Backoff, Batching, Delivery, Ordering, Parking, Runner, RunnerConfig, StatsHandle, TxRunner,
+    Backoff, Batching, Delivery, LeaseRunner, Ordering, Parking, Runner, RunnerConfig, StatsHandle,
+    TxRunner,
 };
 use dedup_pg::{PgStore, TxBatchConfig};
 use dedup_redis::RedisFastPath;
@@ -157,6 +161,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await
         }
     };
+    if std::env::var_os("DEDUP_LEASE_BATCH").is_some() {
+        let runner = LeaseRunner::new(
+            config,
+            Batching::new(20, Duration::from_millis(5)),
+            dedup,
+            handler,
+        )?;
+        if report {
+            tokio::spawn(ticks(runner.stats()));
+        }
+        runner.run(std::future::pending()).await?;
+        return Ok(());
+    }
     let mut runner = Runner::new(config, dedup, handler)?;
     if park {
         runner = runner.with_parking(

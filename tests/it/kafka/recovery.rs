@@ -43,8 +43,9 @@ async fn own_postgres(pg: &PgServer) -> PgPool {
 
 /// The kill loop: a stream with redeliveries, produced in six parts while consumer processes are
 /// started and killed with SIGKILL twelve times at random moments of their work (a few before
-/// they settled anything), in three ways of consuming (one message at a time in partition
-/// order, in key order, and transaction mode by the batch with offsets in the transaction), all
+/// they settled anything), in four ways of consuming (one message at a time in partition
+/// order, in key order, lease mode by the batch in key order (rounds 4 and 8, the first under
+/// the Redis flush), and transaction mode by the batch with offsets in the transaction), all
 /// under one instance identity, so each restart adopts what the last one left in flight. Redis
 /// is flushed under one of them, and Postgres is crashed (`pg_ctl stop -m immediate`) and
 /// started again under another. A last process runs to the end: one ledger row per key, and the
@@ -92,6 +93,11 @@ async fn a_kill_loop_with_a_redis_flush_and_a_postgres_crash_loses_and_doubles_n
         .stdout(std::process::Stdio::null())
         .kill_on_drop(true);
         match round % 4 {
+            // Lease mode by the batch, in key order.
+            _ if round == 4 || round == 8 => {
+                c.env("DEDUP_ORDERING", "per-key")
+                    .env("DEDUP_LEASE_BATCH", "1");
+            }
             1 => {
                 c.env("DEDUP_ORDERING", "per-key");
             }

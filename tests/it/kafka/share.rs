@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use dedup_core::{Completion, HandlerError, LeaseContext};
 use dedup_kafka::{Batching, Delivery, LeaseRunner, Ordering as KeyOrdering, Runner, StatsHandle};
+use rdkafka::mocking::{MockCluster, MockCoordinator};
 use sqlx::PgPool;
 use tokio::sync::{Notify, oneshot};
 
@@ -221,4 +222,37 @@ async fn a_runner_dropped_mid_run_leaves_its_partitions_to_the_next_member(
     ids.dedup();
     assert_eq!(ids.len(), n, "a message was executed twice");
     assert_eq!(n as u64, total, "{second:?}");
+}
+
+/// A partition whose first fetch answers late (its leader's round trip is 1.5 s, the others'
+/// none) still gets its share: a partition newly assigned counts as having work until its queue
+/// first answers, so the partitions whose data came first do not take the whole bound meanwhile.
+/// (A loaded machine delays a first fetch the same way; counting a partition for a fixed half
+/// second after its assignment lost this race.) The mock cluster only: it sets a broker's
+/// round trip.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_partition_whose_first_fetch_answers_late_still_gets_its_share(pool: PgPool) {
+    let broker = Broker::Mock(MockCluster::new(2).unwrap());
+    let (topic, group) = backlog(&broker).await;
+    if let Broker::Mock(cluster) = &broker {
+        cluster
+            .coordinator(MockCoordinator::Group(group.clone()), 1)
+            .unwrap();
+        for p in 0..PARTITIONS - 1 {
+            cluster.partition_leader(&topic, p, Some(1)).unwrap();
+        }
+        cluster
+            .partition_leader(&topic, PARTITIONS - 1, Some(2))
+            .unwrap();
+        cluster
+            .broker_round_trip_time(2, Duration::from_millis(1500))
+            .unwrap();
+    }
+    let redis = RedisServer::start();
+    let gate = Arc::new(Gate::default());
+    let config = broker.config(&group, &topic).with_max_in_flight(IN_FLIGHT);
+    let run = Running::spawn_with(config, engine(&pool, &redis).await, gated(gate.clone()));
+    let stats = run.stats.clone();
+    all_four_side_by_side(&broker, &topic, &group, &stats, &gate).await;
+    run.stop().await;
 }

@@ -7,7 +7,11 @@
 //! arrive: the consumer runs one partition at a time, exactly after an outage, when throughput
 //! matters. The share is work-conserving: the bound divided by the partitions that have work
 //! (messages held, one waiting in their task, or work less than half a second ago), so a lone
-//! busy partition may use all of it; the bound itself is never passed.
+//! busy partition may use all of it; the bound itself is never passed. A partition newly assigned
+//! counts as having work until its queue first answers, with a message or with the end of the
+//! partition (`enable.partition.eof`), up to [`FIRST_ANSWER`]: on a loaded machine a fetch may
+//! take longer than half a second, and the partitions whose data came first must not take the
+//! whole bound meanwhile.
 //!
 //! - **When.** Queues are split in the assign callback *before* librdkafka assigns the
 //!   partitions: a queue split then is created to stay the application's, so no message of the
@@ -31,6 +35,7 @@ use std::time::Duration;
 
 use rdkafka::consumer::StreamConsumer;
 use rdkafka::consumer::stream_consumer::StreamPartitionQueue;
+use rdkafka::error::KafkaError;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -59,6 +64,10 @@ struct Split {
     idle_since: Option<Instant>,
     /// The task holds a message it may not hand on yet: the partition has work.
     holding: Arc<AtomicBool>,
+    /// The partition's queue has answered (a message, or the end of the partition).
+    answered: Arc<AtomicBool>,
+    /// When the partition was assigned.
+    assigned_at: Instant,
     /// What the partition holds against its share, as last counted.
     held: usize,
 }
@@ -71,6 +80,10 @@ const AHEAD: usize = 32;
 /// after its last message): about librdkafka's longest fetch wait, so that the partitions of an
 /// assignment with a backlog all count before the first one's data fills the bound.
 const IDLE: Duration = Duration::from_millis(500);
+
+/// The longest a partition newly assigned counts as having work while its queue has not
+/// answered yet (a leader that does not answer must not hold a share for ever).
+const FIRST_ANSWER: Duration = Duration::from_secs(10);
 
 /// The per-partition queues of a consumer.
 #[derive(Debug)]
@@ -128,12 +141,14 @@ impl Fetch {
             let id = self.next_id.fetch_add(1, AtomicOrdering::Relaxed);
             let (allowed, gate) = watch::channel(1);
             let holding = Arc::new(AtomicBool::new(false));
+            let answered = Arc::new(AtomicBool::new(false));
             let task = runtime
                 .spawn(forward(
                     queue,
                     id,
                     gate,
                     holding.clone(),
+                    answered.clone(),
                     self.tx.clone(),
                     self.counters.clone(),
                 ))
@@ -147,6 +162,8 @@ impl Fetch {
                     seen: 0,
                     idle_since: Some(Instant::now()),
                     holding,
+                    answered,
+                    assigned_at: Instant::now(),
                     held: 0,
                 },
             );
@@ -226,7 +243,9 @@ impl Fetch {
             } else if s.idle_since.is_none() {
                 s.idle_since = Some(now);
             }
-            if s.idle_since.is_none_or(|t| now.duration_since(t) < IDLE) {
+            let unanswered = !s.answered.load(AtomicOrdering::Relaxed)
+                && now.duration_since(s.assigned_at) < FIRST_ANSWER;
+            if unanswered || s.idle_since.is_none_or(|t| now.duration_since(t) < IDLE) {
                 busy += 1;
             }
         }
@@ -260,13 +279,18 @@ async fn forward(
     split: u64,
     mut gate: watch::Receiver<u64>,
     holding: Arc<AtomicBool>,
+    answered: Arc<AtomicBool>,
     tx: mpsc::UnboundedSender<Fetched>,
     counters: Arc<Counters>,
 ) {
     let mut sent: u64 = 0;
     loop {
-        let delivery = match queue.recv().await {
+        let got = queue.recv().await;
+        answered.store(true, AtomicOrdering::Relaxed);
+        let delivery = match got {
             Ok(m) => Delivery::from_message(&m),
+            // The end of the partition, for now: nothing to hand on.
+            Err(KafkaError::PartitionEOF(_)) => continue,
             Err(e) => {
                 counters.consumer_errors.add(1);
                 warn!(error = %e, "partition queue error");

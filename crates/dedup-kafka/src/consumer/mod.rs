@@ -366,6 +366,8 @@ impl Source {
                     }
                     Some(d)
                 }
+                // The end of a partition that could not be split: no error.
+                Err(KafkaError::PartitionEOF(_)) => None,
                 Err(e) => {
                     counters.consumer_errors.add(1);
                     warn!(error = %e, "consumer error");
@@ -445,7 +447,9 @@ pub(crate) fn clients(
     cc.set("group.id", &config.group_id)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "false");
+        // The end of a partition tells the fair share that a partition newly assigned has
+        // answered (`fetch.rs`); it is no error.
+        .set("enable.partition.eof", "true");
     if !config.client.iter().any(|(k, _)| k == "auto.offset.reset") {
         cc.set("auto.offset.reset", "earliest");
     }
