@@ -91,12 +91,21 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # Errors
     /// A policy or wait the engine refuses.
     pub fn new(store: S, config: IdempotencyConfig) -> Result<Self, InputError> {
+        // The default owner prefix (pid and start time) keeps owners unique across instances.
+        Self::on(Dedup::new(store), config)
+    }
+
+    /// A layer on `dedup` (its store and owner ids; the policy and the in-flight wait are
+    /// `config`'s).
+    ///
+    /// # Errors
+    /// A policy or wait the engine refuses.
+    pub fn on(dedup: Dedup<S>, config: IdempotencyConfig) -> Result<Self, InputError> {
         let wait = match config.in_flight {
             InFlight::Conflict => Duration::ZERO,
             InFlight::Wait(d) => d,
         };
-        // The default owner prefix (pid and start time) keeps owners unique across instances.
-        let dedup = Dedup::new(store)
+        let dedup = dedup
             .with_policy(config.policy)?
             .with_in_flight_wait(wait)?;
         Ok(Self {

@@ -115,6 +115,27 @@ async fn keep(weak: Weak<tokio::sync::Mutex<Identity>>, options: Arc<PgConnectOp
 }
 
 impl PgStore {
+    /// Lets go of the instance identity this store (and its clones) holds: its session, and with
+    /// it the lock, end now, and the keeper stops taking it again. For a clean shutdown, after
+    /// every claim under the identity has ended; a successor with the identity then takes it at
+    /// once instead of waiting for this process to exit. Returns whether one was held.
+    pub async fn release_identity(&self) -> bool {
+        let mut identity = self.identity.lock().await;
+        identity.wanted = None;
+        let held = identity.held.take();
+        drop(identity);
+        match held {
+            Some((id, conn)) => {
+                if let Err(e) = conn.close().await {
+                    debug!(instance = %id, error = %e, "closing the identity's session");
+                }
+                info!(instance = %id, "released the instance identity");
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Takes the identity's session lock (on a connection of its own, kept), waiting up to
     /// [`LOCK_WAIT`] for a dying predecessor's session to end. False: a live process holds it.
     /// Once taken, a keeper task checks the session every [`KEEP_EVERY`] and takes the lock again

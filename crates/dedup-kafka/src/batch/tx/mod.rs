@@ -179,6 +179,14 @@ impl<H: BatchHandler> TxRunner<H> {
         Ok(self)
     }
 
+    /// Claims under owner ids `<prefix>#<n>` (an engine's instance and incarnation) instead of
+    /// this process's id and start time.
+    #[must_use]
+    pub fn with_owner_prefix(mut self, prefix: impl Into<Arc<str>>) -> Self {
+        self.owners = Arc::new(OwnerIds::with_prefix(prefix));
+        self
+    }
+
     /// A handle to the runner's counters, readable while it runs.
     pub fn stats(&self) -> StatsHandle {
         StatsHandle(self.counters.clone())

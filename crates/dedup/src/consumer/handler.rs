@@ -1,0 +1,145 @@
+//! What a consumer calls: a [`TxHandler`] (the effect is a write in dedup's own Postgres, made in
+//! the transaction that records it) or a [`LeaseHandler`] (the effect is outside, made under a
+//! fenced lease). The handler's trait picks the mode.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use dedup_core::{Completion, HandlerError, LeaseContext};
+use dedup_kafka::{Acquired, BatchHandler, Delivery, Handler};
+use dedup_pg::{BatchBody, ItemResult};
+use sqlx::postgres::PgConnection;
+
+/// A message as the consumer received it: topic, partition, offset, key, headers, payload.
+pub type Message = Delivery;
+
+/// A consumer whose effect is a write in the engine's Postgres: **transaction mode**. The
+/// message's claim, the handler's writes, the completion (and, if asked, the consumer's position)
+/// commit in one transaction, so a crash at any point leaves all of them or none: exactly once,
+/// with no lease to outlive.
+///
+/// Messages are taken in batches (per partition, up to a size or a short wait) and a batch runs
+/// in one transaction. [`handle`](Self::handle) is called for each message in turn; one that
+/// fails is isolated from its batch neighbours (the batch runs again without it, and its writes
+/// roll back alone). Implement [`handle_batch`](Self::handle_batch) as well to write a whole batch
+/// in one statement.
+pub trait TxHandler: Send + Sync + 'static {
+    /// The handler's own error.
+    type Error: fmt::Display + Send + 'static;
+
+    /// Writes one message's effect on `tx`, the batch's transaction, and returns the result to
+    /// store (replayed to every duplicate). `Err(HandlerError::Retryable)` retries the message
+    /// with backoff; `Permanent` fails its key and dead-letters it.
+    fn handle(
+        &self,
+        tx: &mut PgConnection,
+        message: &Acquired,
+    ) -> impl Future<Output = Result<Bytes, HandlerError<Self::Error>>> + Send;
+
+    /// Writes the effects of a whole batch on `tx`, one answer per message, in order. The
+    /// default calls [`handle`](Self::handle) for each; at the first failure it fails the call,
+    /// and the batch runs again in parts until the message at fault is alone. An override may be
+    /// called again on parts of the batch after a failure, under savepoints.
+    fn handle_batch(
+        &self,
+        tx: &mut PgConnection,
+        batch: &[Acquired],
+    ) -> impl Future<Output = Result<Vec<ItemResult<Self::Error>>, HandlerError<Self::Error>>> + Send
+    {
+        async move {
+            let mut out = Vec::with_capacity(batch.len());
+            for message in batch {
+                match self.handle(&mut *tx, message).await {
+                    Ok(result) => out.push(Ok(result)),
+                    Err(e) if batch.len() == 1 => out.push(Err(e)),
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// A consumer whose effect is outside the engine's Postgres (an HTTP call, a payment provider,
+/// another database): **lease mode**. The message runs under a fenced lease, kept alive while the
+/// handler runs; its result is recorded after it returns. A crash between the effect and the
+/// record runs the effect again once the lease ends (the limit of any effect outside the
+/// transaction): pass [`LeaseContext::lease`]'s fencing token to a downstream that can refuse a
+/// stale one.
+///
+/// Any `Fn(Arc<Message>, LeaseContext) -> impl Future<Output = Result<Bytes, HandlerError<E>>>`
+/// closure is a lease handler.
+pub trait LeaseHandler: Send + Sync + 'static {
+    /// The handler's own error.
+    type Error: fmt::Display + Send + 'static;
+
+    /// Makes one message's effect and returns the result to store (replayed to every duplicate).
+    fn handle(
+        &self,
+        message: Arc<Message>,
+        lease: LeaseContext,
+    ) -> impl Future<Output = Result<Bytes, HandlerError<Self::Error>>> + Send;
+}
+
+impl<F, Fut, E> LeaseHandler for F
+where
+    F: Fn(Arc<Message>, LeaseContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Bytes, HandlerError<E>>> + Send,
+    E: fmt::Display + Send + 'static,
+{
+    type Error = E;
+
+    fn handle(
+        &self,
+        message: Arc<Message>,
+        lease: LeaseContext,
+    ) -> impl Future<Output = Result<Bytes, HandlerError<E>>> + Send {
+        self(message, lease)
+    }
+}
+
+/// A [`TxHandler`] as the transaction-mode loop calls it.
+#[derive(Debug)]
+pub(crate) struct Transactional<H>(pub(crate) H);
+
+impl<H: TxHandler> BatchHandler for Transactional<H> {
+    type Error = H::Error;
+
+    fn handle<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        batch: &'c [Acquired],
+    ) -> BatchBody<'c, Self::Error> {
+        Box::pin(self.0.handle_batch(tx, batch))
+    }
+}
+
+/// A [`LeaseHandler`] as the lease-mode loops call it.
+#[derive(Debug)]
+pub(crate) struct Leased<H>(pub(crate) H);
+
+impl<H: LeaseHandler> Handler for Leased<H> {
+    type Error = H::Error;
+
+    async fn handle(
+        &self,
+        delivery: Arc<Delivery>,
+        lease: Option<LeaseContext>,
+    ) -> Result<Completion, HandlerError<H::Error>> {
+        // The builder refuses `MissingKey::ProcessWithoutDedup`, the only way to run without a
+        // lease: every message here has one.
+        let Some(lease) = lease else {
+            return Err(HandlerError::Store(dedup_core::StoreError::unavailable(
+                NoLease,
+            )));
+        };
+        self.0.handle(delivery, lease).await.map(Completion::store)
+    }
+}
+
+/// A keyless message reached a lease handler (the builder refuses the setting that allows it).
+#[derive(Debug, thiserror::Error)]
+#[error("a message without a lease reached a lease handler")]
+struct NoLease;

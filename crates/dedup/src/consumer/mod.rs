@@ -1,0 +1,430 @@
+//! Kafka consumers built from an [`Engine`]: [`Engine::consumer`] gives a [`ConsumerBuilder`];
+//! its `build(handler)` picks the mode by the handler's trait.
+//!
+//! | handler | mode | how messages run |
+//! |---|---|---|
+//! | [`TxHandler`] | transaction mode | in batches per partition (up to [`Batching`]'s size or wait), each batch one Postgres transaction |
+//! | [`LeaseHandler`] | lease mode, per message | each message on its own as soon as it arrives (lowest latency) |
+//! | [`LeaseHandler`] + [`ConsumerBuilder::batching`] | lease mode by the batch | claims and completions of a batch in one round trip each (highest throughput) |
+//!
+//! **Order.** Under [`Ordering::PerPartition`] (the default) a partition's messages settle in
+//! offset order, one at a time. Under [`Ordering::PerKey`] only the messages of one ordering key
+//! (an account, an order) keep their order, and distinct keys run concurrently: in a batch, a
+//! message whose predecessor of the same key did not settle waits for it. **Latency.** Batched
+//! modes add up to the batching wait (5 ms by default) to a message that arrives alone; under load
+//! batches fill before the wait ends. Offsets are committed only up to the first message not
+//! settled, whatever the mode.
+
+mod handler;
+
+pub use handler::{LeaseHandler, Message, TxHandler};
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dedup_core::Policy;
+use dedup_kafka::{
+    Backoff, Batching, KeySource, KillSwitch, LeaseRunner, MissingKey, Ordering, OrderingKey,
+    Parking, Runner, RunnerConfig, RunnerError, RunnerStats, StatsHandle, TxRunner,
+};
+
+use crate::engine::{BuildError, Engine};
+use handler::{Leased, Transactional};
+
+/// Builds a consumer on an engine's Postgres, caches, policy, scope and identity. Setters cannot
+/// fail; [`build`](Self::build) checks everything at once and names a bad setting by its method.
+#[must_use = "a consumer builder does nothing until `build` is called"]
+pub struct ConsumerBuilder {
+    engine: Engine,
+    config: RunnerConfig,
+    dead_letter_topic: Option<String>,
+    batching: Option<Batching>,
+    parking: Option<Parking>,
+    policy: Option<Policy>,
+    offsets_in_transaction: Option<Duration>,
+}
+
+impl fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("config", &self.config)
+            .field("batching", &self.batching)
+            .field("parking", &self.parking)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// A Kafka consumer on this engine: set at least [`brokers`](ConsumerBuilder::brokers),
+    /// [`group_id`](ConsumerBuilder::group_id) and [`topics`](ConsumerBuilder::topics).
+    pub fn consumer(&self) -> ConsumerBuilder {
+        ConsumerBuilder {
+            engine: self.clone(),
+            config: RunnerConfig::new("", "", Vec::<String>::new()),
+            dead_letter_topic: None,
+            batching: None,
+            parking: None,
+            policy: None,
+            offsets_in_transaction: None,
+        }
+    }
+}
+
+impl ConsumerBuilder {
+    /// `bootstrap.servers`.
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.config.brokers = brokers.into();
+        self
+    }
+
+    /// The consumer group (`group.id`). It is not the dedup scope (the engine's): a renamed
+    /// group, or a blue/green deploy under a new one, still finds every key done.
+    pub fn group_id(mut self, group: impl Into<String>) -> Self {
+        self.config.group_id = group.into();
+        self
+    }
+
+    /// The topics to consume.
+    pub fn topics(mut self, topics: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.config.topics = topics.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Where poison messages, permanent failures and keyless messages go (default: `<first
+    /// topic>.dlq`).
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// Where the idempotency key comes from (default: the `idempotency-key` header).
+    pub fn key(mut self, key: KeySource) -> Self {
+        self.config.key = key;
+        self
+    }
+
+    /// What happens to a message without a key: [`MissingKey::DeadLetter`] (the default), with
+    /// the reason. The builder refuses `ProcessWithoutDedup`: every effect runs under a claim.
+    pub fn missing_key(mut self, policy: MissingKey) -> Self {
+        self.config.missing_key = policy;
+        self
+    }
+
+    /// Whether a key reused with another payload is dead-lettered as a mismatch (default on).
+    pub fn payload_check(mut self, on: bool) -> Self {
+        self.config.check_payload = on;
+        self
+    }
+
+    /// Which messages may run at the same time (default: one at a time per partition).
+    pub fn ordering(mut self, ordering: Ordering) -> Self {
+        self.config.ordering = ordering;
+        self
+    }
+
+    /// What [`Ordering::PerKey`] keeps in order (default: the Kafka message key).
+    pub fn ordering_key(mut self, key: OrderingKey) -> Self {
+        self.config.ordering_key = key;
+        self
+    }
+
+    /// The most messages held at once, shared fairly between busy partitions (default 1,024).
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.config.max_in_flight = n;
+        self
+    }
+
+    /// Waits between retries of a failed message.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.config.backoff = backoff;
+        self
+    }
+
+    /// How often settled offsets are committed (default 1 s).
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.config.commit_interval = interval;
+        self
+    }
+
+    /// How long shutdown waits for running messages (default 30 s).
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.config.drain_timeout = timeout;
+        self
+    }
+
+    /// Stops taking messages while the handler fails nearly everything (see [`KillSwitch`]).
+    pub fn kill_switch(mut self, kill_switch: KillSwitch) -> Self {
+        self.config.kill_switch = Some(kill_switch);
+        self
+    }
+
+    /// A librdkafka property for the consumer and its dead-letter producer
+    /// (`auto.offset.reset`, `security.protocol`, ...), as rdkafka's `ClientConfig::set`.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.config.client.push((key.into(), value.into()));
+        self
+    }
+
+    /// Takes messages in batches: lease mode by the batch for a [`LeaseHandler`] (the size and
+    /// wait of transaction mode's batches for a [`TxHandler`], which always batches).
+    pub fn batching(mut self, batching: Batching) -> Self {
+        self.batching = Some(batching);
+        self
+    }
+
+    /// Parks a key whose message keeps failing, so that the key's later messages wait in
+    /// Postgres (the engine's) and the partition goes on (see [`Parking`]). Per-message lease
+    /// mode under [`Ordering::PerKey`] only.
+    pub fn parking(mut self, parking: Parking) -> Self {
+        self.parking = Some(parking);
+        self
+    }
+
+    /// This consumer's claim policy (lease, attempts, retention) instead of the engine's.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// Transaction mode only: each batch stores its partition's position in its own
+    /// transaction, and a partition starts from it on assignment, read within `wait`.
+    pub fn offsets_in_transaction(mut self, wait: Duration) -> Self {
+        self.offsets_in_transaction = Some(wait);
+        self
+    }
+
+    /// Builds the consumer that runs `handler`: transaction mode for a [`TxHandler`], lease mode
+    /// for a [`LeaseHandler`].
+    ///
+    /// # Errors
+    /// A setting that cannot work, or a combination this mode cannot honour, named.
+    pub fn build<H, M>(self, handler: H) -> Result<Consumer, BuildError>
+    where
+        H: Mode<M>,
+    {
+        let parts = self.parts()?;
+        handler.consumer(parts, sealed::Token)
+    }
+
+    /// The settings every mode shares, checked.
+    fn parts(mut self) -> Result<Parts, BuildError> {
+        let engine = self.engine;
+        if self.config.missing_key == MissingKey::ProcessWithoutDedup {
+            return Err(BuildError::setting(
+                "missing_key",
+                "ProcessWithoutDedup is not offered: every effect runs under a claim (give \
+                 keyless messages a key with KeySource::Fields, or let them be dead-lettered)",
+            ));
+        }
+        self.config.scope = Some(engine.scope().as_str().to_owned());
+        self.config.dead_letter_topic = match self.dead_letter_topic {
+            Some(t) => t,
+            None => format!(
+                "{}.dlq",
+                self.config.topics.first().map_or("dedup", String::as_str)
+            ),
+        };
+        let member = engine.member(Some(&self.config.group_id));
+        if let Some(id) = &member.group_instance_id {
+            self.config
+                .client
+                .push(("group.instance.id".into(), id.clone()));
+        }
+        self.config
+            .validate()
+            .map_err(|e| BuildError::setting(method_of(e.setting), e.problem))?;
+        let policy = match self.policy {
+            Some(p) => {
+                p.validate().map_err(|e| BuildError::setting("policy", e))?;
+                p
+            }
+            None => engine.policy(),
+        };
+        Ok(Parts {
+            engine,
+            config: self.config,
+            batching: self.batching,
+            parking: self.parking,
+            policy,
+            offsets_in_transaction: self.offsets_in_transaction,
+            owner_prefix: member.owner_prefix,
+        })
+    }
+}
+
+/// The builder method behind a [`RunnerConfig`] field's name.
+fn method_of(field: &'static str) -> &'static str {
+    match field {
+        "client" => "set",
+        "check_payload" => "payload_check",
+        other => other,
+    }
+}
+
+fn runner_error(e: RunnerError) -> BuildError {
+    match e {
+        RunnerError::Config(c) => BuildError::setting(method_of(c.setting), c.problem),
+        other => BuildError::setting("consumer", other),
+    }
+}
+
+/// A consumer's checked settings.
+#[derive(Debug)]
+pub struct Parts {
+    engine: Engine,
+    config: RunnerConfig,
+    batching: Option<Batching>,
+    parking: Option<Parking>,
+    policy: Policy,
+    offsets_in_transaction: Option<Duration>,
+    owner_prefix: String,
+}
+
+mod sealed {
+    /// Only this crate calls [`Mode::consumer`](super::Mode::consumer).
+    #[derive(Debug)]
+    pub struct Token;
+}
+
+/// The mode a handler's trait picks: implemented for every [`TxHandler`] (marker
+/// [`Transaction`]) and every [`LeaseHandler`] (marker [`Lease`]). Not implemented by hand.
+pub trait Mode<M>: Sized {
+    #[doc(hidden)]
+    fn consumer(self, parts: Parts, token: sealed::Token) -> Result<Consumer, BuildError>;
+}
+
+/// [`Mode`]'s marker for a [`TxHandler`].
+#[derive(Debug)]
+pub enum Transaction {}
+
+/// [`Mode`]'s marker for a [`LeaseHandler`].
+#[derive(Debug)]
+pub enum Lease {}
+
+impl<H: TxHandler> Mode<Transaction> for H {
+    fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
+        if p.parking.is_some() {
+            return Err(BuildError::setting(
+                "parking",
+                "transaction mode does not park (a failing message is retried in its batch, then \
+                 dead-lettered); parking needs a LeaseHandler without batching",
+            ));
+        }
+        let mut runner = TxRunner::new(
+            p.config,
+            p.batching.unwrap_or_default(),
+            p.engine.postgres().clone(),
+            Transactional(self),
+        )
+        .map_err(runner_error)?
+        .with_policy(p.policy)
+        .map_err(runner_error)?
+        .with_caches(p.engine.caches())
+        .with_owner_prefix(p.owner_prefix);
+        if let Some(wait) = p.offsets_in_transaction {
+            runner = runner
+                .with_offsets_in_transaction(wait)
+                .map_err(runner_error)?;
+        }
+        let stats = runner.stats();
+        Ok(Consumer::new(p.engine, stats, move |stop| {
+            Box::pin(async move { runner.run(stop).await })
+        }))
+    }
+}
+
+impl<H: LeaseHandler> Mode<Lease> for H {
+    fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
+        if p.offsets_in_transaction.is_some() {
+            return Err(BuildError::setting(
+                "offsets_in_transaction",
+                "only transaction mode (a TxHandler) stores offsets in its transaction",
+            ));
+        }
+        let dedup = Arc::new(p.engine.member_dedup(p.policy, p.owner_prefix)?);
+        let pg = p.engine.postgres().clone();
+        let handler = Leased(self);
+        match (p.batching, p.parking) {
+            (Some(_), Some(_)) => Err(BuildError::setting(
+                "parking",
+                "parking runs in per-message lease mode: drop `batching` or `parking`",
+            )),
+            (Some(batching), None) => {
+                let runner = LeaseRunner::new(p.config, batching, dedup, handler)
+                    .map_err(runner_error)?
+                    .with_dead_letter_table(pg);
+                let stats = runner.stats();
+                Ok(Consumer::new(p.engine, stats, move |stop| {
+                    Box::pin(async move { runner.run(stop).await })
+                }))
+            }
+            (None, parking) => {
+                let mut runner = Runner::new(p.config, dedup, handler)
+                    .map_err(runner_error)?
+                    .with_dead_letter_table(pg.clone());
+                if let Some(parking) = parking {
+                    runner = runner
+                        .with_parking(pg, parking)
+                        .map_err(|e| BuildError::setting("parking", e))?;
+                }
+                let stats = runner.stats();
+                Ok(Consumer::new(p.engine, stats, move |stop| {
+                    Box::pin(async move { runner.run(stop).await })
+                }))
+            }
+        }
+    }
+}
+
+type RunFuture = Pin<Box<dyn Future<Output = Result<RunnerStats, RunnerError>> + Send>>;
+type Start = Box<dyn FnOnce(crate::Stopped) -> RunFuture + Send>;
+
+/// A consumer, built: [`run`](Self::run) it until the engine shuts down.
+#[must_use = "a consumer does nothing until it is run"]
+pub struct Consumer {
+    engine: Engine,
+    stats: StatsHandle,
+    start: Start,
+}
+
+impl fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("stats", &self.stats.snapshot())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    fn new(
+        engine: Engine,
+        stats: StatsHandle,
+        start: impl FnOnce(crate::Stopped) -> RunFuture + Send + 'static,
+    ) -> Self {
+        Self {
+            engine,
+            stats,
+            start: Box::new(start),
+        }
+    }
+
+    /// A handle to the consumer's counters, readable while it runs.
+    pub fn stats(&self) -> StatsHandle {
+        self.stats.clone()
+    }
+
+    /// Consumes until the engine shuts down ([`Engine::shutdown`]), then lets running messages
+    /// finish (up to the drain timeout), commits and leaves the group.
+    ///
+    /// # Errors
+    /// The Kafka client could not start or subscribe, or the cluster refused it.
+    pub async fn run(self) -> Result<RunnerStats, RunnerError> {
+        let _running = self.engine.running();
+        let stop = self.engine.stopped();
+        (self.start)(stop).await
+    }
+}

@@ -1,0 +1,355 @@
+//! [`EngineBuilder`]: every engine setting in one place, checked once by `build()`.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::{
+    Adoption, BatchConfig, Batched, Dedup, InstanceId, MAX_WAIT, Policy, Scope, Store,
+    TieredConfig, TieredStore, Timestamp,
+};
+use dedup_pg::{MigrationMode, PgStore};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tracing::{info, warn};
+
+use super::{BuildError, Engine, FastTier, Inner};
+use crate::running::Running;
+
+/// Where Postgres is.
+#[derive(Debug)]
+enum Postgres {
+    Pool(PgPool),
+    Url { url: String, max_connections: u32 },
+}
+
+/// Where Redis is.
+#[cfg(feature = "redis")]
+#[derive(Debug)]
+enum Redis {
+    One(String),
+    Cluster(Vec<String>),
+}
+
+/// Builds an [`Engine`], in the style of sqlx's `PgPoolOptions`: setters that cannot fail, and
+/// one [`build`](Self::build) that checks everything and names a bad setting by its method.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), dedup::BuildError> {
+/// let engine = dedup::Engine::builder()
+///     .postgres_url("postgres://dedup@db/payments")
+///     .scope("payments")
+///     .instance("payments-7f9c") // a pod name: stable across restarts
+///     .build()
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+#[must_use = "an engine builder does nothing until `build` is awaited"]
+pub struct EngineBuilder {
+    postgres: Option<Postgres>,
+    #[cfg(feature = "redis")]
+    redis: Option<Redis>,
+    #[cfg(feature = "redis")]
+    redis_prefix: String,
+    tiers: TieredConfig,
+    group_commit: BatchConfig,
+    policy: Policy,
+    in_flight_wait: Duration,
+    instance: Option<String>,
+    scope: Option<String>,
+    migrations: MigrationMode,
+}
+
+impl Default for EngineBuilder {
+    fn default() -> Self {
+        Self {
+            postgres: None,
+            #[cfg(feature = "redis")]
+            redis: None,
+            #[cfg(feature = "redis")]
+            redis_prefix: "dedup".to_owned(),
+            tiers: TieredConfig::default(),
+            group_commit: BatchConfig::default(),
+            policy: Policy::default(),
+            in_flight_wait: Duration::from_secs(5),
+            instance: None,
+            scope: None,
+            migrations: MigrationMode::Apply,
+        }
+    }
+}
+
+impl EngineBuilder {
+    /// Postgres, as a pool you built (its size bounds the engine's concurrency; give it at least
+    /// a few connections more than the consumers' batches in flight).
+    pub fn postgres(mut self, pool: PgPool) -> Self {
+        self.postgres = Some(Postgres::Pool(pool));
+        self
+    }
+
+    /// Postgres at `url` (`postgres://user:password@host/db?sslmode=...`), on a pool of 16
+    /// connections.
+    pub fn postgres_url(self, url: impl Into<String>) -> Self {
+        self.postgres_url_with(url, 16)
+    }
+
+    /// Postgres at `url`, on a pool of `max_connections`.
+    pub fn postgres_url_with(mut self, url: impl Into<String>, max_connections: u32) -> Self {
+        self.postgres = Some(Postgres::Url {
+            url: url.into(),
+            max_connections,
+        });
+        self
+    }
+
+    /// Redis at `url` as the fast path (L2) in front of Postgres. Without it, Postgres answers
+    /// what the in-process L1 does not hold.
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn redis_url(mut self, url: impl Into<String>) -> Self {
+        self.redis = Some(Redis::One(url.into()));
+        self
+    }
+
+    /// A Redis Cluster, by some of its nodes' URLs, as the fast path.
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn redis_cluster(mut self, urls: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.redis = Some(Redis::Cluster(urls.into_iter().map(Into::into).collect()));
+        self
+    }
+
+    /// The prefix of dedup's Redis keys (default `dedup`).
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn redis_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.redis_prefix = prefix.into();
+        self
+    }
+
+    /// The caches' settings (L1 size and policy, the fast path's timeout).
+    pub fn tiers(mut self, config: TieredConfig) -> Self {
+        self.tiers = config;
+        self
+    }
+
+    /// Group commit: concurrent claims and completions go to Postgres as batches of up to
+    /// `max_batch`.
+    pub fn group_commit(mut self, config: BatchConfig) -> Self {
+        self.group_commit = config;
+        self
+    }
+
+    /// The default claim policy (lease, attempts, retention); a consumer or layer may override it.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// How long a duplicate waits for another holder's live lease before it is answered "in
+    /// flight" (default 5 s).
+    pub fn in_flight_wait(mut self, wait: Duration) -> Self {
+        self.in_flight_wait = wait;
+        self
+    }
+
+    /// The instance identity: a pod or host name, the same after a restart, unique among live
+    /// processes. With it, the engine ends the leases its previous incarnation left (a process
+    /// killed mid-effect: its messages are taken over at once, not after the lease), holds the
+    /// identity while it lives, and gives each consumer a stable `group.instance.id`.
+    pub fn instance(mut self, id: impl Into<String>) -> Self {
+        self.instance = Some(id.into());
+        self
+    }
+
+    /// The dedup scope: the namespace of every key (required). It is never derived from a
+    /// consumer group: renaming a group, or a blue/green deploy under a new group id, must still
+    /// find every key done.
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// What `build` does with dedup's migrations: apply them (the default), verify that a
+    /// deploy step applied them, or only check the schema's generation.
+    pub fn migrations(mut self, mode: MigrationMode) -> Self {
+        self.migrations = mode;
+        self
+    }
+
+    /// Checks every setting, connects, migrates (as [`migrations`](Self::migrations) says) and,
+    /// with an instance identity, adopts the leases of its earlier incarnations.
+    ///
+    /// # Errors
+    /// A bad setting, named; Postgres or Redis unreachable; a schema this binary cannot use;
+    /// an instance identity another live process holds.
+    pub async fn build(self) -> Result<Engine, BuildError> {
+        let scope = match &self.scope {
+            Some(s) => Scope::new(s).map_err(|e| BuildError::setting("scope", e))?,
+            None => {
+                return Err(BuildError::setting(
+                    "scope",
+                    "no dedup scope: set one (it is never derived from a consumer group)",
+                ));
+            }
+        };
+        let instance = self
+            .instance
+            .as_deref()
+            .map(InstanceId::new)
+            .transpose()
+            .map_err(|e| BuildError::setting("instance", e))?;
+        self.policy
+            .validate()
+            .map_err(|e| BuildError::setting("policy", e))?;
+        if self.in_flight_wait > MAX_WAIT {
+            return Err(BuildError::setting(
+                "in_flight_wait",
+                "longer than a week (MAX_WAIT)",
+            ));
+        }
+        let pool = match self.postgres {
+            None => return Err(BuildError::setting("postgres", "no Postgres given")),
+            Some(Postgres::Pool(pool)) => pool,
+            Some(Postgres::Url {
+                url,
+                max_connections,
+            }) => {
+                if max_connections == 0 {
+                    return Err(BuildError::setting(
+                        "postgres_url_with",
+                        "a pool of no connections",
+                    ));
+                }
+                let options = PgPoolOptions::new()
+                    .max_connections(max_connections)
+                    .acquire_timeout(Duration::from_secs(5));
+                dedup_pg::connect(&url, options).await?
+            }
+        };
+        let status = dedup_pg::prepare(&pool, self.migrations).await?;
+        info!(?status, "dedup schema ready");
+        let fast = fast_path(
+            #[cfg(feature = "redis")]
+            self.redis,
+            #[cfg(feature = "redis")]
+            &self.redis_prefix,
+        )
+        .await?;
+        let pg = PgStore::new(pool);
+        let tiers =
+            Arc::new(TieredStore::new(pg.clone(), fast, self.tiers).with_background_backfill());
+        let store = Arc::new(Batched::new(tiers.clone(), self.group_commit));
+        let owner_prefix = match &instance {
+            Some(id) => format!("{}{}", id.owner_prefix(), incarnation()),
+            None => format!("pid{}", incarnation()),
+        };
+        if let Some(id) = &instance {
+            // Every owner id of this incarnation starts with `<prefix>.`: the others are earlier
+            // incarnations', whose live leases end now.
+            match tiers.adopt(id, &format!("{owner_prefix}.")).await {
+                Ok(Adoption::HeldElsewhere) => {
+                    return Err(BuildError::setting(
+                        "instance",
+                        format!(
+                            "another live process holds the instance identity {id}: two \
+                             processes with one identity would fence each other's consumers"
+                        ),
+                    ));
+                }
+                Ok(adoption) => {
+                    info!(instance = %id, adopted = adoption.adopted(), "instance identity held");
+                }
+                Err(e) => {
+                    return Err(BuildError::Store {
+                        what: "holding the instance identity",
+                        source: e,
+                    });
+                }
+            }
+        } else {
+            warn!(
+                "no instance identity: a process killed mid-effect leaves its keys held until \
+                 their leases end"
+            );
+        }
+        let dedup = Dedup::new(store.clone())
+            .with_owner_prefix(format!("{owner_prefix}.0"))
+            .with_policy(self.policy)
+            .map_err(|e| BuildError::setting("policy", e))?
+            .with_in_flight_wait(self.in_flight_wait)
+            .map_err(|e| BuildError::setting("in_flight_wait", e))?;
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                pg,
+                tiers,
+                store,
+                dedup: Arc::new(dedup),
+                scope,
+                instance,
+                owner_prefix,
+                policy: self.policy,
+                in_flight_wait: self.in_flight_wait,
+                members: AtomicU64::new(0),
+                groups: Mutex::new(HashMap::new()),
+                running: Running::default(),
+                #[cfg(feature = "http")]
+                layers: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+}
+
+/// This start of the process: its pid and the time, in hex.
+fn incarnation() -> String {
+    format!("{:x}{:x}", std::process::id(), Timestamp::now().as_micros())
+}
+
+#[cfg(feature = "redis")]
+async fn fast_path(redis: Option<Redis>, prefix: &str) -> Result<FastTier, BuildError> {
+    use dedup_redis::RedisFastPath;
+
+    let store_error = |source| BuildError::Store {
+        what: "connecting to Redis",
+        source,
+    };
+    Ok(match redis {
+        None => super::Fast::Off(dedup_core::NoFastPath),
+        Some(Redis::One(url)) => {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(BuildError::setting(
+                    "redis_url",
+                    format!(
+                        "{} must start with redis:// or rediss://",
+                        dedup_pg::redact_url(&url)
+                    ),
+                ));
+            }
+            super::Fast::Redis(
+                RedisFastPath::connect(&url)
+                    .await
+                    .map_err(store_error)?
+                    .with_prefix(prefix),
+            )
+        }
+        Some(Redis::Cluster(urls)) => {
+            if urls.is_empty() {
+                return Err(BuildError::setting("redis_cluster", "no node given"));
+            }
+            let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+            super::Fast::Cluster(
+                RedisFastPath::connect_cluster(&urls)
+                    .await
+                    .map_err(store_error)?
+                    .with_prefix(prefix),
+            )
+        }
+    })
+}
+
+#[cfg(not(feature = "redis"))]
+async fn fast_path() -> Result<FastTier, BuildError> {
+    Ok(dedup_core::NoFastPath)
+}

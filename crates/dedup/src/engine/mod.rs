@@ -1,0 +1,258 @@
+//! The engine: built once ([`Engine::builder`]), it holds Postgres (the authority: leases,
+//! fencing tokens, records), the caches in front of it (L1 in process, Redis as L2), group commit,
+//! the default policy, the dedup scope and the instance identity. Consumers and HTTP layers are
+//! built from it and share all of that.
+
+mod builder;
+mod error;
+#[cfg(feature = "redis")]
+mod fast;
+
+pub use builder::EngineBuilder;
+pub use error::BuildError;
+#[cfg(feature = "redis")]
+pub use fast::Fast;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::{Batched, Dedup, InstanceId, Policy, Scope, TierStats, TieredStore};
+use dedup_pg::PgStore;
+
+use crate::running::Running;
+#[cfg(feature = "kafka")]
+use crate::running::{RunningGuard, Stopped};
+
+/// The fast path behind L1: Redis or none (`redis` feature), none otherwise.
+#[cfg(feature = "redis")]
+pub(crate) type FastTier = Fast;
+#[cfg(not(feature = "redis"))]
+pub(crate) type FastTier = dedup_core::NoFastPath;
+
+/// The engine's tiered store: L1, the fast path, Postgres.
+pub type Tiers = TieredStore<PgStore, FastTier>;
+
+/// The store everything built from the engine claims through: the tiers, with concurrent claims
+/// and completions sent to Postgres in batches (group commit).
+pub type EngineStore = Batched<Arc<Tiers>>;
+
+/// dedup's engine. Cheap to clone: clones share everything.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pg: PgStore,
+    tiers: Arc<Tiers>,
+    store: Arc<EngineStore>,
+    dedup: Arc<Dedup<Arc<EngineStore>>>,
+    scope: Scope,
+    instance: Option<InstanceId>,
+    /// `<instance>/<incarnation>` (or the process's id and start): every member's owner ids are
+    /// `<prefix>.<member>#<n>`.
+    owner_prefix: String,
+    policy: Policy,
+    in_flight_wait: Duration,
+    members: AtomicU64,
+    /// Consumers per group, for their `group.instance.id`.
+    groups: Mutex<HashMap<String, u32>>,
+    running: Running,
+    /// The HTTP layers built from the engine, drained at shutdown.
+    #[cfg(feature = "http")]
+    layers: Mutex<Vec<crate::http::EngineLayer>>,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("scope", &self.inner.scope)
+            .field("instance", &self.inner.instance)
+            .field("owner_prefix", &self.inner.owner_prefix)
+            .field("policy", &self.inner.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a consumer or layer built from the engine is called by.
+pub(crate) struct Member {
+    pub(crate) owner_prefix: String,
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    pub(crate) group_instance_id: Option<String>,
+}
+
+impl Engine {
+    /// A builder with the defaults: no Redis, L1 of 100,000 entries, group commit in batches
+    /// of up to 512, the default [`Policy`], a 5 s in-flight wait, migrations applied.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::default()
+    }
+
+    /// The dedup scope: every key of this engine lives in it.
+    pub fn scope(&self) -> &Scope {
+        &self.inner.scope
+    }
+
+    /// The instance identity, if one was given.
+    pub fn instance(&self) -> Option<&InstanceId> {
+        self.inner.instance.as_ref()
+    }
+
+    /// The default policy.
+    pub fn policy(&self) -> Policy {
+        self.inner.policy
+    }
+
+    /// The Postgres store (the authority): its pool is `postgres().pool()`.
+    pub fn postgres(&self) -> &PgStore {
+        &self.inner.pg
+    }
+
+    /// The pool the engine uses: the one to write effects with in transaction mode.
+    pub fn pool(&self) -> &sqlx::PgPool {
+        self.inner.pg.pool()
+    }
+
+    /// The engine's own `Dedup`, for work that is neither a consumer nor a request
+    /// (`engine.dedup().process(&key, fingerprint, handler)`), under the default policy.
+    pub fn dedup(&self) -> &Arc<Dedup<Arc<EngineStore>>> {
+        &self.inner.dedup
+    }
+
+    /// A `Dedup` of its own on the engine's store, under `policy` (for work under another
+    /// policy than the engine's default; it claims under owner ids of its own).
+    ///
+    /// # Errors
+    /// A policy that cannot work.
+    pub fn dedup_with(&self, policy: Policy) -> Result<Dedup<Arc<EngineStore>>, BuildError> {
+        self.member_dedup(policy, self.member(None).owner_prefix)
+    }
+
+    /// The caches' counters (L1 and fast-path hits, misses, errors).
+    pub fn tier_stats(&self) -> TierStats {
+        self.inner.tiers.stats()
+    }
+
+    /// Group commit's counters: how many batch calls carried how many claims and completions.
+    pub fn group_commit_stats(&self) -> GroupCommitStats {
+        let (claim_calls, claims, completion_calls, completions) = self.inner.store.batch_counts();
+        GroupCommitStats {
+            claim_calls,
+            claims,
+            completion_calls,
+            completions,
+        }
+    }
+
+    /// A handle that stops everything built from this engine ([`Shutdown`](crate::Shutdown)).
+    pub fn shutdown_handle(&self) -> crate::Shutdown {
+        self.inner.running.handle()
+    }
+
+    /// Shuts down everything built from this engine: consumers stop taking messages, let the
+    /// running ones finish (each up to its drain timeout), commit and leave their groups; then,
+    /// once every consumer's `run` has returned and every HTTP layer has drained, the instance
+    /// identity is released so that a successor takes it at once. Call it once; stop the HTTP
+    /// server from taking requests first (or give it [`Shutdown::stopped`](crate::Shutdown::stopped)
+    /// as its graceful-shutdown signal).
+    pub async fn shutdown(&self) {
+        self.inner.running.stop();
+        self.inner.running.finished().await;
+        #[cfg(feature = "http")]
+        {
+            let layers = self
+                .inner
+                .layers
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            for layer in layers {
+                layer.drain().await;
+            }
+        }
+        if self.inner.pg.release_identity().await {
+            tracing::info!("engine shut down; instance identity released");
+        }
+    }
+
+    #[cfg(feature = "http")]
+    pub(crate) fn keep_layer(&self, layer: crate::http::EngineLayer) {
+        self.inner
+            .layers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(layer);
+    }
+
+    #[cfg(feature = "kafka")]
+    pub(crate) fn running(&self) -> RunningGuard {
+        self.inner.running.guard()
+    }
+
+    #[cfg(feature = "kafka")]
+    pub(crate) fn stopped(&self) -> Stopped {
+        self.inner.running.handle().stopped()
+    }
+
+    /// The caches transaction mode answers settled keys from and copies its commits to.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn caches(&self) -> Arc<dyn dedup_core::BatchCache> {
+        self.inner.tiers.clone()
+    }
+
+    /// A new member's owner ids, and its `group.instance.id` in `group` (the instance, the group,
+    /// and a count past the first consumer of the group: unique per group member, the same after
+    /// a restart that builds the consumers in the same order).
+    pub(crate) fn member(&self, group: Option<&str>) -> Member {
+        let n = self.inner.members.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+        let instance = self.inner.instance.as_ref().zip(group);
+        let group_instance_id = instance.map(|(id, group)| {
+            let mut groups = self
+                .inner
+                .groups
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let count = groups.entry(group.to_owned()).or_insert(0);
+            *count += 1;
+            match *count {
+                1 => format!("{id}-{group}"),
+                k => format!("{id}-{group}-{k}"),
+            }
+        });
+        Member {
+            owner_prefix: format!("{}.{n}", self.inner.owner_prefix),
+            group_instance_id,
+        }
+    }
+
+    /// A `Dedup` on the engine's store, under `policy`, claiming under `owner_prefix`.
+    pub(crate) fn member_dedup(
+        &self,
+        policy: Policy,
+        owner_prefix: String,
+    ) -> Result<Dedup<Arc<EngineStore>>, BuildError> {
+        Dedup::new(self.inner.store.clone())
+            .with_owner_prefix(owner_prefix)
+            .with_policy(policy)
+            .map_err(|e| BuildError::setting("policy", e))?
+            .with_in_flight_wait(self.inner.in_flight_wait)
+            .map_err(|e| BuildError::setting("in_flight_wait", e))
+    }
+}
+
+/// Group commit's counters ([`Engine::group_commit_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupCommitStats {
+    /// Batch claim calls made.
+    pub claim_calls: u64,
+    /// Claims they carried.
+    pub claims: u64,
+    /// Batch completion calls made.
+    pub completion_calls: u64,
+    /// Completions they carried.
+    pub completions: u64,
+}

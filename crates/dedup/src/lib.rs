@@ -1,0 +1,123 @@
+//! dedup makes message consumers and HTTP handlers idempotent: each event's effect runs exactly
+//! once, under a fenced lease or inside the transaction that records it, and every duplicate
+//! gets the stored result.
+//!
+//! One [`Engine`] is built per process ([`Engine::builder`]): Postgres (the authority), optional
+//! Redis in front of it, the default policy, the dedup scope and the instance identity. Kafka
+//! consumers ([`Engine::consumer`], feature `kafka`) and the HTTP Idempotency-Key layer
+//! ([`Engine::http_layer`], feature `http`) are built from it, and [`Engine::shutdown`] stops
+//! them all.
+//!
+//! ```no_run
+//! # #[cfg(feature = "kafka")]
+//! # mod example {
+//! use dedup::kafka::{Acquired, TxHandler};
+//! use dedup::sqlx::PgConnection;
+//! use dedup::{Bytes, Engine, HandlerError};
+//!
+//! /// The effect is a row in the same Postgres: transaction mode.
+//! struct Ledger;
+//!
+//! impl TxHandler for Ledger {
+//!     type Error = dedup::sqlx::Error;
+//!
+//!     async fn handle(
+//!         &self,
+//!         tx: &mut PgConnection,
+//!         message: &Acquired,
+//!     ) -> Result<Bytes, HandlerError<Self::Error>> {
+//!         dedup::sqlx::query("INSERT INTO ledger (event, body) VALUES ($1, $2)")
+//!             .bind(message.lease().key.key_bytes())
+//!             .bind(message.delivery().payload_bytes())
+//!             .execute(tx)
+//!             .await
+//!             .map_err(HandlerError::Retryable)?;
+//!         Ok(Bytes::from_static(b"booked"))
+//!     }
+//! }
+//!
+//! async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//!     let engine = Engine::builder()
+//!         .postgres_url("postgres://dedup@db/payments")
+//!         .scope("payments")
+//!         .instance("payments-0")
+//!         .build()
+//!         .await?;
+//!     let consumer = engine
+//!         .consumer()
+//!         .brokers("kafka:9092")
+//!         .group_id("payments")
+//!         .topics(["payments"])
+//!         .build(Ledger)?;
+//!     let running = tokio::spawn(consumer.run());
+//!     tokio::signal::ctrl_c().await?;
+//!     engine.shutdown().await; // drain, commit, release the identity
+//!     running.await??;
+//!     Ok(())
+//! }
+//! # }
+//! ```
+//!
+//! # Features
+//! `pg` (default: the engine), `redis` (Redis as the fast path), `kafka` (consumers), `http`
+//! (the tower layer), `json` (a JSON codec for typed results), `tls` (TLS to each server that is
+//! on), `zstd` (zstd-compressed topics), `otel` (a message's span joined to its producer's trace).
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(feature = "kafka")]
+mod consumer;
+#[cfg(feature = "pg")]
+mod engine;
+#[cfg(feature = "http")]
+mod http;
+#[cfg(feature = "pg")]
+mod running;
+
+/// Kafka consumers built from an [`Engine`]: the handler traits, the builder and its settings.
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub mod kafka {
+    pub use crate::consumer::{
+        Consumer, ConsumerBuilder, Lease, LeaseHandler, Message, Mode, Parts, Transaction,
+        TxHandler,
+    };
+    pub use dedup_kafka::{
+        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, KeySource, KillSwitch,
+        MissingKey, Ordering, OrderingKey, Parking, RunnerError, RunnerStats, StatsHandle,
+    };
+    pub use dedup_pg::ItemResult;
+}
+
+pub use bytes::Bytes;
+pub use dedup_core::{
+    BatchConfig, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError, InstanceId,
+    L1Policy, Lease as LeaseRecord, LeaseContext, MemoryStore, Policy, ProcessError, Processed,
+    ResultCodec, Scope, StoreError, TierStats, TieredConfig, TypedProcessed,
+};
+#[cfg(feature = "pg")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
+pub use {
+    dedup_pg::{ConnectError, MigrationMode, PgStore, SchemaError},
+    engine::{BuildError, Engine, EngineBuilder, EngineStore, GroupCommitStats, Tiers},
+    running::{Shutdown, Stopped},
+    sqlx,
+};
+
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use {dedup_redis::redis, engine::Fast};
+
+/// The HTTP Idempotency-Key layer built from an [`Engine`] ([`Engine::http_layer`]).
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http_layer {
+    pub use crate::http::EngineLayer;
+    pub use dedup_http::{
+        Committed, DoNotStore, Extractor, IdempotencyConfig, IdempotencyContext, InFlight,
+        StoreResponses,
+    };
+}
+
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub use rdkafka;

@@ -1,0 +1,320 @@
+//! The front door: an engine built once, consumers built from it by their handler's trait, and
+//! the examples that show it, run against the real servers.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup::kafka::{Batching, MissingKey, Ordering as KeyOrdering, Parking, TxHandler};
+use dedup::{BuildError, Engine, HandlerError, LeaseContext};
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use super::{Broker, Event, committed_to_the_end, eventually, produce, unique};
+use crate::support::url_of;
+
+#[allow(dead_code, unreachable_pub, clippy::print_stderr)]
+#[path = "../../../crates/dedup/examples/kafka_ledger.rs"]
+mod kafka_ledger;
+
+on_brokers!(
+    the_kafka_ledger_example_books_each_payment_once_and_commits_to_the_end,
+    a_lease_handler_runs_each_key_once_per_message_and_by_the_batch,
+);
+
+/// 300 payments over 200 keys on 3 partitions: every third a redelivery of an earlier one.
+fn payments() -> (Vec<Event>, BTreeSet<String>) {
+    let events: Vec<Event> = (0..300u32)
+        .map(|i| {
+            let id = if i % 3 == 2 { i / 3 } else { i };
+            Event {
+                key: Some(format!("pay-{id}")),
+                payload: format!(r#"{{"account":{},"amount":{}}}"#, id % 7, id + 1),
+                partition: i32::try_from(i % 3).unwrap(),
+                message_key: None,
+            }
+        })
+        .collect();
+    let keys = events.iter().filter_map(|e| e.key.clone()).collect();
+    (events, keys)
+}
+
+async fn the_kafka_ledger_example_books_each_payment_once_and_commits_to_the_end(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let topic = unique("payments");
+    broker.create_topic(&topic, 3).await;
+    let (events, keys) = payments();
+    produce(broker, &topic, &events).await;
+    let settings = kafka_ledger::Settings {
+        database_url: url_of(&pool),
+        brokers: broker.bootstrap(),
+        topic: topic.clone(),
+        instance: Some(unique("ledger")),
+        client: broker
+            .client()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        kafka_ledger::consume(&settings, async {
+            let _ = stopped.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    });
+    let expected = i64::try_from(keys.len()).unwrap();
+    eventually(60, "every payment booked", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ledger")
+                .fetch_one(&pool)
+                .await
+                .is_ok_and(|n| n >= expected)
+        }
+    })
+    .await;
+    // Booked is not settled: the duplicates still have to be answered before the stop.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.send(()).unwrap();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(stats.executed, keys.len() as u64);
+    assert_eq!(stats.executed + stats.replayed, 300);
+    assert_eq!(stats.dead_lettered, 0);
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT key, count(*) FROM ledger GROUP BY key ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(rows.iter().all(|(_, n)| *n == 1), "a payment booked twice");
+    let booked: BTreeSet<String> = rows.into_iter().map(|(k, _)| k).collect();
+    assert_eq!(booked, keys);
+    committed_to_the_end(broker, &format!("{topic}-ledger"), &topic, 3).await;
+}
+
+async fn a_lease_handler_runs_each_key_once_per_message_and_by_the_batch(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    for batched in [false, true] {
+        let topic = unique("calls");
+        broker.create_topic(&topic, 3).await;
+        let (events, keys) = payments();
+        produce(broker, &topic, &events).await;
+        let engine = Engine::builder()
+            .postgres(pool.clone())
+            .scope(unique("calls"))
+            .build()
+            .await
+            .unwrap();
+        let effects: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
+        let handler = {
+            let effects = effects.clone();
+            move |message: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+                let effects = effects.clone();
+                async move {
+                    assert!(!lease.is_lost());
+                    let key = String::from_utf8_lossy(lease.lease().key.key_bytes()).into_owned();
+                    *effects.lock().unwrap().entry(key).or_default() += 1;
+                    Ok::<_, HandlerError<String>>(Bytes::copy_from_slice(message.payload_bytes()))
+                }
+            }
+        };
+        let mut consumer = engine
+            .consumer()
+            .brokers(broker.bootstrap())
+            .group_id(unique("g"))
+            .topics([&topic])
+            .ordering(KeyOrdering::PerKey)
+            .commit_interval(Duration::from_millis(200))
+            .set("auto.offset.reset", "earliest");
+        for (k, v) in broker.client() {
+            consumer = consumer.set(k, v);
+        }
+        if batched {
+            consumer = consumer.batching(Batching::default());
+        }
+        let consumer = consumer.build(handler).unwrap();
+        let stats = consumer.stats();
+        let run = tokio::spawn(consumer.run());
+        eventually(60, "all 300 settled", || {
+            let s = stats.snapshot();
+            async move { s.executed + s.replayed == 300 }
+        })
+        .await;
+        engine.shutdown().await;
+        let s = run.await.unwrap().unwrap();
+        assert_eq!(s.executed, keys.len() as u64, "batched: {batched}");
+        let effects = effects.lock().unwrap();
+        assert!(effects.values().all(|n| *n == 1), "an effect ran twice");
+        assert_eq!(effects.keys().cloned().collect::<BTreeSet<_>>(), keys);
+    }
+}
+
+fn setting_of(r: Result<impl std::fmt::Debug, BuildError>) -> &'static str {
+    match r {
+        Err(BuildError::Setting { setting, .. }) => setting,
+        other => panic!("expected a refused setting, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_engine_builder_names_the_setting_at_fault() {
+    assert_eq!(setting_of(Engine::builder().build().await), "scope");
+    assert_eq!(
+        setting_of(Engine::builder().scope("").build().await),
+        "scope"
+    );
+    assert_eq!(
+        setting_of(Engine::builder().scope("s").instance("").build().await),
+        "instance"
+    );
+    assert_eq!(
+        setting_of(
+            Engine::builder()
+                .scope("s")
+                .in_flight_wait(Duration::from_secs(8 * 24 * 3600))
+                .build()
+                .await
+        ),
+        "in_flight_wait"
+    );
+    assert_eq!(
+        setting_of(Engine::builder().scope("s").build().await),
+        "postgres"
+    );
+    let policy = dedup::Policy::default().with_max_attempts(0);
+    assert_eq!(
+        setting_of(Engine::builder().scope("s").policy(policy).build().await),
+        "policy"
+    );
+}
+
+/// A transaction-mode handler that books nothing (the refusals never run it).
+struct Nothing;
+
+impl TxHandler for Nothing {
+    type Error = String;
+
+    async fn handle(
+        &self,
+        _: &mut sqlx::PgConnection,
+        _: &dedup::kafka::Acquired,
+    ) -> Result<Bytes, HandlerError<String>> {
+        Ok(Bytes::new())
+    }
+}
+
+async fn lease_nothing(
+    _: Arc<dedup::kafka::Message>,
+    _: LeaseContext,
+) -> Result<Bytes, HandlerError<String>> {
+    Ok(Bytes::new())
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn the_consumer_builder_refuses_what_its_mode_cannot_honour_by_name(pool: PgPool) {
+    let engine = Engine::builder()
+        .postgres(pool)
+        .scope("refusals")
+        .build()
+        .await
+        .unwrap();
+    let base = || {
+        engine
+            .consumer()
+            .brokers("127.0.0.1:1")
+            .group_id("g")
+            .topics(["t"])
+    };
+    let parking = || Parking::default();
+    assert_eq!(setting_of(engine.consumer().build(Nothing)), "brokers");
+    assert_eq!(
+        setting_of(base().topics(Vec::<String>::new()).build(Nothing)),
+        "topics"
+    );
+    assert_eq!(
+        setting_of(base().parking(parking()).build(Nothing)),
+        "parking"
+    );
+    assert_eq!(
+        setting_of(
+            base()
+                .ordering(KeyOrdering::PerKey)
+                .batching(Batching::default())
+                .parking(parking())
+                .build(lease_nothing)
+        ),
+        "parking"
+    );
+    // Parking under per-partition order cannot keep a key's order apart from its partition's.
+    assert_eq!(
+        setting_of(base().parking(parking()).build(lease_nothing)),
+        "parking"
+    );
+    assert_eq!(
+        setting_of(
+            base()
+                .offsets_in_transaction(Duration::from_secs(1))
+                .build(lease_nothing)
+        ),
+        "offsets_in_transaction"
+    );
+    assert_eq!(
+        setting_of(
+            base()
+                .missing_key(MissingKey::ProcessWithoutDedup)
+                .build(lease_nothing)
+        ),
+        "missing_key"
+    );
+    assert_eq!(
+        setting_of(base().max_in_flight(0).build(Nothing)),
+        "max_in_flight"
+    );
+    assert_eq!(
+        setting_of(
+            base()
+                .policy(dedup::Policy::default().with_max_attempts(0))
+                .build(Nothing)
+        ),
+        "policy"
+    );
+    // What is left builds, in every mode.
+    let builds = |r: Result<dedup::kafka::Consumer, BuildError>| {
+        if let Err(e) = r {
+            panic!("refused: {e}");
+        }
+    };
+    builds(base().build(Nothing));
+    builds(base().build(lease_nothing));
+    builds(base().batching(Batching::default()).build(lease_nothing));
+    builds(
+        base()
+            .ordering(KeyOrdering::PerKey)
+            .parking(parking())
+            .build(lease_nothing),
+    );
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn an_instance_identity_is_held_by_one_engine_and_released_at_shutdown(pool: PgPool) {
+    let id = unique("pod");
+    let build = || {
+        Engine::builder()
+            .postgres(pool.clone())
+            .scope("identity")
+            .instance(id.clone())
+            .build()
+    };
+    let first = build().await.unwrap();
+    assert_eq!(setting_of(build().await), "instance");
+    first.shutdown().await;
+    let second = build().await.unwrap();
+    assert_eq!(second.instance().unwrap().as_str(), id);
+    second.shutdown().await;
+}
