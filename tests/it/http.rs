@@ -371,7 +371,7 @@ async fn two_instances_share_their_keys(pool: PgPool) {
     assert_eq!(runs.load(Ordering::SeqCst), 6);
 }
 
-/// The example service (`crates/dedup-http/examples/orders.rs`), started as processes.
+/// The example service (`crates/dedup/examples/orders.rs`), started as processes.
 struct Service {
     child: tokio::process::Child,
     base: String,
@@ -389,7 +389,7 @@ impl Service {
             .join("examples/orders");
         assert!(
             bin.exists(),
-            "{} is missing: `cargo test --workspace` builds it (or `cargo build -p dedup-http --example orders`)",
+            "{} is missing: `cargo test --workspace` builds it (or `cargo build -p dedup --features http,redis --example orders`)",
             bin.display()
         );
         let mut child = tokio::process::Command::new(bin)

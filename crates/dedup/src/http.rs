@@ -1,9 +1,18 @@
 //! The HTTP Idempotency-Key layer built from an [`Engine`]: the engine's store, caches and
-//! owner ids; the layer's own policy, header and scope ([`IdempotencyConfig`]).
+//! owner ids; the layer's own policy, header and scope ([`IdempotencyConfig`]). A handler whose
+//! effect is a write in the engine's Postgres runs it in a [`RequestTx`]: the writes and the
+//! stored response commit in one transaction.
 
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use dedup_http::{IdempotencyConfig, IdempotencyLayer};
+use bytes::Bytes;
+use dedup_core::StoreError;
+use dedup_core::typed::CodecError;
+use dedup_http::{Committed, IdempotencyConfig, IdempotencyContext, IdempotencyLayer};
+use dedup_pg::PgStore;
+use http::Response;
+use sqlx::postgres::{PgConnection, Postgres};
 
 use crate::engine::{BuildError, Engine, EngineStore};
 
@@ -25,5 +34,104 @@ impl Engine {
             .map_err(|e| BuildError::setting("http_layer", e))?;
         self.keep_layer(layer.clone());
         Ok(layer)
+    }
+
+    /// Begins the transaction of a request whose effect is a write in the engine's Postgres:
+    /// write on it (it derefs to a `PgConnection`), then [`RequestTx::commit`] the response.
+    ///
+    /// ```no_run
+    /// # use dedup::http_layer::{IdempotencyContext, RequestTx};
+    /// # async fn create(engine: dedup::Engine, ctx: IdempotencyContext)
+    /// #     -> Result<http::Response<bytes::Bytes>, Box<dyn std::error::Error>> {
+    /// let mut tx = engine.begin(&ctx).await?;
+    /// dedup::sqlx::query("INSERT INTO orders (customer) VALUES ('c-1')")
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// let response = http::Response::builder().status(201).body(bytes::Bytes::from("created"))?;
+    /// Ok(tx.commit(response).await?) // the order and its stored response, in one commit
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// Postgres is unavailable (answer 503 with `DoNotStore`: nothing ran, a retry runs).
+    pub async fn begin(&self, ctx: &IdempotencyContext) -> Result<RequestTx, StoreError> {
+        let tx = self
+            .pool()
+            .begin()
+            .await
+            .map_err(|e| dedup_pg::classify(e, false))?;
+        Ok(RequestTx {
+            tx,
+            ctx: ctx.clone(),
+            store: self.postgres().clone(),
+        })
+    }
+}
+
+/// A request's transaction ([`Engine::begin`]): the effect's writes, then the key's completion
+/// with the stored response, committed together. Dropped without [`commit`](Self::commit), it
+/// rolls back.
+#[derive(Debug)]
+pub struct RequestTx {
+    tx: sqlx::Transaction<'static, Postgres>,
+    ctx: IdempotencyContext,
+    store: PgStore,
+}
+
+impl Deref for RequestTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.tx
+    }
+}
+
+impl DerefMut for RequestTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}
+
+/// Why a [`RequestTx`] did not commit.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommitError {
+    /// The response cannot be stored (too large for the policy, or not encodable). Nothing
+    /// committed.
+    #[error("the response cannot be stored: {0}")]
+    Response(#[from] CodecError),
+    /// The completion or the commit failed: the lease was taken over (`LeaseLost`), or Postgres
+    /// failed. Nothing committed: answer 503 with `DoNotStore`, and a retry runs again.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl CommitError {
+    /// Whether sending the request again may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Response(_) => false,
+            Self::Store(e) => e.is_retryable(),
+        }
+    }
+}
+
+impl RequestTx {
+    /// Completes the key with `response`'s stored form inside the transaction and commits (an
+    /// unknown commit outcome is resolved by reading the record back). Returns the response
+    /// marked [`Committed`], so that the layer stores nothing more.
+    ///
+    /// # Errors
+    /// See [`CommitError`]; either way, nothing committed.
+    pub async fn commit(
+        mut self,
+        mut response: Response<Bytes>,
+    ) -> Result<Response<Bytes>, CommitError> {
+        let stored = self.ctx.stored_form(&response)?;
+        let lease = self.ctx.lease().lease();
+        PgStore::complete_in(&mut self.tx, lease, &stored).await?;
+        self.store.commit(self.tx, lease).await?;
+        response.extensions_mut().insert(Committed::new(stored));
+        Ok(response)
     }
 }

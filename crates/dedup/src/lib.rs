@@ -111,10 +111,10 @@ pub use {dedup_redis::redis, engine::Fast};
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http_layer {
-    pub use crate::http::EngineLayer;
+    pub use crate::http::{CommitError, EngineLayer, RequestTx};
     pub use dedup_http::{
-        Committed, DoNotStore, Extractor, IdempotencyConfig, IdempotencyContext, InFlight,
-        StoreResponses,
+        Committed, DoNotStore, Extractor, IdempotencyConfig, IdempotencyContext, IdempotencyLayer,
+        InFlight, LayerBody, StoreResponses,
     };
 }
 

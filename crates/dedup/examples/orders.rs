@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://... REDIS_URL=redis://127.0.0.1:6379 \
-//!     cargo run -p dedup-http --example orders
+//!     cargo run -p dedup --features http,redis --example orders
 //! curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: "order-1"' \
 //!     -H 'content-type: application/json' -d '{"customer":"c-1","cents":1250}'
 //! ```
@@ -30,18 +30,15 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use dedup_core::{NoFastPath, Policy, TieredConfig, TieredStore};
-use dedup_http::{Committed, DoNotStore, IdempotencyConfig, IdempotencyContext, IdempotencyLayer};
-use dedup_pg::PgStore;
-use dedup_redis::RedisFastPath;
+use dedup::Engine;
+use dedup::http_layer::{DoNotStore, IdempotencyConfig, IdempotencyContext};
+use dedup::sqlx::PgPool;
 use serde::Deserialize;
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 
 #[derive(Clone)]
 struct App {
+    engine: Engine,
     pool: PgPool,
-    store: PgStore,
     orders_delay: Duration,
     orders_after_commit: Duration,
     emails_delay: Duration,
@@ -90,18 +87,17 @@ async fn create_order(
             "expected {\"customer\": string, \"cents\": integer}",
         );
     };
-    let lease = ctx.lease().lease();
     let unavailable = |e: &dyn std::fmt::Display| {
         let mut r = problem(StatusCode::SERVICE_UNAVAILABLE, &format!("try again: {e}"));
         // The transaction rolled back: nothing ran, so nothing is stored and a retry runs.
         r.extensions_mut().insert(DoNotStore);
         r
     };
-    let mut tx = match app.pool.begin().await {
+    let mut tx = match app.engine.begin(&ctx).await {
         Ok(tx) => tx,
         Err(e) => return unavailable(&e),
     };
-    let id: i64 = match sqlx::query_scalar(
+    let id: i64 = match dedup::sqlx::query_scalar(
         "INSERT INTO orders (idempotency_key, customer, cents) VALUES ($1, $2, $3) RETURNING id",
     )
     .bind(ctx.key().to_string())
@@ -127,20 +123,13 @@ async fn create_order(
             "could not build the response",
         );
     };
-    let stored = match ctx.stored_form(&response) {
-        Ok(stored) => stored,
-        Err(e) => return problem(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    // The order and the stored response commit together.
+    let response = match tx.commit(response).await {
+        Ok(response) => response,
+        Err(e) => return unavailable(&e),
     };
-    if let Err(e) = PgStore::complete_in(&mut tx, lease, &stored).await {
-        return unavailable(&e);
-    }
-    if let Err(e) = app.store.commit(tx, lease).await {
-        return unavailable(&e);
-    }
     tokio::time::sleep(app.orders_after_commit).await;
-    let mut response = response.map(axum::body::Body::from);
-    response.extensions_mut().insert(Committed::new(stored));
-    response
+    response.map(axum::body::Body::from)
 }
 
 /// An effect outside the database: lease mode, the layer stores the response afterwards.
@@ -177,26 +166,17 @@ async fn get_order(State(app): State<App>, Path(id): Path<i64>) -> impl IntoResp
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set")?;
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .connect(&url)
-        .await?;
-    dedup_pg::migrate(&pool).await?;
-    sqlx::raw_sql(
+    let mut engine = Engine::builder().postgres_url(url).scope("orders");
+    if let Ok(redis) = std::env::var("REDIS_URL") {
+        engine = engine.redis_url(redis);
+    }
+    let engine = engine.build().await?; // connects, applies dedup's migrations
+    dedup::sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, idempotency_key text NOT NULL, customer text NOT NULL, cents bigint NOT NULL);
          CREATE TABLE IF NOT EXISTS emails (id bigserial PRIMARY KEY, recipient text NOT NULL);",
     )
-    .execute(&pool)
+    .execute(engine.pool())
     .await?;
-    let store = PgStore::new(pool.clone());
-    let app = App {
-        pool,
-        store: store.clone(),
-        orders_delay: millis("ORDERS_DELAY_MS", 0)?,
-        orders_after_commit: millis("ORDERS_AFTER_COMMIT_MS", 0)?,
-        emails_delay: millis("EMAILS_DELAY_MS", 0)?,
-    };
-    let policy = Policy::default().with_lease(millis("LEASE_MS", 30_000)?);
     // Keys are scoped by route template (`/orders`), not by the request's path.
     let config = IdempotencyConfig::new()
         .with_route(|p| {
@@ -204,49 +184,37 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .get::<MatchedPath>()
                 .map(|m| m.as_str().to_owned())
         })
-        .with_policy(policy)?;
-    let routes = Router::new()
-        .route("/orders", post(create_order))
-        .route("/emails", post(send_email));
-    // `drain` waits for requests still running when the server stops (their clients may have
-    // gone; their handlers run to the end).
-    type Drain = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-    let (routes, drain): (_, Drain) = match std::env::var("REDIS_URL") {
-        Ok(redis) => {
-            let fast = RedisFastPath::connect(&redis).await?;
-            let tiered = TieredStore::new(store, fast, TieredConfig::default());
-            let layer = IdempotencyLayer::new(tiered, config)?;
-            let d = layer.clone();
-            (
-                routes.route_layer(layer),
-                Box::pin(async move { d.drain().await }),
-            )
-        }
-        Err(_) => {
-            let tiered = TieredStore::new(store, NoFastPath, TieredConfig::default());
-            let layer = IdempotencyLayer::new(tiered, config)?;
-            let d = layer.clone();
-            (
-                routes.route_layer(layer),
-                Box::pin(async move { d.drain().await }),
-            )
-        }
+        .with_policy(dedup::Policy::default().with_lease(millis("LEASE_MS", 30_000)?))?;
+    let app = App {
+        engine: engine.clone(),
+        pool: engine.pool().clone(),
+        orders_delay: millis("ORDERS_DELAY_MS", 0)?,
+        orders_after_commit: millis("ORDERS_AFTER_COMMIT_MS", 0)?,
+        emails_delay: millis("EMAILS_DELAY_MS", 0)?,
     };
-    let router = routes.route("/orders/{id}", get(get_order)).with_state(app);
-    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
-    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    let router = Router::new()
+        .route("/orders", post(create_order))
+        .route("/emails", post(send_email))
+        .route_layer(engine.http_layer(config)?)
+        .route("/orders/{id}", get(get_order))
+        .with_state(app);
+    let listener = tokio::net::TcpListener::bind(
+        std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".to_owned()),
+    )
+    .await?;
     // One line on stdout, read by the tests: where it listens.
-    let addr = listener.local_addr()?;
     #[allow(clippy::print_stdout)]
     {
-        println!("listening on {addr}");
+        println!("listening on {}", listener.local_addr()?);
     }
     axum::serve(listener, router)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
-    if tokio::time::timeout(Duration::from_secs(30), drain)
+    // Waits for requests still running (their clients may have gone; their handlers run to the
+    // end), then lets go of the engine.
+    if tokio::time::timeout(Duration::from_secs(30), engine.shutdown())
         .await
         .is_err()
     {
