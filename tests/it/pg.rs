@@ -544,7 +544,7 @@ async fn a_cancelled_batch_leader_strands_nobody(pool: PgPool) {
 /// say so), a connection completes a few keys while it is tiny, then the table grows to 3,000
 /// keys and the same connection completes them in batches of 500. A prepared join was planned
 /// then as a hash join over a sequential scan, and the connection kept that plan while the table
-/// grew (issue 27: lease mode ran at half its rate after a VACUUM). Rows are written and read
+/// grew (lease mode ran at half its rate after a VACUUM: docs/PERFORMANCE.md). Rows are written and read
 /// here by statements that never scan the table; every pool is closed before the counters are
 /// read, so that its backend's counts are in.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]

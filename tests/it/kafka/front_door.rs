@@ -12,14 +12,19 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 use super::{Broker, Event, committed_to_the_end, eventually, produce, unique};
-use crate::support::url_of;
+use crate::support::{RedisServer, url_of};
 
 #[allow(dead_code, unreachable_pub, clippy::print_stderr)]
 #[path = "../../../crates/dedup/examples/kafka_ledger.rs"]
 mod kafka_ledger;
 
+#[allow(dead_code, unreachable_pub, clippy::print_stderr)]
+#[path = "../../../crates/dedup/examples/kafka_calls.rs"]
+mod kafka_calls;
+
 on_brokers!(
     the_kafka_ledger_example_books_each_payment_once_and_commits_to_the_end,
+    the_kafka_calls_example_charges_each_payment_once_at_the_provider,
     a_lease_handler_runs_each_key_once_per_message_and_by_the_batch,
 );
 
@@ -94,6 +99,96 @@ async fn the_kafka_ledger_example_books_each_payment_once_and_commits_to_the_end
     let booked: BTreeSet<String> = rows.into_iter().map(|(k, _)| k).collect();
     assert_eq!(booked, keys);
     committed_to_the_end(broker, &format!("{topic}-ledger"), &topic, 3).await;
+}
+
+/// A payment provider: counts the charges of each idempotency key, and answers with them.
+async fn provider() -> (String, Arc<Mutex<BTreeMap<String, u32>>>) {
+    use axum::routing::post;
+    let charges: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
+    let seen = charges.clone();
+    let app = axum::Router::new().route(
+        "/charges",
+        post(move |headers: axum::http::HeaderMap, body: Bytes| {
+            let seen = seen.clone();
+            async move {
+                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                assert!(
+                    headers["fencing-token"]
+                        .to_str()
+                        .unwrap()
+                        .parse::<u64>()
+                        .is_ok()
+                );
+                *seen.lock().unwrap().entry(key.clone()).or_default() += 1;
+                format!("charged {key}: {}", String::from_utf8_lossy(&body))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), charges)
+}
+
+async fn the_kafka_calls_example_charges_each_payment_once_at_the_provider(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let redis = RedisServer::start();
+    let (url, charges) = provider().await;
+    let topic = unique("charges");
+    broker.create_topic(&topic, 3).await;
+    let (events, keys) = payments();
+    produce(broker, &topic, &events).await;
+    let settings = kafka_calls::Settings {
+        database_url: url_of(&pool),
+        redis_url: Some(redis.url()),
+        brokers: broker.bootstrap(),
+        topic: topic.clone(),
+        provider: url,
+        client: broker
+            .client()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        kafka_calls::consume(&settings, async {
+            let _ = stopped.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    });
+    eventually(60, "every payment charged and settled", || {
+        let n = charges.lock().unwrap().len();
+        let pool = pool.clone();
+        async move {
+            // Charged, and recorded: the record is what answers the duplicates.
+            n == keys_len()
+                && sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM dedup_records WHERE state = 'completed'",
+                )
+                .fetch_one(&pool)
+                .await
+                .is_ok_and(|done| done == i64::try_from(keys_len()).unwrap())
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.send(()).unwrap();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(stats.executed, keys.len() as u64);
+    assert_eq!(stats.executed + stats.replayed, 300);
+    let charges = charges.lock().unwrap().clone();
+    assert!(charges.values().all(|n| *n == 1), "a payment charged twice");
+    assert_eq!(charges.into_keys().collect::<BTreeSet<_>>(), keys);
+    committed_to_the_end(broker, &format!("{topic}-charges"), &topic, 3).await;
+}
+
+/// How many distinct keys [`payments`] has.
+fn keys_len() -> usize {
+    payments().1.len()
 }
 
 async fn a_lease_handler_runs_each_key_once_per_message_and_by_the_batch(

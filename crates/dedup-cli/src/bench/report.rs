@@ -111,7 +111,7 @@ impl Report<'_> {
             .reduce(f64::max)
     }
 
-    /// The ratios the targets are stated in, with the contenders' absolute rates.
+    /// The ratios the speed targets are stated in, with the contenders' absolute rates.
     const RATIOS: [(&'static str, &'static str, &'static str); 10] = [
         ("d/a", "(d)", "(a)"),
         ("d/b", "(d)", "(b)"),
