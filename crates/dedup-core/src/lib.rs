@@ -74,11 +74,6 @@ pub use tiered::{
 };
 pub use typed::{ResultCodec, TypedProcessed};
 
-/// The README's examples run as doctests, so they cannot rot.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-struct ReadmeDoctests;
-
 /// docs/TYPED.md's examples run as doctests too.
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/TYPED.md")]
