@@ -9,6 +9,12 @@
 //!
 //! A claim that the store can answer from memory ([`Store::answer_cached`], an L1 hit) never
 //! queues.
+//!
+//! By default a batch holds up to 512 requests and each kind (claims, completions) has two flush
+//! slots (`BatchConfig::max_flushes`); callers queued meanwhile are woken when a flush ends. A
+//! caller cancelled while it queues is withdrawn before the flush (its receiver is gone); one
+//! cancelled while its claim is in a flush has the lease it was granted given back
+//! (`Store::withdraw`) by the caller that led the flush.
 
 use std::fmt;
 use std::future::Future;

@@ -1,5 +1,10 @@
 //! Typed errors. Each says whether a retry can help ([`StoreError::is_retryable`]) and whether
 //! the outcome of the call is unknown ([`StoreError::is_outcome_unknown`]).
+//!
+//! `InputError` is the caller's fault (a setting is named in `InputError::Setting`); `StoreError`
+//! is `Input`, `LeaseLost`, `Unavailable`, `OutcomeUnknown`, `Corrupt` or `Backend`. Both are
+//! `#[non_exhaustive]` thiserror enums. A backend's own error is kept as an `Arc` (cheap to
+//! share) and never appears in this crate's API: each backend classifies its errors into these.
 
 use std::error::Error as StdError;
 use std::sync::Arc;

@@ -12,6 +12,9 @@
 //! live instance holds (Postgres: a session-level advisory lock on the identity, held for the
 //! life of the instance); if another live process holds the identity, nothing is adopted and the
 //! leases run out as usual.
+//!
+//! Here: `InstanceId` (1 to 100 of `A-Za-z0-9._:-`) and `Adoption`, what an adoption answers.
+//! `Dedup::with_instance` and `Dedup::adopt` are in `process/instance.rs`.
 
 use std::fmt;
 

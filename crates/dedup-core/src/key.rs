@@ -1,4 +1,9 @@
 //! Idempotency keys, scopes and payload fingerprints.
+//!
+//! `Scope` is a namespace. `IdempotencyKey` is 1 to 512 bytes: a longer key is rejected, or
+//! digested explicitly with `IdempotencyKey::digest`. `Fingerprint` is a payload's SHA-256.
+//! `Display` escapes binary keys, control characters and invisible format characters
+//! (bidirectional overrides such as U+202E, zero-width characters), and elides long keys.
 
 use std::fmt;
 use std::sync::Arc;

@@ -3,7 +3,8 @@
 //! No I/O and no clock of its own: the store passes its own `now` and, for a claim, a way to draw
 //! a fresh token. The in-memory store applies these functions under a lock; the Postgres store
 //! runs the same rules in SQL and uses [`claim`] to classify the record it read, so both answer
-//! alike (the conformance suite checks that they do).
+//! alike (the conformance suite checks that they do). This is the one specification
+//! (docs/ARCHITECTURE.md, invariant 2), unit-tested here transition by transition.
 //!
 //! ```text
 //! (absent) --claim--> IN_PROGRESS(owner, token, lease_until, attempts=1, fingerprint)

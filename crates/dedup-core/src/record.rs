@@ -1,4 +1,9 @@
 //! What a store keeps for a key, and the requests and answers that move it.
+//!
+//! `Record` and its `State`; `FencingToken`; `Timestamp` (µs on the *store's* clock); `Policy`
+//! (lease, attempts, retention, result limit); `ClaimRequest`, `Lease` and `ClaimOutcome`; and
+//! `OwnerIds`, a holder's owner ids (`<prefix>#<n>`): `Dedup` and transaction mode both claim
+//! under one.
 
 use std::fmt;
 use std::sync::Arc;

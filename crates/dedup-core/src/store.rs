@@ -1,4 +1,10 @@
 //! The `Store` trait every backend implements, and the in-memory reference store.
+//!
+//! The trait's async methods return `impl Future + Send`. `claim_batch` and `complete_batch` have
+//! looping defaults that a backend overrides; `answer_cached` answers from memory without I/O;
+//! `withdraw` gives back a lease nobody used together with its attempt (a first attempt's record
+//! goes, a later one is released with one attempt fewer). `MemoryStore` applies `machine` under a
+//! lock.
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -1,4 +1,8 @@
 //! What the layer does: which requests it takes, what it keeps, how it answers a retry.
+//!
+//! `IdempotencyConfig`: the header, scope, methods, whether the key is required, the body limit,
+//! the stored-header allowlist (with a list never stored), `StoreResponses`, `InFlight`, route and
+//! tenant extractors, and the policy.
 
 use std::fmt;
 use std::sync::Arc;

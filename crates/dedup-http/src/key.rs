@@ -1,5 +1,8 @@
 //! The key of a request (from its `Idempotency-Key` header, its route and its tenant) and its
 //! fingerprint.
+//!
+//! The header is a Structured Field string or a bare token. The key is
+//! `len:tenant|len:METHOD route|key`, digested when it is longer than a key may be.
 
 use dedup_core::{Fingerprint, IdempotencyKey, InputError, MAX_KEY_LEN};
 use http::HeaderMap;

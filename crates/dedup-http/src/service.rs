@@ -1,4 +1,15 @@
 //! The tower [`Layer`] and [`Service`].
+//!
+//! `IdempotencyLayer` / `Idempotency`. Methods the layer does not cover pass through untouched.
+//! Otherwise: the key from the header, the body read once under a limit, the fingerprint; then the
+//! claim, the inner service, the response's body and its completion run on a spawned task (a
+//! client that goes away cancels nothing) through `Dedup::process`, with an `IdempotencyContext`
+//! (key, lease) in the request's extensions. The first caller always gets the handler's own
+//! response; a retry gets the stored one. Response extensions: `Committed` (the handler completed
+//! the key in its own transaction) and `DoNotStore`. `IdempotencyLayer::drain` waits for the
+//! spawned requests at shutdown. `IdempotencyLayer::new` keeps the default owner prefix (pid and
+//! start time), so instances never share an owner id; `IdempotencyLayer::on` takes a `Dedup`
+//! with its own (the facade's `Engine::http_layer` uses it).
 
 use std::fmt;
 use std::future::Future;

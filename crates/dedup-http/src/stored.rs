@@ -1,4 +1,5 @@
-//! A response as it is stored for replay, and the response a replay builds from it.
+//! A response as it is stored for replay (a typed envelope, bincode), and the response a replay
+//! builds from it.
 
 use std::sync::LazyLock;
 

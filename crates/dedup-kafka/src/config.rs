@@ -1,4 +1,8 @@
 //! How a [`Runner`](crate::Runner) is set up.
+//!
+//! `RunnerConfig` and its parts. `RunnerConfig::validate`, which `Runner::new` runs, makes a
+//! setting that would fail at run time (a zero commit interval, a wait too long for the clock, an
+//! empty topic) a `ConfigError` naming it.
 
 use std::time::Duration;
 

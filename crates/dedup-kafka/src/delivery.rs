@@ -1,4 +1,8 @@
 //! A consumed message, and how its idempotency key is found.
+//!
+//! `Delivery` is an owned message. `extract_key` reads the key as its `KeySource` says (a header,
+//! a JSON pointer, or a digest of JSON fields); `KeyError` tells a missing key from an unusable
+//! one. `ordering_key` finds a message's ordering key.
 
 use bytes::Bytes;
 use dedup_core::{Fingerprint, IdempotencyKey, InputError, Scope};

@@ -17,6 +17,9 @@
 //! like an outage, and holds that group (and, while open, the runner) until a message succeeds;
 //! use the activation threshold (`suspect_after`, `min_failures`) to say how long such a run may
 //! be. A handler panic counts as a failure, and is recorded as a panic always is.
+//!
+//! `KillSwitch` is the setting (off unless `RunnerConfig::with_kill_switch`); `Breaker` is the
+//! state, which every runner's handler answers pass through (`judge`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

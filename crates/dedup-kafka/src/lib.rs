@@ -58,6 +58,11 @@
 //!   message with the reason.
 //! - **Traces.** Each message is a `dedup.kafka.message` span with OpenTelemetry's messaging
 //!   attributes; with the `otel` feature its parent is read from the W3C `traceparent` header.
+//! - **Features.** `pg`: the runners of batches (`TxRunner`, transaction mode by the batch on
+//!   `PgStore`; `LeaseRunner`, lease mode by the batch for effects outside the database) and
+//!   parking. `tls`: TLS and SASL (PLAIN, SCRAM), with librdkafka linked against the system's
+//!   OpenSSL (Debian's `libssl-dev`, which `scripts/services.sh` installs). `zstd`:
+//!   zstd-compressed topics (a bundled zstd).
 //!
 //! # Example
 //! ```no_run

@@ -1,5 +1,8 @@
 //! What every runner does before its loop: its errors, its dedup scope, and taking over the
 //! leases an earlier incarnation of its identity left behind.
+//!
+//! `RunnerError`; `scope_of`; `adopt_at_start`; and `start`, which makes the clients, the refusal
+//! watch, the stop flag and the kill switch (`Started`).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -1,4 +1,4 @@
-//! The runner's counters.
+//! The runner's counters, and a latency histogram (log buckets, within 12.5%).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,6 +13,11 @@ impl Counter {
     pub(crate) fn max(&self, n: u64) {
         self.0.fetch_max(n, Ordering::Relaxed);
     }
+    /// For a gauge going down.
+    pub(crate) fn sub(&self, n: u64) {
+        self.0.fetch_sub(n, Ordering::Relaxed);
+    }
+
     /// For a gauge.
     pub(crate) fn set(&self, n: u64) {
         self.0.store(n, Ordering::Relaxed);
@@ -124,6 +129,9 @@ pub(crate) struct Counters {
     pub(crate) kill_switch_trips: Counter,
     pub(crate) kill_switch_withdrawn: Counter,
     pub(crate) kill_switch_open: Counter,
+    pub(crate) partitions: Counter,
+    pub(crate) last_turn_ms: Counter,
+    pub(crate) dead_letters_failing: Counter,
 }
 
 /// A live view of a runner's counters.
@@ -173,6 +181,9 @@ impl StatsHandle {
             kill_switch_trips: c.kill_switch_trips.get(),
             kill_switch_withdrawn: c.kill_switch_withdrawn.get(),
             kill_switch_open: c.kill_switch_open.get(),
+            partitions: c.partitions.get(),
+            last_turn_ms: c.last_turn_ms.get(),
+            dead_letters_failing: c.dead_letters_failing.get(),
             latency_p50_us: c.latency.quantile(0.5),
             latency_p99_us: c.latency.quantile(0.99),
         }
@@ -244,6 +255,14 @@ pub struct RunnerStats {
     pub kill_switch_withdrawn: u64,
     /// 1 while the kill switch is open (no messages taken), else 0.
     pub kill_switch_open: u64,
+    /// Partitions this member owns now.
+    pub partitions: u64,
+    /// When the runner's loop last turned (it turns at least every commit interval while it
+    /// runs), in milliseconds since the Unix epoch; 0 before the first turn.
+    pub last_turn_ms: u64,
+    /// Dead letters whose write has failed and that are still being retried (the dead-letter
+    /// topic down, refusing, or an operator's to cure): their partitions' offsets wait.
+    pub dead_letters_failing: u64,
     /// Messages written to the parked queue (with parking: after their in-place runs, or behind
     /// an earlier parked message of their ordering key).
     pub parked: u64,

@@ -1,4 +1,8 @@
 //! [`Typed`]: a handler that returns a value instead of bytes.
+//!
+//! It encodes the closure's value, and through `Handler::check_result` (called for every settled
+//! keyed message, fresh or replayed) decodes each result for `on_result`. A result that does not
+//! decode dead-letters its message with `ProcessError::Undecodable`'s text.
 
 use std::fmt;
 use std::future::Future;

@@ -1,6 +1,7 @@
 //! Operator changes to records: forgetting chosen keys, so that a message dead-lettered under
 //! them (FAILED for `failed_retention`, 30 days by default) can be re-driven once its handler is
-//! fixed (docs/RECOVERY.md, "Re-driving dead letters").
+//! fixed (docs/RECOVERY.md, "Re-driving dead letters"). `forget_keys` never forgets a key under a
+//! live lease or one a parked message names.
 
 use std::collections::{HashMap, HashSet};
 

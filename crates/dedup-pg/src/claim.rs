@@ -1,5 +1,13 @@
 //! Claims: the single-key statement with its race re-runs and out-of-attempts marking, the batch
 //! statement, and the re-grant of leases after a claim that waited.
+//!
+//! `CLAIM_BATCH_SQL` is the claim statement over `unnest` of parallel arrays. It inserts first
+//! (`ON CONFLICT DO NOTHING`, in key order, so two batches never wait on each other in a cycle),
+//! with no read before, so a batch of new keys costs about what inserting its rows costs; only
+//! the keys the insert left out are read and, where claimable, taken over. Keys it leaves out (a
+//! lost race, a key out of attempts) and a failed batch fall back to single claims, and a repeat
+//! of a key in one batch is answered from the record its first claim left. A re-grant
+//! (`REGRANT_SQL`) is one fenced statement; a key taken over in between is claimed again.
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -21,7 +21,7 @@
 //! A server-reported error means the statement did not apply (Postgres rolls the statement back),
 //! so a passing one is [`StoreError::Unavailable`]; 40003 is the one class member that says the
 //! opposite. Client-side failures (I/O, protocol, TLS, a crashed worker) after a write leave its
-//! outcome unknown.
+//! outcome unknown. A final error is `StoreError::Backend`.
 
 use dedup_core::StoreError;
 

@@ -5,6 +5,9 @@
 //! TLS itself needs this crate's `tls` feature (sqlx's rustls support). `verify-full` is what a
 //! managed Postgres should get: the server's certificate must chain to `sslrootcert` (or a public
 //! root) and name the host connected to.
+//!
+//! `connect` gives a pool, checked by its first connection. `ConnectError` names `host:port` and
+//! the mode, never the password, and tells a bad certificate or login from a server that is down.
 
 use std::str::FromStr;
 

@@ -20,6 +20,11 @@
 //! dedup needs no database and no `.sqlx/` data that can drift; every statement is exercised by the
 //! conformance and Postgres tests against a real server.
 //!
+//! Here: `PgStore` on a `PgPool` and its transactional helpers (`claim_in`, `complete_in`,
+//! `commit`, `transact`, `complete_batch_in`, `commit_batch`: a transaction commits whole, so an
+//! unknown commit is read back through one lease; `get_many`), and `PgStore::statements`, the
+//! round trips its `Store` calls made. Every other concern has a file of its own.
+//!
 //! # Example
 //! ```no_run
 //! use dedup_core::{Dedup, Fingerprint, HandlerError, IdempotencyKey, Scope};

@@ -19,6 +19,17 @@
 //!   migrations had their chance to run ([`SchemaError::SchemaTooOld`]), and accepts, with an
 //!   info log, a newer schema whose floor it meets.
 //!
+//! The migrations are the workspace's `migrations/`: timestamped SQL, embedded by
+//! `sqlx::migrate!` (`build.rs` reruns on change; `.gitattributes` keeps them LF, since migration
+//! checksums hash the bytes). They make `dedup_records`, keyed by `(scope, key)` and indexed on
+//! `expires_at` for the purge; one sequence, `dedup_token_seq`; `dedup_offsets`, consumer
+//! positions per `(consumer_group, topic, partition)` for offsets in the transaction;
+//! `dedup_parked` (parked messages, keyed by `(consumer_group, topic, partition, offset)`,
+//! indexed by the ordering key's digest and offset, and by the dedup record they carry) and
+//! `dedup_parked_owners` (each partition's parking epoch); `dedup_dead_letters` (dead letters the
+//! dead-letter topic refused for good); `dedup_schema` (one row: the generation and the floor);
+//! and the function `dedup_complete_batch` (batch completions, planned per call).
+//!
 //! The statements are here, not in `sql.rs`: they serve start-up only and name sqlx's tables.
 
 use std::borrow::Cow;

@@ -2,7 +2,8 @@
 //! than the topic accepts, or a record it calls invalid, would stall its partition on the path
 //! meant to unstall it. Where the store is Postgres the consumer keeps such a dead letter here,
 //! whole, and moves on; operators list and remove them (`dedup dead-letters`). These rows block
-//! nothing (unlike `dedup_parked`, whose rows hold their key).
+//! nothing (unlike `dedup_parked`, whose rows hold their key). `keep_refused_dead_letter`,
+//! `refused_dead_letters` and `remove_refused_dead_letter` are the three calls.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

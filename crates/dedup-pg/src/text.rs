@@ -1,7 +1,8 @@
 //! Text written to Postgres, made safe in one place: a `text` column refuses a NUL byte
 //! (SQLSTATE 22021), and an error message can be any size. Every free text dedup writes (a
 //! failure, a parked message's last error, a dead letter's reason) goes through [`safe_text`], so
-//! that recording a failure can never fail because of what the failure says.
+//! that recording a failure can never fail because of what the failure says: no NUL, and at most
+//! 4 KiB.
 
 use std::borrow::Cow;
 

@@ -16,6 +16,15 @@
 //! feature, `rediss://` URLs connect over TLS (rustls), trusting the system's roots or a CA given
 //! to `connect_tls`.
 //!
+//! A lookup is a pipeline (`HGETALL`, `PTTL`). Batch lookups and backfills are one pipeline for
+//! all keys on one server; on a cluster (where a pipeline may not cross slots) they are
+//! concurrent calls that the multiplexed connection writes together. Writes are the scripts in
+//! `lua/`, one per verb, each opening with its KEYS, ARGV and return values, embedded with
+//! `include_str!` and run through `redis::Script` (EVALSHA, reloaded on NOSCRIPT): `store.lua`
+//! (an IN_PROGRESS marker or a terminal copy; refused where a newer token is held, or where a
+//! marker would replace the terminal copy of its own token), `release.lua` and `extend.lua` (both
+//! only for the marker's own token). Tokens are compared as decimal strings, exact past 2^53.
+//!
 //! # Example
 //! ```no_run
 //! use dedup_core::{Dedup, TieredConfig, TieredStore};

@@ -68,6 +68,8 @@
 mod consumer;
 #[cfg(feature = "pg")]
 mod engine;
+#[cfg(feature = "pg")]
+mod health;
 #[cfg(feature = "http")]
 mod http;
 #[cfg(feature = "pg")]
@@ -99,6 +101,7 @@ pub use dedup_core::{
 pub use {
     dedup_pg::{ConnectError, MigrationMode, PgStore, SchemaError},
     engine::{BuildError, Engine, EngineBuilder, EngineStore, GroupCommitStats, Tiers},
+    health::{ConsumerHealth, EngineStats, Health},
     running::{Shutdown, Stopped},
     sqlx,
 };

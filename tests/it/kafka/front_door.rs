@@ -25,6 +25,7 @@ mod kafka_calls;
 on_brokers!(
     the_kafka_ledger_example_books_each_payment_once_and_commits_to_the_end,
     the_kafka_calls_example_charges_each_payment_once_at_the_provider,
+    the_engine_answers_ready_while_its_consumers_run_and_names_what_is_wrong,
     a_lease_handler_runs_each_key_once_per_message_and_by_the_batch,
 );
 
@@ -184,6 +185,105 @@ async fn the_kafka_calls_example_charges_each_payment_once_at_the_provider(
     assert!(charges.values().all(|n| *n == 1), "a payment charged twice");
     assert_eq!(charges.into_keys().collect::<BTreeSet<_>>(), keys);
     committed_to_the_end(broker, &format!("{topic}-charges"), &topic, 3).await;
+}
+
+/// Health and stats through a consumer's life: not yet running (absent), running and ready with
+/// its partitions, a handler that fails everything (the kill switch opens: not ready, named),
+/// then shutting down (not ready, stopping).
+async fn the_engine_answers_ready_while_its_consumers_run_and_names_what_is_wrong(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+    let topic = unique("health");
+    broker.create_topic(&topic, 3).await;
+    let (events, _) = payments();
+    produce(broker, &topic, &events[..30]).await;
+    let engine = Engine::builder()
+        .postgres(pool.clone())
+        .scope(unique("health"))
+        .build()
+        .await
+        .unwrap();
+    let broken = Arc::new(AtomicBool::new(false));
+    let handler = {
+        let broken = broken.clone();
+        move |_: Arc<dedup::kafka::Message>, _: LeaseContext| {
+            let broken = broken.load(AtomicOrdering::Acquire);
+            async move {
+                if broken {
+                    Err(HandlerError::Retryable("the table is gone".to_owned()))
+                } else {
+                    Ok(Bytes::from_static(b"done"))
+                }
+            }
+        }
+    };
+    let group = unique("g");
+    let mut consumer = engine
+        .consumer()
+        .brokers(broker.bootstrap())
+        .group_id(&group)
+        .topics([&topic])
+        .commit_interval(Duration::from_millis(200))
+        .kill_switch(super::kill_switch::switch())
+        .set("auto.offset.reset", "earliest");
+    for (k, v) in broker.client() {
+        consumer = consumer.set(k, v);
+    }
+    let consumer = consumer.build(handler).unwrap();
+    let stall = Duration::from_secs(10);
+    assert!(
+        engine.health(stall).ready,
+        "nothing runs yet: nothing is wrong"
+    );
+    assert!(engine.health(stall).consumers.is_empty());
+    let run = tokio::spawn(consumer.run());
+    eventually(60, "ready with its 3 partitions and 30 settled", || {
+        let h = engine.health(stall);
+        let settled = engine
+            .stats()
+            .consumers
+            .first()
+            .is_some_and(|(_, s)| s.executed + s.replayed == 30);
+        async move {
+            h.ready && settled && h.consumers.len() == 1 && h.consumers[0].partitions == 3
+        }
+    })
+    .await;
+    let h = engine.health(stall);
+    assert_eq!(h.status(), 200);
+    assert_eq!(h.consumers[0].group, group);
+    assert!(
+        h.consumers[0]
+            .last_turn_ago_ms
+            .is_some_and(|ms| ms < 10_000)
+    );
+    assert!(h.to_json().contains(r#""ready":true"#), "{}", h.to_json());
+
+    broken.store(true, AtomicOrdering::Release);
+    produce(broker, &topic, &events[30..90]).await;
+    eventually(60, "the kill switch open, named", || {
+        let h = engine.health(stall);
+        async move {
+            !h.ready
+                && h.consumers[0].kill_switch_open
+                && h.consumers[0]
+                    .problems
+                    .iter()
+                    .any(|p| p == "kill switch open")
+        }
+    })
+    .await;
+    assert_eq!(engine.health(stall).status(), 503);
+
+    broken.store(false, AtomicOrdering::Release);
+    engine.shutdown().await;
+    run.await.unwrap().unwrap();
+    let h = engine.health(stall);
+    assert!(h.stopping && !h.ready);
+    assert!(!h.consumers[0].running);
+    assert!(h.to_string().starts_with("not ready (stopping)"), "{h}");
 }
 
 /// How many distinct keys [`payments`] has.

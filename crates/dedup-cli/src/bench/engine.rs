@@ -1,4 +1,5 @@
-//! dedup's own contenders: the tiered store one call per message, and behind `Batched`.
+//! dedup's own contenders: the tiered store one call per message (c), behind `Batched` (d), and
+//! in lease mode by the batch, `Dedup::process_batch` (f).
 
 use std::future::Future;
 use std::sync::Arc;

@@ -3,7 +3,8 @@
 //! Effects outside the database: (a) the usual Postgres pattern (per message: BEGIN, SELECT ...
 //! FOR UPDATE, INSERT, UPDATE, COMMIT); (b) the usual Redis pattern (per message: a Lua acquire
 //! and a Lua complete; not durable); (c) dedup's tiered store, one call per message; (d) dedup's
-//! tiered store behind `Batched` (group commit); (e) dedup in transaction mode by the batch.
+//! tiered store behind `Batched` (group commit); (e) dedup in transaction mode by the batch; (f)
+//! dedup in lease mode by the batch (`Dedup::process_batch`).
 //!
 //! Effects in the database (a ledger row per unique key in the same Postgres): (a') the usual
 //! Postgres pattern with the ledger row in its transaction; (b') the usual Redis pattern and the

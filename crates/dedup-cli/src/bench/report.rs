@@ -1,4 +1,6 @@
-//! The bench's table and JSON. With `--repeat N` every figure of the table is a contender's
+//! The bench's table and JSON: events/s, p50/p99, Postgres round trips per unique key, tier
+//! shares, effects checked against the unique keys, the ratios with their absolute rates, and
+//! each durable contender's share of the ceiling. With `--repeat N` every figure of the table is a contender's
 //! median run's (the run whose rate is the median: the middle one of N, the upper middle of an
 //! even N), its rate shown with the min-max of every run; ratios are ratios of medians. The
 //! JSON carries every run as well.

@@ -1,5 +1,6 @@
 //! The usual patterns dedup is measured against: a Postgres transaction with
-//! `SELECT ... FOR UPDATE` per message, and a Redis Lua acquire and complete per message.
+//! `SELECT ... FOR UPDATE` per message, and a Redis Lua acquire and complete per message; each
+//! also with a ledger row per key ((a'), (b')).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,5 +1,9 @@
 //! The demo's two ways to consume: transaction mode by the batch (`TxRunner`, the default), and
 //! one message at a time through the full engine (`Runner` over moka, Redis and Postgres).
+//!
+//! By default each partition's batch and its ledger rows (one `INSERT ... SELECT FROM unnest`)
+//! commit in one transaction. With `--mode per-message` the tiered store sits behind `Batched`,
+//! and each ledger row and its completion commit in a transaction of their own.
 
 use std::sync::Arc;
 use std::time::Duration;

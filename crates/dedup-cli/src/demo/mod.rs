@@ -1,4 +1,8 @@
 //! `dedup demo`: a stream with duplicates through Kafka and dedup into a ledger.
+//!
+//! A deterministic stream (from `dedup-workload`), produced with a trace context per event, is
+//! consumed into `dedup_demo_ledger` (`consume.rs`); then the report and the ledger check
+//! (`report.rs`).
 
 mod consume;
 mod report;

@@ -2,6 +2,12 @@
 //! outside the store (an email, a payment API) is claimed in one call, its handlers run
 //! concurrently, one heartbeat extends every live lease in one call, and its completions are
 //! recorded in one call.
+//!
+//! The heartbeat is shared with the instance's other running batches (`heartbeat.rs`). A passing
+//! failure of the batch completion is retried per key while the lease holds; each failure is
+//! recorded alone, as `process` records it. A key held elsewhere answers InFlight at once, and
+//! repeats of a key are answered after their first. A handler that panics is caught, also before
+//! its first await.
 
 use std::collections::HashMap;
 use std::fmt;

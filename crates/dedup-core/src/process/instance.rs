@@ -1,4 +1,8 @@
 //! A stable instance identity on `Dedup`, and adopting a dead predecessor's leases.
+//!
+//! `Dedup::with_instance` gives owner ids `<id>/<incarnation>#<n>`; `Dedup::adopt` asks
+//! `Store::adopt` to end the live leases of the identity's earlier incarnations
+//! (docs/ARCHITECTURE.md, invariant 24).
 
 use std::process;
 

@@ -1,4 +1,21 @@
 //! The API a consumer calls: [`Dedup::process`], and [`Dedup::process_batch`] (in `batch.rs`).
+//!
+//! `process` claims (waiting out a live lease up to a bound; `Dedup::try_process` does not wait
+//! and answers `ProcessError::InFlight` at once, for a caller that waits its own way), runs the
+//! handler beside a heartbeat, completes or records the failure, and resolves unknown outcomes.
+//! Each call is a `dedup.process` span (key, token, outcome). Settings that could overflow the
+//! clock are refused (`InputError::Setting`, `MAX_WAIT`).
+//!
+//! Here: `Dedup`, its settings and the claim. `outcome.rs` holds `Processed`, `Completion`,
+//! `HandlerError`, `ProcessError` and `LeaseContext`; `run.rs` one acquired key's run;
+//! `instance.rs` identities and adoption; `batch.rs` and `heartbeat.rs` lease mode by the batch.
+//!
+//! What lease mode cannot promise: an effect outside the database (an API call, an e-mail) that
+//! ran, but whose completion could not be recorded before the lease ran out (the process was
+//! paused past its lease, or the store stayed unreachable), runs again after the takeover. The
+//! heartbeat makes this rare, the fence keeps the late completion out, and `LeaseContext::is_lost`
+//! lets a handler check before its irreversible step; only transaction mode makes database
+//! effects exactly-once.
 
 mod batch;
 mod heartbeat;

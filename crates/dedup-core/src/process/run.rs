@@ -1,5 +1,13 @@
 //! One acquired key's run: the handler under a heartbeat, its failure recorded (or, when the
 //! store cannot say, resolved by reading the truth back), and its completion.
+//!
+//! A handler that panics is caught (`ProcessError::Panicked`) and counts as a retryable failure.
+//! After the handler ran, the heartbeat goes on while the completion is retried with backoff
+//! until it lands, the lease is lost, or the last lease end the store granted has passed (counted
+//! on this process's clock from when the granting request left, so never later than the store's);
+//! `with_completion_deadline` may stop sooner. A handler's own store call that failed for a
+//! passing reason gives its key back with `withdraw` (no attempt spent: nothing ran), and so does
+//! `HandlerError::Withdraw` (an outcome the caller chose not to keep).
 
 use std::fmt;
 use std::future::Future;

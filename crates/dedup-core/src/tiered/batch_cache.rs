@@ -1,6 +1,12 @@
 //! The caches in front of a batch path that bypasses the `Store` trait (transaction mode by the
 //! batch): answers for keys already settled, before the batch's transaction, and copies of what
 //! it committed, after.
+//!
+//! `BatchCache` is the trait, implemented by the tiered store: `settled_many` before the
+//! transaction (terminal answers only, L1 then one fast-path call), `committed_many` after the
+//! commit (the copies of what it completed or replayed). A replay from the authority carries the
+//! stored token and fingerprint (`dedup_pg::BatchAnswer::Replayed`), so a cache that lost a key is
+//! refilled by the next batch that meets it.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,4 +1,7 @@
 //! What a cache holds (`Cached`), and the fast path's contract (`FastPath`).
+//!
+//! `Cached` is a copy of an authority record. `FastPath` is L2's contract and names no backend
+//! (`dedup-redis` implements it). `NoFastPath` leaves L1 and the authority only.
 
 use std::future::Future;
 use std::time::Duration;

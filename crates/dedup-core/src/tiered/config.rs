@@ -1,4 +1,8 @@
 //! The tiers' settings and counters.
+//!
+//! `L1Policy` (LRU by default; TinyLFU suits a small L1 on a skewed stream, docs/PERFORMANCE.md)
+//! and `TieredConfig`. `TierStats`, from `TieredStore::stats`, counts hits and misses per tier, L2
+//! errors and timeouts, backfills (and refused ones), and the calls that reached the authority.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -9,6 +9,12 @@
 //! - Caches learn an outcome only after the authority has it (backfill after commit).
 //! - A miss, an error or a timeout in a cache falls through to the authority: losing a cache costs
 //!   speed, never a second effect.
+//!
+//! Here: `TieredStore<A: Store, F: FastPath>`, the moka L1 and the tier machinery (claims through
+//! the tiers, backfills, the background writer). `store.rs` is its `Store` implementation;
+//! `batch_cache.rs` the caches transaction mode uses (`BatchCache`); `cache.rs` `Cached`, the
+//! `FastPath` trait and `NoFastPath`; `config.rs` the settings and counters; `span.rs` the
+//! `dedup.decision` span.
 
 use std::fmt;
 use std::future::Future;

@@ -1,6 +1,17 @@
 //! The [`Store`] trait answered through the tiers: a claim asks L1, then L2, then the
 //! authority; every write goes to the authority first, and the caches learn a terminal outcome
 //! only after it committed.
+//!
+//! A batch claim filters through L1, asks the fast path once (`FastPath::lookup_many`), the
+//! authority once for the rest, and backfills once (`store_many`), or hands the backfill to the
+//! background writer (`TieredStore::with_background_backfill`) so that a batch answers as soon as
+//! the authority has. A batch claim writes no IN_PROGRESS markers (a single claim does): a
+//! concurrent duplicate elsewhere asks the authority, in a batch statement of its own, so each
+//! unique key costs the fast path a lookup and a terminal copy, not three writes. Each batch claim
+//! is a `dedup.claim_batch` span (size, keys sent to L2, keys sent to the authority).
+//! `extend_batch` extends on the authority only (a marker that expires early only sends a
+//! duplicate to the authority). `adopt` also drops the adopted leases' IN_PROGRESS markers, so a
+//! duplicate reaches the authority and takes the key over instead of waiting out a marker.
 
 use std::time::Instant;
 

@@ -1,4 +1,7 @@
 //! How a typed result becomes bytes: the [`Codec`] trait and the codecs dedup ships.
+//!
+//! `Bincode` (bincode 1.3.3, pinned; feature `bincode`, on by default) and `Json` (feature
+//! `json`). docs/TYPED.md says why bincode 1.3.3.
 
 use std::fmt;
 

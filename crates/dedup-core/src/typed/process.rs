@@ -1,4 +1,7 @@
 //! [`Dedup::process_typed`]: the consumer API with typed results.
+//!
+//! A replay whose stored result does not decode is `ProcessError::Undecodable`, never a second
+//! run.
 
 use std::fmt;
 use std::future::Future;

@@ -1,5 +1,6 @@
 //! How a runner of batches cuts them ([`Batching`]), and the checks every runner of batches
-//! makes at construction.
+//! makes at construction: among them, `MissingKey::ProcessWithoutDedup` is refused (every
+//! message of a batch runs under a claim).
 
 use std::time::Duration;
 

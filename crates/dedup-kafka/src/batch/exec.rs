@@ -1,5 +1,10 @@
 //! What the batch loop needs from a way of running batches: the parts every runner of batches
 //! shares (`Common`), and `Exec`, the batch itself (transaction mode, or lease mode).
+//!
+//! `Common` holds the settings, counters, dead letters and kill switch; `Exec::run_batch` runs
+//! one partition's batch. After a panic outside the handlers (ours, or a user's code such as
+//! `check_result`), the batch's messages go round again one per batch; a message that panics
+//! alone is dead-lettered with the panic's message.
 
 use std::future::Future;
 use std::sync::Arc;

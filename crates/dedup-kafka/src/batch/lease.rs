@@ -2,6 +2,12 @@
 //! database. The same per-partition batches as [`TxRunner`](super::TxRunner), each run with
 //! [`Dedup::process_batch`]: one claim call, the handlers at once under one heartbeat, one
 //! completion call.
+//!
+//! The handler is the per-message `Handler`, so `check_result` and typed results work as under
+//! `Runner` (a panicking `check_result` is caught per message). Since a batch's handlers run at
+//! once, an ordering group gives a batch one key (with its repeats) at a time, where transaction
+//! mode takes the group's messages in order into one transaction: so `LeaseRunner` wants
+//! `Ordering::PerKey`.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;

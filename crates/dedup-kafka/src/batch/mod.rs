@@ -7,6 +7,11 @@
 //! [`Ordering::PerPartition`], the ordering key under [`Ordering::PerKey`]) keep their order: once
 //! one does not settle, the group's later messages wait for it, and the next batch takes them
 //! after it.
+//!
+//! A batch runs when its partition has `Batching::size` (500) messages waiting or its oldest has
+//! waited `Batching::wait` (5 ms). A partition's running batch is remembered with its generation:
+//! after a revocation and a reassignment the new ownership waits for the old batch to end, then
+//! goes on.
 
 mod batching;
 mod exec;

@@ -2,6 +2,10 @@
 //! pause on a stall or an open kill switch, share the in-flight bound; then drain, commit, leave
 //! the group. What differs between the runners (lanes of single messages, queues of batches) is
 //! behind [`Work`].
+//!
+//! `Drive::run` is the loop. `Work` is implemented by the lanes of `runner/` and the queues of
+//! `batch/`: it receives, hears its tasks' events, takes a turn of its own (a batch due, a parking
+//! tick), starts what is due after each turn, says what is held and running, and drains.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -111,6 +115,7 @@ impl Drive<'_> {
                 }
             }
             work.after_turn();
+            c.last_turn_ms.set(now_ms());
             let (held, shared) = (work.held(), work.shared().clone());
             work.pressure().update(held, self.max_in_flight, &shared, c);
             lock(&shared)
@@ -153,4 +158,11 @@ impl Drive<'_> {
         }
         info!("runner stopped");
     }
+}
+
+/// Now, in milliseconds since the Unix epoch.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

@@ -27,6 +27,8 @@
 //! - **Pauses.** A paused partition fetches nothing into its queue; a message its task already
 //!   read (librdkafka counts it consumed) waits in the task and is handed on when its share
 //!   allows: nothing is lost or read twice.
+//!
+//! `Fetch` holds the queues and their tasks. [`FIRST_ANSWER`] is 10 s.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};

@@ -1,6 +1,16 @@
 //! The consumer side every runner shares: the partitions this member owns and what is settled in
 //! them, the rebalance callbacks, offset commits, why partitions are paused (`pause`), and the
 //! Kafka clients.
+//!
+//! `Part` is a partition owned: its generation, revoked flag, pending offsets, next offset and
+//! last commit. `commit` commits each partition up to its first unsettled offset. `Source` is what
+//! a loop reads: the partition queues within their shares (`fetch.rs`), and the consumer's queue,
+//! for the callbacks, while the loop is not saturated (or has paused). `clients` makes the
+//! consumer and the dead-letter producer, and `Contact` watches them: a TLS or SASL failure before
+//! the first assignment (a certificate the client does not trust or that does not name the
+//! broker, a refused login) ends the run with `RunnerError::Refused`, whose reason is librdkafka's
+//! and names the broker; after the first assignment such errors are logged and librdkafka
+//! reconnects. The loop itself is in `drive.rs`; how a message ended in `settled.rs`.
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
@@ -232,6 +242,9 @@ impl ConsumerContext for RunnerContext {
             }
         }
         self.counters.revoked.add(tpl.count() as u64);
+        self.counters
+            .partitions
+            .set(lock(&self.shared).parts.len() as u64);
         info!(partitions = tpl.count(), "partitions revoked");
         if commit.count() > 0 {
             match consumer.commit(&commit, CommitMode::Sync) {
@@ -276,6 +289,7 @@ impl ConsumerContext for RunnerContext {
                             },
                         );
                     }
+                    self.counters.partitions.set(shared.parts.len() as u64);
                     shared.pauses.assigned(assigned.iter(), generation)
                 };
                 // librdkafka keeps an application pause across revoke and re-assign: say

@@ -8,6 +8,9 @@
 //! [`Pauses::apply`] pauses and resumes only the partitions whose answer changed; an assignment
 //! is given its state explicitly in the rebalance callback ([`Pauses::assigned`]), since
 //! librdkafka keeps an application's pause across a revocation and a new assignment.
+//!
+//! The loop applies them once per turn (`apply`, the consumer's `apply_pauses`). `Backpressure`
+//! stops taking messages at `max_in_flight`, and sets its reason after a second without progress.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;

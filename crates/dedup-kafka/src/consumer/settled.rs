@@ -1,5 +1,8 @@
 //! How a message ended, in every mode, and the bookkeeping every loop does when one ends: the
 //! stats it counts in, and the pending offset it clears so the commit can move past it.
+//!
+//! `Settled` is the ending; `Shared::settled` the one bookkeeping, for the ownership the message
+//! ran under. A message left to redelivery stays pending.
 
 use super::{Shared, TopicPartition};
 use crate::stats::Counters;

@@ -3,6 +3,10 @@
 //! [`DeadLetters::deliver`] (or `settle`), so that the offset never moves past a message that is nowhere and
 //! a partition never stalls for good on the path meant to unstall it.
 //!
+//! `settle` answers a `Settled`; the writer holds the runner's counters, backoff and stop flag,
+//! and awaits the broker's acknowledgement. The Postgres table is reached through `RefusedTable`
+//! (implemented by `PgStore`: `dedup_dead_letters`).
+//!
 //! What the producer's answer means:
 //! - acknowledged (`acks=all`): written;
 //! - refused for good (`MessageSizeTooLarge`, `MessageBatchTooLarge`, `InvalidRecord`: the same
@@ -272,12 +276,14 @@ impl DeadLetters {
     ) -> Option<Delivered> {
         let counters = &self.counters;
         let mut retry = 0;
+        let mut failing = None;
         loop {
             let e = match self.write_keyed(d, reason, attempts, key).await {
                 Ok(()) => return Some(Delivered::Topic),
                 Err(e) => e,
             };
             counters.dead_letter_errors.add(1);
+            failing.get_or_insert_with(|| Failing::new(counters));
             match refusal_of(&e) {
                 Refusal::Permanent => {
                     if let Some(table) = &self.table {
@@ -329,6 +335,22 @@ impl DeadLetters {
                 return None;
             }
         }
+    }
+}
+
+/// Counts one dead letter whose write has failed, until its delivery ends (`dead_letters_failing`).
+struct Failing<'a>(&'a Counters);
+
+impl<'a> Failing<'a> {
+    fn new(counters: &'a Counters) -> Self {
+        counters.dead_letters_failing.add(1);
+        Self(counters)
+    }
+}
+
+impl Drop for Failing<'_> {
+    fn drop(&mut self) {
+        self.0.dead_letters_failing.sub(1);
     }
 }
 

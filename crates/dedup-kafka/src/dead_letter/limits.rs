@@ -1,6 +1,7 @@
 //! The dead-letter topic's size limit, checked at start: a dead-letter topic that accepts less
 //! than its source topics (`max.message.bytes`) refuses the largest messages' dead letters every
-//! time. Said once, at start, with what happens to them (kept in Postgres, or a stall).
+//! time. Said once, at start, with what happens to them (kept in Postgres, or a stall). The
+//! limits are read in the background, so the runner does not wait for them.
 
 use std::time::Duration;
 

@@ -4,7 +4,9 @@
 //! A dead letter carries the original message's headers except those whose name starts with
 //! `dedup-` (the ones dedup writes): those are written fresh. A dead letter re-driven to its
 //! source topic after a fix (docs/RECOVERY.md) and dead-lettered again so carries one
-//! `dedup-reason`, the latest, never a stack of them.
+//! `dedup-reason`, the latest, never a stack of them. The reason is bounded to 1 KiB; the
+//! idempotency key goes in `dedup-scope` and `dedup-key`. Delivery is in `deliver.rs`, the size
+//! check at start in `limits.rs`.
 
 use std::borrow::Cow;
 

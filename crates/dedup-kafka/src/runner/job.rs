@@ -1,5 +1,14 @@
 //! A message's task in the per-message runner: its claim, its handler, its retries, its dead
 //! letter (and, with parking, its park: `park/run.rs`).
+//!
+//! A keyed message runs through `Dedup::try_process` (`run_keyed`). Handler panics come back as
+//! `ProcessError::Panicked` (retryable; dead-lettered with "handler panicked: ..." past the
+//! attempts); a panic anywhere else in the task is caught too and dead-letters its message, so a
+//! partition's commit position never freezes behind a lost task. Passing store errors are retried
+//! without limit and counted (`RunnerStats::store_errors`). Dead letters go through an idempotent
+//! producer and are awaited before the offset moves. A handler's `HandlerError::Withdraw` counts
+//! as retryable here (a message is retried until it settles, so an attempt-free failure would
+//! retry it without end); only the kill switch withdraws, and only while it holds the runner back.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;

@@ -1,6 +1,14 @@
 //! The per-message loop's state: lanes (a partition, or an ordering key in it, whose messages
 //! run one at a time), what a message's task tells the loop, and how the loop places, starts and
 //! settles messages, holds partitions with blocked lanes, and counts what is held.
+//!
+//! A keyed message whose key is under another holder's live lease tells the loop
+//! (`Event::Blocked`), and its lane (the head and the messages queued behind it) moves from `held`
+//! to `blocked`, out of `max_in_flight`, so other lanes keep flowing; it is retried with the
+//! runner's backoff and tells the loop again (`Event::Unblocked`) when its claim is granted,
+//! before its handler starts. Blocked messages have their own bound, `max_blocked`: at the bound
+//! the partitions of blocked lanes are paused (the rest flow), and that reason is let go when
+//! blocked messages fall to half the bound or the partition has no blocked lane left.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;

@@ -1,6 +1,15 @@
 //! The per-message runner ([`Runner`]): its construction and its loop (receive, dispatch into
 //! lanes, settle, commit what is durable, drain). The lanes and the loop's bookkeeping are in
 //! `lanes.rs`, a message's task in `job.rs`, parking in `park/`.
+//!
+//! One task owns all state: it receives, extracts the key, puts each message in a *lane* (its
+//! partition, or with `Ordering::PerKey` its partition and *ordering key*: by default the Kafka
+//! message key, or a header or JSON pointer per `OrderingKey`; never the idempotency key, which is
+//! unique per event; messages without one share the partition's lane) and spawns the lane's head;
+//! a finished message starts the next in its lane. Per partition it tracks the offsets received
+//! and not settled (`pending`) and the next offset; the commit position is the first pending
+//! offset, or the next one. Assignments bump a generation so that late results of an earlier
+//! ownership are ignored. `TxRunner` and `LeaseRunner` work by the batch and do not use it.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;

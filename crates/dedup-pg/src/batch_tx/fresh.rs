@@ -4,6 +4,11 @@
 //! for a success (one row version per key instead of a claim and a completion), or as the claim
 //! would have left them for a failure, which is then recorded like any other.
 //!
+//! `FRESH_SQL` reads which locked keys have no row, with a token from the sequence for each;
+//! `INSERT_COMPLETED_SQL` writes the successes COMPLETED in one statement (one row version per
+//! key, no claim row to update); `INSERT_CLAIMED_SQL` writes a failed fresh key as its claim would
+//! have.
+//!
 //! A writer that takes no advisory lock (a lease-mode claim) may write one of these keys in the
 //! meantime: the final insert then leaves that key out, and the batch must not commit
 //! ([`Taken`]): rolled back whole and run again, it finds the row and claims it as usual.

@@ -38,6 +38,14 @@
 //! A client that stops mid-batch (SIGSTOP, a long GC pause) holds its keys only until
 //! `idle_in_transaction_session_timeout` ([`TxBatchConfig::idle_timeout`]) ends its session: the
 //! batch rolls back whole, and nothing it wrote survives.
+//!
+//! `PgStore::transact_batch` is the one entry point, given a `BatchRequest`: the claim requests,
+//! and optionally ordering groups (`BatchRequest::ordered`), the position to store in the same
+//! transaction (`BatchRequest::with_offsets`, forward only with `GREATEST`) and the timeouts;
+//! built in steps that cannot fail, the lengths checked when it runs. Repeats of a key are
+//! answered after the commit. The Kafka `TxRunner` and the demo use it. Here: the API and the
+//! repeats; one transaction in `pass.rs`; fresh keys in `fresh.rs`; the handler call, the second
+//! pass's parts under savepoints and a message's failure or give-back in `parts.rs`.
 
 mod fresh;
 mod parts;

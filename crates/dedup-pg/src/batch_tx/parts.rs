@@ -1,5 +1,11 @@
 //! The unhappy path of a batch transaction: calling the handler (a panic is a failure of the
 //! call), and recording one message's failure inside the transaction.
+//!
+//! The second pass runs its parts in request order, each under a savepoint: each message that
+//! failed before alone, the runs between them together; so a retry never lets a later message of
+//! an ordering group overtake an earlier one. A result too large to store fails its own message.
+//! A message held back in its group (`BatchAnswer::Deferred`) has a claim already taken given
+//! back with `WITHDRAW_SQL`, so no attempt is spent.
 
 use std::collections::{HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;

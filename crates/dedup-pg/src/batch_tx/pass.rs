@@ -1,5 +1,14 @@
 //! One pass of a batch transaction: BEGIN, the locks, the claims (fresh keys need none), the
 //! handler (whole, or in parts after a failure), the completions, the position, COMMIT.
+//!
+//! `run_once` runs the stages. The transaction's bounds (`idle_in_transaction_session_timeout`,
+//! `lock_timeout`) are set with BEGIN, in its round trip, so they cover the whole transaction. A
+//! single claim of the fallback runs under a savepoint, so a lock timeout it answers as InFlight
+//! does not leave the transaction aborted. A handler that answered every message as done but left
+//! the transaction aborted (it ignored a failed statement) shows at the first write after it
+//! (25P02): the batch runs again in parts, so only the message at fault fails. A failed pass is
+//! rolled back explicitly before the second one takes its locks; a commit whose reply is lost is
+//! read back through a completed lease.
 
 use std::collections::{HashMap, HashSet};
 

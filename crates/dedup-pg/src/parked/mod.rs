@@ -7,6 +7,18 @@
 //! owner names its epoch and changes nothing once another owner took the partition. The count of
 //! a key's messages is its row count, so nothing can drift, and an assignment's sync barrier is
 //! one query. docs/PARKING.md has the semantics.
+//!
+//! `acquire_parked` bumps a partition's epoch in `dedup_parked_owners` and loads its parked keys
+//! with their counts: the barrier (`acquire_parked_while` bumps only if the caller still owns the
+//! partition once it has a connection). `park`, `take_head`, `settle_head` and `defer_head` are
+//! fenced by the epoch, each locking the owner row `FOR SHARE` in its one statement; `due_heads`
+//! answers each key's lowest offset where it is due, not held and not taken by the current
+//! epoch's run. A park pins the dedup record its message names (`expires_at = 'infinity'`, the
+//! span it had kept in `pinned_ttl`), a deferral pins the record its head's run made, and the
+//! settle that removes the last row naming a record gives it its span back from then. A park may
+//! write a held marker (a message dead-lettered in place under the hold policy). Ordering keys
+//! are compared and indexed by their digest (`ordering_digest`, a generated column), so a key of
+//! any length parks. The statements are in `sql.rs`; what operators and metrics use in `ops.rs`.
 
 mod ops;
 mod sql;

@@ -1,6 +1,7 @@
 //! What operators and metrics read and do over parked keys (`dedup parked`, `unpark`, `drop`,
 //! the gauges): statements over a group's rows, not fenced by an owner's epoch (the owner acts on
-//! what they mark).
+//! what they mark). `parked_summary`, `unpark` and `drop_parked` are each filtered by topic and
+//! partition (`ParkedFilter`); `parked_gauges` feeds the metrics.
 
 use std::time::Duration;
 

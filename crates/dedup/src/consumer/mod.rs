@@ -23,6 +23,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use dedup_core::Policy;
@@ -32,6 +33,7 @@ use dedup_kafka::{
 };
 
 use crate::engine::{BuildError, Engine};
+use crate::health::Registered;
 use handler::{Leased, Transactional};
 
 /// Builds a consumer on an engine's Postgres, caches, policy, scope and identity. Setters cannot
@@ -307,6 +309,7 @@ pub enum Lease {}
 
 impl<H: TxHandler> Mode<Transaction> for H {
     fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
+        let who = (p.engine.clone(), p.config.group_id.clone());
         if p.parking.is_some() {
             return Err(BuildError::setting(
                 "parking",
@@ -331,7 +334,7 @@ impl<H: TxHandler> Mode<Transaction> for H {
                 .map_err(runner_error)?;
         }
         let stats = runner.stats();
-        Ok(Consumer::new(p.engine, stats, move |stop| {
+        Ok(Consumer::new(who, stats, move |stop| {
             Box::pin(async move { runner.run(stop).await })
         }))
     }
@@ -339,6 +342,7 @@ impl<H: TxHandler> Mode<Transaction> for H {
 
 impl<H: LeaseHandler> Mode<Lease> for H {
     fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
+        let who = (p.engine.clone(), p.config.group_id.clone());
         if p.offsets_in_transaction.is_some() {
             return Err(BuildError::setting(
                 "offsets_in_transaction",
@@ -358,7 +362,7 @@ impl<H: LeaseHandler> Mode<Lease> for H {
                     .map_err(runner_error)?
                     .with_dead_letter_table(pg);
                 let stats = runner.stats();
-                Ok(Consumer::new(p.engine, stats, move |stop| {
+                Ok(Consumer::new(who, stats, move |stop| {
                     Box::pin(async move { runner.run(stop).await })
                 }))
             }
@@ -372,7 +376,7 @@ impl<H: LeaseHandler> Mode<Lease> for H {
                         .map_err(|e| BuildError::setting("parking", e))?;
                 }
                 let stats = runner.stats();
-                Ok(Consumer::new(p.engine, stats, move |stop| {
+                Ok(Consumer::new(who, stats, move |stop| {
                     Box::pin(async move { runner.run(stop).await })
                 }))
             }
@@ -387,6 +391,7 @@ type Start = Box<dyn FnOnce(crate::Stopped) -> RunFuture + Send>;
 #[must_use = "a consumer does nothing until it is run"]
 pub struct Consumer {
     engine: Engine,
+    group: String,
     stats: StatsHandle,
     start: Start,
 }
@@ -401,12 +406,13 @@ impl fmt::Debug for Consumer {
 
 impl Consumer {
     fn new(
-        engine: Engine,
+        (engine, group): (Engine, String),
         stats: StatsHandle,
         start: impl FnOnce(crate::Stopped) -> RunFuture + Send + 'static,
     ) -> Self {
         Self {
             engine,
+            group,
             stats,
             start: Box::new(start),
         }
@@ -418,13 +424,32 @@ impl Consumer {
     }
 
     /// Consumes until the engine shuts down ([`Engine::shutdown`]), then lets running messages
-    /// finish (up to the drain timeout), commits and leaves the group.
+    /// finish (up to the drain timeout), commits and leaves the group. From its start it counts
+    /// in [`Engine::stats`] and [`Engine::health`] (a consumer whose `run` ended is not ready).
     ///
     /// # Errors
     /// The Kafka client could not start or subscribe, or the cluster refused it.
     pub async fn run(self) -> Result<RunnerStats, RunnerError> {
         let _running = self.engine.running();
         let stop = self.engine.stopped();
+        // In the engine's stats and health from now on; not running once `run` ends, however
+        // it ends (an error, a panic, the future dropped).
+        let running = Arc::new(AtomicBool::new(true));
+        self.engine.register(Registered {
+            group: self.group,
+            stats: self.stats,
+            running: running.clone(),
+        });
+        let _down = Down(running);
         (self.start)(stop).await
+    }
+}
+
+/// Marks a consumer not running when dropped.
+struct Down(Arc<AtomicBool>);
+
+impl Drop for Down {
+    fn drop(&mut self) {
+        self.0.store(false, AtomicOrdering::Release);
     }
 }

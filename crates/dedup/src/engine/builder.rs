@@ -294,6 +294,8 @@ impl EngineBuilder {
                 in_flight_wait: self.in_flight_wait,
                 members: AtomicU64::new(0),
                 groups: Mutex::new(HashMap::new()),
+                #[cfg(feature = "kafka")]
+                consumers: Mutex::new(Vec::new()),
                 running: Running::default(),
                 #[cfg(feature = "http")]
                 layers: Mutex::new(Vec::new()),

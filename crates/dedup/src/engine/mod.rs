@@ -60,6 +60,9 @@ struct Inner {
     members: AtomicU64,
     /// Consumers per group, for their `group.instance.id`.
     groups: Mutex<HashMap<String, u32>>,
+    /// The consumers built from the engine, for its stats and health.
+    #[cfg(feature = "kafka")]
+    consumers: Mutex<Vec<crate::health::Registered>>,
     running: Running,
     /// The HTTP layers built from the engine, drained at shutdown.
     #[cfg(feature = "http")]
@@ -185,6 +188,24 @@ impl Engine {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(layer);
+    }
+
+    #[cfg(feature = "kafka")]
+    pub(crate) fn register(&self, consumer: crate::health::Registered) {
+        self.inner
+            .consumers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(consumer);
+    }
+
+    #[cfg(feature = "kafka")]
+    pub(crate) fn registered(&self) -> Vec<crate::health::Registered> {
+        self.inner
+            .consumers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     #[cfg(feature = "kafka")]

@@ -13,6 +13,14 @@
 //!
 //! `run.rs` is one batch (its transaction, what each answer means, its dead letters);
 //! `offsets.rs` reads stored positions at assignment (offsets in the transaction).
+//!
+//! The ordering groups are the partition (`Ordering::PerPartition`) or the ordering key
+//! (`PerKey`). The user's `BatchHandler` gets the acquired messages (`Acquired`: delivery and
+//! lease) and the transaction. With `with_offsets_in_transaction`, each batch stores its
+//! partition's position in its transaction (the batch's end: the first pending offset outside the
+//! batch, or the next to read), each commit tick stores positions that moved without a batch, and
+//! on assignment the rebalance callback (`pre_rebalance`) sets each partition's start from the
+//! stored positions. A partition started from a stored position commits it to Kafka too.
 
 mod offsets;
 mod run;

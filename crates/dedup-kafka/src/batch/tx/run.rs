@@ -1,5 +1,16 @@
 //! One batch of one partition: its transaction, what each message's answer means for it, and its
 //! dead letters.
+//!
+//! The caches answer what they hold settled, one `transact_batch` call (ordered) runs the rest,
+//! each answer is filed, and the dead letters are written. Executed and replayed messages settle;
+//! InFlight and retryably failed ones go back to the queue with backoff, deferred ones without,
+//! and the next batch takes a message only if nothing of its group waits before it. FAILED keys,
+//! payload mismatches and bad or missing keys are dead-lettered (acknowledged before their
+//! offsets move), without waiting for an earlier unsettled message of their group: they have no
+//! effect, and the stored and committed positions still wait for them. A batch whose transaction
+//! fails for good as a whole sends its messages round again one per batch, so that only a message
+//! at fault is dead-lettered. Each batch is a `dedup.kafka.batch` span (partition, size,
+//! executed, again).
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;

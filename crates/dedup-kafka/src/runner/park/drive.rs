@@ -1,4 +1,26 @@
 //! The loop's side of parking: barriers, admission, parking behind a key, driving heads.
+//!
+//! Each tick (`park_tick`) follows the assignment (a barrier per partition newly owned; its
+//! messages wait for it), asks for due heads and starts a run per key not already running (at
+//! most 64 at once), and refreshes the gauges. `admit` (in `place`, before a lane) holds a message back until its
+//! partition's barrier answered, or behind messages waiting for room; every other message goes to
+//! its lane, and `parks_instead` (in `start`) parks a lane's next message when its key has
+//! anything parked, so a key's parks are written one at a time, in offset order (past a bound the
+//! lane's head and queue wait for room with the partition paused for that reason, whatever else
+//! lets go). Counts go up when a park is decided (`Event::Parking` for a message that parks
+//! itself, before its row) and down when a head's row is removed, a park is refused
+//! (`Settled::ParkRefused`) or finds its row written before (`Settled::ParkedAlready`, a replay),
+//! or a park announced is refused for good (`Event::ParkUndone`). The barrier bumps the epoch only
+//! while the partition is still owned (`acquire_parked_while`).
+//!
+//! A park fenced while the partition is still owned (`Settled::ParkFenced`) hands its message back
+//! (`Event::Refenced`): `refence` puts it and its lane's queue first in line to wait, and the
+//! partition's barrier runs again under a new epoch (`resync`; also after a task panicked past a
+//! count). The partition is then `stale`: it keeps its old epoch for messages already in lanes
+//! (their parks are fenced and handed back in turn), lets nothing waiting in until a barrier
+//! started after the last fence answers, and every count change carries the epoch it was made
+//! under (applied only under that epoch: a newer barrier counted the rows afresh). Each parked
+//! head's run is a `dedup.kafka.parked_retry` span.
 
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;

@@ -10,6 +10,12 @@
 //! to park it, a head that parked itself counts when it reports, and a head removed after its
 //! re-run uncounts. Every write names the partition's epoch, so a revoked instance can neither
 //! park into a partition nor drive its keys.
+//!
+//! Here: `Parking` (`Runner::with_parking`, feature `pg`), `AfterGiveUp`, the `ParkStore` trait
+//! the loop calls (so the loop needs no feature; `pg.rs` implements it on `PgStore`), and the
+//! loop's state (`Parks`: per owned partition its generation, epoch, parked keys with counts, and
+//! the messages waiting for the barrier or for room). The loop's side is `drive.rs`, a task's side
+//! `run.rs`.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;

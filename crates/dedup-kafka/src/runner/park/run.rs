@@ -1,4 +1,14 @@
 //! A message task's side of parking: parking a message, and one run of a parked head.
+//!
+//! `should_park`: handler failures after `in_place_attempts`, under `max_parked`. `park` (a
+//! `dedup.kafka.park` span): a park Postgres refuses for good answers `Settled::ParkImpossible`,
+//! and the head runs on in place; behind its key the message is dead-lettered, or under `Hold`
+//! waits, loudly. `give_up` is every in-place give-up: dead-letter the message, and under `Hold`
+//! write its key's held marker, waiting for room at a bound. `run_head` takes the head (only a
+//! due, unheld one), runs it once through `Dedup::try_process` with the handler (a panicking run
+//! is caught and reported), then removes it, defers it with jittered backoff, or dead-letters and
+//! removes it (under `AfterGiveUp::Hold` keeps it as the key's held marker and holds the rest).
+//! Settles are retried until their answer is definite.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
