@@ -1,6 +1,12 @@
 //! The Idempotency-Key layer with a real server on loopback (axum over the tiered store: L1,
 //! a Redis of the test's own, Postgres) and a real HTTP client; and the example service as
 //! processes, one of them killed with SIGKILL mid-request.
+//!
+//! Replays, problem details, limits, concurrent retries (wait and 409), a client that disconnects,
+//! `StoreResponses::Successes`, two instances sharing Redis and Postgres; and the example service
+//! (`crates/dedup/examples/orders.rs`) SIGKILLed mid-request in three states (committed,
+//! transaction open, effect outside the database). It runs `target/debug/examples/orders`, which
+//! `cargo test --workspace` builds.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

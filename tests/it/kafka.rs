@@ -2,6 +2,16 @@
 //! engine (L1, a real Redis, Postgres) and a ledger written in transactional mode.
 //!
 //! Every scenario runs on both brokers (`kafka::mock::*`, `kafka::nisshi::*`).
+//!
+//! Duplicates; a consumer process (`tests/bin/consume_and_die.rs`) SIGKILLed after its handlers
+//! and before any commit; two consumers with a rebalance mid-stream; poison; keyless messages
+//! under both policies; per-key concurrency under a small in-flight bound; a stalled handler
+//! (pause, and a rebalance served during it); a broker gone mid-stream and back (the mock's broker
+//! down and up; nisshi's process stopped with SIGSTOP and continued); typed results replayed to
+//! `on_result` and, after a deployment that changed the type, dead-lettered with the reason; and
+//! `a_restarted_instance_adopts_what_it_left_in_flight`: a consumer process killed mid-effect
+//! under a 10-minute lease, restarted with its identity, books the key under a new token within
+//! seconds. The nisshi broker is a process of the test's own (`support::NisshiServer`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -1,4 +1,7 @@
 //! A real process killed with SIGKILL after its claim and before completing.
+//!
+//! The worker is `tests/bin/claim_and_hang.rs`. With an instance identity: a process holding
+//! the identity and SIGSTOPped is not adopted (`HeldElsewhere`); SIGKILLed, it is, at once.
 
 use std::process::Stdio;
 use std::time::Duration;

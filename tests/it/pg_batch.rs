@@ -1,5 +1,16 @@
 //! Transaction mode by the batch (`PgStore::transact_batch`): claims, the handler's writes for
 //! the whole batch and the completions in one transaction.
+//!
+//! A batch with repeats, keys done before and a reused key in one transaction (handler once,
+//! statements counted); a poisoned message and a refused one handled alone while their neighbours
+//! commit; a withdrawn one spends no attempt while its neighbours commit; an oversized result
+//! fails its message alone; a key held by another batch answers InFlight without waiting; a key
+//! held by a `claim_in` transaction holds the batch no longer than its lock timeout; a batch idle
+//! in its transaction past its bound is rolled back by the server; concurrent batches in opposite
+//! orders run each key once; ordering groups held back after a failure, a held key and a poisoned
+//! message; a fresh key taken by a lease-mode claim mid-batch fails the batch whole; a handler
+//! that leaves the transaction aborted fails only its message; the stored position stops at
+//! unsettled messages and never moves back.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

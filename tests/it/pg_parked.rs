@@ -1,5 +1,11 @@
 //! Parked messages in Postgres (`dedup_parked`): parking at most once, each key's head in offset
 //! order, the epoch that fences a revoked owner, holds, operator releases and drops.
+//!
+//! Parked once and read back whole; each key's head in offset order, deferred, released, taken
+//! and settled until the key is free; a revoked owner fenced from parking, taking, deferring and
+//! settling, and a head its dead run took picked at once by the next owner; the purge keeping a
+//! parked message's dedup record. Parking through the runner is `kafka/parked.rs`; the operator
+//! commands are tested in `crates/dedup-cli/tests/cli.rs`.
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -1,5 +1,9 @@
 //! The tiered store with a real Redis: caches answer, Postgres decides, and nothing that happens
 //! to Redis causes a second effect.
+//!
+//! With redis-server processes of the test's own (one per test, `support::RedisServer`): answers
+//! without the authority, FLUSHALL, kill and restart, a slow Redis (CLIENT PAUSE), stale markers,
+//! zombie backfills, foreign and corrupted data, the 3-master cluster, ACL credentials, TLS.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

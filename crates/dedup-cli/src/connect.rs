@@ -1,4 +1,5 @@
 //! Connections from configuration, with errors that name what to fix (and never a password).
+//! A configuration error or an unreachable server exits with code 2; a failed run with 1.
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -2,6 +2,10 @@
 //!
 //! Configuration comes from flags or the environment (`DATABASE_URL`, `REDIS_URL`,
 //! `KAFKA_BROKERS`); `OTEL_EXPORTER_OTLP_ENDPOINT` sends spans over OTLP/HTTP (to Jaeger, say).
+//!
+//! Here: the subcommands, and `migrate` (`--mode apply|verify|off`), `inspect` and `purge`. The
+//! others have a module each: `demo/`, `bench/`, `parked.rs` (`parked`, `unpark`, `drop`; keys
+//! that are not printable text as `hex:...`, `hex.rs`), `forget.rs`, `dead_letters.rs`.
 
 #![allow(clippy::print_stdout)]
 

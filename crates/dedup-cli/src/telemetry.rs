@@ -1,5 +1,8 @@
 //! Logs to stderr, and spans over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set. Only the binary
 //! installs these; the libraries use `tracing` alone.
+//!
+//! Spans go over OTLP/HTTP (protobuf) with the W3C propagator, and the exporter is shut down at
+//! exit so that the last batch is sent.
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;

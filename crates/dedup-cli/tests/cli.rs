@@ -1,6 +1,9 @@
 //! The `dedup` binary end to end: the demo against the embedded Kafka with a real Postgres and
 //! Redis (from `DATABASE_URL` / `REDIS_URL`, started by `scripts/test`), its spans decoded from
 //! real OTLP requests, the admin commands, and errors for bad configuration.
+//!
+//! The demo runs in both modes, with an in-test OTLP receiver that decodes the real requests. The
+//! admin commands include `dedup parked`, `unpark` and `drop`.
 
 #![allow(clippy::unwrap_used)]
 

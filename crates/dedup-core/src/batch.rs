@@ -101,13 +101,31 @@ impl<S: Store> Batched<S> {
         &self.inner
     }
 
-    /// How many batch calls were made, and how many requests they carried, as
-    /// `(claim calls, claims, completion calls, completions)`.
-    pub fn batch_counts(&self) -> (u64, u64, u64, u64) {
-        let (a, b) = self.claims.counts();
-        let (c, d) = self.completions.counts();
-        (a, b, c, d)
+    /// How many batch calls were made, and how many requests they carried.
+    pub fn batch_counts(&self) -> BatchCounts {
+        let (claim_calls, claims) = self.claims.counts();
+        let (completion_calls, completions) = self.completions.counts();
+        BatchCounts {
+            claim_calls,
+            claims,
+            completion_calls,
+            completions,
+        }
     }
+}
+
+/// What [`Batched`] sent ([`Batched::batch_counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchCounts {
+    /// Batch claim calls made.
+    pub claim_calls: u64,
+    /// Claims they carried.
+    pub claims: u64,
+    /// Batch completion calls made.
+    pub completion_calls: u64,
+    /// Completions they carried.
+    pub completions: u64,
 }
 
 impl<S: Store> Store for Batched<S> {

@@ -61,7 +61,7 @@ mod store;
 mod tiered;
 pub mod typed;
 
-pub use batch::{BatchConfig, Batched};
+pub use batch::{BatchConfig, BatchCounts, Batched};
 pub use error::{BoxError, InputError, StoreError};
 pub use instance::{Adoption, InstanceId, MAX_INSTANCE_ID_LEN};
 pub use key::{Fingerprint, IdempotencyKey, MAX_KEY_LEN, MAX_SCOPE_LEN, Scope};

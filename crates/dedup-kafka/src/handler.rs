@@ -97,17 +97,3 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("a panic without a message")
 }
-
-pub(crate) struct DisplayHandlerError<'a, E>(pub(crate) &'a HandlerError<E>);
-
-impl<E: fmt::Display> fmt::Display for DisplayHandlerError<'_, E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
-            HandlerError::Retryable(e) => write!(f, "retryable: {e}"),
-            HandlerError::Permanent(e) => write!(f, "permanent: {e}"),
-            HandlerError::Withdraw(e) => write!(f, "withdrawn: {e}"),
-            HandlerError::Store(e) => write!(f, "store: {e}"),
-            _ => f.write_str("handler error"),
-        }
-    }
-}

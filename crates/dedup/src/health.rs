@@ -11,7 +11,9 @@ use std::time::Duration;
 use dedup_core::TierStats;
 use serde::Serialize;
 
-use crate::engine::{Engine, GroupCommitStats};
+use dedup_core::BatchCounts;
+
+use crate::engine::Engine;
 
 /// A consumer as the engine keeps it: its group, its counters, whether its `run` is going.
 #[cfg(feature = "kafka")]
@@ -32,7 +34,7 @@ pub struct EngineStats {
     /// The caches (L1 and the fast path).
     pub tiers: TierStats,
     /// Group commit.
-    pub group_commit: GroupCommitStats,
+    pub group_commit: BatchCounts,
 }
 
 /// One consumer's health ([`Health::consumers`]).

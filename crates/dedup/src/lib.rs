@@ -92,15 +92,15 @@ pub mod kafka {
 
 pub use bytes::Bytes;
 pub use dedup_core::{
-    BatchConfig, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError, InstanceId,
-    L1Policy, Lease as LeaseRecord, LeaseContext, MemoryStore, Policy, ProcessError, Processed,
-    ResultCodec, Scope, StoreError, TierStats, TieredConfig, TypedProcessed,
+    BatchConfig, BatchCounts, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError,
+    InstanceId, L1Policy, Lease as LeaseRecord, LeaseContext, MemoryStore, Policy, ProcessError,
+    Processed, ResultCodec, Scope, StoreError, TierStats, TieredConfig, TypedProcessed,
 };
 #[cfg(feature = "pg")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
 pub use {
     dedup_pg::{ConnectError, MigrationMode, PgStore, SchemaError},
-    engine::{BuildError, Engine, EngineBuilder, EngineStore, GroupCommitStats, Tiers},
+    engine::{BuildError, Engine, EngineBuilder, EngineStore, Tiers},
     health::{ConsumerHealth, EngineStats, Health},
     running::{Shutdown, Stopped},
     sqlx,

@@ -1,5 +1,9 @@
 //! The lease-mode batch runner (`LeaseRunner`): each partition's batches run by
 //! `Dedup::process_batch` over the full engine, with a per-message handler, on both brokers.
+//!
+//! Duplicates and poison in batches with a transactional per-message handler; one ordering key
+//! failing while the other keys settle past it, its later messages then in order and run once
+//! each.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;

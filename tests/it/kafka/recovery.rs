@@ -1,6 +1,14 @@
 //! Recovery after a crash, with consumer processes killed with SIGKILL on a nisshi broker process:
 //! the kill loop (with a Redis flush and a Postgres crash in it), and the recovery measurement
 //! that docs/RECOVERY.md quotes (`scripts/recovery`, ignored in the ordinary run).
+//!
+//! The kill loop, with a Postgres and a Redis of the test's own: a stream with redeliveries
+//! produced in six parts while `dedup-consume-and-die` processes (one identity; partition order,
+//! key order, lease mode by the batch in key order, and transaction mode with offsets in the
+//! transaction, in turn) are SIGKILLed twelve times at seeded random moments (every fourth while
+//! it joins), Redis flushed under one and Postgres crashed in immediate mode and restarted under
+//! another; a last process runs to the end: one ledger row per key and the group's offsets
+//! committed at the end of every partition. `measure_recovery_after_sigkill` is the measurement.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -8,6 +8,12 @@
 //! without PLAIN), and its SCRAM users can only be created by an authenticated client, which its
 //! own CLI cannot be, on in-memory storage that goes with the process: so a SCRAM login is tested
 //! as refused (a user it does not know), not as accepted.
+//!
+//! The front (`support::tls::TlsFront`) runs on a thread and runtime of its own. The tests: the
+//! duplicates scenario end to end over TLS with zstd producers; a certificate from an untrusted
+//! authority, or one that does not name the address, and a refused SCRAM login each stop the
+//! runner with `RunnerError::Refused` naming the broker, never the password; librdkafka's
+//! `builtin.features` include ssl, SASL PLAIN and SCRAM, and zstd.
 
 use std::path::PathBuf;
 

@@ -1,5 +1,19 @@
 //! The transaction-mode runner (`TxRunner`): whole batches of a partition in one Postgres
 //! transaction, on both brokers.
+//!
+//! The batch ledger handler is `tests/bin/batch_ledger.rs`, shared with `consume_and_die`, which
+//! runs `TxRunner` when `DEDUP_TX_DELAY_MS` is set. Duplicates, poison and a payload mismatch in
+//! batches; one ordering key failing across three batches while the other keys settle past it and
+//! its later messages follow in order; a consumer process SIGKILLed while its batches sleep inside
+//! their transactions, then a restart; with offsets in the transaction, a consumer process
+//! SIGKILLed after every batch committed in Postgres and before any Kafka commit, whose successor
+//! reads no message again (messages received and messages handed to the handler counted). A
+//! second member joining while the first one's batches are held in their transactions (on
+//! nisshi's eager protocol a partition is revoked and comes straight back mid-batch); caches
+//! answering a second group's replay with no transaction; a consumer process SIGSTOPped with its
+//! batches inside their transactions, whose sessions the server ends (`DEDUP_TX_IDLE_MS`),
+//! another member then booking every key, and the stopped one resumed with SIGCONT: one row per
+//! key.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;

@@ -113,7 +113,7 @@ struct Outcome {
     server_statements: Option<(u64, u64)>,
     /// Claims answered by L1, by L2, and by the authority.
     tiers: (u64, u64, u64),
-    batches: Option<(u64, u64, u64, u64)>,
+    batches: Option<dedup_core::BatchCounts>,
     /// What the machine's processors did meanwhile (Linux).
     cpu: Option<cpu::CpuUse>,
 }

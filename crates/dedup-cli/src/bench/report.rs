@@ -1,9 +1,9 @@
 //! The bench's table and JSON: events/s, p50/p99, Postgres round trips per unique key, tier
 //! shares, effects checked against the unique keys, the ratios with their absolute rates, and
-//! each durable contender's share of the ceiling. With `--repeat N` every figure of the table is a contender's
-//! median run's (the run whose rate is the median: the middle one of N, the upper middle of an
-//! even N), its rate shown with the min-max of every run; ratios are ratios of medians. The
-//! JSON carries every run as well.
+//! each durable contender's share of the ceiling. With `--repeat N` every figure of the table is
+//! a contender's median run's (the run whose rate is the median: the middle one of N, the upper
+//! middle of an even N), its rate shown with the min-max of every run; ratios are ratios of
+//! medians. The JSON carries every run as well.
 
 use super::{BenchArgs, Outcome, Round};
 
@@ -252,11 +252,11 @@ impl Report<'_> {
             }
         }
         for &o in median_runs {
-            if let Some((calls, claims, ccalls, completions)) = o.batches {
+            if let Some(b) = o.batches {
                 println!(
-                    "{}: {claims} claims in {calls} batch calls, {completions} completions in \
-                     {ccalls} batch calls (L1 hits bypass the batches)",
-                    o.name
+                    "{}: {} claims in {} batch calls, {} completions in {} batch calls (L1 hits \
+                     bypass the batches)",
+                    o.name, b.claims, b.claim_calls, b.completions, b.completion_calls
                 );
             }
         }
@@ -341,9 +341,9 @@ impl Report<'_> {
             "elapsed_s": o.elapsed.as_secs_f64(),
             "unique_keys_per_s": self.unique_rate(o),
             "ceiling_share": self.ceiling_share_of(o, ceiling),
-            "batches": o.batches.map(|(calls, claims, ccalls, completions)| serde_json::json!({
-                "claim_calls": calls, "claims": claims,
-                "completion_calls": ccalls, "completions": completions,
+            "batches": o.batches.map(|b| serde_json::json!({
+                "claim_calls": b.claim_calls, "claims": b.claims,
+                "completion_calls": b.completion_calls, "completions": b.completions,
             })),
             "cpu": o.cpu.map(|c| c.json(self.args.events)),
         })

@@ -67,7 +67,8 @@ impl Engine {
             }
             Self::PerMessage(dedup) => {
                 let tiers = dedup.store().inner().stats();
-                let (claim_calls, claims, _, _) = dedup.store().batch_counts();
+                let counts = dedup.store().batch_counts();
+                let (claim_calls, claims) = (counts.claim_calls, counts.claims);
                 vec![
                     claims_line(&tiers),
                     format!(

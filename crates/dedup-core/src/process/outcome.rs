@@ -97,6 +97,26 @@ impl<E> HandlerError<E> {
     }
 }
 
+impl<E: fmt::Display> fmt::Display for HandlerError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Retryable(e) => write!(f, "retryable: {e}"),
+            Self::Permanent(e) => write!(f, "permanent: {e}"),
+            Self::Withdraw(e) => write!(f, "withdrawn: {e}"),
+            Self::Store(e) => write!(f, "store: {e}"),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for HandlerError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Retryable(e) | Self::Permanent(e) | Self::Withdraw(e) => Some(e),
+            Self::Store(e) => Some(e),
+        }
+    }
+}
+
 impl<E> From<StoreError> for HandlerError<E> {
     fn from(e: StoreError) -> Self {
         Self::Store(e)

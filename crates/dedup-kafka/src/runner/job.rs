@@ -26,7 +26,7 @@ use crate::config::{MissingKey, RunnerConfig};
 use crate::consumer::Settled;
 use crate::dead_letter::DeadLetters;
 use crate::delivery::KeyError;
-use crate::handler::{DisplayHandlerError, Handler, attempts_of, no_withdraw, panic_message};
+use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
 use crate::kill_switch::Breaker;
 use crate::stats::Counters;
 
@@ -295,7 +295,7 @@ where
                     format!("the handler's store call failed: {e}")
                 }
                 Err(e) => {
-                    debug!(attempt, error = %DisplayHandlerError(&e), "retrying a keyless message");
+                    debug!(attempt, error = %e, "retrying a keyless message");
                     if !self.wait_retry(job, attempt).await {
                         return Settled::Abandoned;
                     }

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dedup_core::{Batched, Dedup, InstanceId, Policy, Scope, TierStats, TieredStore};
+use dedup_core::{BatchCounts, Batched, Dedup, InstanceId, Policy, Scope, TierStats, TieredStore};
 use dedup_pg::PgStore;
 
 use crate::running::Running;
@@ -140,14 +140,8 @@ impl Engine {
     }
 
     /// Group commit's counters: how many batch calls carried how many claims and completions.
-    pub fn group_commit_stats(&self) -> GroupCommitStats {
-        let (claim_calls, claims, completion_calls, completions) = self.inner.store.batch_counts();
-        GroupCommitStats {
-            claim_calls,
-            claims,
-            completion_calls,
-            completions,
-        }
+    pub fn group_commit_stats(&self) -> BatchCounts {
+        self.inner.store.batch_counts()
     }
 
     /// A handle that stops everything built from this engine ([`Shutdown`](crate::Shutdown)).
@@ -262,18 +256,4 @@ impl Engine {
             .with_in_flight_wait(self.inner.in_flight_wait)
             .map_err(|e| BuildError::setting("in_flight_wait", e))
     }
-}
-
-/// Group commit's counters ([`Engine::group_commit_stats`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct GroupCommitStats {
-    /// Batch claim calls made.
-    pub claim_calls: u64,
-    /// Claims they carried.
-    pub claims: u64,
-    /// Batch completion calls made.
-    pub completion_calls: u64,
-    /// Completions they carried.
-    pub completions: u64,
 }

@@ -33,7 +33,7 @@ use super::{Acquired, BatchHandler};
 use crate::consumer::Settled;
 use crate::consumer::TopicPartition;
 use crate::delivery::Delivery;
-use crate::handler::{DisplayHandlerError, panic_message, retry_withdrawn};
+use crate::handler::{panic_message, retry_withdrawn};
 use crate::kill_switch::Breaker;
 
 pub(crate) struct Inner<H> {
@@ -355,11 +355,11 @@ impl<H: BatchHandler> Inner<H> {
                 after: AfterHandlerError::Failed { attempts },
             } => letters.push(Letter {
                 item,
-                reason: format!("the handler failed: {}", DisplayHandlerError(&error)),
+                reason: format!("the handler failed: {}", error),
                 attempts,
             }),
             BatchAnswer::Handler { error, .. } => {
-                debug!(offset, error = %DisplayHandlerError(&error), "retrying");
+                debug!(offset, error = %error, "retrying");
                 again.push(self.common.retry_later(item));
             }
             // InFlight (another holder), or an answer this runner does not know: again later.
