@@ -1,6 +1,11 @@
 //! TLS to Postgres: a server of the test's own with `ssl = on` and a certificate made at test
 //! time, a role that may only log in over TLS with a password, and every `sslmode` a managed
 //! Postgres is used with.
+//!
+//! `verify-full`, `verify-ca` and `require` connect (`pg_stat_ssl` says TLS) and the store works
+//! over it; an untrusted authority, a certificate for another name, a missing root file, a wrong
+//! password, no TLS at all, and `require` against a server without TLS are each a `ConnectError`
+//! that names `host:port` and the mode and never the password.
 
 use std::time::Duration;
 

@@ -1,4 +1,9 @@
 //! Instance identities: a restarted instance adopts what its dead predecessor left in flight.
+//!
+//! `adopt_ends_only_a_dead_predecessors_leases`: other identities, a name sharing a prefix, `_`
+//! where LIKE has a wildcard, and this incarnation's own lease stay; the adopted key runs at once
+//! as attempt 2 under a new token. `adopt_needs_a_valid_identity`. Processes killed with their
+//! identity: `kill.rs`, `kafka.rs`, `pg_faults.rs`.
 
 use std::sync::Arc;
 use std::time::Duration;

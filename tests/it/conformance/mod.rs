@@ -3,7 +3,10 @@
 //! `conformance!` stamps each case out once per store: the in-memory reference, Postgres (each
 //! test in a fresh database), the tiered store (Postgres behind L1 and a Redis of the test's own,
 //! or the 3-master Redis Cluster `scripts/test` starts), and the tiered store behind `Batched`
-//! (group commit).
+//! (group commit), and the store an `Engine` built by `dedup::Engine::builder()` claims through
+//! (the same stack, as users get it): six stores, one module each (`memory::*`, `postgres::*`,
+//! ...); a later store adds a module to the macro. `cases.rs` covers the store API, the other files the APIs on top
+//! of it.
 
 mod cases;
 mod instance;
@@ -59,6 +62,22 @@ macro_rules! conformance {
                     let store = crate::support::tiered(pool, &redis).await;
                     let store = dedup_core::Batched::new(store, dedup_core::BatchConfig::default());
                     super::run::$case(std::sync::Arc::new(store)).await;
+                }
+            )*
+        }
+        mod engine {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    let redis = crate::support::RedisServer::start();
+                    let engine = dedup::Engine::builder()
+                        .postgres(pool)
+                        .redis_url(redis.url())
+                        .scope("conformance")
+                        .build()
+                        .await
+                        .unwrap();
+                    super::run::$case(engine.dedup().store().clone()).await;
                 }
             )*
         }

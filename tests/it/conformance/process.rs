@@ -1,4 +1,5 @@
-//! `Dedup::process` on top of each store: the handler runs once, duplicates replay.
+//! `Dedup::process` on top of each store: the handler runs once, duplicates replay. Including a
+//! 32-task storm and injected lost replies.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};

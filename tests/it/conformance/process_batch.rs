@@ -1,4 +1,6 @@
-//! `Dedup::process_batch` (lease mode by the batch) on top of each store.
+//! `Dedup::process_batch` (lease mode by the batch) on top of each store: repeats, each failure
+//! alone, no wait for a held key, one heartbeat past the lease, a batch taken over fenced whole,
+//! its own leases adopted after lost replies.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

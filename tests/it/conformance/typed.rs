@@ -1,5 +1,8 @@
 //! `Dedup::process_typed` on top of each store: a value in, the same value back on every replay,
 //! and a stored result of another type refused with a typed error, never a second run.
+//!
+//! Replayed equal (bincode, JSON); another tag, codec or layout, or untyped bytes, refused without
+//! a second run; an unencodable value fails its key; the types bincode cannot read back.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,6 +1,14 @@
 //! Parking: a message that keeps failing is parked in Postgres and its partition moves on; later
 //! messages of its ordering key are parked behind it; the partition's owner re-runs them in order
 //! (docs/PARKING.md).
+//!
+//! On both brokers: one account failing while 10,000 messages of 50 others on its partition
+//! settle and the offsets pass it, then its five messages in order; a parked key's new messages
+//! arriving in waves, all in offset order; a head out of attempts dead-lettered with reason and
+//! attempts (one budget, 5 calls) and the key proceeding; the hold policy and an operator's
+//! `unpark`; a partition with parked keys moved to another member; a message parked while its
+//! key's last parked message completes; the per-key bound (the partition waits, `park_full`, the
+//! gauges); consumer processes SIGKILLed after parking and during a parked run.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
