@@ -1,5 +1,6 @@
-//! The batch ledger handler that the transaction-mode tests and the kill-test consumer share:
-//! every acquired message's effect row in one statement on the batch's transaction.
+//! The batch ledger handler that the transaction-mode tests and the kill-test consumer share: a
+//! `TxHandler` writing every acquired message's effect row in one statement on the batch's
+//! transaction.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -7,9 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::HandlerError;
-use dedup_kafka::{Acquired, BatchHandler};
-use dedup_pg::{BatchBody, ItemResult};
+use dedup::HandlerError;
+use dedup::kafka::{Acquired, ItemResult, TxHandler};
 use sqlx::PgConnection;
 
 /// Writes one `effects` row per acquired message (`key` from the `idempotency-key` header, the
@@ -30,16 +30,30 @@ pub(crate) struct BatchLedger {
     pub(crate) broken: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
-impl BatchHandler for BatchLedger {
+impl TxHandler for BatchLedger {
     type Error = String;
 
-    fn handle<'c>(
-        &'c self,
-        tx: &'c mut PgConnection,
-        batch: &'c [Acquired],
-    ) -> BatchBody<'c, String> {
+    /// One message: the batch path on a batch of one.
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        message: &Acquired,
+    ) -> Result<Bytes, HandlerError<String>> {
+        let mut answers = self.handle_batch(tx, std::slice::from_ref(message)).await?;
+        answers
+            .pop()
+            .unwrap_or_else(|| Err(HandlerError::Retryable("no answer".to_owned())))
+    }
+
+    /// The whole batch's rows in one statement.
+    fn handle_batch(
+        &self,
+        tx: &mut PgConnection,
+        batch: &[Acquired],
+    ) -> impl std::future::Future<Output = Result<Vec<ItemResult<String>>, HandlerError<String>>> + Send
+    {
         self.calls.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        Box::pin(async move {
+        async move {
             let mut keys = Vec::with_capacity(batch.len());
             let mut tokens = Vec::with_capacity(batch.len());
             let mut answers: Vec<ItemResult<String>> = Vec::with_capacity(batch.len());
@@ -108,6 +122,6 @@ impl BatchHandler for BatchLedger {
                 let _ = gate.wait_for(|open| *open).await;
             }
             Ok(answers)
-        })
+        }
     }
 }

@@ -1,12 +1,12 @@
-//! A consumer for the kill test: runs the Kafka runner over the full engine, booking each message
-//! into `effects` in transactional mode, and never commits an offset on its own (the test kills it
-//! with SIGKILL first).
+//! A consumer for the kill test: a consumer built from a `dedup::Engine` (Postgres, Redis), booking
+//! each message into `effects` in one transaction with its completion, and never committing an
+//! offset on its own (the test kills it with SIGKILL first).
 //!
 //! Usage: `dedup-consume-and-die <brokers> <group> <topic> <database-url> <redis-url> [k=v ...]`
 //! (`k=v`: extra librdkafka properties).
 //!
-//! With `DEDUP_TX_DELAY_MS` set, it runs the transaction-mode runner instead (`TxRunner`,
-//! batches of up to 20), each batch sleeping that long inside its transaction after writing its
+//! With `DEDUP_TX_DELAY_MS` set, it runs transaction mode instead (a `TxHandler`, batches of up
+//! to 20), each batch sleeping that long inside its transaction after writing its
 //! effects, so that the kill lands in the middle of a batch; with `DEDUP_TX_OFFSETS` set too,
 //! each batch also stores its partition's position in its transaction; `DEDUP_TX_IDLE_MS` sets
 //! how long a batch's session may sit idle in its transaction before the server ends it.
@@ -17,8 +17,8 @@
 //! effect), `DEDUP_HANDLER_MS` a wait inside every handler before its effect (a call to another
 //! service), and `DEDUP_ORDERING=per-key` per-key ordering by the Kafka message key.
 //!
-//! `DEDUP_LEASE_BATCH` runs lease mode by the batch instead (`LeaseRunner`, batches of up to 20)
-//! with the same handler.
+//! `DEDUP_LEASE_BATCH` runs lease mode by the batch instead (batches of up to 20) with the same
+//! handler.
 //!
 //! `DEDUP_PARK` turns parking on (key order, two runs in place, attempts up to 1,000), and
 //! `DEDUP_FAIL_TABLE` fails a message retryably while its Kafka message key is in the table
@@ -32,18 +32,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{
-    Dedup, HandlerError, InstanceId, LeaseContext, Policy, TieredConfig, TieredStore,
-};
-use dedup_kafka::{
-    Backoff, Batching, Delivery, LeaseRunner, Ordering, Parking, Runner, RunnerConfig, StatsHandle,
-    TxRunner,
-};
-use dedup_pg::{PgStore, TxBatchConfig};
-use dedup_redis::RedisFastPath;
+use dedup::kafka::{Backoff, Batching, Message, Ordering, Parking, StatsHandle};
+use dedup::{Completion, Engine, HandlerError, LeaseContext, PgStore, Policy};
+use dedup_pg::TxBatchConfig;
 
 #[path = "batch_ledger.rs"]
 mod batch_ledger;
+
+fn millis(name: &str) -> Result<Option<Duration>, Box<dyn std::error::Error>> {
+    Ok(match std::env::var(name) {
+        Ok(ms) => Some(Duration::from_millis(ms.parse()?)),
+        Err(_) => None,
+    })
+}
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -51,103 +52,128 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let [_, brokers, group, topic, db, redis, extra @ ..] = args.as_slice() else {
         return Err("usage: dedup-consume-and-die <brokers> <group> <topic> <database-url> <redis-url> [k=v ...]".into());
     };
-    let pg = PgStore::new(sqlx::PgPool::connect(db).await?);
-    let store = TieredStore::new(
-        pg.clone(),
-        RedisFastPath::connect(redis).await?,
-        TieredConfig::default(),
-    );
-    let mut dedup = Dedup::new(store);
-    let commit = match std::env::var("DEDUP_COMMIT_MS") {
-        Ok(ms) => Duration::from_millis(ms.parse()?),
-        Err(_) => Duration::from_secs(3600),
-    };
-    let mut config = RunnerConfig::new(brokers.as_str(), group.as_str(), [topic.as_str()])
-        .with_commit_interval(commit);
-    if let Ok(id) = std::env::var("DEDUP_INSTANCE") {
-        let id = InstanceId::new(id)?;
-        if std::env::var("DEDUP_STATIC").as_deref() != Ok("0") {
-            config = config.with_instance_id(&id);
-        }
-        dedup = dedup.with_instance(id);
-    }
-    if std::env::var("DEDUP_ORDERING").as_deref() == Ok("per-key") {
-        config = config.with_ordering(Ordering::PerKey);
-    }
-    let pause = match std::env::var("DEDUP_HANDLER_MS") {
-        Ok(ms) => Duration::from_millis(ms.parse()?),
-        Err(_) => Duration::ZERO,
-    };
-    let report = std::env::var_os("DEDUP_REPORT").is_some();
     let park = std::env::var_os("DEDUP_PARK").is_some();
     let mut policy = Policy::default();
-    if let Ok(ms) = std::env::var("DEDUP_LEASE_MS") {
-        policy = policy.with_lease(Duration::from_millis(ms.parse()?));
+    if let Some(lease) = millis("DEDUP_LEASE_MS")? {
+        policy = policy.with_lease(lease);
     }
     if park {
         policy = policy.with_max_attempts(1000);
-        config = config.with_ordering(Ordering::PerKey);
     }
-    dedup = dedup.with_policy(policy)?;
-    let fail_table = std::env::var_os("DEDUP_FAIL_TABLE").is_some();
-    let dedup = Arc::new(dedup);
-    let hang = std::env::var("DEDUP_HANG_KEY").ok();
+    let mut engine = Engine::builder()
+        .postgres_url(db.as_str())
+        .redis_url(redis.as_str())
+        // The group's name as the scope: every instance of one test shares it.
+        .scope(group.as_str())
+        .policy(policy);
+    if let Ok(id) = std::env::var("DEDUP_INSTANCE") {
+        engine = engine.instance(id);
+    }
+    let engine = engine.build().await?;
+    let mut consumer = engine
+        .consumer()
+        .brokers(brokers.as_str())
+        .group_id(group.as_str())
+        .topics([topic.as_str()])
+        .commit_interval(millis("DEDUP_COMMIT_MS")?.unwrap_or(Duration::from_secs(3600)))
+        .static_membership(std::env::var("DEDUP_STATIC").as_deref() != Ok("0"));
+    if park || std::env::var("DEDUP_ORDERING").as_deref() == Ok("per-key") {
+        consumer = consumer.ordering(Ordering::PerKey);
+    }
     for kv in extra {
         let (k, v) = kv.split_once('=').ok_or("extra properties are k=v")?;
-        config = config.with_client(k, v);
+        consumer = consumer.set(k, v);
     }
-    if let Ok(ms) = std::env::var("DEDUP_TX_DELAY_MS") {
+    let report = std::env::var_os("DEDUP_REPORT").is_some();
+    let consumer = if let Some(delay) = millis("DEDUP_TX_DELAY_MS")? {
         let handler = batch_ledger::BatchLedger {
             worker: "killed".to_owned(),
-            delay: Duration::from_millis(ms.parse()?),
+            delay,
             ..Default::default()
         };
         let mut batching = Batching::new(20, Duration::from_millis(5));
-        if let Ok(ms) = std::env::var("DEDUP_TX_IDLE_MS") {
-            batching = batching.with_transaction(
-                TxBatchConfig::default().with_idle_timeout(Duration::from_millis(ms.parse()?)),
+        if let Some(idle) = millis("DEDUP_TX_IDLE_MS")? {
+            batching = batching.with_transaction(TxBatchConfig::default().with_idle_timeout(idle));
+        }
+        consumer = consumer.batching(batching);
+        if std::env::var_os("DEDUP_TX_OFFSETS").is_some() {
+            consumer = consumer.offsets_in_transaction(Duration::from_secs(5));
+        }
+        consumer.build(handler)?
+    } else {
+        let handler = Booking {
+            pg: engine.postgres().clone(),
+            hang: std::env::var("DEDUP_HANG_KEY").ok(),
+            pause: millis("DEDUP_HANDLER_MS")?.unwrap_or_default(),
+            fail_table: std::env::var_os("DEDUP_FAIL_TABLE").is_some(),
+        };
+        if std::env::var_os("DEDUP_LEASE_BATCH").is_some() {
+            consumer = consumer.batching(Batching::new(20, Duration::from_millis(5)));
+        }
+        if park {
+            consumer = consumer.parking(
+                Parking::default()
+                    .with_in_place_attempts(2)
+                    .with_backoff(Backoff::new(
+                        Duration::from_millis(50),
+                        Duration::from_millis(500),
+                    ))
+                    .with_poll(Duration::from_millis(50)),
             );
         }
-        let mut runner = TxRunner::new(config, batching, pg, handler)?;
-        if std::env::var_os("DEDUP_TX_OFFSETS").is_some() {
-            runner = runner.with_offsets_in_transaction(Duration::from_secs(5))?;
-        }
-        if report {
-            tokio::spawn(ticks(runner.stats()));
-        }
-        runner.run(std::future::pending()).await?;
-        return Ok(());
+        consumer.build(handler)?
+    };
+    if report {
+        tokio::spawn(ticks(consumer.stats()));
     }
-    let parked_store = pg.clone();
-    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
-        let pg = pg.clone();
-        let hang = hang.clone();
-        async move {
-            if fail_table {
-                let failing: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM fail_accounts WHERE account = $1)",
-                )
-                .bind(String::from_utf8_lossy(d.key.as_deref().unwrap_or_default()).into_owned())
-                .fetch_one(pg.pool())
-                .await
-                .map_err(|e| HandlerError::Retryable(e.to_string()))?;
-                if failing {
-                    return Err(HandlerError::Retryable(
-                        "the account's service is down".into(),
-                    ));
-                }
+    consumer.run().await?;
+    Ok(())
+}
+
+/// Lease mode, the effect in Postgres: the `effects` row and the completion in one transaction
+/// (`PgStore::transact`), so that a kill anywhere leaves one row or none.
+#[derive(Debug)]
+struct Booking {
+    pg: PgStore,
+    hang: Option<String>,
+    pause: Duration,
+    fail_table: bool,
+}
+
+impl dedup::kafka::LeaseHandler for Booking {
+    type Error = String;
+    type Output = Completion;
+
+    async fn handle(
+        &self,
+        d: Arc<Message>,
+        lease: LeaseContext,
+    ) -> Result<Completion, HandlerError<String>> {
+        if self.fail_table {
+            let failing: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM fail_accounts WHERE account = $1)",
+            )
+            .bind(String::from_utf8_lossy(d.key.as_deref().unwrap_or_default()).into_owned())
+            .fetch_one(self.pg.pool())
+            .await
+            .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+            if failing {
+                return Err(HandlerError::Retryable(
+                    "the account's service is down".into(),
+                ));
             }
-            let lease = lease.ok_or(HandlerError::Permanent("no key".to_owned()))?;
-            let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default())
-                .into_owned();
-            if hang.as_deref() == Some(key.as_str()) {
-                std::future::pending::<()>().await;
-            }
-            if !pause.is_zero() {
-                tokio::time::sleep(pause).await;
-            }
-            let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
-            pg.transact(&lease, move |tx| {
+        }
+        let key =
+            String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default()).into_owned();
+        if self.hang.as_deref() == Some(key.as_str()) {
+            std::future::pending::<()>().await;
+        }
+        if !self.pause.is_zero() {
+            tokio::time::sleep(self.pause).await;
+        }
+        let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
+        self.pg
+            .transact(&lease, move |tx| {
                 Box::pin(async move {
                     sqlx::query("INSERT INTO effects VALUES ($1, $2, 'killed')")
                         .bind(&key)
@@ -159,39 +185,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 })
             })
             .await
-        }
-    };
-    if std::env::var_os("DEDUP_LEASE_BATCH").is_some() {
-        let runner = LeaseRunner::new(
-            config,
-            Batching::new(20, Duration::from_millis(5)),
-            dedup,
-            handler,
-        )?;
-        if report {
-            tokio::spawn(ticks(runner.stats()));
-        }
-        runner.run(std::future::pending()).await?;
-        return Ok(());
     }
-    let mut runner = Runner::new(config, dedup, handler)?;
-    if park {
-        runner = runner.with_parking(
-            parked_store,
-            Parking::default()
-                .with_in_place_attempts(2)
-                .with_backoff(Backoff::new(
-                    Duration::from_millis(50),
-                    Duration::from_millis(500),
-                ))
-                .with_poll(Duration::from_millis(50)),
-        )?;
-    }
-    if report {
-        tokio::spawn(ticks(runner.stats()));
-    }
-    runner.run(std::future::pending()).await?;
-    Ok(())
 }
 
 /// Prints the runner's progress every 20 ms (see the module docs).

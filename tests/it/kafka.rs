@@ -368,6 +368,57 @@ fn consumer_args_for(
     args
 }
 
+/// An engine on `pool` (with `redis` as its fast path, if given) in `config`'s dedup scope (its
+/// group id where it names none, as the tests' streams expect), under `policy`.
+async fn engine_for(
+    pool: &PgPool,
+    config: &RunnerConfig,
+    redis: Option<&RedisServer>,
+    policy: Policy,
+) -> dedup::Engine {
+    let mut engine = dedup::Engine::builder()
+        .postgres(pool.clone())
+        .scope(
+            config
+                .scope
+                .clone()
+                .unwrap_or_else(|| config.group_id.clone()),
+        )
+        .policy(policy);
+    if let Some(redis) = redis {
+        engine = engine.redis_url(redis.url());
+    }
+    engine.build().await.unwrap()
+}
+
+/// The consumer builder of `engine` set as `config` says, setting by setting (the tests keep
+/// their settings in one `RunnerConfig`).
+fn consumer_for(engine: &dedup::Engine, config: &RunnerConfig) -> dedup::kafka::ConsumerBuilder {
+    let mut consumer = engine
+        .consumer()
+        .brokers(&config.brokers)
+        .group_id(&config.group_id)
+        .topics(config.topics.clone())
+        .dead_letter_topic(&config.dead_letter_topic)
+        .key(config.key.clone())
+        .missing_key(config.missing_key)
+        .payload_check(config.check_payload)
+        .max_in_flight(config.max_in_flight)
+        .max_blocked(config.max_blocked)
+        .ordering(config.ordering)
+        .ordering_key(config.ordering_key.clone())
+        .backoff(config.backoff)
+        .commit_interval(config.commit_interval)
+        .drain_timeout(config.drain_timeout);
+    if let Some(switch) = config.kill_switch {
+        consumer = consumer.kill_switch(switch);
+    }
+    for (k, v) in &config.client {
+        consumer = consumer.set(k, v);
+    }
+    consumer
+}
+
 /// Waits until `done` holds, or fails the test after `secs`.
 async fn eventually<F, Fut>(secs: u64, what: &str, mut done: F)
 where

@@ -26,6 +26,7 @@ pub struct Charge {
 
 impl LeaseHandler for Charge {
     type Error = String;
+    type Output = Bytes;
 
     async fn handle(
         &self,

@@ -92,9 +92,10 @@ pub mod kafka {
 
 pub use bytes::Bytes;
 pub use dedup_core::{
-    BatchConfig, BatchCounts, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError,
-    InstanceId, L1Policy, Lease as LeaseRecord, LeaseContext, MemoryStore, Policy, ProcessError,
-    Processed, ResultCodec, Scope, StoreError, TierStats, TieredConfig, TypedProcessed,
+    BatchConfig, BatchCounts, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey,
+    InputError, InstanceId, L1Policy, Lease as LeaseRecord, LeaseContext, MemoryStore, Policy,
+    ProcessError, Processed, ResultCodec, Scope, StoreError, TierStats, TieredConfig,
+    TypedProcessed,
 };
 #[cfg(feature = "pg")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]

@@ -5,8 +5,8 @@
 //! or the 3-master Redis Cluster `scripts/test` starts), and the tiered store behind `Batched`
 //! (group commit), and the store an `Engine` built by `dedup::Engine::builder()` claims through
 //! (the same stack, as users get it): six stores, one module each (`memory::*`, `postgres::*`,
-//! ...); a later store adds a module to the macro. `cases.rs` covers the store API, the other files the APIs on top
-//! of it.
+//! ...); a later store adds a module to the macro. `cases.rs` covers the store API, the other
+//! files the APIs on top of it.
 
 mod cases;
 mod instance;

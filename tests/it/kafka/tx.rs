@@ -1,8 +1,8 @@
-//! The transaction-mode runner (`TxRunner`): whole batches of a partition in one Postgres
-//! transaction, on both brokers.
+//! Transaction mode (a `TxHandler` consumer built from an engine): whole batches of a partition in
+//! one Postgres transaction, on both brokers.
 //!
 //! The batch ledger handler is `tests/bin/batch_ledger.rs`, shared with `consume_and_die`, which
-//! runs `TxRunner` when `DEDUP_TX_DELAY_MS` is set. Duplicates, poison and a payload mismatch in
+//! runs transaction mode when `DEDUP_TX_DELAY_MS` is set. Duplicates, poison and a payload mismatch in
 //! batches; one ordering key failing across three batches while the other keys settle past it and
 //! its later messages follow in order; a consumer process SIGKILLed while its batches sleep inside
 //! their transactions, then a restart; with offsets in the transaction, a consumer process
@@ -20,21 +20,20 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use dedup_core::{BatchCache, Policy};
+use dedup::BuildError;
+use dedup_core::Policy;
 use dedup_kafka::{
-    Batching, DLQ_REASON, MissingKey, Ordering, RunnerConfig, RunnerError, RunnerStats,
-    StatsHandle, TxRunner,
+    Batching, DLQ_REASON, MissingKey, Ordering, RunnerConfig, RunnerError, RunnerStats, StatsHandle,
 };
-use dedup_pg::PgStore;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use super::{
-    Broker, Event, assert_one_row_per_key, committed, committed_to_the_end, event, eventually,
-    ledger_count, produce, produced_ends, read_dead_letters, unique,
+    Broker, Event, assert_one_row_per_key, committed, committed_to_the_end, consumer_for,
+    engine_for, event, eventually, ledger_count, produce, produced_ends, read_dead_letters, unique,
 };
-use crate::support::{RedisServer, effects_table, tiered};
+use crate::support::{RedisServer, effects_table};
 
 #[path = "../../bin/batch_ledger.rs"]
 mod batch_ledger;
@@ -44,58 +43,55 @@ struct RunningTx {
     stop: oneshot::Sender<()>,
     handle: JoinHandle<Result<RunnerStats, RunnerError>>,
     stats: StatsHandle,
+    /// The engine it was built from (its caches' counters).
+    engine: dedup::Engine,
 }
 
 impl RunningTx {
-    fn spawn(config: RunnerConfig, pool: &PgPool, handler: BatchLedger) -> Self {
-        Self::spawn_with(config, pool, handler, false)
+    async fn spawn(config: RunnerConfig, pool: &PgPool, handler: BatchLedger) -> Self {
+        Self::spawn_with(config, pool, handler, false).await
     }
 
-    fn spawn_with(
+    async fn spawn_with(
         config: RunnerConfig,
         pool: &PgPool,
         handler: BatchLedger,
         offsets_in_tx: bool,
     ) -> Self {
-        Self::spawn_full(config, pool, handler, offsets_in_tx, None)
+        Self::spawn_full(config, pool, handler, offsets_in_tx, None).await
     }
 
-    fn spawn_full(
+    /// A transaction-mode consumer built from an engine of its own (with `redis` as its fast
+    /// path, if given) and stopped by `stop`.
+    async fn spawn_full(
         config: RunnerConfig,
         pool: &PgPool,
         handler: BatchLedger,
         offsets_in_tx: bool,
-        caches: Option<Arc<dyn BatchCache>>,
+        redis: Option<&RedisServer>,
     ) -> Self {
         let policy = Policy::default()
             .with_lease(Duration::from_secs(5))
             .with_max_attempts(10);
-        let mut runner = TxRunner::new(
-            config,
-            Batching::default(),
-            PgStore::new(pool.clone()),
-            handler,
-        )
-        .unwrap()
-        .with_policy(policy)
-        .unwrap();
+        let engine = engine_for(pool, &config, redis, policy).await;
+        let mut consumer = consumer_for(&engine, &config).batching(Batching::default());
         if offsets_in_tx {
-            runner = runner
-                .with_offsets_in_transaction(Duration::from_secs(5))
-                .unwrap();
+            consumer = consumer.offsets_in_transaction(Duration::from_secs(5));
         }
-        if let Some(caches) = caches {
-            runner = runner.with_caches(caches);
-        }
-        let stats = runner.stats();
+        let consumer = consumer.build(handler).unwrap();
+        let stats = consumer.stats();
         let (stop, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(runner.run(async {
+        let stopping = engine.clone();
+        tokio::spawn(async move {
             let _ = rx.await;
-        }));
+            stopping.shutdown().await;
+        });
+        let handle = tokio::spawn(consumer.run());
         Self {
             stop,
             handle,
             stats,
+            engine,
         }
     }
 
@@ -139,7 +135,7 @@ async fn tx_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_los
         calls: calls.clone(),
         ..BatchLedger::default()
     };
-    let run = RunningTx::spawn(config, &pool, handler);
+    let run = RunningTx::spawn(config, &pool, handler).await;
     let stats = run.stats.clone();
     super::kill_switch::outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
     run.stop().await;
@@ -183,7 +179,7 @@ async fn tx_a_stream_with_duplicates_poison_and_a_mismatch_books_each_key_once_i
         .count() as u64;
     produce(broker, &topic, &events).await;
     let group = unique("g");
-    let run = RunningTx::spawn(broker.config(&group, &topic), &pool, ledger("tx"));
+    let run = RunningTx::spawn(broker.config(&group, &topic), &pool, ledger("tx")).await;
     let stats = run.stats.clone();
     let total = events.len() as u64;
     eventually(60, "every event settled", || {
@@ -266,7 +262,7 @@ async fn tx_one_keys_failures_hold_back_only_that_keys_later_messages(
     let config = broker
         .config(&group, &topic)
         .with_ordering(Ordering::PerKey);
-    let run = RunningTx::spawn(config, &pool, handler);
+    let run = RunningTx::spawn(config, &pool, handler).await;
     let stats = run.stats.clone();
     eventually(60, "every event settled", || {
         let s = stats.snapshot();
@@ -346,7 +342,7 @@ async fn tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_th
     for (k, v) in broker.fast_failover() {
         config = config.with_client(k, v);
     }
-    let second = RunningTx::spawn(config, &pool, ledger("second"));
+    let second = RunningTx::spawn(config, &pool, ledger("second")).await;
     let stats = second.stats.clone();
     eventually(90, "all 400 settled again", || {
         let s = stats.snapshot();
@@ -369,20 +365,17 @@ async fn tx_a_consumer_killed_mid_batch_leaves_one_row_per_key_and_offsets_at_th
     );
 }
 
-/// Settings transaction mode cannot honour are refused by name, before anything connects.
-#[tokio::test]
-async fn tx_runner_settings_that_cannot_work_are_refused_by_name() {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .connect_lazy("postgres://nobody@127.0.0.1:1/none")
-        .unwrap();
+/// Settings transaction mode cannot honour are refused by name, before anything connects to
+/// Kafka.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn tx_runner_settings_that_cannot_work_are_refused_by_name(pool: PgPool) {
     let config = RunnerConfig::new("127.0.0.1:1", "g", ["t"]);
-    let refused = |config: RunnerConfig, batching: Batching| match TxRunner::new(
-        config,
-        batching,
-        PgStore::new(pool.clone()),
-        ledger("x"),
-    ) {
-        Err(RunnerError::Config(e)) => e.setting,
+    let engine = engine_for(&pool, &config, None, Policy::default()).await;
+    let refused = |config: RunnerConfig, batching: Batching| match consumer_for(&engine, &config)
+        .batching(batching)
+        .build(ledger("x"))
+    {
+        Err(BuildError::Setting { setting, .. }) => setting,
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("accepted"),
     };
@@ -403,25 +396,25 @@ async fn tx_runner_settings_that_cannot_work_are_refused_by_name() {
         refused(config.clone(), Batching::new(10, Duration::from_secs(60))),
         "batching.wait"
     );
-    let runner = || {
-        TxRunner::new(
-            config.clone(),
-            Batching::default(),
-            PgStore::new(pool.clone()),
-            ledger("x"),
-        )
-        .unwrap()
-    };
     for wait in [Duration::ZERO, Duration::from_secs(3600)] {
-        match runner().with_offsets_in_transaction(wait) {
-            Err(RunnerError::Config(e)) => assert_eq!(e.setting, "offsets_in_transaction"),
+        match consumer_for(&engine, &config)
+            .offsets_in_transaction(wait)
+            .build(ledger("x"))
+        {
+            Err(BuildError::Setting { setting, .. }) => {
+                assert_eq!(setting, "offsets_in_transaction");
+            }
             other => panic!("{wait:?} accepted: {:?}", other.map(|_| ())),
         }
     }
-    let runner = runner();
     assert!(matches!(
-        runner.with_policy(Policy::default().with_max_attempts(0)),
-        Err(RunnerError::Config(_))
+        consumer_for(&engine, &config)
+            .policy(Policy::default().with_max_attempts(0))
+            .build(ledger("x")),
+        Err(BuildError::Setting {
+            setting: "policy",
+            ..
+        })
     ));
 }
 
@@ -490,7 +483,7 @@ async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads
     }
     let handler = ledger("second");
     let calls = handler.calls.clone();
-    let second = RunningTx::spawn_with(config, &pool, handler, true);
+    let second = RunningTx::spawn_with(config, &pool, handler, true).await;
     let stats = second.stats.clone();
     eventually(60, "the restarted runner assigned", || {
         let s = stats.snapshot();
@@ -531,11 +524,10 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
     let keys: BTreeSet<String> = events.iter().filter_map(|e| e.key.clone()).collect();
     produce(broker, &topic, &events).await;
     let scope = unique("scope");
-    let first = Arc::new(tiered(pool.clone(), &redis).await);
     let config = broker
         .config(&unique("g"), &topic)
         .with_scope(scope.clone());
-    let run = RunningTx::spawn_full(config, &pool, ledger("first"), false, Some(first.clone()));
+    let run = RunningTx::spawn_full(config, &pool, ledger("first"), false, Some(&redis)).await;
     let stats = run.stats.clone();
     eventually(60, "the first group settled the stream", || {
         let s = stats.snapshot();
@@ -546,12 +538,11 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
     assert_eq!(s.executed, keys.len() as u64);
     assert_one_row_per_key(&pool, keys.iter().cloned()).await;
 
-    let second = Arc::new(tiered(pool.clone(), &redis).await);
     let config = broker
         .config(&unique("g"), &topic)
         .with_scope(scope.clone());
-    let run = RunningTx::spawn_full(config, &pool, ledger("second"), false, Some(second.clone()));
-    let stats = run.stats.clone();
+    let run = RunningTx::spawn_full(config, &pool, ledger("second"), false, Some(&redis)).await;
+    let (stats, second) = (run.stats.clone(), run.engine.clone());
     eventually(60, "the second group settled the stream", || {
         let s = stats.snapshot();
         async move { s.replayed == 200 }
@@ -559,7 +550,7 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
     .await;
     let s = run.stop().await;
     assert_eq!((s.executed, s.batches), (0, 0), "no transaction ran: {s:?}");
-    let tiers = second.stats();
+    let tiers = second.tier_stats();
     assert_eq!(tiers.authority_claims, 0, "{tiers:?}");
     assert!(tiers.l2_hits >= keys.len() as u64, "{tiers:?}");
 
@@ -571,13 +562,11 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
         .await
         .unwrap();
     for (n, from_postgres) in [(3, true), (4, false)] {
-        let caches = Arc::new(tiered(pool.clone(), &redis).await);
         let config = broker
             .config(&unique("g"), &topic)
             .with_scope(scope.clone());
-        let run =
-            RunningTx::spawn_full(config, &pool, ledger("again"), false, Some(caches.clone()));
-        let stats = run.stats.clone();
+        let run = RunningTx::spawn_full(config, &pool, ledger("again"), false, Some(&redis)).await;
+        let (stats, caches) = (run.stats.clone(), run.engine.clone());
         eventually(60, "the group settled the stream", || {
             let s = stats.snapshot();
             async move { s.replayed == 200 }
@@ -585,7 +574,7 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
         .await;
         let s = run.stop().await;
         assert_eq!(s.executed, 0, "group {n}: {s:?}");
-        let tiers = caches.stats();
+        let tiers = caches.tier_stats();
         if from_postgres {
             assert!(
                 tiers.authority_claims >= keys.len() as u64,
@@ -623,7 +612,7 @@ async fn tx_a_rebalance_while_batches_run_loses_stalls_and_doubles_nothing(
     let mut held = ledger("a");
     held.gate = Some(gate);
     let calls = held.calls.clone();
-    let a = RunningTx::spawn(broker.config(&group, &topic), &pool, held);
+    let a = RunningTx::spawn(broker.config(&group, &topic), &pool, held).await;
     produce(broker, &topic, &events[..600]).await;
     eventually(
         60,
@@ -634,7 +623,7 @@ async fn tx_a_rebalance_while_batches_run_loses_stalls_and_doubles_nothing(
         },
     )
     .await;
-    let b = RunningTx::spawn(broker.config(&group, &topic), &pool, ledger("b"));
+    let b = RunningTx::spawn(broker.config(&group, &topic), &pool, ledger("b")).await;
     let (a_stats, b_stats) = (a.stats.clone(), b.stats.clone());
     eventually(90, "the second member assigned, the first revoked", || {
         let (sa, sb) = (a_stats.snapshot(), b_stats.snapshot());
@@ -727,7 +716,7 @@ async fn tx_a_consumer_stopped_mid_batch_has_its_batch_rolled_back_by_the_server
     for (k, v) in broker.fast_failover() {
         config = config.with_client(k, v);
     }
-    let other = RunningTx::spawn(config, &pool, ledger("other"));
+    let other = RunningTx::spawn(config, &pool, ledger("other")).await;
     // Waits on the stopped member's session timeout and a rebalance: generous bounds, for a
     // loaded machine.
     eventually(180, "every key booked by the other member", || {

@@ -55,6 +55,13 @@ pub enum Completion {
     Committed(Bytes),
 }
 
+/// Lease mode: a handler's plain result is stored after it returns.
+impl From<Bytes> for Completion {
+    fn from(result: Bytes) -> Self {
+        Self::Store(result)
+    }
+}
+
 impl Completion {
     /// Lease mode: dedup stores `result` after the handler returns.
     pub fn store(result: impl Into<Bytes>) -> Self {

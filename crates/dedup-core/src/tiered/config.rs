@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// The L1 eviction policy. See docs/ARCHITECTURE.md for the measurements behind the default.
+/// The L1 eviction policy. See docs/PERFORMANCE.md (`scripts/measure`) for the measurements behind the default.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub enum L1Policy {

@@ -1,9 +1,9 @@
 //! Typed results: a handler returns a value, and every duplicate gets the same value back.
 //!
-//! A [`ResultCodec`] writes each result as an envelope: a magic (`dT`) and a version, the codec's name,
-//! the result type's tag (chosen by the caller: `"receipt/v2"`), then the codec's bytes. A stored
-//! result is decoded only when the codec and the tag match and every byte is read. The tag is the
-//! guard: a type that changed between deployments under a new tag is a [`CodecError`] that says
+//! A [`ResultCodec`] writes each result as an envelope: a magic (`dT`) and a version, the codec's
+//! name, the result type's tag (chosen by the caller: `"receipt/v2"`), then the codec's bytes. A
+//! stored result is decoded only when the codec and the tag match and every byte is read. The tag
+//! is the guard: a type that changed between deployments under a new tag is a [`CodecError`] that says
 //! so, never a panic, never a silent second run. Reading every byte catches most changes made
 //! without a new tag, but not all (JSON skips unknown fields; a same-width field change in
 //! bincode reads as something else): change the tag with the type. See

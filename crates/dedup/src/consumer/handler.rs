@@ -71,31 +71,40 @@ pub trait TxHandler: Send + Sync + 'static {
 ///
 /// Any `Fn(Arc<Message>, LeaseContext) -> impl Future<Output = Result<Bytes, HandlerError<E>>>`
 /// closure is a lease handler.
+///
+/// A handler that writes its effect in a Postgres transaction of its own and completes the key
+/// inside it (`engine.postgres().transact(&lease, ..)`) returns that `Completion` instead of
+/// `Bytes`: then nothing is left to record after it.
 pub trait LeaseHandler: Send + Sync + 'static {
     /// The handler's own error.
     type Error: fmt::Display + Send + 'static;
+
+    /// What it returns: the result to store (`Bytes`), or a `Completion`.
+    type Output: Into<Completion> + Send;
 
     /// Makes one message's effect and returns the result to store (replayed to every duplicate).
     fn handle(
         &self,
         message: Arc<Message>,
         lease: LeaseContext,
-    ) -> impl Future<Output = Result<Bytes, HandlerError<Self::Error>>> + Send;
+    ) -> impl Future<Output = Result<Self::Output, HandlerError<Self::Error>>> + Send;
 }
 
-impl<F, Fut, E> LeaseHandler for F
+impl<F, Fut, T, E> LeaseHandler for F
 where
     F: Fn(Arc<Message>, LeaseContext) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<Bytes, HandlerError<E>>> + Send,
+    Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+    T: Into<Completion> + Send,
     E: fmt::Display + Send + 'static,
 {
     type Error = E;
+    type Output = T;
 
     fn handle(
         &self,
         message: Arc<Message>,
         lease: LeaseContext,
-    ) -> impl Future<Output = Result<Bytes, HandlerError<E>>> + Send {
+    ) -> impl Future<Output = Result<T, HandlerError<E>>> + Send {
         self(message, lease)
     }
 }
@@ -135,7 +144,7 @@ impl<H: LeaseHandler> Handler for Leased<H> {
                 NoLease,
             )));
         };
-        self.0.handle(delivery, lease).await.map(Completion::store)
+        self.0.handle(delivery, lease).await.map(Into::into)
     }
 }
 

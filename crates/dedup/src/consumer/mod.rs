@@ -47,6 +47,7 @@ pub struct ConsumerBuilder {
     parking: Option<Parking>,
     policy: Option<Policy>,
     offsets_in_transaction: Option<Duration>,
+    static_membership: bool,
 }
 
 impl fmt::Debug for ConsumerBuilder {
@@ -72,6 +73,7 @@ impl Engine {
             parking: None,
             policy: None,
             offsets_in_transaction: None,
+            static_membership: true,
         }
     }
 }
@@ -137,6 +139,23 @@ impl ConsumerBuilder {
     /// The most messages held at once, shared fairly between busy partitions (default 1,024).
     pub fn max_in_flight(mut self, n: usize) -> Self {
         self.config.max_in_flight = n;
+        self
+    }
+
+    /// The most messages held in blocked lanes (a key another holder's live lease covers, and
+    /// the messages queued behind it; default 4,096): per-message lease mode.
+    pub fn max_blocked(mut self, n: usize) -> Self {
+        self.config.max_blocked = n;
+        self
+    }
+
+    /// Static group membership: with an engine instance identity (the default then), the
+    /// consumer's `group.instance.id` is derived from it, so that a restart within the session
+    /// timeout gets its partitions back without a rebalance. Off: a dynamic member, whose
+    /// partitions move at once when it stops (a scale-down does not leave them idle for the
+    /// session timeout).
+    pub fn static_membership(mut self, on: bool) -> Self {
+        self.static_membership = on;
         self
     }
 
@@ -231,7 +250,11 @@ impl ConsumerBuilder {
             ),
         };
         let member = engine.member(Some(&self.config.group_id));
-        if let Some(id) = &member.group_instance_id {
+        if let Some(id) = member
+            .group_instance_id
+            .as_ref()
+            .filter(|_| self.static_membership)
+        {
             self.config
                 .client
                 .push(("group.instance.id".into(), id.clone()));

@@ -2,16 +2,17 @@
 //!
 //! Each tick (`park_tick`) follows the assignment (a barrier per partition newly owned; its
 //! messages wait for it), asks for due heads and starts a run per key not already running (at
-//! most 64 at once), and refreshes the gauges. `admit` (in `place`, before a lane) holds a message back until its
-//! partition's barrier answered, or behind messages waiting for room; every other message goes to
-//! its lane, and `parks_instead` (in `start`) parks a lane's next message when its key has
-//! anything parked, so a key's parks are written one at a time, in offset order (past a bound the
-//! lane's head and queue wait for room with the partition paused for that reason, whatever else
-//! lets go). Counts go up when a park is decided (`Event::Parking` for a message that parks
-//! itself, before its row) and down when a head's row is removed, a park is refused
-//! (`Settled::ParkRefused`) or finds its row written before (`Settled::ParkedAlready`, a replay),
-//! or a park announced is refused for good (`Event::ParkUndone`). The barrier bumps the epoch only
-//! while the partition is still owned (`acquire_parked_while`).
+//! most 64 at once), and refreshes the gauges. `admit` (in `place`, before a lane) holds a
+//! message back until its partition's barrier answered, or behind messages waiting for room;
+//! every other message goes to its lane, and `parks_instead` (in `start`) parks a lane's next
+//! message when its key has anything parked, so a key's parks are written one at a time, in
+//! offset order (past a bound the lane's head and queue wait for room with the partition paused
+//! for that reason, whatever else lets go). Counts go up when a park is decided
+//! (`Event::Parking` for a message that parks itself, before its row) and down when a head's row
+//! is removed, a park is refused (`Settled::ParkRefused`) or finds its row written before
+//! (`Settled::ParkedAlready`, a replay), or a park announced is refused for good
+//! (`Event::ParkUndone`). The barrier bumps the epoch only while the partition is still owned
+//! (`acquire_parked_while`).
 //!
 //! A park fenced while the partition is still owned (`Settled::ParkFenced`) hands its message back
 //! (`Event::Refenced`): `refence` puts it and its lane's queue first in line to wait, and the
