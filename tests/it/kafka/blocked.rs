@@ -10,8 +10,8 @@ use dedup_pg::PgStore;
 use sqlx::PgPool;
 
 use super::{
-    Broker, Event, Running, assert_one_row_per_key, committed_to_the_end, engine, event,
-    eventually, produce, unique,
+    Broker, Event, Running, assert_one_row_per_key, committed_to_the_end, event, eventually,
+    produce, setup, unique,
 };
 use crate::support::{RedisServer, acquired, effects_table, key_in};
 
@@ -67,7 +67,7 @@ async fn a_held_key_frees_its_in_flight_slot_and_other_keys_flow_past_it(
         .config(&group, &topic)
         .with_ordering(KeyOrdering::PerKey)
         .with_max_in_flight(1);
-    let run = Running::spawn(config, engine(&pool, &redis).await, "a");
+    let run = Running::spawn(config, setup(&pool, &redis), "a").await;
     let stats = run.stats.clone();
     eventually(60, "the 40 other accounts booked", || {
         let s = stats.snapshot();
@@ -119,7 +119,7 @@ async fn past_the_blocked_bound_only_the_blocked_partition_pauses(broker: &Broke
     produce(broker, &topic, &events).await;
 
     let config = broker.config(&group, &topic).with_max_blocked(5);
-    let run = Running::spawn(config, engine(&pool, &redis).await, "a");
+    let run = Running::spawn(config, setup(&pool, &redis), "a").await;
     let stats = run.stats.clone();
     eventually(
         60,

@@ -3,15 +3,13 @@
 //! Without a Postgres table the partition stalls, loudly (a counter and an error naming what to
 //! do); with one the dead letter is kept whole in `dedup_dead_letters` and the stream goes on.
 
-use dedup_kafka::Runner;
 use dedup_pg::PgStore;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
 
 use super::{
     Broker, DLQ_OFFSET, DLQ_REASON, Event, Running, assert_one_row_per_key, committed,
     committed_to_the_end, engine, event, eventually, ledger_handler, produce, read_dead_letters,
-    unique,
+    setup, spawn_runner, unique,
 };
 use crate::support::{RedisServer, effects_table};
 
@@ -39,8 +37,13 @@ async fn a_dead_letter_refused_for_good_stalls_without_a_table_and_is_kept_with_
         .config(&group, &topic)
         .with_dead_letter_topic(format!("{topic}.dlq"));
 
-    // No table: the partition waits on the dead letter, counted and logged.
-    let run = Running::spawn(config.clone(), engine(&pool, &redis).await, "a");
+    // No table (the runner itself: a consumer built from an engine always has its table): the
+    // partition waits on the dead letter, counted and logged.
+    let run = spawn_runner(
+        config.clone(),
+        engine(&pool, &redis).await,
+        ledger_handler(PgStore::new(pool.clone()), "a"),
+    );
     let stats = run.stats.clone();
     eventually(60, "the refused dead letter stalls, counted", || {
         let s = stats.snapshot();
@@ -53,21 +56,12 @@ async fn a_dead_letter_refused_for_good_stalls_without_a_table_and_is_kept_with_
         "the offset never passed a message that is nowhere"
     );
 
-    // With a table: kept whole, and the stream goes on to the end.
+    // Built from an engine: kept whole in its table, and the stream goes on to the end.
     let store = PgStore::new(pool.clone());
-    let dedup = engine(&pool, &redis).await;
-    let authority = dedup.store().inner().authority().clone();
-    let runner = Runner::new(config, dedup, ledger_handler(authority, "b"))
-        .unwrap()
-        .with_dead_letter_table(store.clone());
-    let stats = runner.stats();
-    let (stop, rx) = oneshot::channel::<()>();
-    let handle = tokio::spawn(runner.run(async {
-        let _ = rx.await;
-    }));
+    let run = Running::spawn(config, setup(&pool, &redis), "b").await;
+    let stats = run.stats.clone();
     committed_to_the_end(broker, &group, &topic, 1).await;
-    let _ = stop.send(());
-    let s = handle.await.unwrap().unwrap();
+    let s = run.stop().await;
     assert_eq!(s.dead_letters_kept, 1);
     assert_eq!(stats.snapshot().dead_letters_kept, 1);
     let kept = store.refused_dead_letters(&group).await.unwrap();
@@ -141,7 +135,7 @@ async fn a_fatal_error_of_the_dead_letter_producer_makes_it_anew(pool: PgPool) {
     let config = broker
         .config(&group, &topic)
         .with_dead_letter_topic(format!("{topic}.dlq"));
-    let run = Running::spawn(config, engine(&pool, &redis).await, "a");
+    let run = Running::spawn(config, setup(&pool, &redis), "a").await;
     let stats = run.stats.clone();
     eventually(60, "12 settled", || {
         let s = stats.snapshot();

@@ -17,8 +17,8 @@ use sqlx::PgPool;
 use tokio::time::sleep;
 
 use super::{
-    Broker, Event, HandlerFuture, Running, committed_to_the_end, engine, event, eventually,
-    ledger_handler, produce, unique,
+    Broker, Event, HandlerFuture, Running, committed_to_the_end, event, eventually, ledger_handler,
+    produce, setup, unique,
 };
 use crate::support::{RedisServer, effect_rows, effects_table};
 
@@ -164,14 +164,15 @@ async fn a_handler_that_fails_everything_for_a_while_trips_the_switch_and_loses_
     effects_table(&pool).await;
     let redis = RedisServer::start();
     let (topic, group, config) = stream(broker).await;
-    let dedup = engine(&pool, &redis).await;
-    let store = dedup.store().inner().authority().clone();
+    let dedup = setup(&pool, &redis);
+    let store = dedup.pg();
     let (broken, calls) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicU64::new(0)));
     let run = Running::spawn_with(
         config,
         dedup,
         breakable(store, broken.clone(), calls.clone()),
-    );
+    )
+    .await;
     let stats = run.stats.clone();
     outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
     run.stop().await;

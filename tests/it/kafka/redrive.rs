@@ -20,8 +20,8 @@ use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 
 use super::{
-    Broker, Event, HandlerFuture, Letter, Running, committed_to_the_end, engine, event, eventually,
-    produce, read_letters, unique,
+    Broker, Event, HandlerFuture, Letter, Running, committed_to_the_end, event, eventually,
+    produce, read_letters, setup, unique,
 };
 use crate::support::RedisServer;
 
@@ -129,9 +129,10 @@ async fn dead_letters_re_driven_after_a_fix_run_each_effect_once(broker: &Broker
     // Round 1: the bug dead-letters its keys; their records are FAILED.
     let run = Running::spawn_with(
         broker.config(&group, &topic),
-        engine(&pool, &redis).await,
+        setup(&pool, &redis),
         handler(Arc::clone(&effects), Arc::clone(&bug)),
-    );
+    )
+    .await;
     let stats = run.stats.clone();
     eventually(60, "every event settled", || {
         let s = stats.snapshot();
@@ -177,10 +178,13 @@ async fn dead_letters_re_driven_after_a_fix_run_each_effect_once(broker: &Broker
     );
     // A tiered store's Redis holds FAILED copies for `failed_retention`: drop them (what
     // `dedup forget` does when given REDIS_URL). The next runner is a new process: its L1 is empty.
-    let dedup = engine(&pool, &redis).await;
+    // The engine's Redis keys (its default prefix).
+    let fast = dedup_redis::RedisFastPath::connect(&redis.url())
+        .await
+        .unwrap();
     let mut conn = redis.client().await;
     for k in &keys {
-        let name = dedup.store().inner().fast_path().redis_key(k);
+        let name = fast.redis_key(k);
         let _: i64 = dedup_redis::redis::cmd("DEL")
             .arg(&name)
             .query_async(&mut conn)
@@ -218,9 +222,10 @@ async fn dead_letters_re_driven_after_a_fix_run_each_effect_once(broker: &Broker
     // Round 2: the same group goes on from its committed offsets, through a new engine.
     let run = Running::spawn_with(
         broker.config(&group, &topic),
-        dedup,
+        setup(&pool, &redis),
         handler(Arc::clone(&effects), Arc::clone(&bug)),
-    );
+    )
+    .await;
     let stats = run.stats.clone();
     eventually(60, "every re-driven message settled", || {
         let s = stats.snapshot();

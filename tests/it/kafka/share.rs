@@ -12,13 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{Completion, HandlerError, LeaseContext};
-use dedup_kafka::{Batching, Delivery, LeaseRunner, Ordering as KeyOrdering, Runner, StatsHandle};
+use dedup_kafka::{Batching, Delivery, Ordering as KeyOrdering, StatsHandle};
 use rdkafka::mocking::{MockCluster, MockCoordinator};
 use sqlx::PgPool;
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::Notify;
 
 use super::{
-    Broker, Event, Running, committed_to_the_end, engine, event, eventually, produce, unique,
+    Broker, Event, Running, Shim, committed_to_the_end, consumer_for, event, eventually, produce,
+    setup, unique,
 };
 use crate::support::RedisServer;
 
@@ -128,7 +129,7 @@ async fn a_deep_backlog_on_four_partitions_runs_all_four_from_the_start(
     let (topic, group) = backlog(broker).await;
     let gate = Arc::new(Gate::default());
     let config = broker.config(&group, &topic).with_max_in_flight(IN_FLIGHT);
-    let run = Running::spawn_with(config, engine(&pool, &redis).await, gated(gate.clone()));
+    let run = Running::spawn_with(config, setup(&pool, &redis), gated(gate.clone())).await;
     let stats = run.stats.clone();
     all_four_side_by_side(broker, &topic, &group, &stats, &gate).await;
     run.stop().await;
@@ -146,21 +147,16 @@ async fn lease_a_deep_backlog_on_four_partitions_runs_all_four_from_the_start(
         .config(&group, &topic)
         .with_ordering(KeyOrdering::PerKey)
         .with_max_in_flight(IN_FLIGHT);
-    let runner = LeaseRunner::new(
+    let run = Running::spawn_full(
         config,
-        Batching::new(10, Duration::from_millis(5)),
-        engine(&pool, &redis).await,
+        setup(&pool, &redis),
+        Some(Batching::new(10, Duration::from_millis(5))),
         gated(gate.clone()),
     )
-    .unwrap();
-    let stats = runner.stats();
-    let (stop, rx) = oneshot::channel::<()>();
-    let handle = tokio::spawn(runner.run(async {
-        let _ = rx.await;
-    }));
+    .await;
+    let stats = run.stats.clone();
     all_four_side_by_side(broker, &topic, &group, &stats, &gate).await;
-    let _ = stop.send(());
-    handle.await.unwrap().unwrap();
+    run.stop().await;
 }
 
 /// A handler that takes a little while and records each message it executed.
@@ -191,12 +187,15 @@ async fn a_runner_dropped_mid_run_leaves_its_partitions_to_the_next_member(
 ) {
     let redis = RedisServer::start();
     let (topic, group) = backlog(broker).await;
-    let dedup = engine(&pool, &redis).await;
+    let setup = setup(&pool, &redis);
     let executed = Arc::new(Mutex::new(Vec::new()));
     let config = broker.config(&group, &topic).with_max_in_flight(IN_FLIGHT);
-    let first = Runner::new(config.clone(), dedup.clone(), slow(executed.clone())).unwrap();
+    let engine = setup.build(&config).await;
+    let first = consumer_for(&engine, &config)
+        .build(Shim(slow(executed.clone())))
+        .unwrap();
     let first_stats = first.stats();
-    let handle = tokio::spawn(first.run(std::future::pending()));
+    let handle = tokio::spawn(first.run());
     eventually(60, "the first runner executed some messages", || {
         let s = first_stats.snapshot();
         async move { s.executed >= 20 }
@@ -205,7 +204,7 @@ async fn a_runner_dropped_mid_run_leaves_its_partitions_to_the_next_member(
     // Dropped mid-run: no drain, no commit, no goodbye.
     handle.abort();
     assert!(handle.await.unwrap_err().is_cancelled());
-    let second = Running::spawn_with(config, dedup, slow(executed.clone()));
+    let second = Running::spawn_with(config, setup, slow(executed.clone())).await;
     let total = u64::from(PER_PARTITION * 4);
     // Counted by the handler: the first runner's tasks still running when it was dropped
     // finish their messages, with no loop left to count them in its stats.
@@ -251,7 +250,7 @@ async fn a_partition_whose_first_fetch_answers_late_still_gets_its_share(pool: P
     let redis = RedisServer::start();
     let gate = Arc::new(Gate::default());
     let config = broker.config(&group, &topic).with_max_in_flight(IN_FLIGHT);
-    let run = Running::spawn_with(config, engine(&pool, &redis).await, gated(gate.clone()));
+    let run = Running::spawn_with(config, setup(&pool, &redis), gated(gate.clone())).await;
     let stats = run.stats.clone();
     all_four_side_by_side(&broker, &topic, &group, &stats, &gate).await;
     run.stop().await;

@@ -88,6 +88,21 @@ pub trait LeaseHandler: Send + Sync + 'static {
         message: Arc<Message>,
         lease: LeaseContext,
     ) -> impl Future<Output = Result<Self::Output, HandlerError<Self::Error>>> + Send;
+
+    /// Whether [`handle_keyless`](Self::handle_keyless) is implemented: the builder accepts
+    /// `missing_key(MissingKey::ProcessWithoutDedup)` only for a handler that says so.
+    const RUNS_KEYLESS: bool = false;
+
+    /// Runs a message that has no idempotency key, under
+    /// `missing_key(MissingKey::ProcessWithoutDedup)`: no claim and no stored result, so at least
+    /// once (a redelivery runs it again). Only called where `RUNS_KEYLESS` is true.
+    fn handle_keyless(
+        &self,
+        message: Arc<Message>,
+    ) -> impl Future<Output = Result<(), HandlerError<Self::Error>>> + Send {
+        let _ = message;
+        async { Ok(()) }
+    }
 }
 
 impl<F, Fut, T, E> LeaseHandler for F
@@ -137,18 +152,15 @@ impl<H: LeaseHandler> Handler for Leased<H> {
         delivery: Arc<Delivery>,
         lease: Option<LeaseContext>,
     ) -> Result<Completion, HandlerError<H::Error>> {
-        // The builder refuses `MissingKey::ProcessWithoutDedup`, the only way to run without a
-        // lease: every message here has one.
-        let Some(lease) = lease else {
-            return Err(HandlerError::Store(dedup_core::StoreError::unavailable(
-                NoLease,
-            )));
-        };
-        self.0.handle(delivery, lease).await.map(Into::into)
+        match lease {
+            Some(lease) => self.0.handle(delivery, lease).await.map(Into::into),
+            // Keyless, under `ProcessWithoutDedup` (which the builder allows only where
+            // `RUNS_KEYLESS` says `handle_keyless` is implemented): nothing is stored.
+            None => self
+                .0
+                .handle_keyless(delivery)
+                .await
+                .map(|()| Completion::store(Bytes::new())),
+        }
     }
 }
-
-/// A keyless message reached a lease handler (the builder refuses the setting that allows it).
-#[derive(Debug, thiserror::Error)]
-#[error("a message without a lease reached a lease handler")]
-struct NoLease;

@@ -112,7 +112,8 @@ impl ConsumerBuilder {
     }
 
     /// What happens to a message without a key: [`MissingKey::DeadLetter`] (the default), with
-    /// the reason. The builder refuses `ProcessWithoutDedup`: every effect runs under a claim.
+    /// the reason; `ProcessWithoutDedup` (at least once) only for a per-message [`LeaseHandler`]
+    /// that implements `handle_keyless` (`RUNS_KEYLESS`).
     pub fn missing_key(mut self, policy: MissingKey) -> Self {
         self.config.missing_key = policy;
         self
@@ -234,13 +235,6 @@ impl ConsumerBuilder {
     /// The settings every mode shares, checked.
     fn parts(mut self) -> Result<Parts, BuildError> {
         let engine = self.engine;
-        if self.config.missing_key == MissingKey::ProcessWithoutDedup {
-            return Err(BuildError::setting(
-                "missing_key",
-                "ProcessWithoutDedup is not offered: every effect runs under a claim (give \
-                 keyless messages a key with KeySource::Fields, or let them be dead-lettered)",
-            ));
-        }
         self.config.scope = Some(engine.scope().as_str().to_owned());
         self.config.dead_letter_topic = match self.dead_letter_topic {
             Some(t) => t,
@@ -370,6 +364,14 @@ impl<H: LeaseHandler> Mode<Lease> for H {
             return Err(BuildError::setting(
                 "offsets_in_transaction",
                 "only transaction mode (a TxHandler) stores offsets in its transaction",
+            ));
+        }
+        if p.config.missing_key == MissingKey::ProcessWithoutDedup && !H::RUNS_KEYLESS {
+            return Err(BuildError::setting(
+                "missing_key",
+                "ProcessWithoutDedup needs a handler that runs keyless messages (RUNS_KEYLESS and \
+                 handle_keyless); or give them a key (KeySource::Fields), or let them be \
+                 dead-lettered",
             ));
         }
         let dedup = Arc::new(p.engine.member_dedup(p.policy, p.owner_prefix)?);
