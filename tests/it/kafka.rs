@@ -300,12 +300,29 @@ impl Running {
         Fut: std::future::Future<Output = Result<Completion, HandlerError<E>>> + Send,
         E: std::fmt::Display + Send + 'static,
     {
+        Self::spawn_built(config, setup, handler, |consumer| match batching {
+            Some(batching) => consumer.batching(batching),
+            None => consumer,
+        })
+        .await
+    }
+
+    /// With the consumer's builder set further by `more` (parking, say).
+    async fn spawn_built<F, Fut, E>(
+        config: RunnerConfig,
+        setup: Setup,
+        handler: F,
+        more: impl FnOnce(dedup::kafka::ConsumerBuilder) -> dedup::kafka::ConsumerBuilder,
+    ) -> Self
+    where
+        F: Fn(Arc<Delivery>, Option<LeaseContext>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Completion, HandlerError<E>>> + Send,
+        E: std::fmt::Display + Send + 'static,
+    {
         let engine = setup.build(&config).await;
-        let mut consumer = consumer_for(&engine, &config);
-        if let Some(batching) = batching {
-            consumer = consumer.batching(batching);
-        }
-        let consumer = consumer.build(Shim(handler)).unwrap();
+        let consumer = more(consumer_for(&engine, &config))
+            .build(Shim(handler))
+            .unwrap();
         let stats = consumer.stats();
         let (stop, rx) = oneshot::channel::<()>();
         tokio::spawn(async move {
@@ -375,6 +392,14 @@ fn setup(pool: &PgPool, redis: &RedisServer) -> Setup {
         redis: redis.url(),
         policy: Policy::default().with_lease(Duration::from_secs(5)),
         in_flight_wait: Duration::from_secs(1),
+    }
+}
+
+impl Setup {
+    /// The same, with `policy`.
+    fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
     }
 }
 

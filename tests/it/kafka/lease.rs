@@ -1,5 +1,6 @@
-//! The lease-mode batch runner (`LeaseRunner`): each partition's batches run by
-//! `Dedup::process_batch` over the full engine, with a per-message handler, on both brokers.
+//! Lease mode by the batch (a `LeaseHandler` consumer with batching, built from an engine): each
+//! partition's batches run by `Dedup::process_batch` over the full engine, with a per-message
+//! handler, on both brokers.
 //!
 //! Duplicates and poison in batches with a transactional per-message handler; one ordering key
 //! failing while the other keys settle past it, its later messages then in order and run once
@@ -12,48 +13,26 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use bytes::Bytes;
 use dedup_core::{Completion, HandlerError, LeaseContext};
-use dedup_kafka::{
-    Batching, DLQ_REASON, Delivery, LeaseRunner, Ordering as KeyOrdering, RunnerConfig,
-    RunnerError, RunnerStats, StatsHandle,
-};
+use dedup_kafka::{Batching, DLQ_REASON, Delivery, Ordering as KeyOrdering, RunnerConfig};
 use sqlx::PgPool;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 use super::{
-    Broker, Engine, Event, HandlerFuture, assert_one_row_per_key, committed_to_the_end, engine,
-    event, eventually, ledger_handler, produce, read_dead_letters, unique,
+    Broker, Event, HandlerFuture, Running, Setup, assert_one_row_per_key, committed_to_the_end,
+    event, eventually, ledger_handler, produce, read_dead_letters, setup, unique,
 };
 use crate::support::{RedisServer, effects_table};
 
-struct RunningLease {
-    stop: oneshot::Sender<()>,
-    handle: JoinHandle<Result<RunnerStats, RunnerError>>,
-    stats: StatsHandle,
-}
+/// Lease mode by the batch (default batching), built from an engine.
+struct RunningLease;
 
 impl RunningLease {
-    fn spawn(
-        config: RunnerConfig,
-        dedup: Arc<dedup_core::Dedup<Engine>>,
-        handler: impl dedup_kafka::Handler,
-    ) -> Self {
-        let runner = LeaseRunner::new(config, Batching::default(), dedup, handler).unwrap();
-        let stats = runner.stats();
-        let (stop, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(runner.run(async {
-            let _ = rx.await;
-        }));
-        Self {
-            stop,
-            handle,
-            stats,
-        }
-    }
-
-    async fn stop(self) -> RunnerStats {
-        let _ = self.stop.send(());
-        self.handle.await.unwrap().unwrap()
+    async fn spawn<F, Fut, E>(config: RunnerConfig, setup: Setup, handler: F) -> Running
+    where
+        F: Fn(Arc<Delivery>, Option<LeaseContext>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Completion, HandlerError<E>>> + Send,
+        E: std::fmt::Display + Send + 'static,
+    {
+        Running::spawn_full(config, setup, Some(Batching::default()), handler).await
     }
 }
 
@@ -73,14 +52,15 @@ async fn lease_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_
     effects_table(&pool).await;
     let redis = RedisServer::start();
     let (topic, group, config) = super::kill_switch::stream(broker).await;
-    let dedup = engine(&pool, &redis).await;
-    let store = dedup.store().inner().authority().clone();
+    let dedup = setup(&pool, &redis);
+    let store = dedup.pg();
     let (broken, calls) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicU64::new(0)));
     let run = RunningLease::spawn(
         config,
         dedup,
         super::kill_switch::breakable(store, broken.clone(), calls.clone()),
-    );
+    )
+    .await;
     let stats = run.stats.clone();
     super::kill_switch::outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
     run.stop().await;
@@ -123,15 +103,16 @@ async fn lease_a_stream_with_duplicates_and_poison_books_each_key_once_in_batche
         .count() as u64;
     produce(broker, &topic, &events).await;
     let group = unique("g");
-    let dedup = engine(&pool, &redis).await;
-    let store = dedup.store().inner().authority().clone();
+    let dedup = setup(&pool, &redis);
+    let store = dedup.pg();
     let run = RunningLease::spawn(
         broker
             .config(&group, &topic)
             .with_ordering(KeyOrdering::PerKey),
         dedup,
         ledger_handler(store, "lease"),
-    );
+    )
+    .await;
     let stats = run.stats.clone();
     eventually(60, "every event settled", || {
         let s = stats.snapshot();
@@ -210,9 +191,10 @@ async fn lease_one_keys_failures_hold_back_only_that_keys_later_messages(
         broker
             .config(&group, &topic)
             .with_ordering(KeyOrdering::PerKey),
-        engine(&pool, &redis).await,
+        setup(&pool, &redis),
         handler,
-    );
+    )
+    .await;
     let stats = run.stats.clone();
     eventually(60, "every event settled", || {
         let s = stats.snapshot();
@@ -274,8 +256,8 @@ async fn lease_a_handler_that_panics_at_once_fails_only_its_message(broker: &Bro
         .collect();
     produce(broker, &topic, &events).await;
     let group = unique("g");
-    let dedup = engine(&pool, &redis).await;
-    let store = dedup.store().inner().authority().clone();
+    let dedup = setup(&pool, &redis);
+    let store = dedup.pg();
     let booked = ledger_handler(store, "lease");
     let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| -> HandlerFuture {
         let key =
@@ -289,7 +271,8 @@ async fn lease_a_handler_that_panics_at_once_fails_only_its_message(broker: &Bro
             .with_ordering(KeyOrdering::PerKey),
         dedup,
         handler,
-    );
+    )
+    .await;
     let stats = run.stats.clone();
     eventually(60, "every event settled", || {
         let s = stats.snapshot();

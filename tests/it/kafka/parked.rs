@@ -16,20 +16,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{BatchConfig, Batched, Dedup, HandlerError, LeaseContext, Policy};
+use dedup_core::{HandlerError, LeaseContext, Policy};
 use dedup_kafka::{
     AfterGiveUp, Backoff, DLQ_ATTEMPTS, DLQ_REASON, Delivery, Ordering as KeyOrdering, Parking,
-    Runner, RunnerConfig,
+    RunnerConfig,
 };
 use dedup_pg::PgStore;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
 
 use super::{
-    Broker, Engine, Event, Running, committed, committed_to_the_end, consumer_args, event,
-    eventually, produce, read_dead_letters, unique,
+    Broker, Event, Running, Setup, committed, committed_to_the_end, consumer_args, event,
+    eventually, produce, read_dead_letters, setup, unique,
 };
-use crate::support::{RedisServer, tiered};
+use crate::support::RedisServer;
 
 on_brokers!(
     one_failing_key_is_parked_while_ten_thousand_others_flow_then_runs_in_order,
@@ -166,24 +165,12 @@ pub(super) fn booking(
     }
 }
 
-pub(super) async fn parking_engine(
-    pool: &PgPool,
-    redis: &RedisServer,
-    max_attempts: u32,
-) -> Arc<Dedup<Engine>> {
-    Arc::new(
-        Dedup::new(Batched::new(
-            tiered(pool.clone(), redis).await.with_background_backfill(),
-            BatchConfig::default(),
-        ))
-        .with_policy(
-            Policy::default()
-                .with_lease(Duration::from_secs(5))
-                .with_max_attempts(max_attempts),
-        )
-        .unwrap()
-        .with_in_flight_wait(Duration::from_secs(1))
-        .unwrap(),
+/// The engine of a parking test: `max_attempts` in its policy.
+pub(super) fn parking_engine(pool: &PgPool, redis: &RedisServer, max_attempts: u32) -> Setup {
+    setup(pool, redis).with_policy(
+        Policy::default()
+            .with_lease(Duration::from_secs(5))
+            .with_max_attempts(max_attempts),
     )
 }
 
@@ -206,26 +193,26 @@ pub(super) fn keyed(name: &str, account: &str) -> Event {
     e
 }
 
-/// A parking runner over the full engine with the booking handler.
+/// A parking consumer built from an engine, with the booking handler.
 async fn spawn(
     broker: &Broker,
     pool: &PgPool,
     group: &str,
     topic: &str,
-    dedup: Arc<Dedup<Engine>>,
+    setup: Setup,
     switches: &Arc<Switches>,
     after: AfterGiveUp,
 ) -> Running {
-    spawn_parking(broker, pool, group, topic, dedup, switches, parking(after))
+    spawn_parking(broker, pool, group, topic, setup, switches, parking(after)).await
 }
 
 /// [`spawn`] with parking settings of the test's own.
-fn spawn_parking(
+async fn spawn_parking(
     broker: &Broker,
     pool: &PgPool,
     group: &str,
     topic: &str,
-    dedup: Arc<Dedup<Engine>>,
+    setup: Setup,
     switches: &Arc<Switches>,
     parking: Parking,
 ) -> Running {
@@ -233,32 +220,25 @@ fn spawn_parking(
         .config(group, topic)
         .with_ordering(KeyOrdering::PerKey)
         .with_dead_letter_topic(format!("{topic}.dlq"));
-    spawn_parking_config(config, pool, dedup, switches, parking)
+    spawn_parking_config(config, pool, setup, switches, parking).await
 }
 
 /// [`spawn_parking`] with a configuration of the test's own.
-pub(super) fn spawn_parking_config(
+pub(super) async fn spawn_parking_config(
     config: RunnerConfig,
     pool: &PgPool,
-    dedup: Arc<Dedup<Engine>>,
+    setup: Setup,
     switches: &Arc<Switches>,
     parking: Parking,
 ) -> Running {
     let store = PgStore::new(pool.clone());
-    let runner = Runner::new(config, dedup, booking(store.clone(), switches.clone()))
-        .unwrap()
-        .with_parking(store, parking)
-        .unwrap();
-    let stats = runner.stats();
-    let (stop, rx) = oneshot::channel::<()>();
-    let handle = tokio::spawn(runner.run(async {
-        let _ = rx.await;
-    }));
-    Running {
-        stop,
-        handle,
-        stats,
-    }
+    Running::spawn_built(
+        config,
+        setup,
+        booking(store, switches.clone()),
+        |consumer| consumer.parking(parking),
+    )
+    .await
 }
 
 /// `group`'s parked messages per ordering key.
@@ -347,7 +327,7 @@ async fn one_failing_key_is_parked_while_ten_thousand_others_flow_then_runs_in_o
     produce(broker, &topic, &events).await;
     let switches = Arc::new(Switches::default());
     switches.shut.lock().unwrap().insert("acct-bad".to_owned());
-    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let dedup = parking_engine(&pool, &redis, 1000);
     let running = spawn(
         broker,
         &pool,
@@ -398,7 +378,7 @@ async fn a_parked_keys_new_messages_keep_parking_behind_it_and_run_in_offset_ord
         switches,
     } = scene(broker, &pool).await;
     switches.shut.lock().unwrap().insert("acct-7".to_owned());
-    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let dedup = parking_engine(&pool, &redis, 1000);
     let running = spawn(
         broker,
         &pool,
@@ -463,7 +443,7 @@ async fn a_parked_head_out_of_attempts_is_dead_lettered_and_its_key_proceeds(
         keyed("ok-2", "acct-ok"),
     ];
     produce(broker, &topic, &events).await;
-    let dedup = parking_engine(&pool, &redis, 5).await;
+    let dedup = parking_engine(&pool, &redis, 5);
     let running = spawn(
         broker,
         &pool,
@@ -515,7 +495,7 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
         keyed("ok-1", "acct-ok"),
     ];
     produce(broker, &topic, &events).await;
-    let dedup = parking_engine(&pool, &redis, 5).await;
+    let dedup = parking_engine(&pool, &redis, 5);
     let running = spawn(
         broker,
         &pool,
@@ -593,7 +573,7 @@ async fn a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_or
         &pool,
         &group,
         &topic,
-        parking_engine(&pool, &redis, 1000).await,
+        parking_engine(&pool, &redis, 1000),
         &switches,
         AfterGiveUp::Proceed,
     )
@@ -607,7 +587,7 @@ async fn a_partition_with_parked_keys_moved_to_another_member_resumes_them_in_or
         &pool,
         &group,
         &topic,
-        parking_engine(&pool, &redis, 1000).await,
+        parking_engine(&pool, &redis, 1000),
         &switches,
         AfterGiveUp::Proceed,
     )
@@ -761,7 +741,7 @@ async fn a_message_parked_while_its_keys_last_parked_message_completes_is_not_st
     } = scene(broker, &pool).await;
     switches.shut.lock().unwrap().insert("acct-bad".to_owned());
     produce(broker, &topic, &[keyed("bad-1", "acct-bad")]).await;
-    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let dedup = parking_engine(&pool, &redis, 1000);
     let running = spawn(
         broker,
         &pool,
@@ -824,7 +804,7 @@ async fn at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drain
         ],
     )
     .await;
-    let dedup = parking_engine(&pool, &redis, 1000).await;
+    let dedup = parking_engine(&pool, &redis, 1000);
     let running = spawn_parking(
         broker,
         &pool,
@@ -833,7 +813,8 @@ async fn at_the_per_key_bound_the_partition_waits_and_goes_on_when_the_key_drain
         dedup,
         &switches,
         parking(AfterGiveUp::Proceed).with_bounds(2, 100),
-    );
+    )
+    .await;
     let stats = running.stats.clone();
     eventually(60, "the bound reached", || {
         let s = stats.snapshot();
@@ -907,7 +888,7 @@ async fn under_the_hold_policy_a_message_failing_in_place_for_good_holds_its_key
         &pool,
         &group,
         &topic,
-        parking_engine(&pool, &redis, 5).await,
+        parking_engine(&pool, &redis, 5),
         &switches,
         AfterGiveUp::Hold,
     )
@@ -965,7 +946,7 @@ async fn a_permanent_failure_whose_text_postgres_refuses_runs_once_and_is_record
         &pool,
         &group,
         &topic,
-        parking_engine(&pool, &redis, 5).await,
+        parking_engine(&pool, &redis, 5),
         &switches,
         AfterGiveUp::Proceed,
     )
@@ -1030,7 +1011,7 @@ async fn an_ordering_key_past_a_btree_entrys_limit_parks_and_runs_in_order(
         &pool,
         &group,
         &topic,
-        parking_engine(&pool, &redis, 1000).await,
+        parking_engine(&pool, &redis, 1000),
         &switches,
         AfterGiveUp::Proceed,
     )
@@ -1066,7 +1047,7 @@ async fn a_park_fenced_while_the_partition_is_still_ours_keeps_order_and_moves_t
         &pool,
         &group,
         &topic,
-        parking_engine(&pool, &redis, 1000).await,
+        parking_engine(&pool, &redis, 1000),
         &switches,
         AfterGiveUp::Proceed,
     )
@@ -1136,10 +1117,11 @@ async fn under_the_hold_policy_a_give_up_waits_for_parking_room_instead_of_letti
         &pool,
         &group,
         &topic,
-        parking_engine(&pool, &redis, 1000).await,
+        parking_engine(&pool, &redis, 1000),
         &switches,
         parking(AfterGiveUp::Hold).with_bounds(10, 2),
-    );
+    )
+    .await;
     until_parked(&pool, &group, "acct-a", 2).await;
     produce(
         broker,

@@ -57,14 +57,15 @@ async fn both_reasons(
         .with_ordering(KeyOrdering::PerKey)
         .with_dead_letter_topic(format!("{topic}.dlq"))
         .with_max_blocked(2);
-    let dedup = parking_engine(pool, redis, 1000).await;
+    let dedup = parking_engine(pool, redis, 1000);
     let running = spawn_parking_config(
         config,
         pool,
         dedup,
         switches,
         parking(AfterGiveUp::Proceed).with_bounds(1, 100),
-    );
+    )
+    .await;
     let stats = running.stats.clone();
     eventually(60, "blocked at the bound and the parked queue full", || {
         let s = stats.snapshot();

@@ -99,18 +99,15 @@ async fn over_tls_with_zstd_a_stream_is_booked_once_and_committed(pool: PgPool) 
 /// Runs a runner with `config` (over a store nobody uses) and answers how it ended.
 async fn refused_reason(pool: &PgPool, config: RunnerConfig) -> String {
     let redis = RedisServer::start();
-    let dedup = engine(pool, &redis).await;
-    let runner = Runner::new(
-        config,
-        dedup,
-        |_: Arc<Delivery>, _: Option<LeaseContext>| async {
-            Ok::<_, HandlerError<String>>(Completion::store(Bytes::new()))
-        },
-    )
-    .unwrap();
-    let ended = tokio::time::timeout(Duration::from_secs(60), runner.run(std::future::pending()))
+    let engine = setup(pool, &redis).build(&config).await;
+    let consumer = consumer_for(&engine, &config)
+        .build(|_: Arc<Delivery>, _: LeaseContext| async {
+            Ok::<_, HandlerError<String>>(Bytes::new())
+        })
+        .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(60), consumer.run())
         .await
-        .expect("a refused client stops the runner within 60 s");
+        .expect("a refused client stops the consumer within 60 s");
     let e = ended.expect_err("the runner cannot have run");
     assert!(matches!(e, RunnerError::Refused(_)), "{e:?}");
     assert!(!e.is_retryable(), "{e:?}");
