@@ -1,23 +1,20 @@
-//! The demo's two ways to consume: transaction mode by the batch (`TxRunner`, the default), and
-//! one message at a time through the full engine (`Runner` over moka, Redis and Postgres).
+//! The demo's two ways to consume, both built from one `dedup::Engine` (moka, Redis, Postgres):
+//! transaction mode by the batch (a `TxHandler`, the default), and one message at a time in lease
+//! mode (a `LeaseHandler`).
 //!
 //! By default each partition's batch and its ledger rows (one `INSERT ... SELECT FROM unnest`)
-//! commit in one transaction. With `--mode per-message` the tiered store sits behind `Batched`,
-//! and each ledger row and its completion commit in a transaction of their own.
+//! commit in one transaction, the caches answering keys already settled. With `--mode
+//! per-message` each message is claimed through the caches and group commit, and its ledger row
+//! and its completion commit in a transaction of their own.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{
-    BatchConfig, Batched, Dedup, HandlerError, InstanceId, LeaseContext, Policy, TierStats,
-    TieredConfig, TieredStore,
+use dedup::kafka::{
+    Acquired, Batching, ConsumerBuilder, ItemResult, LeaseHandler, Message, RunnerStats,
+    StatsHandle, TxHandler,
 };
-use dedup_kafka::{
-    Acquired, BatchHandler, Batching, Delivery, Runner, RunnerConfig, StatsHandle, TxRunner,
-};
-use dedup_pg::{BatchBody, ItemResult, PgStore};
-use dedup_redis::RedisFastPath;
+use dedup::{Completion, Engine, HandlerError, LeaseContext, PgStore, TierStats};
 use sqlx::PgConnection;
 
 use crate::connect::CliError;
@@ -30,56 +27,68 @@ pub(crate) enum Mode {
     /// settled, and learn each commit's completions after it.
     Tx,
     /// One message at a time through the full engine (moka, Redis, Postgres; claims grouped by
-    /// `Batched`), each ledger row and its completion in a transaction of its own.
+    /// group commit), each ledger row and its completion in a transaction of their own.
     PerMessage,
 }
 
-/// A consumer started: its counters, what the report prints about its engine, and how it ends.
+/// A consumer started: its counters and how it ends.
 pub(crate) struct Started {
     pub(crate) stats: StatsHandle,
-    pub(crate) task: tokio::task::JoinHandle<Result<dedup_kafka::RunnerStats, CliError>>,
-    pub(crate) engine: Engine,
+    pub(crate) task: tokio::task::JoinHandle<Result<RunnerStats, CliError>>,
 }
 
-/// What the report says about the engine after the run.
-pub(crate) enum Engine {
-    Tx(Arc<TieredStore<PgStore, RedisFastPath>>),
-    PerMessage(Arc<Dedup<Batched<TieredStore<PgStore, RedisFastPath>>>>),
-}
-
-impl Engine {
-    /// The report's engine lines.
-    pub(crate) fn lines(&self, s: &dedup_kafka::RunnerStats) -> Vec<String> {
-        match self {
-            Self::Tx(caches) => {
-                let tiers = caches.stats();
-                #[allow(clippy::cast_precision_loss)]
-                let per = tiers.authority_claims as f64 / s.batches.max(1) as f64;
-                vec![
-                    claims_line(&tiers),
-                    format!(
-                        "  batch transactions   {:>10}   ({per:.0} messages per transaction)",
-                        s.batches
-                    ),
-                    copies_line(&tiers),
-                    redis_line(&tiers),
-                ]
-            }
-            Self::PerMessage(dedup) => {
-                let tiers = dedup.store().inner().stats();
-                let counts = dedup.store().batch_counts();
-                let (claim_calls, claims) = (counts.claim_calls, counts.claims);
-                vec![
-                    claims_line(&tiers),
-                    format!(
-                        "  Postgres claim calls {claim_calls:>10}   (batches carrying {claims} claims)"
-                    ),
-                    copies_line(&tiers),
-                    redis_line(&tiers),
-                ]
-            }
-        }
+/// Builds the consumer for `mode` from `consumer` (the engine's, set up by the caller) and runs it
+/// until the engine shuts down.
+pub(crate) fn start(
+    mode: Mode,
+    consumer: ConsumerBuilder,
+    engine: &Engine,
+    run: String,
+) -> Result<Started, CliError> {
+    let built = match mode {
+        Mode::Tx => consumer.batching(Batching::default()).build(Ledger { run }),
+        Mode::PerMessage => consumer.build(Booking {
+            pg: engine.postgres().clone(),
+            run,
+        }),
     }
+    .map_err(|e| CliError::Config(e.to_string()))?;
+    let stats = built.stats();
+    let task = tokio::spawn(async move {
+        built
+            .run()
+            .await
+            .map_err(|e| CliError::Failed(format!("consumer: {e}")))
+    });
+    Ok(Started { stats, task })
+}
+
+/// The report's engine lines.
+pub(crate) fn lines(mode: Mode, engine: &Engine, s: &RunnerStats) -> Vec<String> {
+    let tiers = engine.tier_stats();
+    let second = match mode {
+        Mode::Tx => {
+            #[allow(clippy::cast_precision_loss)]
+            let per = tiers.authority_claims as f64 / s.batches.max(1) as f64;
+            format!(
+                "  batch transactions   {:>10}   ({per:.0} messages per transaction)",
+                s.batches
+            )
+        }
+        Mode::PerMessage => {
+            let counts = engine.group_commit_stats();
+            format!(
+                "  Postgres claim calls {:>10}   (batches carrying {} claims)",
+                counts.claim_calls, counts.claims
+            )
+        }
+    };
+    vec![
+        claims_line(&tiers),
+        second,
+        copies_line(&tiers),
+        redis_line(&tiers),
+    ]
 }
 
 /// Every claim (one per delivery, and one more per retry) and the tier that answered it.
@@ -111,93 +120,8 @@ fn redis_line(t: &TierStats) -> String {
     )
 }
 
-/// What the consumer runs on: Postgres, Redis, and the instance identity, if one was given.
-pub(crate) struct Engines {
-    pub(crate) pg: PgStore,
-    pub(crate) fast: RedisFastPath,
-    pub(crate) instance: Option<InstanceId>,
-}
-
-/// Starts the consumer in `mode`; it runs until `stop` fires.
-pub(crate) fn start(
-    mode: Mode,
-    config: RunnerConfig,
-    engines: Engines,
-    run: String,
-    stop: tokio::sync::oneshot::Receiver<()>,
-) -> Result<Started, CliError> {
-    let Engines { pg, fast, instance } = engines;
-    let policy = Policy::default().with_lease(Duration::from_secs(10));
-    let until = async {
-        let _ = stop.await;
-    };
-    match mode {
-        Mode::Tx => {
-            // The caches: keys they hold settled are answered without a transaction; each
-            // commit's completions are copied to them (in the background) after it.
-            let caches = Arc::new(
-                TieredStore::new(pg.clone(), fast, TieredConfig::default())
-                    .with_background_backfill(),
-            );
-            let runner = TxRunner::new(config, Batching::default(), pg, Ledger { run })
-                .map_err(|e| CliError::Config(e.to_string()))?
-                .with_policy(policy)
-                .map_err(|e| CliError::Config(e.to_string()))?
-                .with_caches(caches.clone());
-            let stats = runner.stats();
-            let task = tokio::spawn(async move {
-                runner
-                    .run(until)
-                    .await
-                    .map_err(|e| CliError::Failed(format!("runner: {e}")))
-            });
-            Ok(Started {
-                stats,
-                task,
-                engine: Engine::Tx(caches),
-            })
-        }
-        Mode::PerMessage => {
-            let store = TieredStore::new(pg.clone(), fast, TieredConfig::default())
-                .with_background_backfill();
-            // Group commit: the claims of every message in flight go to Postgres as batches.
-            let store = Batched::new(store, BatchConfig::default());
-            let mut dedup = Dedup::new(store);
-            if let Some(id) = instance {
-                // Owner ids under the identity; the runner adopts at start.
-                dedup = dedup.with_instance(id);
-            }
-            let dedup = Arc::new(
-                dedup
-                    .with_policy(policy)
-                    .map_err(|e| CliError::Config(e.to_string()))?
-                    .with_in_flight_wait(Duration::from_millis(200))
-                    .map_err(|e| CliError::Config(e.to_string()))?,
-            );
-            let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| {
-                let (pg, run) = (pg.clone(), run.clone());
-                async move { book(&pg, &run, &d, lease).await }
-            };
-            let runner = Runner::new(config, dedup.clone(), handler)
-                .map_err(|e| CliError::Config(e.to_string()))?;
-            let stats = runner.stats();
-            let task = tokio::spawn(async move {
-                runner
-                    .run(until)
-                    .await
-                    .map_err(|e| CliError::Failed(format!("runner: {e}")))
-            });
-            Ok(Started {
-                stats,
-                task,
-                engine: Engine::PerMessage(dedup),
-            })
-        }
-    }
-}
-
 /// A ledger entry read from an event's payload; a bad one is the event's permanent failure.
-fn entry(d: &Delivery) -> Result<(String, i64, i64), String> {
+fn entry(d: &Message) -> Result<(String, i64, i64), String> {
     let json: serde_json::Value = serde_json::from_slice(d.payload_bytes())
         .map_err(|e| format!("payload is not JSON: {e}"))?;
     let field = |name: &str| {
@@ -220,15 +144,27 @@ struct Ledger {
     run: String,
 }
 
-impl BatchHandler for Ledger {
+impl TxHandler for Ledger {
     type Error = String;
 
-    fn handle<'c>(
-        &'c self,
-        tx: &'c mut PgConnection,
-        batch: &'c [Acquired],
-    ) -> BatchBody<'c, String> {
-        Box::pin(async move {
+    /// One event: the batch path on a batch of one.
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        message: &Acquired,
+    ) -> Result<Bytes, HandlerError<String>> {
+        let mut answers = self.handle_batch(tx, std::slice::from_ref(message)).await?;
+        answers
+            .pop()
+            .unwrap_or_else(|| Err(HandlerError::Retryable("no answer".to_owned())))
+    }
+
+    async fn handle_batch(
+        &self,
+        tx: &mut PgConnection,
+        batch: &[Acquired],
+    ) -> Result<Vec<ItemResult<String>>, HandlerError<String>> {
+        {
             let n = batch.len();
             let (mut keys, mut accounts, mut amounts, mut tokens) = (
                 Vec::with_capacity(n),
@@ -264,19 +200,37 @@ impl BatchHandler for Ledger {
             .await
             .map_err(|e| HandlerError::Retryable(e.to_string()))?;
             Ok(answers)
-        })
+        }
     }
 }
 
 /// The per-message handler: one ledger row and the fenced completion in one transaction.
+#[derive(Debug)]
+struct Booking {
+    pg: PgStore,
+    run: String,
+}
+
+impl LeaseHandler for Booking {
+    type Error = String;
+    type Output = Completion;
+
+    async fn handle(
+        &self,
+        d: Arc<Message>,
+        lease: LeaseContext,
+    ) -> Result<Completion, HandlerError<String>> {
+        book(&self.pg, &self.run, &d, lease).await
+    }
+}
+
 async fn book(
     pg: &PgStore,
     run: &str,
-    d: &Delivery,
-    lease: Option<LeaseContext>,
-) -> Result<dedup_core::Completion, HandlerError<String>> {
+    d: &Message,
+    lease: LeaseContext,
+) -> Result<Completion, HandlerError<String>> {
     let (key, account, amount) = entry(d).map_err(HandlerError::Permanent)?;
-    let lease = lease.ok_or_else(|| HandlerError::Permanent("no idempotency key".to_owned()))?;
     let token = i64::try_from(lease.lease().token.get()).unwrap_or(i64::MAX);
     let run = run.to_owned();
     pg.transact(&lease, move |tx| {

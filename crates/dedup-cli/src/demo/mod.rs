@@ -1,8 +1,8 @@
 //! `dedup demo`: a stream with duplicates through Kafka and dedup into a ledger.
 //!
 //! A deterministic stream (from `dedup-workload`), produced with a trace context per event, is
-//! consumed into `dedup_demo_ledger` (`consume.rs`); then the report and the ledger check
-//! (`report.rs`).
+//! consumed into `dedup_demo_ledger` by a consumer built from a `dedup::Engine` (`consume.rs`);
+//! then the report and the ledger check (`report.rs`).
 
 mod consume;
 mod report;
@@ -11,9 +11,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use dedup_core::{Fingerprint, InstanceId};
-use dedup_kafka::{Ordering, RunnerConfig, RunnerStats, StatsHandle};
-use dedup_pg::PgStore;
+use dedup::kafka::{ConsumerBuilder, Ordering, RunnerStats, StatsHandle};
+use dedup::{BuildError, Engine, Fingerprint, InstanceId, MigrationMode, Policy};
 use indicatif::{ProgressBar, ProgressStyle};
 use opentelemetry::propagation::Injector;
 use rdkafka::config::ClientConfig;
@@ -24,7 +23,7 @@ use tracing::info_span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::PgArgs;
-use crate::connect::{CliError, connect_pg, connect_redis, redact};
+use crate::connect::{CliError, connect_pg, redact};
 use dedup_workload::{Workload, ledger_payload};
 use report::Report;
 
@@ -156,7 +155,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         consume::Mode::PerMessage => 32,
     });
     let pool = prepare_pg(&args, in_flight).await?;
-    let fast = connect_redis(&args.redis_url, &run_id).await?;
+    let engine = build_engine(&args, pool.clone(), &run_id, instance.as_ref()).await?;
 
     // Kafka: the given cluster, or the embedded mock (kept in this function: it is not Send).
     let (mock, bootstrap, kafka_name) = kafka_target(args.brokers.as_deref())?;
@@ -183,31 +182,20 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let produce_secs = produce(&producer, &events, &topic, &args).await?;
 
     // Consume.
-    let pg = PgStore::new(pool.clone());
-    let config = runner_config(
+    let consumer = consumer(
+        &engine,
         &bootstrap,
         &run_id,
         &topic,
         in_flight,
         &extra,
         mock.is_some(),
-        instance.as_ref(),
     );
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let started = consume::start(
-        args.mode,
-        config,
-        consume::Engines {
-            pg,
-            fast,
-            instance: instance.clone(),
-        },
-        run_id.clone(),
-        stop_rx,
-    )?;
+    let started = consume::start(args.mode, consumer, &engine, run_id.clone())?;
     let (stats, task) = (started.stats.clone(), started.task);
     let (interrupted, consume_secs) = wait_settled(&stats, &task, &args, &mut signals).await;
-    let _ = stop_tx.send(());
+    // Drain, commit, release the identity.
+    engine.shutdown().await;
     let s: RunnerStats = task
         .await
         .map_err(|e| CliError::Failed(format!("runner: {e}")))??;
@@ -226,7 +214,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         consume_secs,
         rows,
         keys,
-        engine: &started.engine,
+        engine: consume::lines(args.mode, &engine, &s),
         stats: s,
     };
     report.print();
@@ -407,30 +395,71 @@ fn headers(key: &str, span: &tracing::Span) -> OwnedHeaders {
     headers
 }
 
-/// The consumer's configuration: the demo topic, keys kept in order, and the extra properties.
-fn runner_config(
+/// The engine: the demo's Postgres, Redis under the run's own key prefix, the run as the dedup
+/// scope, a 10 s lease, the instance identity if one was given (its earlier runs' leases adopted).
+async fn build_engine(
+    args: &DemoArgs,
+    pool: sqlx::PgPool,
+    run_id: &str,
+    instance: Option<&InstanceId>,
+) -> Result<Engine, CliError> {
+    let mut engine = Engine::builder()
+        .postgres(pool)
+        .redis_url(&args.redis_url)
+        .redis_prefix(run_id)
+        .scope(run_id)
+        .policy(Policy::default().with_lease(Duration::from_secs(10)))
+        .in_flight_wait(Duration::from_millis(200))
+        // `prepare_pg` applied them.
+        .migrations(MigrationMode::Verify);
+    if let Some(id) = instance {
+        engine = engine.instance(id.as_str());
+    }
+    engine.build().await.map_err(|e| match e {
+        BuildError::Setting {
+            setting: "redis_url",
+            problem,
+            ..
+        } => CliError::Config(format!("REDIS_URL: {problem}")),
+        BuildError::Store {
+            what: "connecting to Redis",
+            source,
+            ..
+        } => CliError::Unreachable(format!(
+            "cannot connect to Redis at {} (REDIS_URL): {source}. Is it running? \
+             `source scripts/services.sh && ensure_redis` starts one",
+            redact(&args.redis_url)
+        )),
+        other => CliError::Config(other.to_string()),
+    })
+}
+
+/// The consumer: the demo topic, keys kept in order, and the extra properties; with an instance
+/// identity, a static group member.
+fn consumer(
+    engine: &Engine,
     bootstrap: &str,
     run_id: &str,
     topic: &str,
     in_flight: usize,
     extra: &[(String, String)],
     mock: bool,
-    instance: Option<&InstanceId>,
-) -> RunnerConfig {
-    let mut config = RunnerConfig::new(bootstrap.to_owned(), run_id.to_owned(), [topic.to_owned()])
-        .with_ordering(Ordering::PerKey)
-        .with_max_in_flight(in_flight.max(1));
+) -> ConsumerBuilder {
+    let mut consumer = engine
+        .consumer()
+        .brokers(bootstrap)
+        .group_id(run_id)
+        .topics([topic])
+        .ordering(Ordering::PerKey)
+        .max_in_flight(in_flight.max(1));
     for (k, v) in extra {
-        config = config.with_client(k.clone(), v.clone());
+        consumer = consumer.set(k, v);
     }
     if mock {
         // The embedded cluster assigns at once with the KIP-848 protocol.
-        config = config.with_client("group.protocol", "consumer");
+        consumer = consumer.set("group.protocol", "consumer");
     }
-    if let Some(id) = instance {
-        config = config.with_instance_id(id);
-    }
-    config
+    consumer
 }
 
 /// Waits for the events to settle; returns whether a signal cut it short, and the seconds.

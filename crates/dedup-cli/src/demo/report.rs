@@ -20,7 +20,8 @@ pub(super) struct Report<'a> {
     pub(super) consume_secs: f64,
     pub(super) rows: i64,
     pub(super) keys: i64,
-    pub(super) engine: &'a consume::Engine,
+    /// What the report says about the engine.
+    pub(super) engine: Vec<String>,
     pub(super) stats: RunnerStats,
 }
 
@@ -54,18 +55,14 @@ impl Report<'_> {
         println!("ledger rows            {rows:>10}   (distinct keys {keys}; expected {expected})");
         if let Some(id) = self.instance {
             println!(
-                "instance               {:>10}   ({})",
+                "instance               {:>10}   (static group member; earlier runs' leases \
+                 adopted at start)",
                 id.as_str(),
-                match args.mode {
-                    consume::Mode::Tx => "static group member",
-                    consume::Mode::PerMessage =>
-                        "static group member; earlier runs' leases adopted at start",
-                }
             );
         }
         println!("handler executions     {:>10}", s.executed);
         println!("duplicates replayed    {:>10}", s.replayed);
-        for line in self.engine.lines(s) {
+        for line in &self.engine {
             println!("{line}");
         }
         let topic = self.topic;
