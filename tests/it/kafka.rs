@@ -319,10 +319,18 @@ impl Running {
         Fut: std::future::Future<Output = Result<Completion, HandlerError<E>>> + Send,
         E: std::fmt::Display + Send + 'static,
     {
+        Self::spawn_handler(config, setup, Shim(handler), more).await
+    }
+
+    /// Any lease handler (a typed one, say).
+    async fn spawn_handler(
+        config: RunnerConfig,
+        setup: Setup,
+        handler: impl dedup::kafka::LeaseHandler,
+        more: impl FnOnce(dedup::kafka::ConsumerBuilder) -> dedup::kafka::ConsumerBuilder,
+    ) -> Self {
         let engine = setup.build(&config).await;
-        let consumer = more(consumer_for(&engine, &config))
-            .build(Shim(handler))
-            .unwrap();
+        let consumer = more(consumer_for(&engine, &config)).build(handler).unwrap();
         let stats = consumer.stats();
         let (stop, rx) = oneshot::channel::<()>();
         tokio::spawn(async move {
@@ -1593,7 +1601,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
     let seen: Seen<Booked> = Arc::default();
     let handler = {
         let (runs, seen) = (runs.clone(), seen.clone());
-        dedup_kafka::Typed::new(
+        dedup::kafka::Typed::new(
             dedup_core::ResultCodec::<Booked, _>::bincode("booked/v1").unwrap(),
             move |d: Arc<Delivery>, _lease| {
                 let runs = runs.clone();
@@ -1611,8 +1619,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
             },
         )
     };
-    // Typed results through the old runner until the facade has its typed wrapper.
-    let run = spawn_runner(config.clone(), engine(&pool, &redis).await, handler);
+    let run = Running::spawn_handler(config.clone(), setup(&pool, &redis), handler, |c| c).await;
     let stats = run.stats.clone();
     eventually(60, "20 settled", || {
         let s = stats.snapshot();
@@ -1637,7 +1644,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
     let runs_v2 = Arc::new(AtomicU32::new(0));
     let handler = {
         let runs = runs_v2.clone();
-        dedup_kafka::Typed::new(
+        dedup::kafka::Typed::new(
             dedup_core::ResultCodec::<BookedV2, _>::bincode("booked/v2").unwrap(),
             move |d: Arc<Delivery>, _lease| {
                 let runs = runs.clone();
@@ -1653,7 +1660,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
             },
         )
     };
-    let run = spawn_runner(config, engine(&pool, &redis).await, handler);
+    let run = Running::spawn_handler(config, setup(&pool, &redis), handler, |c| c).await;
     let stats = run.stats.clone();
     eventually(60, "10 dead-lettered", || {
         let s = stats.snapshot();

@@ -130,19 +130,7 @@ where
     }
 
     fn check_result(&self, delivery: &Delivery, processed: &Processed) -> Result<(), CodecError> {
-        // A fresh result is decoded too: a type the codec cannot read back is found on its first
-        // run, not on its first duplicate.
-        let value = self.codec.decode(processed.result())?;
-        let result = match processed {
-            Processed::Executed {
-                token, attempts, ..
-            } => TypedProcessed::Executed {
-                value,
-                token: *token,
-                attempts: *attempts,
-            },
-            _ => TypedProcessed::Replayed { value },
-        };
+        let result = TypedProcessed::decode(&self.codec, processed)?;
         self.on_result.call(delivery, &result);
         Ok(())
     }

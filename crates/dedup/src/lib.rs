@@ -81,11 +81,12 @@ mod running;
 pub mod kafka {
     pub use crate::consumer::{
         Consumer, ConsumerBuilder, Lease, LeaseHandler, Message, Mode, Parts, Transaction,
-        TxHandler,
+        TxHandler, Typed,
     };
     pub use dedup_kafka::{
-        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, KeySource, KillSwitch,
-        MissingKey, Ordering, OrderingKey, Parking, RunnerError, RunnerStats, StatsHandle,
+        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, Ignore, KeySource,
+        KillSwitch, MissingKey, OnResult, Ordering, OrderingKey, Parking, RunnerError, RunnerStats,
+        StatsHandle,
     };
     pub use dedup_pg::ItemResult;
 }

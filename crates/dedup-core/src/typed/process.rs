@@ -54,6 +54,31 @@ impl<T> TypedProcessed<T> {
     pub fn executed(&self) -> bool {
         matches!(self, Self::Executed { .. })
     }
+
+    /// `processed`'s stored result decoded with `codec` (a fresh one too: a type the codec cannot
+    /// read back is found on its first run, not on its first duplicate).
+    ///
+    /// # Errors
+    /// The result does not decode as a `T` under the codec's tag.
+    pub fn decode<C: Codec>(
+        codec: &ResultCodec<T, C>,
+        processed: &Processed,
+    ) -> Result<Self, CodecError>
+    where
+        T: Serialize + DeserializeOwned,
+    {
+        let value = codec.decode(processed.result())?;
+        Ok(match processed {
+            Processed::Executed {
+                token, attempts, ..
+            } => Self::Executed {
+                value,
+                token: *token,
+                attempts: *attempts,
+            },
+            _ => Self::Replayed { value },
+        })
+    }
 }
 
 /// A typed handler's failure, as [`ProcessError::Handler`] carries it.

@@ -7,7 +7,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use dedup_core::{Completion, HandlerError, LeaseContext};
+use dedup_core::typed::CodecError;
+use dedup_core::{Completion, HandlerError, LeaseContext, Processed};
 use dedup_kafka::{Acquired, BatchHandler, Delivery, Handler};
 use dedup_pg::{BatchBody, ItemResult};
 use sqlx::postgres::PgConnection;
@@ -103,6 +104,17 @@ pub trait LeaseHandler: Send + Sync + 'static {
         let _ = message;
         async { Ok(()) }
     }
+
+    /// Looks at a keyed message's result, fresh or replayed, before the message settles; an
+    /// error dead-letters the message with the reason. The default accepts every result;
+    /// [`Typed`](crate::kafka::Typed) decodes it.
+    ///
+    /// # Errors
+    /// The result cannot be used.
+    fn check_result(&self, message: &Message, processed: &Processed) -> Result<(), CodecError> {
+        let _ = (message, processed);
+        Ok(())
+    }
 }
 
 impl<F, Fut, T, E> LeaseHandler for F
@@ -162,5 +174,9 @@ impl<H: LeaseHandler> Handler for Leased<H> {
                 .await
                 .map(|()| Completion::store(Bytes::new())),
         }
+    }
+
+    fn check_result(&self, delivery: &Delivery, processed: &Processed) -> Result<(), CodecError> {
+        self.0.check_result(delivery, processed)
     }
 }

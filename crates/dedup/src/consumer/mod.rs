@@ -16,8 +16,10 @@
 //! settled, whatever the mode.
 
 mod handler;
+mod typed;
 
 pub use handler::{LeaseHandler, Message, TxHandler};
+pub use typed::Typed;
 
 use std::fmt;
 use std::future::Future;
