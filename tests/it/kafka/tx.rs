@@ -528,13 +528,15 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
         .config(&unique("g"), &topic)
         .with_scope(scope.clone());
     let run = RunningTx::spawn_full(config, &pool, ledger("first"), false, Some(&redis)).await;
-    let stats = run.stats.clone();
+    let (stats, first) = (run.stats.clone(), run.engine.clone());
     eventually(60, "the first group settled the stream", || {
         let s = stats.snapshot();
         async move { s.executed + s.replayed == 200 }
     })
     .await;
     let s = run.stop().await;
+    // The engine copies each commit's completions to Redis in the background, after the commit.
+    backfilled(&first, keys.len()).await;
     assert_eq!(s.executed, keys.len() as u64);
     assert_one_row_per_key(&pool, keys.iter().cloned()).await;
 
@@ -574,6 +576,9 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
         .await;
         let s = run.stop().await;
         assert_eq!(s.executed, 0, "group {n}: {s:?}");
+        if from_postgres {
+            backfilled(&caches, keys.len()).await;
+        }
         let tiers = caches.tier_stats();
         if from_postgres {
             assert!(
@@ -586,6 +591,16 @@ async fn tx_caches_are_filled_after_each_commit_and_answer_a_replay_without_a_tr
         }
     }
     assert_one_row_per_key(&pool, keys).await;
+}
+
+/// Waits until `engine` has copied at least `n` completions to Redis (its backfills run in the
+/// background, after each commit).
+async fn backfilled(engine: &dedup::Engine, n: usize) {
+    eventually(30, "the completions copied to Redis", || {
+        let done = engine.tier_stats().backfills >= n as u64;
+        async move { done }
+    })
+    .await;
 }
 
 /// A second member joins while the first one's batches are held inside their transactions: the
