@@ -79,6 +79,7 @@ mod running;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka {
+    pub use crate::consumer::testing;
     pub use crate::consumer::{
         Consumer, ConsumerBuilder, Lease, LeaseHandler, Message, Mode, Parts, Transaction,
         TxHandler, Typed,

@@ -16,6 +16,7 @@
 //! settled, whatever the mode.
 
 mod handler;
+pub mod testing;
 mod typed;
 
 pub use handler::{LeaseHandler, Message, TxHandler};

@@ -1,0 +1,169 @@
+//! A Kafka cluster inside the test process (librdkafka's mock cluster), to drive a consumer
+//! built from an engine with messages of your own: [`MockKafka`].
+
+use std::fmt;
+use std::time::Duration;
+
+use dedup_kafka::{DEFAULT_KEY_HEADER, RunnerError, RunnerStats};
+use rdkafka::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
+
+use super::{Consumer, ConsumerBuilder};
+use crate::engine::Engine;
+
+/// A one-broker Kafka cluster in this process, for tests: topics, messages carrying an
+/// idempotency key, and consumers already pointed at it. Not `Send` (librdkafka's mock is not):
+/// keep it in the test's own task.
+///
+/// ```no_run
+/// # async fn t(engine: dedup::Engine) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use dedup::kafka::{Message, testing::MockKafka};
+/// use dedup::{Bytes, HandlerError, LeaseContext};
+///
+/// let kafka = MockKafka::new()?;
+/// kafka.create_topic("orders", 2)?;
+/// kafka.send("orders", "order-1", r#"{"cents":1250}"#).await?;
+/// kafka.send("orders", "order-1", r#"{"cents":1250}"#).await?; // a duplicate
+/// let consumer = kafka
+///     .consumer(&engine, "orders")
+///     .build(|_m: Arc<Message>, _lease: LeaseContext| async {
+///         Ok::<_, HandlerError<String>>(Bytes::new())
+///     })?;
+/// let stats = kafka.run_until_settled(&engine, consumer, 2).await?;
+/// assert_eq!((stats.executed, stats.replayed), (1, 1));
+/// # Ok(()) }
+/// ```
+pub struct MockKafka {
+    cluster: MockCluster<'static, DefaultProducerContext>,
+    producer: FutureProducer,
+}
+
+impl fmt::Debug for MockKafka {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MockKafka")
+            .field("bootstrap", &self.cluster.bootstrap_servers())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why [`MockKafka::run_until_settled`] did not end with the messages settled.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// The consumer stopped with an error.
+    #[error(transparent)]
+    Consumer(#[from] RunnerError),
+    /// Not every message settled in time.
+    #[error("{settled} of {expected} messages settled within {within:?}")]
+    Timeout {
+        /// Messages settled (executed, replayed or dead-lettered).
+        settled: u64,
+        /// Messages waited for.
+        expected: u64,
+        /// The wait.
+        within: Duration,
+    },
+}
+
+impl MockKafka {
+    /// A cluster of one broker.
+    ///
+    /// # Errors
+    /// librdkafka could not start it.
+    pub fn new() -> Result<Self, KafkaError> {
+        let cluster = MockCluster::new(1)?;
+        let producer = ClientConfig::new()
+            .set("bootstrap.servers", cluster.bootstrap_servers())
+            .create()?;
+        Ok(Self { cluster, producer })
+    }
+
+    /// `bootstrap.servers` for clients of your own.
+    pub fn bootstrap(&self) -> String {
+        self.cluster.bootstrap_servers()
+    }
+
+    /// Creates `topic` with `partitions` partitions.
+    ///
+    /// # Errors
+    /// The cluster refused it.
+    pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<(), KafkaError> {
+        self.cluster.create_topic(topic, partitions, 1)
+    }
+
+    /// Sends `payload` to `topic` with `key` in the `idempotency-key` header (what a consumer
+    /// reads by default) and as the Kafka message key (so one key's messages share a partition).
+    ///
+    /// # Errors
+    /// The cluster did not take it.
+    pub async fn send(&self, topic: &str, key: &str, payload: &str) -> Result<(), KafkaError> {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: DEFAULT_KEY_HEADER,
+            value: Some(key.as_bytes()),
+        });
+        let record = FutureRecord::to(topic)
+            .key(key)
+            .payload(payload)
+            .headers(headers);
+        self.producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map(drop)
+            .map_err(|(e, _)| e)
+    }
+
+    /// A consumer of `topic` on `engine`, pointed at this cluster: a group of its own, reading
+    /// from the start, committing often. Set the rest as usual, then `build(handler)`.
+    pub fn consumer(&self, engine: &Engine, topic: &str) -> ConsumerBuilder {
+        engine
+            .consumer()
+            .brokers(self.bootstrap())
+            .group_id(format!("{topic}-test"))
+            .topics([topic])
+            .commit_interval(Duration::from_millis(100))
+            .set("auto.offset.reset", "earliest")
+            // The mock assigns at once with the KIP-848 protocol.
+            .set("group.protocol", "consumer")
+    }
+
+    /// Runs `consumer` until `messages` have settled (executed, replayed or dead-lettered), then
+    /// shuts `engine` down and answers the consumer's counters. Gives up after a minute.
+    ///
+    /// # Errors
+    /// The consumer failed, or the messages did not settle in time.
+    pub async fn run_until_settled(
+        &self,
+        engine: &Engine,
+        consumer: Consumer,
+        messages: u64,
+    ) -> Result<RunnerStats, RunError> {
+        const WITHIN: Duration = Duration::from_secs(60);
+        let stats = consumer.stats();
+        let run = tokio::spawn(consumer.run());
+        let settled = |s: &RunnerStats| s.executed + s.replayed + s.dead_lettered;
+        let deadline = tokio::time::Instant::now() + WITHIN;
+        while settled(&stats.snapshot()) < messages && tokio::time::Instant::now() < deadline {
+            if run.is_finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        engine.shutdown().await;
+        let ended = match run.await {
+            Ok(ended) => ended?,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        };
+        if settled(&ended) < messages {
+            return Err(RunError::Timeout {
+                settled: settled(&ended),
+                expected: messages,
+                within: WITHIN,
+            });
+        }
+        Ok(ended)
+    }
+}
