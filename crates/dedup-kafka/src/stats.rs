@@ -257,8 +257,8 @@ pub struct RunnerStats {
     pub kill_switch_open: u64,
     /// Partitions this member owns now.
     pub partitions: u64,
-    /// When the runner's loop last turned (it turns at least every commit interval while it
-    /// runs), in milliseconds since the Unix epoch; 0 before the first turn.
+    /// When the runner's loop last served its commit tick (once per commit interval while the
+    /// loop runs), in milliseconds since the Unix epoch; 0 before the first.
     pub last_turn_ms: u64,
     /// Dead letters whose write has failed and that are still being retried (the dead-letter
     /// topic down, refusing, or an operator's to cure): their partitions' offsets wait.

@@ -47,8 +47,8 @@ pub struct ConsumerHealth {
     pub running: bool,
     /// Partitions it owns now (0 is normal where a group has more members than partitions).
     pub partitions: u64,
-    /// How long ago its loop last turned (it turns at least once per commit interval while it
-    /// runs); `None` before the first turn.
+    /// How long ago its loop last served its commit tick (once per commit interval while the
+    /// loop runs); `None` before the first.
     pub last_turn_ago_ms: Option<u64>,
     /// Its kill switch is open: the handler failed nearly everything, no message is taken.
     pub kill_switch_open: bool,
@@ -114,7 +114,7 @@ impl Engine {
         }
     }
 
-    /// Whether the engine is ready; a consumer whose loop has not turned for `stall` counts as
+    /// Whether the engine is ready; a consumer whose loop has not served its commit tick for `stall` counts as
     /// stalled (a few commit intervals: 30 s suits the default of 1 s).
     pub fn health(&self, stall: Duration) -> Health {
         let stopping = self.shutdown_handle().is_triggered();

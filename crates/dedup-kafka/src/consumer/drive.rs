@@ -96,6 +96,9 @@ impl Drive<'_> {
                 () = &mut shutdown => break,
                 Some(event) = events.recv() => work.on_event(event),
                 _ = commit_tick.tick() => {
+                    // Health's sign of life: once per tick, not per message (no clock read on
+                    // the message path).
+                    c.last_turn_ms.set(now_ms());
                     let shared = work.shared().clone();
                     commit(&work.source().consumer, &shared, c, CommitMode::Async);
                     work.on_commit();
@@ -115,7 +118,6 @@ impl Drive<'_> {
                 }
             }
             work.after_turn();
-            c.last_turn_ms.set(now_ms());
             let (held, shared) = (work.held(), work.shared().clone());
             work.pressure().update(held, self.max_in_flight, &shared, c);
             lock(&shared)
