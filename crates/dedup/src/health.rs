@@ -114,8 +114,8 @@ impl Engine {
         }
     }
 
-    /// Whether the engine is ready; a consumer whose loop has not served its commit tick for `stall` counts as
-    /// stalled (a few commit intervals: 30 s suits the default of 1 s).
+    /// Whether the engine is ready; a consumer whose loop has not served its commit tick for
+    /// `stall` counts as stalled (a few commit intervals: 30 s suits the default of 1 s).
     pub fn health(&self, stall: Duration) -> Health {
         let stopping = self.shutdown_handle().is_triggered();
         #[cfg(feature = "kafka")]
