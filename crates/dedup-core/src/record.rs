@@ -109,12 +109,17 @@ pub struct OwnerIds {
 }
 
 impl OwnerIds {
-    /// A prefix unique to this process and its start: `pid<pid>-<start in µs, hex>`.
+    /// A prefix unique to this holder: `pid<pid>-<now in µs, hex>-<n>`, `n` counting the
+    /// holders made in this process. Without the count, two holders made within one microsecond
+    /// (two `Dedup`s at start-up) would share their owner ids, and each would take the other's
+    /// lease in flight for its own (a claim retried after a lost reply adopts its own owner id).
     pub fn for_process() -> Self {
+        static MADE: AtomicU64 = AtomicU64::new(0);
         Self::with_prefix(format!(
-            "pid{}-{:x}",
+            "pid{}-{:x}-{}",
             std::process::id(),
-            Timestamp::now().as_micros()
+            Timestamp::now().as_micros(),
+            MADE.fetch_add(1, Ordering::Relaxed)
         ))
     }
 
@@ -488,4 +493,18 @@ pub enum AfterFailure {
         /// Attempts made in all.
         attempts: u32,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OwnerIds;
+
+    /// Holders made back to back (within one microsecond, as two `Dedup`s at start-up are) never
+    /// share owner ids.
+    #[test]
+    fn holders_made_at_once_have_owner_ids_of_their_own() {
+        let (a, b) = (OwnerIds::for_process(), OwnerIds::for_process());
+        assert_ne!(a.prefix(), b.prefix());
+        assert_ne!(a.next(), b.next());
+    }
 }

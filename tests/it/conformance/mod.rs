@@ -73,6 +73,7 @@ macro_rules! conformance {
                     let engine = dedup::Engine::builder()
                         .postgres(pool)
                         .redis_url(redis.url())
+                        .tiers(crate::support::test_config())
                         .scope("conformance")
                         .build()
                         .await
