@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup::HandlerError;
-use dedup::kafka::{Acquired, ItemResult, TxHandler};
+use dedup::kafka::{Acquired, Answer, TxHandler};
 use sqlx::PgConnection;
 
 /// Writes one `effects` row per acquired message (`key` from the `idempotency-key` header, the
@@ -32,6 +32,7 @@ pub(crate) struct BatchLedger {
 
 impl TxHandler for BatchLedger {
     type Error = String;
+    type Output = Bytes;
 
     /// One message: the batch path on a batch of one.
     async fn handle(
@@ -50,13 +51,13 @@ impl TxHandler for BatchLedger {
         &self,
         tx: &mut PgConnection,
         batch: &[Acquired],
-    ) -> impl std::future::Future<Output = Result<Vec<ItemResult<String>>, HandlerError<String>>> + Send
+    ) -> impl std::future::Future<Output = Result<Vec<Answer<Self>>, HandlerError<String>>> + Send
     {
         self.calls.fetch_add(batch.len() as u64, Ordering::Relaxed);
         async move {
             let mut keys = Vec::with_capacity(batch.len());
             let mut tokens = Vec::with_capacity(batch.len());
-            let mut answers: Vec<ItemResult<String>> = Vec::with_capacity(batch.len());
+            let mut answers: Vec<Answer<Self>> = Vec::with_capacity(batch.len());
             for a in batch {
                 if self
                     .broken

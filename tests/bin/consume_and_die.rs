@@ -102,7 +102,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         consumer.build(handler)?
     } else {
         let handler = Booking {
-            pg: engine.postgres().clone(),
+            pg: engine.postgres()?.clone(),
             hang: std::env::var("DEDUP_HANG_KEY").ok(),
             pause: millis("DEDUP_HANDLER_MS")?.unwrap_or_default(),
             fail_table: std::env::var_os("DEDUP_FAIL_TABLE").is_some(),

@@ -326,7 +326,7 @@ impl Running {
     async fn spawn_handler(
         config: RunnerConfig,
         setup: Setup,
-        handler: impl dedup::kafka::LeaseHandler,
+        handler: impl dedup::kafka::LeaseHandler<Output: Into<Completion>>,
         more: impl FnOnce(dedup::kafka::ConsumerBuilder) -> dedup::kafka::ConsumerBuilder,
     ) -> Self {
         let engine = setup.build(&config).await;
@@ -1691,5 +1691,6 @@ mod pauses;
 mod recovery;
 mod redrive;
 mod share;
+mod test_kit;
 mod tls;
 mod tx;

@@ -52,10 +52,9 @@
 //!   batch of whatever is in flight (everything the consumer has fetched, up to
 //!   `max_in_flight`), while duplicates found in L1 are answered without queueing. The demo and
 //!   the Kafka tests run this way.
-//! - **Typed results.** [`Typed`] wraps a closure that returns a value (serde, bincode by
-//!   default): the value is stored, decoded for every settled message, fresh or replayed, and
-//!   handed to [`Typed::on_result`]; a stored result that no longer decodes dead-letters its
-//!   message with the reason.
+//! - **Typed results.** [`Handler::check_result`] sees every settled keyed message's result,
+//!   fresh or replayed, before it settles; an error dead-letters the message with the reason
+//!   (the facade's `dedup::kafka::Typed` decodes results there).
 //! - **Traces.** Each message is a `dedup.kafka.message` span with OpenTelemetry's messaging
 //!   attributes; with the `otel` feature its parent is read from the W3C `traceparent` header.
 //! - **Features.** `pg`: the runners of batches (`TxRunner`, transaction mode by the batch on
@@ -94,7 +93,6 @@ mod runner;
 mod start;
 mod stats;
 mod trace;
-mod typed;
 
 #[cfg(feature = "pg")]
 pub use batch::{
@@ -112,4 +110,3 @@ pub use handler::Handler;
 pub use runner::{AfterGiveUp, Parking, Runner};
 pub use start::RunnerError;
 pub use stats::{RunnerStats, StatsHandle};
-pub use typed::{Ignore, OnResult, Typed};

@@ -22,6 +22,7 @@ pub struct Ledger;
 
 impl TxHandler for Ledger {
     type Error = String;
+    type Output = Bytes;
 
     async fn handle(
         &self,
@@ -77,7 +78,7 @@ pub async fn consume(
     dedup::sqlx::query(
         "CREATE TABLE IF NOT EXISTS ledger (key text, account bigint, amount bigint, token bigint)",
     )
-    .execute(engine.pool())
+    .execute(engine.pool()?)
     .await?;
     let mut consumer = engine
         .consumer()

@@ -175,7 +175,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, idempotency_key text NOT NULL, customer text NOT NULL, cents bigint NOT NULL);
          CREATE TABLE IF NOT EXISTS emails (id bigserial PRIMARY KEY, recipient text NOT NULL);",
     )
-    .execute(engine.pool())
+    .execute(engine.pool()?)
     .await?;
     // Keys are scoped by route template (`/orders`), not by the request's path.
     let config = IdempotencyConfig::new()
@@ -187,7 +187,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_policy(dedup::Policy::default().with_lease(millis("LEASE_MS", 30_000)?))?;
     let app = App {
         engine: engine.clone(),
-        pool: engine.pool().clone(),
+        pool: engine.pool()?.clone(),
         orders_delay: millis("ORDERS_DELAY_MS", 0)?,
         orders_after_commit: millis("ORDERS_AFTER_COMMIT_MS", 0)?,
         emails_delay: millis("EMAILS_DELAY_MS", 0)?,

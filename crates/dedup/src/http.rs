@@ -53,9 +53,11 @@ impl Engine {
     /// ```
     ///
     /// # Errors
-    /// Postgres is unavailable (answer 503 with `DoNotStore`: nothing ran, a retry runs).
-    pub async fn begin(&self, ctx: &IdempotencyContext) -> Result<RequestTx, StoreError> {
-        let tx = self
+    /// Postgres is unavailable (answer 503 with `DoNotStore`: nothing ran, a retry runs);
+    /// [`NoPostgres`](crate::NoPostgres) from an in-memory engine.
+    pub async fn begin(&self, ctx: &IdempotencyContext) -> Result<RequestTx, CommitError> {
+        let store = self.postgres()?.clone();
+        let tx = store
             .pool()
             .begin()
             .await
@@ -63,7 +65,7 @@ impl Engine {
         Ok(RequestTx {
             tx,
             ctx: ctx.clone(),
-            store: self.postgres().clone(),
+            store,
         })
     }
 }
@@ -92,7 +94,7 @@ impl DerefMut for RequestTx {
     }
 }
 
-/// Why a [`RequestTx`] did not commit.
+/// Why a [`RequestTx`] did not begin or commit.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CommitError {
@@ -104,13 +106,16 @@ pub enum CommitError {
     /// failed. Nothing committed: answer 503 with `DoNotStore`, and a retry runs again.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The engine is in memory: it has no Postgres to begin a transaction on.
+    #[error(transparent)]
+    NoPostgres(#[from] crate::NoPostgres),
 }
 
 impl CommitError {
     /// Whether sending the request again may succeed.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Response(_) => false,
+            Self::Response(_) | Self::NoPostgres(_) => false,
             Self::Store(e) => e.is_retryable(),
         }
     }

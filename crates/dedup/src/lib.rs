@@ -20,6 +20,7 @@
 //!
 //! impl TxHandler for Ledger {
 //!     type Error = dedup::sqlx::Error;
+//!     type Output = Bytes;
 //!
 //!     async fn handle(
 //!         &self,
@@ -81,18 +82,18 @@ mod running;
 pub mod kafka {
     pub use crate::consumer::testing;
     pub use crate::consumer::{
-        Consumer, ConsumerBuilder, Lease, LeaseHandler, Message, Mode, Parts, Transaction,
-        TxHandler, Typed,
+        Answer, Consumer, ConsumerBuilder, Ignore, Lease, LeaseHandler, Message, Mode, OnResult,
+        Parts, Transaction, TxHandler, Typed,
     };
     pub use dedup_kafka::{
-        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, Ignore, KeySource,
-        KillSwitch, MissingKey, OnResult, Ordering, OrderingKey, Parking, RunnerError, RunnerStats,
-        StatsHandle,
+        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, KeySource, KillSwitch,
+        MissingKey, Ordering, OrderingKey, Parking, RunnerError, RunnerStats, StatsHandle,
     };
-    pub use dedup_pg::ItemResult;
 }
 
 pub use bytes::Bytes;
+/// Typed results: the codecs and their errors ([`ResultCodec`] stores a value with one).
+pub use dedup_core::typed;
 pub use dedup_core::{
     BatchConfig, BatchCounts, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey,
     InputError, InstanceId, L1Policy, Lease as LeaseRecord, LeaseContext, MemoryStore, Policy,
@@ -103,7 +104,7 @@ pub use dedup_core::{
 #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
 pub use {
     dedup_pg::{ConnectError, MigrationMode, PgStore, SchemaError},
-    engine::{BuildError, Engine, EngineBuilder, EngineStore, Tiers},
+    engine::{Authority, BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, Tiers},
     health::{ConsumerHealth, EngineStats, Health},
     running::{Shutdown, Stopped},
     sqlx,

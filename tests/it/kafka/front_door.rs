@@ -350,7 +350,7 @@ async fn a_lease_handler_runs_each_key_once_per_message_and_by_the_batch(
     }
 }
 
-fn setting_of(r: Result<impl std::fmt::Debug, BuildError>) -> &'static str {
+pub(super) fn setting_of(r: Result<impl std::fmt::Debug, BuildError>) -> &'static str {
     match r {
         Err(BuildError::Setting { setting, .. }) => setting,
         other => panic!("expected a refused setting, got {other:?}"),
@@ -390,10 +390,11 @@ async fn the_engine_builder_names_the_setting_at_fault() {
 }
 
 /// A transaction-mode handler that books nothing (the refusals never run it).
-struct Nothing;
+pub(super) struct Nothing;
 
 impl TxHandler for Nothing {
     type Error = String;
+    type Output = Bytes;
 
     async fn handle(
         &self,
@@ -404,7 +405,7 @@ impl TxHandler for Nothing {
     }
 }
 
-async fn lease_nothing(
+pub(super) async fn lease_nothing(
     _: Arc<dedup::kafka::Message>,
     _: LeaseContext,
 ) -> Result<Bytes, HandlerError<String>> {
@@ -512,58 +513,4 @@ async fn an_instance_identity_is_held_by_one_engine_and_released_at_shutdown(poo
     let second = build().await.unwrap();
     assert_eq!(second.instance().unwrap().as_str(), id);
     second.shutdown().await;
-}
-
-/// The test kit as a user drives it: an in-process cluster, messages with their keys, a handler,
-/// and the consumer's counters once every message settled.
-#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn the_test_kit_drives_a_handler_through_an_in_process_cluster(pool: PgPool) {
-    use dedup::kafka::testing::MockKafka;
-    let engine = Engine::builder()
-        .postgres(pool)
-        .scope(unique("kit"))
-        .build()
-        .await
-        .unwrap();
-    let kafka = MockKafka::new().unwrap();
-    kafka.create_topic("orders", 2).unwrap();
-    for (key, cents) in [
-        ("o-1", 100),
-        ("o-2", 250),
-        ("o-1", 100),
-        ("o-3", -1),
-        ("o-2", 250),
-    ] {
-        kafka
-            .send("orders", key, &format!(r#"{{"cents":{cents}}}"#))
-            .await
-            .unwrap();
-    }
-    let effects: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
-    let handler = {
-        let effects = effects.clone();
-        move |m: Arc<dedup::kafka::Message>, lease: LeaseContext| {
-            let effects = effects.clone();
-            async move {
-                let body: serde_json::Value = serde_json::from_slice(m.payload_bytes()).unwrap();
-                if body["cents"].as_i64().unwrap_or(0) < 0 {
-                    return Err(HandlerError::Permanent("negative amount".to_owned()));
-                }
-                let key = String::from_utf8_lossy(lease.lease().key.key_bytes()).into_owned();
-                *effects.lock().unwrap().entry(key).or_default() += 1;
-                Ok(Bytes::from_static(b"charged"))
-            }
-        }
-    };
-    let consumer = kafka.consumer(&engine, "orders").build(handler).unwrap();
-    let stats = kafka.run_until_settled(&engine, consumer, 5).await.unwrap();
-    assert_eq!(
-        (stats.executed, stats.replayed, stats.dead_lettered),
-        (2, 2, 1)
-    );
-    let effects = effects.lock().unwrap().clone();
-    assert_eq!(
-        effects.into_iter().collect::<Vec<_>>(),
-        vec![("o-1".to_owned(), 1), ("o-2".to_owned(), 1)]
-    );
 }

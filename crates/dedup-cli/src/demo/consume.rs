@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use dedup::kafka::{
-    Acquired, Batching, ConsumerBuilder, ItemResult, LeaseHandler, Message, RunnerStats,
-    StatsHandle, TxHandler,
+    Acquired, Answer, Batching, ConsumerBuilder, LeaseHandler, Message, RunnerStats, StatsHandle,
+    TxHandler,
 };
 use dedup::{Completion, Engine, HandlerError, LeaseContext, PgStore, TierStats};
 use sqlx::PgConnection;
@@ -48,7 +48,10 @@ pub(crate) fn start(
     let built = match mode {
         Mode::Tx => consumer.batching(Batching::default()).build(Ledger { run }),
         Mode::PerMessage => consumer.build(Booking {
-            pg: engine.postgres().clone(),
+            pg: engine
+                .postgres()
+                .map_err(|e| CliError::Config(e.to_string()))?
+                .clone(),
             run,
         }),
     }
@@ -146,6 +149,7 @@ struct Ledger {
 
 impl TxHandler for Ledger {
     type Error = String;
+    type Output = Bytes;
 
     /// One event: the batch path on a batch of one.
     async fn handle(
@@ -163,7 +167,7 @@ impl TxHandler for Ledger {
         &self,
         tx: &mut PgConnection,
         batch: &[Acquired],
-    ) -> Result<Vec<ItemResult<String>>, HandlerError<String>> {
+    ) -> Result<Vec<Answer<Self>>, HandlerError<String>> {
         {
             let n = batch.len();
             let (mut keys, mut accounts, mut amounts, mut tokens) = (
@@ -172,7 +176,7 @@ impl TxHandler for Ledger {
                 Vec::with_capacity(n),
                 Vec::with_capacity(n),
             );
-            let mut answers: Vec<ItemResult<String>> = Vec::with_capacity(n);
+            let mut answers: Vec<Answer<Self>> = Vec::with_capacity(n);
             for a in batch {
                 match entry(a.delivery()) {
                     Ok((key, account, amount)) => {

@@ -26,9 +26,17 @@ pub type Message = Delivery;
 /// fails is isolated from its batch neighbours (the batch runs again without it, and its writes
 /// roll back alone). Implement [`handle_batch`](Self::handle_batch) as well to write a whole batch
 /// in one statement.
+///
+/// A consumer takes a handler whose `Output` is `Bytes` (the result as stored); one whose
+/// `Output` is a value of its own is wrapped in [`Typed`](crate::kafka::Typed), which stores it
+/// with a codec.
 pub trait TxHandler: Send + Sync + 'static {
     /// The handler's own error.
     type Error: fmt::Display + Send + 'static;
+
+    /// What it returns for each message: the result to store (`Bytes`), or a value for
+    /// [`Typed`](crate::kafka::Typed) to encode.
+    type Output: Send;
 
     /// Writes one message's effect on `tx`, the batch's transaction, and returns the result to
     /// store (replayed to every duplicate). `Err(HandlerError::Retryable)` retries the message
@@ -37,7 +45,7 @@ pub trait TxHandler: Send + Sync + 'static {
         &self,
         tx: &mut PgConnection,
         message: &Acquired,
-    ) -> impl Future<Output = Result<Bytes, HandlerError<Self::Error>>> + Send;
+    ) -> impl Future<Output = Result<Self::Output, HandlerError<Self::Error>>> + Send;
 
     /// Writes the effects of a whole batch on `tx`, one answer per message, in order. The
     /// default calls [`handle`](Self::handle) for each; at the first failure it fails the call,
@@ -47,8 +55,7 @@ pub trait TxHandler: Send + Sync + 'static {
         &self,
         tx: &mut PgConnection,
         batch: &[Acquired],
-    ) -> impl Future<Output = Result<Vec<ItemResult<Self::Error>>, HandlerError<Self::Error>>> + Send
-    {
+    ) -> impl Future<Output = Result<Vec<Answer<Self>>, HandlerError<Self::Error>>> + Send {
         async move {
             let mut out = Vec::with_capacity(batch.len());
             for message in batch {
@@ -63,6 +70,9 @@ pub trait TxHandler: Send + Sync + 'static {
     }
 }
 
+/// One message's answer in [`TxHandler::handle_batch`]: its output, or its own failure.
+pub type Answer<H> = Result<<H as TxHandler>::Output, HandlerError<<H as TxHandler>::Error>>;
+
 /// A consumer whose effect is outside the engine's Postgres (an HTTP call, a payment provider,
 /// another database): **lease mode**. The message runs under a fenced lease, kept alive while the
 /// handler runs; its result is recorded after it returns. A crash between the effect and the
@@ -75,13 +85,15 @@ pub trait TxHandler: Send + Sync + 'static {
 ///
 /// A handler that writes its effect in a Postgres transaction of its own and completes the key
 /// inside it (`engine.postgres().transact(&lease, ..)`) returns that `Completion` instead of
-/// `Bytes`: then nothing is left to record after it.
+/// `Bytes`: then nothing is left to record after it. One whose `Output` is a value of its own is
+/// wrapped in [`Typed`](crate::kafka::Typed).
 pub trait LeaseHandler: Send + Sync + 'static {
     /// The handler's own error.
     type Error: fmt::Display + Send + 'static;
 
-    /// What it returns: the result to store (`Bytes`), or a `Completion`.
-    type Output: Into<Completion> + Send;
+    /// What it returns: the result to store (`Bytes`), a `Completion`, or a value for
+    /// [`Typed`](crate::kafka::Typed) to encode.
+    type Output: Send;
 
     /// Makes one message's effect and returns the result to store (replayed to every duplicate).
     fn handle(
@@ -121,7 +133,7 @@ impl<F, Fut, T, E> LeaseHandler for F
 where
     F: Fn(Arc<Message>, LeaseContext) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
-    T: Into<Completion> + Send,
+    T: Send,
     E: fmt::Display + Send + 'static,
 {
     type Error = E;
@@ -140,7 +152,7 @@ where
 #[derive(Debug)]
 pub(crate) struct Transactional<H>(pub(crate) H);
 
-impl<H: TxHandler> BatchHandler for Transactional<H> {
+impl<H: TxHandler<Output: Into<Bytes>>> BatchHandler for Transactional<H> {
     type Error = H::Error;
 
     fn handle<'c>(
@@ -148,7 +160,13 @@ impl<H: TxHandler> BatchHandler for Transactional<H> {
         tx: &'c mut PgConnection,
         batch: &'c [Acquired],
     ) -> BatchBody<'c, Self::Error> {
-        Box::pin(self.0.handle_batch(tx, batch))
+        Box::pin(async move {
+            let answers = self.0.handle_batch(tx, batch).await?;
+            Ok(answers
+                .into_iter()
+                .map(|a| a.map(Into::into))
+                .collect::<Vec<ItemResult<H::Error>>>())
+        })
     }
 }
 
@@ -156,7 +174,7 @@ impl<H: TxHandler> BatchHandler for Transactional<H> {
 #[derive(Debug)]
 pub(crate) struct Leased<H>(pub(crate) H);
 
-impl<H: LeaseHandler> Handler for Leased<H> {
+impl<H: LeaseHandler<Output: Into<Completion>>> Handler for Leased<H> {
     type Error = H::Error;
 
     async fn handle(

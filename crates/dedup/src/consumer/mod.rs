@@ -19,8 +19,8 @@ mod handler;
 pub mod testing;
 mod typed;
 
-pub use handler::{LeaseHandler, Message, TxHandler};
-pub use typed::Typed;
+pub use handler::{Answer, LeaseHandler, Message, TxHandler};
+pub use typed::{Ignore, OnResult, Typed};
 
 use std::fmt;
 use std::future::Future;
@@ -29,7 +29,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::time::Duration;
 
-use dedup_core::Policy;
+use bytes::Bytes;
+use dedup_core::{Completion, Policy};
 use dedup_kafka::{
     Backoff, Batching, KeySource, KillSwitch, LeaseRunner, MissingKey, Ordering, OrderingKey,
     Parking, Runner, RunnerConfig, RunnerError, RunnerStats, StatsHandle, TxRunner,
@@ -327,7 +328,7 @@ pub enum Transaction {}
 #[derive(Debug)]
 pub enum Lease {}
 
-impl<H: TxHandler> Mode<Transaction> for H {
+impl<H: TxHandler<Output: Into<Bytes>>> Mode<Transaction> for H {
     fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
         let who = (p.engine.clone(), p.config.group_id.clone());
         if p.parking.is_some() {
@@ -337,10 +338,17 @@ impl<H: TxHandler> Mode<Transaction> for H {
                  dead-lettered); parking needs a LeaseHandler without batching",
             ));
         }
+        let Ok(pg) = p.engine.postgres() else {
+            return Err(BuildError::setting(
+                "in_memory",
+                "transaction mode writes its effects in Postgres: an in-memory engine runs \
+                 LeaseHandlers only",
+            ));
+        };
         let mut runner = TxRunner::new(
             p.config,
             p.batching.unwrap_or_default(),
-            p.engine.postgres().clone(),
+            pg.clone(),
             Transactional(self),
         )
         .map_err(runner_error)?
@@ -360,7 +368,7 @@ impl<H: TxHandler> Mode<Transaction> for H {
     }
 }
 
-impl<H: LeaseHandler> Mode<Lease> for H {
+impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
     fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
         let who = (p.engine.clone(), p.config.group_id.clone());
         if p.offsets_in_transaction.is_some() {
@@ -378,7 +386,14 @@ impl<H: LeaseHandler> Mode<Lease> for H {
             ));
         }
         let dedup = Arc::new(p.engine.member_dedup(p.policy, p.owner_prefix)?);
-        let pg = p.engine.postgres().clone();
+        // An in-memory engine has no table for dead letters: they go to the topic only.
+        let pg = p.engine.postgres().ok().cloned();
+        if pg.is_none() && p.parking.is_some() {
+            return Err(BuildError::setting(
+                "parking",
+                "parked keys are kept in Postgres: an in-memory engine does not park",
+            ));
+        }
         let handler = Leased(self);
         match (p.batching, p.parking) {
             (Some(_), Some(_)) => Err(BuildError::setting(
@@ -386,19 +401,22 @@ impl<H: LeaseHandler> Mode<Lease> for H {
                 "parking runs in per-message lease mode: drop `batching` or `parking`",
             )),
             (Some(batching), None) => {
-                let runner = LeaseRunner::new(p.config, batching, dedup, handler)
-                    .map_err(runner_error)?
-                    .with_dead_letter_table(pg);
+                let mut runner =
+                    LeaseRunner::new(p.config, batching, dedup, handler).map_err(runner_error)?;
+                if let Some(pg) = pg {
+                    runner = runner.with_dead_letter_table(pg);
+                }
                 let stats = runner.stats();
                 Ok(Consumer::new(who, stats, move |stop| {
                     Box::pin(async move { runner.run(stop).await })
                 }))
             }
             (None, parking) => {
-                let mut runner = Runner::new(p.config, dedup, handler)
-                    .map_err(runner_error)?
-                    .with_dead_letter_table(pg.clone());
-                if let Some(parking) = parking {
+                let mut runner = Runner::new(p.config, dedup, handler).map_err(runner_error)?;
+                if let Some(pg) = pg.clone() {
+                    runner = runner.with_dead_letter_table(pg);
+                }
+                if let (Some(parking), Some(pg)) = (parking, pg) {
                     runner = runner
                         .with_parking(pg, parking)
                         .map_err(|e| BuildError::setting("parking", e))?;

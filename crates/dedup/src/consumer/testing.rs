@@ -16,14 +16,18 @@ use crate::engine::Engine;
 
 /// A one-broker Kafka cluster in this process, for tests: topics, messages carrying an
 /// idempotency key, and consumers already pointed at it. Not `Send` (librdkafka's mock is not):
-/// keep it in the test's own task.
+/// keep it in the test's own task. With an engine built
+/// [`in_memory`](crate::EngineBuilder::in_memory), a lease-mode handler's test needs no server
+/// at all; with one on Postgres, it runs against the real store.
 ///
-/// ```no_run
-/// # async fn t(engine: dedup::Engine) -> Result<(), Box<dyn std::error::Error>> {
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::sync::Arc;
 /// use dedup::kafka::{Message, testing::MockKafka};
-/// use dedup::{Bytes, HandlerError, LeaseContext};
+/// use dedup::{Bytes, Engine, HandlerError, LeaseContext};
 ///
+/// let engine = Engine::builder().in_memory().scope("test").build().await?;
 /// let kafka = MockKafka::new()?;
 /// kafka.create_topic("orders", 2)?;
 /// kafka.send("orders", "order-1", r#"{"cents":1250}"#).await?;

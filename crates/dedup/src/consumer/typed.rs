@@ -1,24 +1,27 @@
-//! [`Typed`]: a lease handler that returns a value instead of bytes.
+//! [`Typed`]: any handler, returning a value instead of bytes.
 
 use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use dedup_core::typed::{Codec, CodecError, ResultCodec, TypedError};
 use dedup_core::{HandlerError, LeaseContext, Processed, TypedProcessed};
-use dedup_kafka::{Ignore, OnResult};
+use dedup_kafka::Acquired;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sqlx::postgres::PgConnection;
 
-use super::{LeaseHandler, Message};
+use super::{LeaseHandler, Message, TxHandler};
 
-/// A [`LeaseHandler`] whose closure returns a `T`, stored with a [`ResultCodec`].
+/// Wraps a handler whose `Output` is a value `T` (any [`TxHandler`] or [`LeaseHandler`], a
+/// closure included), and stores that value with a [`ResultCodec`] (a tag naming the type and
+/// its version, serde underneath). The wrapped handler is a handler of the same mode.
 ///
-/// Every keyed message's result, fresh or replayed, is decoded before the message settles and
-/// handed to [`on_result`](Self::on_result) (to send a reply, say). A stored result that no
-/// longer decodes (the type or its tag changed between deployments) dead-letters the message
-/// with the reason; the handler does not run again.
+/// In lease mode every keyed message's result, fresh or replayed, is decoded before the message
+/// settles and handed to [`on_result`](Self::on_result) (to send a reply, say). A stored result
+/// that no longer decodes (the type or its tag changed between deployments) dead-letters the
+/// message with the reason; the handler does not run again. A value the codec cannot write fails
+/// its key permanently (its effect ran: it is not run again), in either mode.
 ///
 /// ```no_run
 /// # use std::sync::Arc;
@@ -45,6 +48,31 @@ pub struct Typed<T, C, H, R = Ignore> {
     on_result: R,
 }
 
+/// The default [`Typed::on_result`]: does nothing with the value.
+#[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
+pub struct Ignore;
+
+/// What [`Typed`] calls with each decoded result (lease mode). Any
+/// `Fn(&Message, &TypedProcessed<T>)` is one.
+pub trait OnResult<T>: Send + Sync + 'static {
+    /// Called once per settled keyed message, fresh or replayed.
+    fn call(&self, message: &Message, result: &TypedProcessed<T>);
+}
+
+impl<T> OnResult<T> for Ignore {
+    fn call(&self, _: &Message, _: &TypedProcessed<T>) {}
+}
+
+impl<T, F> OnResult<T> for F
+where
+    F: Fn(&Message, &TypedProcessed<T>) + Send + Sync + 'static,
+{
+    fn call(&self, message: &Message, result: &TypedProcessed<T>) {
+        self(message, result);
+    }
+}
+
 impl<T, C: fmt::Debug, H, R> fmt::Debug for Typed<T, C, H, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Typed")
@@ -59,13 +87,15 @@ impl<T, C, H> Typed<T, C, H, Ignore> {
         Self {
             codec,
             handler,
-            on_result: Ignore::default(),
+            on_result: Ignore,
         }
     }
 }
 
 impl<T, C, H, R> Typed<T, C, H, R> {
-    /// Calls `f` with every keyed message's decoded result before the message settles.
+    /// Calls `f` with every keyed message's decoded result before the message settles (lease
+    /// mode: a transaction-mode consumer hands no result back, so a `Typed` with `on_result` is
+    /// not a [`TxHandler`]).
     pub fn on_result<R2: OnResult<T>>(self, f: R2) -> Typed<T, C, H, R2> {
         Typed {
             codec: self.codec,
@@ -75,35 +105,91 @@ impl<T, C, H, R> Typed<T, C, H, R> {
     }
 }
 
-impl<T, C, H, R, Fut, E> LeaseHandler for Typed<T, C, H, R>
+impl<T: Serialize + DeserializeOwned, C: Codec, H, R> Typed<T, C, H, R> {
+    fn encode<E>(&self, value: &T) -> Result<Bytes, HandlerError<TypedError<E>>> {
+        self.codec
+            .encode_checked(value)
+            .map_err(|e| HandlerError::Permanent(TypedError::Encode(e)))
+    }
+}
+
+impl<T, C, H, R> LeaseHandler for Typed<T, C, H, R>
 where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     C: Codec,
-    H: Fn(Arc<Message>, LeaseContext) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
-    E: fmt::Display + Send + 'static,
+    H: LeaseHandler<Output = T>,
     R: OnResult<T>,
 {
-    type Error = TypedError<E>;
+    type Error = TypedError<H::Error>;
     type Output = Bytes;
 
-    fn handle(
+    async fn handle(
         &self,
         message: Arc<Message>,
         lease: LeaseContext,
-    ) -> impl Future<Output = Result<Bytes, HandlerError<TypedError<E>>>> + Send {
-        let call = (self.handler)(message, lease);
-        async move {
-            let value = call.await.map_err(|e| e.map_err(TypedError::Handler))?;
-            self.codec
-                .encode_checked(&value)
-                .map_err(|e| HandlerError::Permanent(TypedError::Encode(e)))
-        }
+    ) -> Result<Bytes, HandlerError<Self::Error>> {
+        let value = self
+            .handler
+            .handle(message, lease)
+            .await
+            .map_err(|e| e.map_err(TypedError::Handler))?;
+        self.encode(&value)
+    }
+
+    const RUNS_KEYLESS: bool = H::RUNS_KEYLESS;
+
+    async fn handle_keyless(&self, message: Arc<Message>) -> Result<(), HandlerError<Self::Error>> {
+        self.handler
+            .handle_keyless(message)
+            .await
+            .map_err(|e| e.map_err(TypedError::Handler))
     }
 
     fn check_result(&self, message: &Message, processed: &Processed) -> Result<(), CodecError> {
         let result = TypedProcessed::decode(&self.codec, processed)?;
         self.on_result.call(message, &result);
         Ok(())
+    }
+}
+
+impl<T, C, H> TxHandler for Typed<T, C, H, Ignore>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: Codec,
+    H: TxHandler<Output = T>,
+{
+    type Error = TypedError<H::Error>;
+    type Output = Bytes;
+
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        message: &Acquired,
+    ) -> Result<Bytes, HandlerError<Self::Error>> {
+        let value = self
+            .handler
+            .handle(tx, message)
+            .await
+            .map_err(|e| e.map_err(TypedError::Handler))?;
+        self.encode(&value)
+    }
+
+    async fn handle_batch(
+        &self,
+        tx: &mut PgConnection,
+        batch: &[Acquired],
+    ) -> Result<Vec<Result<Bytes, HandlerError<Self::Error>>>, HandlerError<Self::Error>> {
+        let values = self
+            .handler
+            .handle_batch(tx, batch)
+            .await
+            .map_err(|e| e.map_err(TypedError::Handler))?;
+        Ok(values
+            .into_iter()
+            .map(|v| match v {
+                Ok(value) => self.encode(&value),
+                Err(e) => Err(e.map_err(TypedError::Handler)),
+            })
+            .collect())
     }
 }

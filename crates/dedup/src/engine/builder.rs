@@ -14,14 +14,19 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tracing::{info, warn};
 
-use super::{BuildError, Engine, FastTier, Inner};
+use super::{Authority, BuildError, Engine, FastTier, Inner};
 use crate::running::Running;
 
 /// Where Postgres is.
 #[derive(Debug)]
 enum Postgres {
     Pool(PgPool),
-    Url { url: String, max_connections: u32 },
+    Url {
+        url: String,
+        max_connections: u32,
+    },
+    /// No Postgres: the in-memory reference store.
+    Memory,
 }
 
 /// Where Redis is.
@@ -101,6 +106,37 @@ impl EngineBuilder {
             url: url.into(),
             max_connections,
         });
+        self
+    }
+
+    /// No Postgres: the engine keeps its records in this process's memory (dedup's reference
+    /// store, which the conformance suite holds every store to). For tests of code built on
+    /// dedup: lease-mode handlers (with [`MockKafka`](crate::kafka::testing::MockKafka)), HTTP
+    /// routes, `engine.dedup().process(..)`. Nothing is durable and nothing is shared between
+    /// processes, so transaction mode, parking, dead letters kept in a table, the transactional
+    /// HTTP path and a fast path (Redis) are refused by name, and `pool()` answers
+    /// [`NoPostgres`](crate::NoPostgres).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use dedup::{Completion, HandlerError, IdempotencyKey};
+    ///
+    /// let engine = dedup::Engine::builder().in_memory().scope("test").build().await?;
+    /// let key = IdempotencyKey::new(engine.scope().clone(), "order-1")?;
+    /// for delivery in 0..2 {
+    ///     let done = engine
+    ///         .dedup()
+    ///         .process(&key, None, |_lease| async {
+    ///             Ok::<_, HandlerError<std::io::Error>>(Completion::store("done"))
+    ///         })
+    ///         .await?;
+    ///     assert_eq!(done.executed(), delivery == 0);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn in_memory(mut self) -> Self {
+        self.postgres = Some(Postgres::Memory);
         self
     }
 
@@ -212,7 +248,18 @@ impl EngineBuilder {
         }
         let pool = match self.postgres {
             None => return Err(BuildError::setting("postgres", "no Postgres given")),
-            Some(Postgres::Pool(pool)) => pool,
+            Some(Postgres::Memory) => {
+                #[cfg(feature = "redis")]
+                if self.redis.is_some() {
+                    return Err(BuildError::setting(
+                        "in_memory",
+                        "an in-memory engine takes no fast path: Redis would keep results the \
+                         memory does not",
+                    ));
+                }
+                None
+            }
+            Some(Postgres::Pool(pool)) => Some(pool),
             Some(Postgres::Url {
                 url,
                 max_connections,
@@ -226,11 +273,13 @@ impl EngineBuilder {
                 let options = PgPoolOptions::new()
                     .max_connections(max_connections)
                     .acquire_timeout(Duration::from_secs(5));
-                dedup_pg::connect(&url, options).await?
+                Some(dedup_pg::connect(&url, options).await?)
             }
         };
-        let status = dedup_pg::prepare(&pool, self.migrations).await?;
-        info!(?status, "dedup schema ready");
+        if let Some(pool) = &pool {
+            let status = dedup_pg::prepare(pool, self.migrations).await?;
+            info!(?status, "dedup schema ready");
+        }
         let fast = fast_path(
             #[cfg(feature = "redis")]
             self.redis,
@@ -238,15 +287,18 @@ impl EngineBuilder {
             &self.redis_prefix,
         )
         .await?;
-        let pg = PgStore::new(pool);
+        let pg = pool.map(PgStore::new);
+        let authority = pg
+            .clone()
+            .map_or_else(Authority::memory, Authority::postgres);
         let tiers =
-            Arc::new(TieredStore::new(pg.clone(), fast, self.tiers).with_background_backfill());
+            Arc::new(TieredStore::new(authority, fast, self.tiers).with_background_backfill());
         let store = Arc::new(Batched::new(tiers.clone(), self.group_commit));
         let owner_prefix = match &instance {
             Some(id) => format!("{}{}", id.owner_prefix(), incarnation()),
             None => format!("pid{}", incarnation()),
         };
-        if let Some(id) = &instance {
+        if let (Some(id), Some(_)) = (&instance, &pg) {
             // Every owner id of this incarnation starts with `<prefix>.`: the others are earlier
             // incarnations', whose live leases end now.
             match tiers.adopt(id, &format!("{owner_prefix}.")).await {
@@ -269,7 +321,7 @@ impl EngineBuilder {
                     });
                 }
             }
-        } else {
+        } else if pg.is_some() {
             warn!(
                 "no instance identity: a process killed mid-effect leaves its keys held until \
                  their leases end"

@@ -3,11 +3,13 @@
 //! the default policy, the dedup scope and the instance identity. Consumers and HTTP layers are
 //! built from it and share all of that.
 
+mod authority;
 mod builder;
 mod error;
 #[cfg(feature = "redis")]
 mod fast;
 
+pub use authority::{Authority, NoPostgres};
 pub use builder::EngineBuilder;
 pub use error::BuildError;
 #[cfg(feature = "redis")]
@@ -32,8 +34,8 @@ pub(crate) type FastTier = Fast;
 #[cfg(not(feature = "redis"))]
 pub(crate) type FastTier = dedup_core::NoFastPath;
 
-/// The engine's tiered store: L1, the fast path, Postgres.
-pub type Tiers = TieredStore<PgStore, FastTier>;
+/// The engine's tiered store: L1, the fast path, the authority (Postgres).
+pub type Tiers = TieredStore<Authority, FastTier>;
 
 /// The store everything built from the engine claims through: the tiers, with concurrent claims
 /// and completions sent to Postgres in batches (group commit).
@@ -46,7 +48,8 @@ pub struct Engine {
 }
 
 struct Inner {
-    pg: PgStore,
+    /// `None` in an in-memory engine.
+    pg: Option<PgStore>,
     tiers: Arc<Tiers>,
     store: Arc<EngineStore>,
     dedup: Arc<Dedup<Arc<EngineStore>>>,
@@ -109,14 +112,26 @@ impl Engine {
         self.inner.policy
     }
 
-    /// The Postgres store (the authority): its pool is `postgres().pool()`.
-    pub fn postgres(&self) -> &PgStore {
-        &self.inner.pg
+    /// The Postgres store (the authority): its pool is `postgres()?.pool()`.
+    ///
+    /// # Errors
+    /// [`NoPostgres`] from an engine built [`in_memory`](EngineBuilder::in_memory).
+    pub fn postgres(&self) -> Result<&PgStore, NoPostgres> {
+        self.inner.pg.as_ref().ok_or(NoPostgres)
     }
 
     /// The pool the engine uses: the one to write effects with in transaction mode.
-    pub fn pool(&self) -> &sqlx::PgPool {
-        self.inner.pg.pool()
+    ///
+    /// # Errors
+    /// [`NoPostgres`] from an engine built [`in_memory`](EngineBuilder::in_memory).
+    pub fn pool(&self) -> Result<&sqlx::PgPool, NoPostgres> {
+        self.postgres().map(PgStore::pool)
+    }
+
+    /// Whether the engine keeps its records in this process's memory (built
+    /// [`in_memory`](EngineBuilder::in_memory), for tests) rather than in Postgres.
+    pub fn is_in_memory(&self) -> bool {
+        self.inner.pg.is_none()
     }
 
     /// The engine's own `Dedup`, for work that is neither a consumer nor a request
@@ -170,7 +185,9 @@ impl Engine {
                 layer.drain().await;
             }
         }
-        if self.inner.pg.release_identity().await {
+        if let Some(pg) = &self.inner.pg
+            && pg.release_identity().await
+        {
             tracing::info!("engine shut down; instance identity released");
         }
     }
