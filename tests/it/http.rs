@@ -16,14 +16,14 @@ use axum::Router;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use dedup_http::{
-    BODY_NOT_STORED, IdempotencyConfig, IdempotencyLayer, InFlight, REPLAYED, StoreResponses,
-};
+use dedup::Engine;
+use dedup::http_layer::EngineLayer;
+use dedup_http::{BODY_NOT_STORED, IdempotencyConfig, InFlight, REPLAYED, StoreResponses};
 use reqwest::Client;
 use sqlx::PgPool;
 use tokio::time::{Instant, sleep};
 
-use crate::support::{RedisServer, tiered, until, url_of};
+use crate::support::{RedisServer, test_config, until, url_of};
 
 /// Serves `router` on a free loopback port; the base URL.
 async fn serve(router: Router) -> String {
@@ -63,12 +63,18 @@ fn orders(runs: Arc<AtomicU32>, hold: Duration) -> Router {
         .route("/orders", get(|| async { "listed" }))
 }
 
-async fn layer(
-    pool: &PgPool,
-    redis: &RedisServer,
-    config: IdempotencyConfig,
-) -> IdempotencyLayer<crate::support::Tiered> {
-    IdempotencyLayer::new(tiered(pool.clone(), redis).await, config).unwrap()
+/// A layer built from an engine of its own (L1, the test's Redis, Postgres), as a service
+/// builds it; two calls are two instances sharing Redis and Postgres.
+async fn layer(pool: &PgPool, redis: &RedisServer, config: IdempotencyConfig) -> EngineLayer {
+    let engine = Engine::builder()
+        .postgres(pool.clone())
+        .redis_url(redis.url())
+        .tiers(test_config())
+        .scope("orders")
+        .build()
+        .await
+        .unwrap();
+    engine.http_layer(config).unwrap()
 }
 
 async fn post_key(
@@ -677,4 +683,11 @@ async fn keys_are_scoped_by_route_template_and_tenant(pool: PgPool) {
     assert!(b.contains("tenant-unknown"), "{b}");
     assert!(is_problem(&h));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+    // Built from an engine of scope `orders`, the layer's keys live in `orders/http`: apart from
+    // other services' and from the engine's consumers' event keys.
+    let scopes: Vec<String> = sqlx::query_scalar("SELECT DISTINCT scope FROM dedup_records")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(scopes, vec!["orders/http".to_owned()]);
 }

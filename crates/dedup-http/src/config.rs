@@ -86,6 +86,8 @@ const NEVER_STORED: [&str; 14] = [
 pub struct IdempotencyConfig {
     pub(crate) header: HeaderName,
     pub(crate) scope: Scope,
+    /// Whether [`with_scope`](IdempotencyConfig::with_scope) set it.
+    scope_set: bool,
     pub(crate) methods: Vec<Method>,
     pub(crate) required: bool,
     pub(crate) max_request_bytes: usize,
@@ -121,6 +123,7 @@ impl Default for IdempotencyConfig {
             header: HeaderName::from_static("idempotency-key"),
             // A constant, valid by construction.
             scope: Scope::new("http").unwrap_or_else(|_| unreachable!()),
+            scope_set: false,
             methods: vec![Method::POST, Method::PATCH],
             required: true,
             max_request_bytes: 1024 * 1024,
@@ -159,11 +162,18 @@ impl IdempotencyConfig {
         self
     }
 
-    /// The scope every key of this layer lives in (default `http`): two layers with different
-    /// scopes never share keys.
+    /// The scope every key of this layer lives in: two layers with different scopes never share
+    /// keys. Default: built from an engine (`dedup::Engine::http_layer`), `<engine scope>/http`;
+    /// otherwise `http`.
     pub fn with_scope(mut self, scope: Scope) -> Self {
+        self.scope_set = true;
         self.scope = scope;
         self
+    }
+
+    /// The scope [`with_scope`](Self::with_scope) set, if it was set.
+    pub fn scope(&self) -> Option<&Scope> {
+        self.scope_set.then_some(&self.scope)
     }
 
     /// The methods the layer applies to (default POST and PATCH, the draft's non-idempotent

@@ -1,5 +1,10 @@
 //! An `Idempotency-Key` layer for HTTP services (tower: axum, hyper), on dedup's engine.
 //!
+//! Build it from the engine: `dedup::Engine::http_layer` (the `dedup` crate, feature `http`;
+//! its `examples/orders.rs` is an axum service with a route of each kind). This crate is the
+//! layer itself: [`IdempotencyLayer::on`] puts it on any `Dedup`, as the example below does on
+//! the in-memory store.
+//!
 //! Per the IETF draft (draft-ietf-httpapi-idempotency-key-header-07) and what Stripe does: the
 //! first request with a key runs; its response (status, an allowlist of headers, the body) is
 //! stored and replayed to every retry, marked `Idempotent-Replayed: true`.
@@ -40,7 +45,7 @@
 //! # With axum
 //! ```no_run
 //! use axum::{Router, routing::post};
-//! use dedup_core::MemoryStore;
+//! use dedup_core::{Dedup, MemoryStore};
 //! use dedup_http::{IdempotencyConfig, IdempotencyLayer};
 //!
 //! # fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -51,7 +56,7 @@
 //! });
 //! let app: Router = Router::new()
 //!     .route("/orders", post(|body: String| async move { format!("created {body}") }))
-//!     .route_layer(IdempotencyLayer::new(MemoryStore::new(), config)?);
+//!     .route_layer(IdempotencyLayer::on(Dedup::new(MemoryStore::new()), config)?);
 //! # Ok(()) }
 //! ```
 //! With hyper alone, map the request body into one that is `From<Bytes>` (`Full<Bytes>`, say)

@@ -7,9 +7,8 @@
 //! (key, lease) in the request's extensions. The first caller always gets the handler's own
 //! response; a retry gets the stored one. Response extensions: `Committed` (the handler completed
 //! the key in its own transaction) and `DoNotStore`. `IdempotencyLayer::drain` waits for the
-//! spawned requests at shutdown. `IdempotencyLayer::new` keeps the default owner prefix (pid and
-//! start time), so instances never share an owner id; `IdempotencyLayer::on` takes a `Dedup`
-//! with its own (the facade's `Engine::http_layer` uses it).
+//! spawned requests at shutdown. `IdempotencyLayer::on` takes a `Dedup` (its store and owner
+//! ids); the facade's `Engine::http_layer` builds it on the engine.
 
 use std::fmt;
 use std::future::Future;
@@ -97,15 +96,6 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyLayer<S> {
 }
 
 impl<S: Store> IdempotencyLayer<S> {
-    /// A layer over `store` with `config`.
-    ///
-    /// # Errors
-    /// A policy or wait the engine refuses.
-    pub fn new(store: S, config: IdempotencyConfig) -> Result<Self, InputError> {
-        // The default owner prefix (pid and start time) keeps owners unique across instances.
-        Self::on(Dedup::new(store), config)
-    }
-
     /// A layer on `dedup` (its store and owner ids; the policy and the in-flight wait are
     /// `config`'s).
     ///

@@ -25,9 +25,18 @@ impl Engine {
     /// included (a running request's lease, how long responses are kept). [`Engine::shutdown`]
     /// waits for the requests it started.
     ///
+    /// Its keys live in `<engine scope>/http` unless `config` sets a scope: apart from other
+    /// services' (each engine has its own scope) and from the consumers' event keys (a client's
+    /// key never meets an event's).
+    ///
     /// # Errors
-    /// A policy or in-flight wait that cannot work.
-    pub fn http_layer(&self, config: IdempotencyConfig) -> Result<EngineLayer, BuildError> {
+    /// A policy or in-flight wait that cannot work; an engine scope too long to add `/http` to.
+    pub fn http_layer(&self, mut config: IdempotencyConfig) -> Result<EngineLayer, BuildError> {
+        if config.scope().is_none() {
+            let scope = dedup_core::Scope::new(format!("{}/http", self.scope().as_str()))
+                .map_err(|e| BuildError::setting("scope", format!("<scope>/http: {e}")))?;
+            config = config.with_scope(scope);
+        }
         let member = self.member(None);
         let dedup = self.member_dedup(self.policy(), member.owner_prefix)?;
         let layer = IdempotencyLayer::on(dedup, config)
