@@ -42,6 +42,7 @@ fn owned() -> Vec<(String, i32)> {
 /// Heads due now: (offset, key).
 async fn heads(store: &PgStore) -> Vec<(i64, String)> {
     store
+        .parked()
         .due_heads("g", &owned(), 100)
         .await
         .unwrap()
@@ -58,12 +59,13 @@ async fn heads(store: &PgStore) -> Vec<(i64, String)> {
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_message_is_parked_once_and_read_back_whole(pool: PgPool) {
     let store = PgStore::new(pool);
-    let (epoch, keys) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (epoch, keys) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     assert_eq!(epoch, ParkEpoch(1));
     assert!(keys.is_empty());
     let m = msg(7, "acct-1", "down");
     assert_eq!(
         store
+            .parked()
             .park(&part(), epoch, &m, Duration::ZERO)
             .await
             .unwrap(),
@@ -72,18 +74,20 @@ async fn a_message_is_parked_once_and_read_back_whole(pool: PgPool) {
     // A replay after a crash parks nothing twice.
     assert_eq!(
         store
+            .parked()
             .park(&part(), epoch, &m, Duration::ZERO)
             .await
             .unwrap(),
         ParkOutcome::AlreadyParked
     );
-    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let got = store.parked().due_heads("g", &owned(), 10).await.unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].message, m);
     assert_eq!((got[0].topic.as_str(), got[0].partition), ("orders", 0));
     // Another group, another partition: nothing.
     assert!(
         store
+            .parked()
             .due_heads("other", &owned(), 10)
             .await
             .unwrap()
@@ -91,13 +95,14 @@ async fn a_message_is_parked_once_and_read_back_whole(pool: PgPool) {
     );
     assert!(
         store
+            .parked()
             .due_heads("g", &[("orders".to_owned(), 1)], 10)
             .await
             .unwrap()
             .is_empty()
     );
     // A new owner's barrier counts it.
-    let (epoch2, keys) = store.acquire_parked(&part(), "b#1").await.unwrap();
+    let (epoch2, keys) = store.parked().acquire_parked(&part(), "b#1").await.unwrap();
     assert_eq!(epoch2, ParkEpoch(2));
     assert_eq!(keys, HashMap::from([(Some(b"acct-1".to_vec()), 1)]));
 }
@@ -105,20 +110,22 @@ async fn a_message_is_parked_once_and_read_back_whole(pool: PgPool) {
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgPool) {
     let store = PgStore::new(pool);
-    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     // acct-1: 3, 5, 9 (parked behind the head); acct-2: 4; keyless: 6.
     for (offset, key) in [(3, "acct-1"), (4, "acct-2"), (5, "acct-1"), (9, "acct-1")] {
         store
+            .parked()
             .park(&part(), e, &msg(offset, key, "down"), Duration::ZERO)
             .await
             .unwrap();
     }
     let keyless = ParkedMessage::new(6, None, "down", 1);
     store
+        .parked()
         .park(&part(), e, &keyless, Duration::ZERO)
         .await
         .unwrap();
-    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let got = store.parked().due_heads("g", &owned(), 10).await.unwrap();
     let offsets: Vec<i64> = got.iter().map(|h| h.message.offset).collect();
     assert_eq!(offsets, vec![3, 4, 6]);
     assert_eq!(got[2].message.ordering_key, None);
@@ -126,6 +133,7 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     // The head fails again: not due until its backoff passes; the other keys are.
     assert!(
         store
+            .parked()
             .defer_head(&part(), e, 3, "still down", 4, Duration::from_secs(3600))
             .await
             .unwrap()
@@ -133,10 +141,15 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     assert_eq!(heads_offsets(&store).await, vec![4, 6]);
     // The keyless queue is an operator's to release too.
     assert_eq!(
-        store.unpark("g", None, &ParkedFilter::all()).await.unwrap(),
+        store
+            .parked()
+            .unpark("g", None, &ParkedFilter::all())
+            .await
+            .unwrap(),
         1
     );
     let summary = store
+        .parked()
         .parked_summary("g", &ParkedFilter::all())
         .await
         .unwrap();
@@ -157,6 +170,7 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     // An operator makes it due now; it runs and settles; the next of the key is the head.
     assert_eq!(
         store
+            .parked()
             .unpark("g", Some(b"acct-1"), &ParkedFilter::all())
             .await
             .unwrap(),
@@ -164,6 +178,7 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     );
     assert_eq!(
         store
+            .parked()
             .take_head(&part(), e, 3, Duration::from_secs(60))
             .await
             .unwrap(),
@@ -172,22 +187,34 @@ async fn each_key_runs_its_head_in_offset_order_and_is_free_when_empty(pool: PgP
     // Taken: not picked again while it runs.
     assert_eq!(heads_offsets(&store).await, vec![4, 6]);
     assert_eq!(
-        store.settle_head(&part(), e, 3, false).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), e, 3, false)
+            .await
+            .unwrap(),
         HeadSettled::Removed
     );
     assert_eq!(
-        store.settle_head(&part(), e, 3, false).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), e, 3, false)
+            .await
+            .unwrap(),
         HeadSettled::Gone
     );
     assert_eq!(heads_offsets(&store).await, vec![4, 5, 6]);
     for o in [5, 9, 4, 6] {
         assert_eq!(
-            store.settle_head(&part(), e, o, false).await.unwrap(),
+            store
+                .parked()
+                .settle_head(&part(), e, o, false)
+                .await
+                .unwrap(),
             HeadSettled::Removed
         );
     }
     assert!(heads(&store).await.is_empty());
-    let (_, keys) = store.acquire_parked(&part(), "a#2").await.unwrap();
+    let (_, keys) = store.parked().acquire_parked(&part(), "a#2").await.unwrap();
     assert!(keys.is_empty(), "every key is free: {keys:?}");
 }
 
@@ -200,8 +227,9 @@ async fn heads_offsets(store: &PgStore) -> Vec<i64> {
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
     let store = PgStore::new(pool);
-    let (old, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (old, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     store
+        .parked()
         .park(&part(), old, &msg(1, "acct-1", "down"), Duration::ZERO)
         .await
         .unwrap();
@@ -209,13 +237,14 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
     // the run's bound, a new owner does at once.
     assert_eq!(
         store
+            .parked()
             .take_head(&part(), old, 1, Duration::from_secs(600))
             .await
             .unwrap(),
         HeadTaken::Taken
     );
     assert!(heads(&store).await.is_empty());
-    let (new, keys) = store.acquire_parked(&part(), "b#1").await.unwrap();
+    let (new, keys) = store.parked().acquire_parked(&part(), "b#1").await.unwrap();
     assert!(new > old);
     assert_eq!(keys.len(), 1);
     assert_eq!(heads_offsets(&store).await, vec![1]);
@@ -223,6 +252,7 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
     // owner is not fenced out by a late bump.
     assert!(
         store
+            .parked()
             .acquire_parked_while(&part(), "a#late", &|| false)
             .await
             .unwrap()
@@ -231,6 +261,7 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
 
     assert_eq!(
         store
+            .parked()
             .park(&part(), old, &msg(2, "acct-1", "down"), Duration::ZERO)
             .await
             .unwrap(),
@@ -238,6 +269,7 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
     );
     assert_eq!(
         store
+            .parked()
             .take_head(&part(), old, 1, Duration::from_secs(60))
             .await
             .unwrap(),
@@ -245,27 +277,37 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
     );
     assert!(
         !store
+            .parked()
             .defer_head(&part(), old, 1, "late", 9, Duration::from_secs(60))
             .await
             .unwrap()
     );
     assert_eq!(
-        store.settle_head(&part(), old, 1, true).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), old, 1, true)
+            .await
+            .unwrap(),
         HeadSettled::Fenced
     );
     // Untouched: still due, attempts as parked, and only the one message.
-    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let got = store.parked().due_heads("g", &owned(), 10).await.unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].message, msg(1, "acct-1", "down"));
     // The new owner drives it.
     assert_eq!(
-        store.settle_head(&part(), new, 1, false).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), new, 1, false)
+            .await
+            .unwrap(),
         HeadSettled::Removed
     );
     // A partition never owned fences everyone.
     let other = ParkedPartition::new("g", "orders", 5);
     assert_eq!(
         store
+            .parked()
             .park(&other, new, &msg(1, "acct-1", "down"), Duration::ZERO)
             .await
             .unwrap(),
@@ -279,9 +321,10 @@ async fn a_revoked_owner_can_neither_park_nor_drive(pool: PgPool) {
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool: PgPool) {
     let store = PgStore::new(pool);
-    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     for (offset, key) in [(1, "acct-1"), (2, "acct-1"), (3, "acct-2"), (4, "acct-2")] {
         store
+            .parked()
             .park(&part(), e, &msg(offset, key, "down"), Duration::ZERO)
             .await
             .unwrap();
@@ -289,11 +332,16 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
     // acct-1's head was dead-lettered under the hold policy: it stays as the key's held marker,
     // and the key's other message is held with it.
     assert_eq!(
-        store.settle_head(&part(), e, 1, true).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), e, 1, true)
+            .await
+            .unwrap(),
         HeadSettled::Held
     );
     assert_eq!(heads_offsets(&store).await, vec![3]);
     let summary = store
+        .parked()
         .parked_summary("g", &ParkedFilter::all())
         .await
         .unwrap();
@@ -302,12 +350,13 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
     // the message behind it.
     assert_eq!(
         store
+            .parked()
             .unpark("g", Some(b"acct-1"), &ParkedFilter::all())
             .await
             .unwrap(),
         2
     );
-    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let got = store.parked().due_heads("g", &owned(), 10).await.unwrap();
     assert_eq!(
         got.iter()
             .map(|h| (h.message.offset, h.gave_up))
@@ -315,7 +364,11 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
         vec![(1, true), (3, false)]
     );
     assert_eq!(
-        store.settle_head(&part(), e, 1, false).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), e, 1, false)
+            .await
+            .unwrap(),
         HeadSettled::Removed
     );
     assert_eq!(heads_offsets(&store).await, vec![2, 3]);
@@ -323,29 +376,32 @@ async fn a_held_key_waits_for_an_operator_and_a_dropped_one_is_handed_back(pool:
     // acct-2's head is deferred an hour; a drop makes both of its messages come back, dropped.
     assert!(
         store
+            .parked()
             .defer_head(&part(), e, 3, "down", 5, Duration::from_secs(3600))
             .await
             .unwrap()
     );
     assert_eq!(
         store
+            .parked()
             .drop_parked("g", Some(b"acct-2"), &ParkedFilter::all())
             .await
             .unwrap(),
         2
     );
-    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let got = store.parked().due_heads("g", &owned(), 10).await.unwrap();
     let dropped: Vec<(i64, bool)> = got.iter().map(|h| (h.message.offset, h.dropped)).collect();
     assert_eq!(dropped, vec![(2, false), (3, true)]);
     assert_eq!(
         store
+            .parked()
             .unpark("g", Some(b"nobody"), &ParkedFilter::all())
             .await
             .unwrap(),
         0
     );
 
-    let gauges = store.parked_gauges("g", &owned()).await.unwrap();
+    let gauges = store.parked().parked_gauges("g", &owned()).await.unwrap();
     assert_eq!((gauges.keys, gauges.messages), (2, 3));
 }
 
@@ -368,21 +424,29 @@ async fn a_parked_messages_dedup_record_outlives_its_retention(pool: PgPool) {
         );
         store.complete(&lease, b"done").await.unwrap();
     }
-    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     let m = msg(1, "acct-1", "down").with_dedup_key("test", b"evt-parked".to_vec());
-    store.park(&part(), e, &m, Duration::ZERO).await.unwrap();
+    store
+        .parked()
+        .park(&part(), e, &m, Duration::ZERO)
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
 
     assert_eq!(store.purge(10).await.unwrap(), 1, "only the free one");
     let parked_key = crate::support::key("evt-parked");
     assert!(store.get(&parked_key).await.unwrap().is_some());
     assert_eq!(
-        store.due_heads("g", &owned(), 10).await.unwrap()[0]
+        store.parked().due_heads("g", &owned(), 10).await.unwrap()[0]
             .message
             .dedup_key,
         Some(("test".to_owned(), b"evt-parked".to_vec()))
     );
-    store.settle_head(&part(), e, 1, false).await.unwrap();
+    store
+        .parked()
+        .settle_head(&part(), e, 1, false)
+        .await
+        .unwrap();
     assert_eq!(store.purge(10).await.unwrap(), 1);
     assert!(store.get(&parked_key).await.unwrap().is_none());
 }
@@ -429,13 +493,14 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired(pool:
     );
     store.fail_retryable(&lease, "ledger down").await.unwrap();
 
-    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     let park = |offset: i64, name: &str| {
         msg(offset, "acct-1", "down").with_dedup_key("test", name.as_bytes().to_vec())
     };
     for (offset, name) in [(1, "evt-y"), (2, "evt-x")] {
         assert_eq!(
             store
+                .parked()
                 .park(&part(), e, &park(offset, name), Duration::ZERO)
                 .await
                 .unwrap(),
@@ -470,6 +535,7 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired(pool:
         .unwrap();
     assert!(
         store
+            .parked()
             .defer_head(&part(), e, 1, "ledger still down", 2, Duration::ZERO)
             .await
             .unwrap()
@@ -487,11 +553,19 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired(pool:
 
     // Settled, each record gets its span back from now, and then expires as any other.
     assert_eq!(
-        store.settle_head(&part(), e, 2, false).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), e, 2, false)
+            .await
+            .unwrap(),
         HeadSettled::Removed
     );
     assert_eq!(
-        store.settle_head(&part(), e, 1, false).await.unwrap(),
+        store
+            .parked()
+            .settle_head(&part(), e, 1, false)
+            .await
+            .unwrap(),
         HeadSettled::Removed
     );
     for name in ["evt-x", "evt-y"] {
@@ -527,18 +601,30 @@ async fn a_record_stays_pinned_until_its_last_parked_message_settles(pool: PgPoo
     let lease =
         crate::support::acquired(store.claim(&crate::support::req(&x, "w#1")).await.unwrap());
     store.complete(&lease, b"x done").await.unwrap();
-    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     for offset in [1, 2] {
         let m = msg(offset, "acct-1", "down").with_dedup_key("test", b"evt-x".to_vec());
-        store.park(&part(), e, &m, Duration::ZERO).await.unwrap();
+        store
+            .parked()
+            .park(&part(), e, &m, Duration::ZERO)
+            .await
+            .unwrap();
     }
-    store.settle_head(&part(), e, 1, false).await.unwrap();
+    store
+        .parked()
+        .settle_head(&part(), e, 1, false)
+        .await
+        .unwrap();
     assert_eq!(
         expires_of(&pool, "evt-x").await,
         "infinity",
         "still named by offset 2"
     );
-    store.settle_head(&part(), e, 2, false).await.unwrap();
+    store
+        .parked()
+        .settle_head(&part(), e, 2, false)
+        .await
+        .unwrap();
     assert_ne!(expires_of(&pool, "evt-x").await, "infinity");
 }
 
@@ -586,12 +672,16 @@ async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
         "{out:?}"
     );
 
-    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     // An error with a NUL, and 64 KiB of it: stored, cut and made safe.
     let long_error = format!("bad \0 {}", "x".repeat(65_536));
     let m = msg(1, "acct-1", &long_error);
     assert_eq!(
-        store.park(&part(), e, &m, Duration::ZERO).await.unwrap(),
+        store
+            .parked()
+            .park(&part(), e, &m, Duration::ZERO)
+            .await
+            .unwrap(),
         ParkOutcome::Parked
     );
     // An ordering key of 8 KB that does not compress.
@@ -607,10 +697,15 @@ async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
     let mut m = msg(2, "x", "down");
     m.ordering_key = Some(long_key.clone());
     assert_eq!(
-        store.park(&part(), e, &m, Duration::ZERO).await.unwrap(),
+        store
+            .parked()
+            .park(&part(), e, &m, Duration::ZERO)
+            .await
+            .unwrap(),
         ParkOutcome::Parked
     );
     let summary = store
+        .parked()
         .parked_summary("g", &ParkedFilter::all())
         .await
         .unwrap();
@@ -627,6 +722,7 @@ async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
     );
     assert_eq!(
         store
+            .parked()
             .drop_parked("g", Some(&long_key), &ParkedFilter::all())
             .await
             .unwrap(),
@@ -637,6 +733,7 @@ async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
     m.headers
         .push(("bad\0name".to_owned(), Some(b"v".to_vec())));
     let err = store
+        .parked()
         .park(&part(), e, &m, Duration::ZERO)
         .await
         .unwrap_err();
@@ -650,31 +747,49 @@ async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_held_marker_holds_its_key_until_an_operator_releases_it(pool: PgPool) {
     let store = PgStore::new(pool);
-    let (e, keys) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, keys) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     assert!(keys.is_empty());
     let marker = msg(1, "acct-1", "permanent").as_held_marker();
     assert_eq!(
         store
+            .parked()
             .park(&part(), e, &marker, Duration::ZERO)
             .await
             .unwrap(),
         ParkOutcome::Parked
     );
     store
+        .parked()
         .park(&part(), e, &msg(2, "acct-1", "behind"), Duration::ZERO)
         .await
         .unwrap();
     assert!(heads(&store).await.is_empty(), "a held key has no due head");
     let summary = store
+        .parked()
         .parked_summary("g", &ParkedFilter::all())
         .await
         .unwrap();
     assert!(summary[0].held && summary[0].messages == 2);
     let other = ParkedFilter::all().topic("payments");
-    assert!(store.parked_summary("g", &other).await.unwrap().is_empty());
-    assert_eq!(store.unpark("g", Some(b"acct-1"), &other).await.unwrap(), 0);
+    assert!(
+        store
+            .parked()
+            .parked_summary("g", &other)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(
         store
+            .parked()
+            .unpark("g", Some(b"acct-1"), &other)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        store
+            .parked()
             .unpark(
                 "g",
                 Some(b"acct-1"),
@@ -686,6 +801,7 @@ async fn a_held_marker_holds_its_key_until_an_operator_releases_it(pool: PgPool)
     );
     assert_eq!(
         store
+            .parked()
             .unpark(
                 "g",
                 Some(b"acct-1"),
@@ -695,7 +811,7 @@ async fn a_held_marker_holds_its_key_until_an_operator_releases_it(pool: PgPool)
             .unwrap(),
         2
     );
-    let got = store.due_heads("g", &owned(), 10).await.unwrap();
+    let got = store.parked().due_heads("g", &owned(), 10).await.unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].message.offset, 1);
     assert!(got[0].gave_up, "the marker is removed without running");
@@ -713,9 +829,13 @@ async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned(pool:
     let lease =
         crate::support::acquired(store.claim(&crate::support::req(&x, "w#1")).await.unwrap());
     store.complete(&lease, b"x done").await.unwrap();
-    let (e, _) = store.acquire_parked(&part(), "a#1").await.unwrap();
+    let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     let m = msg(1, "acct-1", "down").with_dedup_key("test", b"evt-x".to_vec());
-    store.park(&part(), e, &m, Duration::ZERO).await.unwrap();
+    store
+        .parked()
+        .park(&part(), e, &m, Duration::ZERO)
+        .await
+        .unwrap();
     // A second park of a copy of X, as PARK_SQL writes it (the pin, then the row), held open.
     let mut tx = pool.begin().await.unwrap();
     sqlx::query(
@@ -737,7 +857,7 @@ async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned(pool:
     .unwrap();
     let settling = {
         let store = store.clone();
-        tokio::spawn(async move { store.settle_head(&part(), e, 1, false).await })
+        tokio::spawn(async move { store.parked().settle_head(&part(), e, 1, false).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(

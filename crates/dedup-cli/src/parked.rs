@@ -134,6 +134,7 @@ fn relative(t: SystemTime) -> String {
 pub(crate) async fn list(args: ParkedArgs) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
     let keys = PgStore::new(pool)
+        .parked()
         .parked_summary(&args.group, &args.at.filter())
         .await
         .map_err(|e| CliError::Failed(format!("reading parked keys: {e}")))?;
@@ -195,8 +196,18 @@ async fn on_key(args: &KeyArgs, op: Op) -> Result<ExitCode, CliError> {
     let store = PgStore::new(pool);
     let filter = args.at.filter();
     let n = match op {
-        Op::Unpark => store.unpark(&args.group, args.key(), &filter).await,
-        Op::Drop => store.drop_parked(&args.group, args.key(), &filter).await,
+        Op::Unpark => {
+            store
+                .parked()
+                .unpark(&args.group, args.key(), &filter)
+                .await
+        }
+        Op::Drop => {
+            store
+                .parked()
+                .drop_parked(&args.group, args.key(), &filter)
+                .await
+        }
     }
     .map_err(|e| CliError::Failed(format!("changing parked messages: {e}")))?;
     if n == 0 {

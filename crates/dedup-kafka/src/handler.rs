@@ -16,7 +16,7 @@ use crate::delivery::Delivery;
 ///
 /// `lease` is the dedup lease the message runs under (pass it to a transactional completion such
 /// as `PgStore::transact`); it is `None` only for a keyless message under
-/// [`MissingKey::ProcessWithoutDedup`]. Any `Fn(Arc<Delivery>, Option<LeaseContext>) -> Future`
+/// [`MissingKey::ProcessWithoutDedup`](crate::MissingKey::ProcessWithoutDedup). Any `Fn(Arc<Delivery>, Option<LeaseContext>) -> Future`
 /// closure is a handler.
 pub trait Handler: Send + Sync + 'static {
     /// The handler's own error.
@@ -31,7 +31,7 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Looks at a keyed message's result, fresh or replayed, before the message settles. An error
     /// dead-letters the message with [`ProcessError::Undecodable`]'s text as the reason (a typed
-    /// result that no longer decodes: see [`Typed`](crate::Typed)). The default accepts every
+    /// result that no longer decodes: see the facade's `dedup::kafka::Typed`). The default accepts every
     /// result.
     ///
     /// # Errors

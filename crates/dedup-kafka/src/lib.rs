@@ -1,20 +1,26 @@
-//! An idempotent Kafka consumer on rdkafka: each message's effect runs once, duplicates get the
-//! stored result, and no offset is committed ahead of durable state.
+//! The Kafka consumers behind `dedup::Engine::consumer` (the `dedup` crate, feature `kafka`):
+//! each message's effect runs once, duplicates get the stored result, and no offset is committed
+//! ahead of durable state. Build consumers there (`engine.consumer()...build(handler)`; the
+//! crate's `examples/kafka_ledger.rs` and `examples/kafka_calls.rs` are whole ones). This crate is
+//! their machinery and the pieces the facade re-exports (key sources, ordering, backoff, the kill
+//! switch, parking, dead-letter headers, stats); its runner types are the facade's
+//! implementation, hidden from these docs.
 //!
 //! # Concepts
-//! - A [`Runner`] consumes topics in a consumer group and passes each message through
-//!   [`dedup_core::Dedup::process`] to a [`Handler`]. The idempotency key comes from a header
-//!   (default `idempotency-key`), a JSON pointer, or a digest of chosen JSON fields
-//!   ([`KeySource`]); the scope defaults to the group.
+//! - A consumer takes topics in a consumer group and passes each message through
+//!   [`dedup_core::Dedup::process`] (lease mode) or one Postgres transaction per batch
+//!   (transaction mode) to the handler. The idempotency key comes from a header (default
+//!   `idempotency-key`), a JSON pointer, or a digest of chosen JSON fields ([`KeySource`]), under
+//!   the engine's scope (never the group's).
 //! - **Offsets.** Automatic commit and automatic offset storing are off. A partition's offset is
 //!   committed up to the first message not yet settled (completed, replayed, or dead-lettered),
-//!   every [`RunnerConfig::commit_interval`], on revocation and on shutdown, and only for
+//!   every commit interval, on revocation and on shutdown, and only for
 //!   partitions this member owns at that moment.
 //! - **Order.** One message at a time per partition, partitions concurrently; or, with
 //!   [`Ordering::PerKey`], different *ordering keys* of one partition concurrently, each ordering
 //!   key's messages in offset order. The ordering key is the Kafka message key by default (an
 //!   order, an account: [`OrderingKey`]), never the idempotency key, which is unique per event;
-//!   messages without one run in partition order. [`RunnerConfig::max_in_flight`] bounds the
+//!   messages without one run in partition order. The consumer's `max_in_flight` bounds the
 //!   messages held, shared fairly between the partitions that have work: each partition's
 //!   messages come through a queue of its own, taken while the partition holds less than its
 //!   share (the bound over the partitions with work, or with work in the last half second; a lone
@@ -43,41 +49,43 @@
 //!   messages finish on their own (their dedup state is fenced and durable; the new owner replays
 //!   or waits for them), drops queued ones, and commits what is settled. Every assignment resumes
 //!   or re-pauses its partitions explicitly.
-//! - **Configuration** is checked by [`Runner::new`] ([`RunnerConfig::validate`]): a setting that
-//!   would fail at run time is a [`ConfigError`] that names it.
+//! - **Configuration** is checked when the consumer is built: a setting that would fail at run
+//!   time is refused there, by name.
 //! - **Shutdown.** `run` takes a future (SIGINT/SIGTERM in the binary): it stops taking messages,
-//!   waits up to [`RunnerConfig::drain_timeout`] for running ones, commits and leaves the group.
-//! - **Batching.** Every message in flight makes its claim (and its completion) at once; put the
-//!   store behind [`dedup_core::Batched`] and those calls reach Postgres as one statement per
-//!   batch of whatever is in flight (everything the consumer has fetched, up to
-//!   `max_in_flight`), while duplicates found in L1 are answered without queueing. The demo and
-//!   the Kafka tests run this way.
-//! - **Typed results.** [`Handler::check_result`] sees every settled keyed message's result,
-//!   fresh or replayed, before it settles; an error dead-letters the message with the reason
-//!   (the facade's `dedup::kafka::Typed` decodes results there).
+//!   waits up to the drain timeout for running ones, commits and leaves the group.
+//! - **Batching.** Every message in flight makes its claim (and its completion) at once, and the
+//!   engine's group commit sends those calls to Postgres as one statement per batch of whatever
+//!   is in flight, while duplicates found in L1 are answered without queueing. With the
+//!   consumer's `batching`, messages are taken in batches per partition instead (transaction
+//!   mode always is): one claim, one transaction or one completion per batch.
+//! - **Typed results.** Every settled keyed message's result, fresh or replayed, is shown to the
+//!   handler before the message settles; an error dead-letters the message with the reason (the
+//!   facade's `dedup::kafka::Typed` decodes results there).
 //! - **Traces.** Each message is a `dedup.kafka.message` span with OpenTelemetry's messaging
 //!   attributes; with the `otel` feature its parent is read from the W3C `traceparent` header.
-//! - **Features.** `pg`: the runners of batches (`TxRunner`, transaction mode by the batch on
-//!   `PgStore`; `LeaseRunner`, lease mode by the batch for effects outside the database) and
-//!   parking. `tls`: TLS and SASL (PLAIN, SCRAM), with librdkafka linked against the system's
+//! - **Features.** `pg`: transaction mode, lease mode by the batch, dead letters kept in a
+//!   table, and parking. `tls`: TLS and SASL (PLAIN, SCRAM), with librdkafka linked against the system's
 //!   OpenSSL (Debian's `libssl-dev`, which `scripts/services.sh` installs). `zstd`:
 //!   zstd-compressed topics (a bundled zstd).
 //!
 //! # Example
-//! ```no_run
-//! use std::sync::Arc;
-//! use dedup_core::{Completion, Dedup, HandlerError, MemoryStore};
-//! use dedup_kafka::{Delivery, Runner, RunnerConfig};
+//! Where a message's idempotency key comes from, tried on a message built by hand (as a
+//! handler's unit test can build one):
+//! ```
+//! use dedup_core::Scope;
+//! use dedup_kafka::{Delivery, KeySource, extract_key};
 //!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let dedup = Arc::new(Dedup::new(MemoryStore::new()));
-//! let config = RunnerConfig::new("127.0.0.1:9092", "payments", ["payments"]);
-//! let runner = Runner::new(config, dedup, |d: Arc<Delivery>, _lease| async move {
-//!     // The effect, once per key. Its result is replayed to duplicates.
-//!     Ok::<_, HandlerError<String>>(Completion::store(d.payload.clone().unwrap_or_default()))
-//! })?;
-//! let stats = runner.run(async { let _ = tokio::signal::ctrl_c().await; }).await?;
-//! println!("{stats:?}");
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let scope = Scope::new("payments")?;
+//! let message = Delivery::new("payments", 0, 42)
+//!     .with_payload(r#"{"account": 7, "request": "r-19", "amount": 1250}"#);
+//! // A producer that sends no key: the fields that make two messages the same event.
+//! let fields = KeySource::Fields(vec!["/account".into(), "/request".into()]);
+//! let key = extract_key(&fields, &scope, &message)?;
+//! let again = extract_key(&fields, &scope, &message.clone().with_header("x", "y"))?;
+//! assert_eq!(key, again);
+//! // The default: the `idempotency-key` header, which this message lacks.
+//! assert!(extract_key(&KeySource::default(), &scope, &message).is_err());
 //! # Ok(()) }
 //! ```
 
@@ -95,18 +103,28 @@ mod stats;
 mod trace;
 
 #[cfg(feature = "pg")]
-pub use batch::{
-    Acquired, BatchHandler, Batching, LeaseRunner, MAX_ASSIGNMENT_WAIT, MAX_BATCH, TxRunner,
-};
+pub use batch::{Acquired, Batching, MAX_ASSIGNMENT_WAIT, MAX_BATCH};
 pub use config::{
     Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, KillSwitch, MAX_SETTING_DURATION,
-    MissingKey, Ordering, OrderingKey, RunnerConfig,
+    MissingKey, Ordering, OrderingKey,
 };
 pub use dead_letter::{
     DLQ_ATTEMPTS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
 };
 pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
-pub use handler::Handler;
-pub use runner::{AfterGiveUp, Parking, Runner};
+pub use runner::{AfterGiveUp, Parking};
 pub use start::RunnerError;
 pub use stats::{RunnerStats, StatsHandle};
+
+// The runners, their handler traits and their configuration: the facade's implementation
+// (`dedup::Engine::consumer` builds them), and what dedup's own benches measure the machinery
+// with. Not an API of their own.
+#[cfg(feature = "pg")]
+#[doc(hidden)]
+pub use batch::{BatchHandler, LeaseRunner, TxRunner};
+#[doc(hidden)]
+pub use config::RunnerConfig;
+#[doc(hidden)]
+pub use handler::Handler;
+#[doc(hidden)]
+pub use runner::Runner;

@@ -98,7 +98,7 @@ pub use admin::ForgetReport;
 pub use batch_tx::{BatchAnswer, BatchBody, BatchRequest, ItemResult, TxBatchConfig};
 pub use offsets::{TxOffsets, stored_offsets_on};
 pub use parked::{
-    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedFilter, ParkedGauges, ParkedHead,
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, Parked, ParkedFilter, ParkedGauges, ParkedHead,
     ParkedKey, ParkedKeySummary, ParkedMessage, ParkedPartition,
 };
 

@@ -244,6 +244,7 @@ pub(super) async fn spawn_parking_config(
 /// `group`'s parked messages per ordering key.
 async fn parked(pool: &PgPool, group: &str) -> HashMap<String, u64> {
     PgStore::new(pool.clone())
+        .parked()
         .parked_summary(group, &dedup_pg::ParkedFilter::all())
         .await
         .unwrap()
@@ -512,6 +513,7 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
         let group = group.clone();
         async move {
             PgStore::new(pool)
+                .parked()
                 .parked_summary(&group, &dedup_pg::ParkedFilter::all())
                 .await
                 .unwrap()
@@ -532,6 +534,7 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
     .await;
     assert_eq!(
         PgStore::new(pool.clone())
+            .parked()
             .unpark(&group, Some(b"acct-bad"), &dedup_pg::ParkedFilter::all())
             .await
             .unwrap(),
@@ -906,6 +909,7 @@ async fn under_the_hold_policy_a_message_failing_in_place_for_good_holds_its_key
     assert_eq!(switches.calls("bad-2"), 0);
     assert_eq!(
         PgStore::new(pool.clone())
+            .parked()
             .unpark(&group, Some(b"acct-bad"), &dedup_pg::ParkedFilter::all())
             .await
             .unwrap(),
@@ -1055,6 +1059,7 @@ async fn a_park_fenced_while_the_partition_is_still_ours_keeps_order_and_moves_t
     until_parked(&pool, &group, "acct-bad", 1).await;
     // A late bump from elsewhere: this consumer's epoch is stale from now.
     PgStore::new(pool.clone())
+        .parked()
         .acquire_parked(
             &dedup_pg::ParkedPartition::new(group.clone(), topic.clone(), 0),
             "late-bump#1",

@@ -10,7 +10,7 @@ use crate::error::StoreError;
 use crate::key::IdempotencyKey;
 use crate::record::{FencingToken, Lease, OwnerId, Timestamp};
 
-/// What [`Dedup::process`] did.
+/// What [`Dedup::process`](crate::Dedup::process) did.
 #[derive(Clone, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub enum Processed {
@@ -84,7 +84,7 @@ pub enum HandlerError<E> {
     /// This message can never succeed: the key is marked FAILED (poison).
     Permanent(E),
     /// Nothing the handler did needs keeping, and no attempt should be spent: the key is given
-    /// back as [`Store::withdraw`] does (a first attempt's record goes, as if never claimed). For
+    /// back as [`Store::withdraw`](crate::Store::withdraw) does (a first attempt's record goes, as if never claimed). For
     /// outcomes the caller chose not to store (the HTTP layer's unstored responses, say).
     Withdraw(E),
     /// The handler's own call to the store failed (transactional mode: completing inside its
@@ -130,7 +130,7 @@ impl<E> From<StoreError> for HandlerError<E> {
     }
 }
 
-/// Why [`Dedup::process`] did not produce a result.
+/// Why [`Dedup::process`](crate::Dedup::process) did not produce a result.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProcessError<E> {
@@ -195,7 +195,7 @@ pub enum ProcessError<E> {
     #[error(transparent)]
     Store(StoreError),
     /// The key is done, but its stored result does not decode into the type asked for
-    /// ([`Dedup::process_typed`]): the type changed between deployments, or the codec cannot read
+    /// ([`Dedup::process_typed`](crate::Dedup::process_typed)): the type changed between deployments, or the codec cannot read
     /// it back. The handler does not run again. Do not retry; dead-letter the message.
     #[error("the stored result of {key} cannot be used: {source}")]
     Undecodable {

@@ -73,7 +73,7 @@ impl TieredConfig {
     }
 }
 
-/// Counters per tier, read with [`TieredStore::stats`].
+/// Counters per tier, read with [`TieredStore::stats`](crate::TieredStore::stats).
 #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub struct TierStats {

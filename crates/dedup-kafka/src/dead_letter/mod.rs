@@ -20,7 +20,7 @@ mod limits;
 pub(crate) use deliver::{DeadLetters, Owner, RefusedTable};
 pub(crate) use limits::check_at_start;
 
-/// Dead-letter header: why the message was dead-lettered (at most [`MAX_REASON_LEN`] bytes).
+/// Dead-letter header: why the message was dead-lettered (at most 1,024 bytes).
 pub const DLQ_REASON: &str = "dedup-reason";
 /// Dead-letter header: the attempts made.
 pub const DLQ_ATTEMPTS: &str = "dedup-attempts";

@@ -3,7 +3,7 @@
 //! A consumer parks a message that keeps failing (and every later message of its ordering key)
 //! here before it moves its offset past it; the partition's owner re-runs each key's head through
 //! the same claim, then the next, and the key is free when its queue is empty. Ownership is an
-//! epoch per partition ([`PgStore::acquire_parked`]), bumped by each new owner: every write of an
+//! epoch per partition ([`Parked::acquire_parked`]), bumped by each new owner: every write of an
 //! owner names its epoch and changes nothing once another owner took the partition. The count of
 //! a key's messages is its row count, so nothing can drift, and an assignment's sync barrier is
 //! one query. docs/PARKING.md has the semantics.
@@ -24,6 +24,33 @@ mod ops;
 mod sql;
 
 pub use ops::ParkedFilter;
+
+/// The parked-message store of a [`PgStore`] ([`PgStore::parked`]): what a consumer that parks
+/// calls (the partition's epoch, park, the heads), and what operators and metrics call (the
+/// summary, unpark, drop, the gauges).
+#[derive(Clone, Copy, Debug)]
+pub struct Parked<'a>(&'a PgStore);
+
+impl PgStore {
+    /// Its parked messages (`dedup_parked`).
+    pub fn parked(&self) -> Parked<'_> {
+        Parked(self)
+    }
+}
+
+impl Parked<'_> {
+    async fn conn(&self) -> Result<crate::store::Conn, StoreError> {
+        self.0.conn().await
+    }
+
+    fn count(&self, statements: u64) {
+        self.0.count(statements);
+    }
+
+    fn pool(&self) -> &sqlx::PgPool {
+        self.0.pool()
+    }
+}
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -157,7 +184,7 @@ pub enum ParkOutcome {
     Fenced,
 }
 
-/// A head to run now, from [`PgStore::due_heads`].
+/// A head to run now, from [`Parked::due_heads`].
 #[derive(Clone, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub struct ParkedHead {
@@ -293,7 +320,7 @@ fn head_of(row: &PgRow) -> Result<ParkedHead, sqlx::Error> {
     })
 }
 
-impl PgStore {
+impl Parked<'_> {
     /// Takes `partition`'s parked keys over for `owner` (when the partition is assigned): bumps
     /// its epoch, so the previous owner's writes are refused from now on, then reads its parked
     /// keys and how many messages each has, in a snapshot taken after the bump (it saw every park

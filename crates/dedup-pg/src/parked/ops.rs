@@ -8,8 +8,8 @@ use std::time::Duration;
 use dedup_core::StoreError;
 use sqlx::Row;
 
+use super::Parked;
 use super::{ParkedGauges, ParkedKeySummary, attempts_of, key_of, sql, time_of};
-use crate::PgStore;
 use crate::classify::classify;
 
 /// Which of a group's partitions an operator's command looks at: every one by default, or one
@@ -44,7 +44,7 @@ impl ParkedFilter {
     }
 }
 
-impl PgStore {
+impl Parked<'_> {
     /// `group`'s parked keys over the partitions `filter` names, oldest first (`dedup parked`).
     pub async fn parked_summary(
         &self,

@@ -51,7 +51,7 @@ pub enum AfterGiveUp {
     Hold,
 }
 
-/// Parking settings ([`Runner::with_parking`](super::Runner::with_parking)).
+/// Parking settings (the consumer builder's `parking`).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Parking {
@@ -139,7 +139,7 @@ impl Parking {
     }
 
     /// Checks the times (the bounds and `in_place_attempts` are checked against the runner's
-    /// policy by [`Runner::with_parking`](super::Runner::with_parking)): a wait or a bound that
+    /// policy when the consumer is built): a wait or a bound that
     /// Postgres or the clock cannot hold would fail every parked run of a head, forever.
     ///
     /// # Errors

@@ -26,6 +26,7 @@ impl ParkStore for PgStore {
     ) -> StoreFuture<'a, Option<Barrier>> {
         Box::pin(async move {
             Ok(self
+                .parked()
                 .acquire_parked_while(&part(p), owner, owned)
                 .await?
                 .map(|(epoch, keys)| (epoch.0, keys)))
@@ -63,6 +64,7 @@ impl ParkStore for PgStore {
                 message = message.as_held_marker();
             }
             match self
+                .parked()
                 .park(&part(p), ParkEpoch(epoch), &message, due_in)
                 .await
             {
@@ -90,7 +92,7 @@ impl ParkStore for PgStore {
         limit: u32,
     ) -> StoreFuture<'a, Vec<Head>> {
         Box::pin(async move {
-            let heads = PgStore::due_heads(self, group, parts, limit).await?;
+            let heads = self.parked().due_heads(group, parts, limit).await?;
             Ok(heads
                 .into_iter()
                 .map(|h| {
@@ -130,6 +132,7 @@ impl ParkStore for PgStore {
         Box::pin(async move {
             Ok(
                 match self
+                    .parked()
                     .take_head(&part(p), ParkEpoch(epoch), offset, bound)
                     .await?
                 {
@@ -151,6 +154,7 @@ impl ParkStore for PgStore {
         Box::pin(async move {
             Ok(
                 match self
+                    .parked()
                     .settle_head(&part(p), ParkEpoch(epoch), offset, hold_rest)
                     .await?
                 {
@@ -173,7 +177,8 @@ impl ParkStore for PgStore {
         due_in: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            self.defer_head(&part(p), ParkEpoch(epoch), offset, error, attempts, due_in)
+            self.parked()
+                .defer_head(&part(p), ParkEpoch(epoch), offset, error, attempts, due_in)
                 .await
         })
     }
@@ -184,7 +189,7 @@ impl ParkStore for PgStore {
         parts: &'a [(String, i32)],
     ) -> StoreFuture<'a, (u64, u64, Duration)> {
         Box::pin(async move {
-            let g = self.parked_gauges(group, parts).await?;
+            let g = self.parked().parked_gauges(group, parts).await?;
             Ok((g.keys, g.messages, g.oldest))
         })
     }
