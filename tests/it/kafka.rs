@@ -19,10 +19,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{BatchConfig, Batched, Completion, Dedup, HandlerError, LeaseContext, Policy};
+use dedup_core::{Completion, HandlerError, LeaseContext, Policy};
 use dedup_kafka::{
     Backoff, DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Delivery, MissingKey,
-    Runner, RunnerConfig, RunnerError, RunnerStats, StatsHandle,
+    RunnerConfig, RunnerError, RunnerStats, StatsHandle,
 };
 use dedup_pg::PgStore;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -38,9 +38,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
-use crate::support::{
-    RedisServer, Tiered, effect_in_tx, effect_rows, effects_table, tiered, url_of,
-};
+use crate::support::{RedisServer, effect_in_tx, effect_rows, effects_table, url_of};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -391,6 +389,8 @@ struct Setup {
     redis: String,
     policy: Policy,
     in_flight_wait: Duration,
+    /// An engine built `in_memory()` (no Postgres behind the consumer: no dead-letter table).
+    in_memory: bool,
 }
 
 /// The engine the tests run on: a 5 s lease, a 1 s in-flight wait.
@@ -400,6 +400,7 @@ fn setup(pool: &PgPool, redis: &RedisServer) -> Setup {
         redis: redis.url(),
         policy: Policy::default().with_lease(Duration::from_secs(5)),
         in_flight_wait: Duration::from_secs(1),
+        in_memory: false,
     }
 }
 
@@ -407,6 +408,13 @@ impl Setup {
     /// The same, with `policy`.
     fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// The same, in memory: the consumer has no Postgres of its own (a handler may still write
+    /// to the test's database).
+    fn in_memory(mut self) -> Self {
+        self.in_memory = true;
         self
     }
 }
@@ -419,9 +427,14 @@ impl Setup {
 
     /// The engine, in `config`'s dedup scope (its group id where it names none).
     async fn build(&self, config: &RunnerConfig) -> dedup::Engine {
-        dedup::Engine::builder()
-            .postgres(self.pool.clone())
-            .redis_url(&self.redis)
+        let engine = if self.in_memory {
+            dedup::Engine::builder().in_memory()
+        } else {
+            dedup::Engine::builder()
+                .postgres(self.pool.clone())
+                .redis_url(&self.redis)
+        };
+        engine
             .tiers(crate::support::test_config())
             .scope(
                 config
@@ -435,43 +448,6 @@ impl Setup {
             .await
             .unwrap()
     }
-}
-
-/// The old-API runner, for the tests not yet built through the engine (lease mode by the batch,
-/// parking, TLS, typed results).
-fn spawn_runner(
-    config: RunnerConfig,
-    dedup: Arc<Dedup<Engine>>,
-    handler: impl dedup_kafka::Handler,
-) -> Running {
-    let runner = Runner::new(config, dedup, handler).unwrap();
-    let stats = runner.stats();
-    let (stop, rx) = oneshot::channel::<()>();
-    let handle = tokio::spawn(runner.run(async {
-        let _ = rx.await;
-    }));
-    Running {
-        stop,
-        handle,
-        stats,
-    }
-}
-
-/// The engine under test: the tiered store behind group commit, as the demo runs it.
-type Engine = Batched<Tiered>;
-
-async fn engine(pool: &PgPool, redis: &RedisServer) -> Arc<Dedup<Engine>> {
-    let policy = Policy::default().with_lease(Duration::from_secs(5));
-    Arc::new(
-        Dedup::new(Batched::new(
-            tiered(pool.clone(), redis).await.with_background_backfill(),
-            BatchConfig::default(),
-        ))
-        .with_policy(policy)
-        .unwrap()
-        .with_in_flight_wait(Duration::from_secs(1))
-        .unwrap(),
-    )
 }
 
 async fn ledger_count(pool: &PgPool) -> i64 {
@@ -1190,18 +1166,7 @@ async fn a_stalled_handler_pauses_the_partitions_and_a_rebalance_is_still_served
     // The first member's handlers hold at a gate: with two messages in flight and none settling,
     // it stalls past the limit and pauses, for as long as the test needs, on any machine.
     let (gate, _) = Gate::new();
-    let slow = gate.after(
-        0,
-        ledger_handler(
-            engine(&pool, &redis)
-                .await
-                .store()
-                .inner()
-                .authority()
-                .clone(),
-            "slow",
-        ),
-    );
+    let slow = gate.after(0, ledger_handler(PgStore::new(pool.clone()), "slow"));
     let config = broker.config(&group, &topic).with_max_in_flight(2);
     let a = Running::spawn_with(config, setup(&pool, &redis), slow).await;
     let a_stats = a.stats.clone();

@@ -3,13 +3,17 @@
 //! Without a Postgres table the partition stalls, loudly (a counter and an error naming what to
 //! do); with one the dead letter is kept whole in `dedup_dead_letters` and the stream goes on.
 
+use std::sync::Arc;
+
+use bytes::Bytes;
+use dedup_core::{Completion, HandlerError, LeaseContext};
+use dedup_kafka::Delivery;
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 
 use super::{
     Broker, DLQ_OFFSET, DLQ_REASON, Event, Running, assert_one_row_per_key, committed,
-    committed_to_the_end, engine, event, eventually, ledger_handler, produce, read_dead_letters,
-    setup, spawn_runner, unique,
+    committed_to_the_end, event, eventually, produce, read_dead_letters, setup, unique,
 };
 use crate::support::{RedisServer, effects_table};
 
@@ -37,13 +41,28 @@ async fn a_dead_letter_refused_for_good_stalls_without_a_table_and_is_kept_with_
         .config(&group, &topic)
         .with_dead_letter_topic(format!("{topic}.dlq"));
 
-    // No table (the runner itself: a consumer built from an engine always has its table): the
-    // partition waits on the dead letter, counted and logged.
-    let run = spawn_runner(
-        config.clone(),
-        engine(&pool, &redis).await,
-        ledger_handler(PgStore::new(pool.clone()), "a"),
-    );
+    // No table (an engine in memory has no Postgres to keep one in): the partition waits on the
+    // dead letter, counted and logged. The handler books its row outside any dedup transaction
+    // (its keys are the in-memory engine's).
+    let booked = {
+        let pool = pool.clone();
+        move |d: Arc<Delivery>, _lease: Option<LeaseContext>| {
+            let pool = pool.clone();
+            async move {
+                serde_json::from_slice::<serde_json::Value>(d.payload_bytes())
+                    .map_err(|e| HandlerError::Permanent(format!("payload: {e}")))?;
+                let key = String::from_utf8_lossy(d.header("idempotency-key").unwrap_or_default())
+                    .into_owned();
+                sqlx::query("INSERT INTO effects VALUES ($1, 0, 'a')")
+                    .bind(&key)
+                    .execute(&pool)
+                    .await
+                    .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+                Ok::<_, HandlerError<String>>(Completion::store(Bytes::new()))
+            }
+        }
+    };
+    let run = Running::spawn_with(config.clone(), setup(&pool, &redis).in_memory(), booked).await;
     let stats = run.stats.clone();
     eventually(60, "the refused dead letter stalls, counted", || {
         let s = stats.snapshot();
