@@ -78,7 +78,8 @@ pub enum OrderingKey {
 #[error("{setting}: {problem}")]
 #[non_exhaustive]
 pub struct ConfigError {
-    /// The setting, as its field is named in [`RunnerConfig`].
+    /// The setting, as the runner's configuration names it (the consumer builder's `build`
+    /// answers the builder method instead).
     pub setting: &'static str,
     /// What is wrong with it.
     pub problem: String,

@@ -34,9 +34,7 @@ use crate::config::ConfigError;
 use crate::stats::Counters;
 
 /// When a runner stops taking messages because its handler fails everything (see the module
-/// docs of the crate: *Failures*). Off unless set ([`RunnerConfig::with_kill_switch`]).
-///
-/// [`RunnerConfig::with_kill_switch`]: crate::RunnerConfig::with_kill_switch
+/// docs of the crate: *Failures*). Off unless set (the consumer builder's `kill_switch`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct KillSwitch {

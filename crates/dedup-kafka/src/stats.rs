@@ -236,11 +236,11 @@ pub struct RunnerStats {
     /// Passing store errors (a failover, a statement timeout, a pool exhausted) that a message
     /// was retried after; each is also logged as a warning.
     pub store_errors: u64,
-    /// Batch transactions committed ([`TxRunner`](crate::TxRunner) only).
+    /// Batch transactions committed (transaction mode only).
     pub batches: u64,
     /// Messages that met another holder's live lease (a key run elsewhere, or left by a dead
     /// process whose lease has not ended) and waited for it outside the in-flight bound
-    /// ([`Runner`](crate::Runner) only).
+    /// (lease mode per message only).
     pub blocked: u64,
     /// The most messages waiting in blocked lanes at once: the blocked message and those queued
     /// behind it (bounded by `max_blocked`, plus what a paused partition had already fetched).

@@ -27,7 +27,8 @@ impl Engine {
     ///
     /// Its keys live in `<engine scope>/http` unless `config` sets a scope: apart from other
     /// services' (each engine has its own scope) and from the consumers' event keys (a client's
-    /// key never meets an event's).
+    /// key never meets an event's). (So an engine scoped `a/http` would share the keys of the HTTP
+    /// layer of an engine scoped `a`: do not end a scope with `/http`.)
     ///
     /// # Errors
     /// A policy or in-flight wait that cannot work; an engine scope too long to add `/http` to.

@@ -368,6 +368,25 @@ async fn the_engine_builder_names_the_setting_at_fault() {
         setting_of(Engine::builder().scope("s").instance("").build().await),
         "instance"
     );
+    // A scope of 125 bytes is a scope, but its HTTP layers' `<scope>/http` would not be.
+    assert_eq!(
+        setting_of(
+            Engine::builder()
+                .in_memory()
+                .scope("s".repeat(125))
+                .build()
+                .await
+        ),
+        "scope"
+    );
+    assert!(
+        Engine::builder()
+            .in_memory()
+            .scope("s".repeat(123))
+            .build()
+            .await
+            .is_ok()
+    );
     assert_eq!(
         setting_of(
             Engine::builder()

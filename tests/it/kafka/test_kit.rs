@@ -2,6 +2,7 @@
 //! engine on Postgres or in memory, and typed results over either kind of handler.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -178,8 +179,9 @@ impl TxHandler for Receipts {
     }
 }
 
-/// A lease-mode handler (a type, not a closure) returning a value.
-struct Charges(Arc<Mutex<BTreeMap<String, u32>>>);
+/// A lease-mode handler (a type, not a closure) returning a value, which looks at every result
+/// itself too (its `check_result`, kept by `Typed`).
+struct Charges(Arc<Mutex<BTreeMap<String, u32>>>, Arc<AtomicU32>);
 
 impl LeaseHandler for Charges {
     type Error = String;
@@ -198,6 +200,15 @@ impl LeaseHandler for Charges {
             .entry(receipt.order.clone())
             .or_default() += 1;
         Ok(receipt)
+    }
+
+    fn check_result(
+        &self,
+        _: &Message,
+        _: &dedup::Processed,
+    ) -> Result<(), dedup::typed::CodecError> {
+        self.1.fetch_add(1, AtomicOrdering::SeqCst);
+        Ok(())
     }
 }
 
@@ -288,10 +299,11 @@ async fn typed_wraps_a_lease_handler_type_on_an_in_memory_engine() {
         .unwrap();
     let codec = ResultCodec::<Receipt, _>::bincode("receipt/v1").unwrap();
     let charged: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
+    let checked = Arc::new(AtomicU32::new(0));
     let seen: Arc<Mutex<Vec<(i64, Receipt, bool)>>> = Arc::default();
     let handler = {
         let seen = seen.clone();
-        Typed::new(codec.clone(), Charges(charged.clone())).on_result(
+        Typed::new(codec.clone(), Charges(charged.clone(), checked.clone())).on_result(
             move |m: &Message, r: &dedup::TypedProcessed<Receipt>| {
                 seen.lock()
                     .unwrap()
@@ -309,6 +321,11 @@ async fn typed_wraps_a_lease_handler_type_on_an_in_memory_engine() {
     let stats = kafka.run_until_settled(&engine, consumer, 4).await.unwrap();
     assert_eq!((stats.executed, stats.replayed), (3, 1));
     assert!(charged.lock().unwrap().values().all(|n| *n == 1));
+    assert_eq!(
+        checked.load(AtomicOrdering::SeqCst),
+        4,
+        "the handler's own check, every result"
+    );
     let mut seen = seen.lock().unwrap().clone();
     seen.sort_by_key(|(offset, _, _)| *offset);
     let orders: Vec<(&str, bool)> = seen

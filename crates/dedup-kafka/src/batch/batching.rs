@@ -9,8 +9,8 @@ use dedup_pg::TxBatchConfig;
 
 use crate::config::ConfigError;
 
-/// How a runner of batches ([`TxRunner`](super::TxRunner), [`LeaseRunner`](super::LeaseRunner))
-/// cuts batches.
+/// How a consumer that takes batches (transaction mode, lease mode with the consumer builder's
+/// `batching`) cuts them.
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
 pub struct Batching {

@@ -84,7 +84,7 @@ pub type Answer<H> = Result<<H as TxHandler>::Output, HandlerError<<H as TxHandl
 /// closure is a lease handler.
 ///
 /// A handler that writes its effect in a Postgres transaction of its own and completes the key
-/// inside it (`engine.postgres().transact(&lease, ..)`) returns that `Completion` instead of
+/// inside it (`engine.postgres()?.transact(&lease, ..)`) returns that `Completion` instead of
 /// `Bytes`: then nothing is left to record after it. One whose `Output` is a value of its own is
 /// wrapped in [`Typed`](crate::kafka::Typed).
 pub trait LeaseHandler: Send + Sync + 'static {

@@ -20,8 +20,10 @@ use super::{LeaseHandler, Message, TxHandler};
 /// In lease mode every keyed message's result, fresh or replayed, is decoded before the message
 /// settles and handed to [`on_result`](Self::on_result) (to send a reply, say). A stored result
 /// that no longer decodes (the type or its tag changed between deployments) dead-letters the
-/// message with the reason; the handler does not run again. A value the codec cannot write fails
-/// its key permanently (its effect ran: it is not run again), in either mode.
+/// message with the reason; the handler does not run again. The wrapped handler's own
+/// `check_result` runs first. A value the codec cannot write fails its key permanently (in lease
+/// mode its effect ran and is not run again; in transaction mode the message's writes roll back
+/// with it).
 ///
 /// ```no_run
 /// # use std::sync::Arc;
@@ -146,6 +148,7 @@ where
     }
 
     fn check_result(&self, message: &Message, processed: &Processed) -> Result<(), CodecError> {
+        self.handler.check_result(message, processed)?;
         let result = TypedProcessed::decode(&self.codec, processed)?;
         self.on_result.call(message, &result);
         Ok(())

@@ -111,11 +111,13 @@ impl EngineBuilder {
 
     /// No Postgres: the engine keeps its records in this process's memory (dedup's reference
     /// store, which the conformance suite holds every store to). For tests of code built on
-    /// dedup: lease-mode handlers (with [`MockKafka`](crate::kafka::testing::MockKafka)), HTTP
-    /// routes, `engine.dedup().process(..)`. Nothing is durable and nothing is shared between
-    /// processes, so transaction mode, parking, dead letters kept in a table, the transactional
-    /// HTTP path and a fast path (Redis) are refused by name, and `pool()` answers
-    /// [`NoPostgres`](crate::NoPostgres).
+    /// dedup: lease-mode handlers (with `dedup::kafka::testing::MockKafka`), HTTP routes,
+    /// `engine.dedup().process(..)`. Nothing is durable and nothing is shared, between processes
+    /// or between two engines built this way (each has a store of its own). Transaction mode,
+    /// parking, the transactional HTTP path and a fast path (Redis) are refused by name, and
+    /// `pool()` answers [`NoPostgres`](crate::NoPostgres). Dead letters go to the dead-letter
+    /// topic only: there is no table to keep one the topic refuses (the partition then waits on
+    /// it, counted in `dead_letter_stalls`).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -231,6 +233,15 @@ impl EngineBuilder {
                 ));
             }
         };
+        // The HTTP layers' keys live in `<scope>/http`: a scope too long for that is refused
+        // now, not at the first `http_layer`.
+        #[cfg(feature = "http")]
+        Scope::new(format!("{}/http", scope.as_str())).map_err(|e| {
+            BuildError::setting(
+                "scope",
+                format!("its HTTP layers' scope, <scope>/http: {e}"),
+            )
+        })?;
         let instance = self
             .instance
             .as_deref()
