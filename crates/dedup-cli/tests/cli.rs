@@ -569,6 +569,7 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(report["events"], 600);
     assert_eq!(report["unique_keys"], 420);
+    assert_eq!(report["keys"], "uuid", "random event ids by default");
     assert_eq!(report["concurrency"], 8);
     assert_eq!(report["synchronous_commit"], "on");
     let contenders = report["contenders"].as_array().unwrap();
@@ -683,6 +684,8 @@ fn the_bench_repeats_its_contenders_and_reports_medians() {
             "a,d,ceiling",
             "--repeat",
             "3",
+            "--keys",
+            "sequential",
             "--json",
         ])
         .env("DATABASE_URL", env("DATABASE_URL"))
@@ -698,6 +701,7 @@ fn the_bench_repeats_its_contenders_and_reports_medians() {
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let unique = report["unique_keys"].as_u64().unwrap();
     assert_eq!(report["repeat"], 3);
+    assert_eq!(report["keys"], "sequential");
     let runs = report["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 3);
     let mut ids = Vec::new();

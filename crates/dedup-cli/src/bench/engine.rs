@@ -12,7 +12,7 @@ use dedup_core::{
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 
-use super::{Ctx, Outcome, drive, result_of};
+use super::{Ctx, Keys, Outcome, drive, result_of};
 use crate::connect::{CliError, connect_redis};
 
 /// (c) and (d): `Dedup::process` on the tiered store (moka, Redis, Postgres), one call per
@@ -46,13 +46,15 @@ pub(super) async fn tiered(
     let effects = Arc::new(AtomicU64::new(0));
     let (elapsed, latencies_us, errors, stats, batches) = if batched {
         let dedup = Arc::new(Dedup::new(Batched::new(store, ctx.batch)));
-        let (elapsed, latencies, errors) = drive(ctx, process_one(&dedup, &scope, &effects)).await;
+        let (elapsed, latencies, errors) =
+            drive(ctx, process_one(&dedup, &scope, &effects, ctx.keys)).await;
         let stats = dedup.store().inner().stats();
         let batches = dedup.store().batch_counts();
         (elapsed, latencies, errors, stats, Some(batches))
     } else {
         let dedup = Arc::new(Dedup::new(store));
-        let (elapsed, latencies, errors) = drive(ctx, process_one(&dedup, &scope, &effects)).await;
+        let (elapsed, latencies, errors) =
+            drive(ctx, process_one(&dedup, &scope, &effects, ctx.keys)).await;
         (elapsed, latencies, errors, dedup.store().stats(), None)
     };
     let trips = pg.statements();
@@ -84,6 +86,7 @@ fn process_one<S: Store + 'static>(
     dedup: &Arc<Dedup<S>>,
     scope: &Scope,
     effects: &Arc<AtomicU64>,
+    keys: Keys,
 ) -> impl Fn(u64) -> std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send>>
 + Clone
 + Send
@@ -93,7 +96,7 @@ fn process_one<S: Store + 'static>(
     move |id: u64| {
         let (dedup, scope, effects) = (Arc::clone(&dedup), scope.clone(), Arc::clone(&effects));
         Box::pin(async move {
-            let key = IdempotencyKey::new(scope, format!("e{id}")).map_err(|e| e.to_string())?;
+            let key = IdempotencyKey::new(scope, keys.of(id)).map_err(|e| e.to_string())?;
             dedup
                 .process(&key, None, |_lease| async {
                     effects.fetch_add(1, Ordering::Relaxed);
@@ -140,6 +143,7 @@ pub(super) async fn lease_batches(
             Arc::clone(&next),
         );
         let (effects, errors) = (Arc::clone(&effects), Arc::clone(&errors));
+        let keys = ctx.keys;
         tasks.spawn(async move {
             let mut latencies = Vec::new();
             let mut again: Vec<u64> = Vec::new();
@@ -156,7 +160,7 @@ pub(super) async fn lease_batches(
                 let items: Vec<BatchItem> = ids
                     .iter()
                     .filter_map(|id| {
-                        IdempotencyKey::new(scope.clone(), format!("e{id}"))
+                        IdempotencyKey::new(scope.clone(), keys.of(*id))
                             .ok()
                             .map(|k| BatchItem::new(k, None))
                     })

@@ -91,9 +91,41 @@ pub(crate) struct BenchArgs {
     /// and the ratios of medians; the JSON carries every run.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     repeat: u32,
+    /// The shape of the event ids: `uuid` (random, as producers make them, landing all over the
+    /// primary key) or `sequential` (`e<n>`, one hot corner of it, which flatters every
+    /// figure; the bench's keys before random ones became the default).
+    #[arg(long, value_enum, default_value_t = Keys::Uuid)]
+    keys: Keys,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
+}
+
+/// The shape of the bench's event ids (`--keys`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Keys {
+    /// Random UUID-shaped ids (`dedup_workload::event_id`).
+    Uuid,
+    /// `e<n>`.
+    Sequential,
+}
+
+impl Keys {
+    /// Event `id`'s idempotency key.
+    fn of(self, id: u64) -> String {
+        match self {
+            Self::Uuid => dedup_workload::event_id(id),
+            Self::Sequential => format!("e{id}"),
+        }
+    }
+
+    /// As `--keys` names it.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Uuid => "uuid",
+            Self::Sequential => "sequential",
+        }
+    }
 }
 
 /// What one contender did.
@@ -210,6 +242,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             tx_workers: args.tx_workers,
             run_id,
             quiet: args.json,
+            keys: args.keys,
         };
         if args.repeat > 1 {
             ctx.note(&format!("run {round} of {}", args.repeat));
@@ -336,6 +369,7 @@ struct Ctx {
     tx_workers: usize,
     run_id: String,
     quiet: bool,
+    keys: Keys,
 }
 
 impl Ctx {

@@ -152,10 +152,11 @@ impl Report<'_> {
     fn print_heading(&self, repeated: bool) {
         let a = self.args;
         println!(
-            "dedup bench: {} events, {} unique keys ({:.0}% duplicates, Zipf s={}), \
+            "dedup bench: {} events, {} unique {} keys ({:.0}% duplicates, Zipf s={}), \
              concurrency {} and {} Postgres connections for every contender",
             a.events,
             self.unique,
+            a.keys.name(),
             a.duplicates * 100.0,
             a.zipf,
             a.concurrency,
@@ -392,6 +393,7 @@ impl Report<'_> {
         serde_json::json!({
             "events": a.events,
             "unique_keys": self.unique,
+            "keys": a.keys.name(),
             "duplicates": a.duplicates,
             "zipf": a.zipf,
             "concurrency": a.concurrency,

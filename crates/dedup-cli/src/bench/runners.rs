@@ -28,7 +28,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::{PgConnection, PgPool};
 
 use super::engine::tier_counts;
-use super::{Ctx, Outcome, result_of};
+use super::{Ctx, Keys, Outcome, result_of};
 use crate::connect::{CliError, connect_redis};
 
 /// Which runner.
@@ -63,7 +63,7 @@ pub(super) async fn through_kafka(
     mock.create_topic(&topic, partitions, 1)
         .map_err(|e| CliError::Failed(format!("creating {topic}: {e}")))?;
     let bootstrap = mock.bootstrap_servers();
-    produce(&bootstrap, &topic, &ctx.stream).await?;
+    produce(&bootstrap, &topic, &ctx.stream, ctx.keys).await?;
 
     ctx.note(&format!(
         "{name} consuming: {partitions} partitions, batches of up to {size}, {} in flight",
@@ -198,7 +198,7 @@ impl BatchHandler for Counted {
 
 /// Produces the stream: each event's id as its payload, its `idempotency-key` header and its
 /// message key (the partitioner spreads the keys over the partitions).
-async fn produce(bootstrap: &str, topic: &str, stream: &[u64]) -> Result<(), CliError> {
+async fn produce(bootstrap: &str, topic: &str, stream: &[u64], keys: Keys) -> Result<(), CliError> {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("enable.idempotence", "true")
@@ -209,7 +209,7 @@ async fn produce(bootstrap: &str, topic: &str, stream: &[u64]) -> Result<(), Cli
         .map_err(|e| CliError::Failed(format!("Kafka producer: {e}")))?;
     let mut pending = Vec::with_capacity(4096);
     for id in stream {
-        let key = format!("e{id}");
+        let key = keys.of(*id);
         let payload = id.to_string();
         let record = FutureRecord::<str, str>::to(topic)
             .key(&key)

@@ -58,6 +58,7 @@ pub(super) async fn transaction_mode(
             Arc::clone(&contender),
             Arc::clone(&run),
         );
+        let keys = ctx.keys;
         tasks.spawn(async move {
             let mut latencies = Vec::new();
             // Messages answered InFlight (a concurrent batch holds their key) come again.
@@ -77,7 +78,7 @@ pub(super) async fn transaction_mode(
                     .iter()
                     .map(|id| {
                         n += 1;
-                        let key = IdempotencyKey::new(scope.clone(), format!("e{id}"))
+                        let key = IdempotencyKey::new(scope.clone(), keys.of(*id))
                             .unwrap_or_else(|_| unreachable!("short keys are valid"));
                         ClaimRequest::new(key, OwnerId::new(format!("w{w}:{n}")))
                     })
@@ -262,12 +263,13 @@ pub(super) async fn claims(ctx: &Ctx, pool: &PgPool, rows: u64) -> Result<f64, C
     let scope = Scope::new(format!("bench-claim-{}", ctx.run_id))
         .map_err(|e| CliError::Failed(format!("claims: {e}")))?;
     let store = PgStore::new(pool.clone());
+    let keys = ctx.keys;
     two_clients(rows, "claims", move |from, to| {
         let (store, scope) = (store.clone(), scope.clone());
         async move {
             let reqs: Vec<ClaimRequest> = (from..to)
                 .map(|i| {
-                    let key = IdempotencyKey::new(scope.clone(), format!("e{i}"))
+                    let key = IdempotencyKey::new(scope.clone(), keys.of(i))
                         .map_err(|e| e.to_string())?;
                     Ok(ClaimRequest::new(key, OwnerId::new("bench")))
                 })
@@ -299,10 +301,11 @@ pub(super) async fn ceiling(ctx: &Ctx, pool: &PgPool, rows: u64) -> Result<f64, 
         .await
         .map_err(e)?;
     let insert_pool = pool.clone();
+    let shape = ctx.keys;
     let rate = two_clients(rows, "ceiling", move |from, to| {
         let pool = insert_pool.clone();
         async move {
-            let keys: Vec<Vec<u8>> = (from..to).map(|i| format!("e{i}").into_bytes()).collect();
+            let keys: Vec<Vec<u8>> = (from..to).map(|i| shape.of(i).into_bytes()).collect();
             let results: Vec<Vec<u8>> = (from..to).map(|i| result_of(i).into_bytes()).collect();
             sqlx::query(
                 "INSERT INTO dedup_bench_ceiling (scope, key, state, token, attempts, result, \

@@ -39,6 +39,7 @@ pub(super) async fn usual_postgres(
     let run = Arc::new(ctx.run_id.clone());
     let effects = Arc::new(AtomicU64::new(0));
     let trips = Arc::new(AtomicU64::new(0));
+    let keys = ctx.keys;
     let one = {
         let (pool, effects, trips, prefix, run) = (
             pool.clone(),
@@ -56,7 +57,7 @@ pub(super) async fn usual_postgres(
                 Arc::clone(&run),
             );
             async move {
-                let key = format!("{prefix}e{id}");
+                let key = format!("{prefix}{}", keys.of(id));
                 let e = |e: sqlx::Error| e.to_string();
                 let mut tx = pool.begin().await.map_err(e)?;
                 let row: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
@@ -185,13 +186,14 @@ pub(super) async fn usual_redis(
     let run = Arc::new(ctx.run_id.clone());
     let scripts = Arc::new((Script::new(ACQUIRE_LUA), Script::new(COMPLETE_LUA)));
     let effects = Arc::new(AtomicU64::new(0));
+    let keys = ctx.keys;
     let one = {
         let effects = Arc::clone(&effects);
         move |id: u64| {
             let (mut conn, scripts, effects) =
                 (conn.clone(), Arc::clone(&scripts), Arc::clone(&effects));
             let (pool, run) = (pool.clone(), Arc::clone(&run));
-            let key = format!("{prefix}:{{e{id}}}");
+            let key = format!("{prefix}:{{{}}}", keys.of(id));
             async move {
                 let e = |e: redis::RedisError| e.to_string();
                 let state: Option<String> = scripts
