@@ -4,7 +4,8 @@
 //! test in a fresh database), the tiered store (Postgres behind L1 and a Redis of the test's own,
 //! or the 3-master Redis Cluster `scripts/test` starts), and the tiered store behind `Batched`
 //! (group commit), and the store an `Engine` built by `dedup::Engine::builder()` claims through
-//! (the same stack, as users get it): six stores, one module each (`memory::*`, `postgres::*`,
+//! (the same stack, as users get it), and that stack over the reference store (an engine built
+//! `in_memory()`, for users' tests): seven stores, one module each (`memory::*`, `postgres::*`,
 //! ...); a later store adds a module to the macro. `cases.rs` covers the store API, the other
 //! files the APIs on top of it.
 
@@ -74,6 +75,20 @@ macro_rules! conformance {
                         .postgres(pool)
                         .redis_url(redis.url())
                         .tiers(crate::support::test_config())
+                        .scope("conformance")
+                        .build()
+                        .await
+                        .unwrap();
+                    super::run::$case(engine.dedup().store().clone()).await;
+                }
+            )*
+        }
+        mod engine_in_memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let engine = dedup::Engine::builder()
+                        .in_memory()
                         .scope("conformance")
                         .build()
                         .await
