@@ -31,12 +31,10 @@ impl Engine {
     /// layer of an engine scoped `a`: do not end a scope with `/http`.)
     ///
     /// # Errors
-    /// A policy or in-flight wait that cannot work; an engine scope too long to add `/http` to.
+    /// A policy or in-flight wait that cannot work.
     pub fn http_layer(&self, mut config: IdempotencyConfig) -> Result<EngineLayer, BuildError> {
         if config.scope().is_none() {
-            let scope = dedup_core::Scope::new(format!("{}/http", self.scope().as_str()))
-                .map_err(|e| BuildError::setting("scope", format!("<scope>/http: {e}")))?;
-            config = config.with_scope(scope);
+            config = config.with_scope(self.http_scope().clone());
         }
         let member = self.member(None);
         let dedup = self.member_dedup(self.policy(), member.owner_prefix)?;

@@ -236,7 +236,7 @@ impl EngineBuilder {
         // The HTTP layers' keys live in `<scope>/http`: a scope too long for that is refused
         // now, not at the first `http_layer`.
         #[cfg(feature = "http")]
-        Scope::new(format!("{}/http", scope.as_str())).map_err(|e| {
+        let http_scope = Scope::new(format!("{}/http", scope.as_str())).map_err(|e| {
             BuildError::setting(
                 "scope",
                 format!("its HTTP layers' scope, <scope>/http: {e}"),
@@ -362,6 +362,8 @@ impl EngineBuilder {
                 running: Running::default(),
                 #[cfg(feature = "http")]
                 layers: Mutex::new(Vec::new()),
+                #[cfg(feature = "http")]
+                http_scope,
             }),
         })
     }

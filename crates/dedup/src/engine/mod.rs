@@ -70,6 +70,9 @@ struct Inner {
     /// The HTTP layers built from the engine, drained at shutdown.
     #[cfg(feature = "http")]
     layers: Mutex<Vec<crate::http::EngineLayer>>,
+    /// `<scope>/http`, the HTTP layers' default scope (checked at build).
+    #[cfg(feature = "http")]
+    http_scope: Scope,
 }
 
 impl fmt::Debug for Engine {
@@ -190,6 +193,11 @@ impl Engine {
         {
             tracing::info!("engine shut down; instance identity released");
         }
+    }
+
+    #[cfg(feature = "http")]
+    pub(crate) fn http_scope(&self) -> &Scope {
+        &self.inner.http_scope
     }
 
     #[cfg(feature = "http")]
