@@ -788,6 +788,105 @@ fn the_bench_repeats_its_contenders_and_reports_medians() {
     assert!(stdout.contains("run by run"), "{stdout}");
 }
 
+/// `dedup bench --prefill N --expired M --purge-during`: the window's scopes are topped up to N
+/// records (kept from one bench to the next) with M more past their retention; each contender
+/// that keeps records runs on an empty window, over the window, and over it with the retention
+/// running, each run booking every unique key once; the report says what the window takes on
+/// disk per record, the WAL per key, and what the retention removed.
+#[test]
+fn the_bench_fills_a_window_and_runs_beside_the_retention() {
+    let out = dedup()
+        .args([
+            "bench",
+            "--events",
+            "300",
+            "--concurrency",
+            "8",
+            "--only",
+            "a,e,f",
+            "--prefill",
+            "3000",
+            "--expired",
+            "400",
+            "--purge-during",
+            "--purge-batch",
+            "100",
+            "--json",
+        ])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let unique = report["unique_keys"].as_u64().unwrap();
+    let w = &report["window"];
+    // Topped up: whatever an earlier bench left in the window's scopes counts.
+    let (found, live) = (
+        w["found"].as_u64().unwrap(),
+        w["inserted_live"].as_u64().unwrap(),
+    );
+    assert!(found + live >= 3000, "{w}");
+    let per = w["size"]["bytes_per_record"].as_f64().unwrap();
+    assert!(per > 100.0, "{w}");
+    assert!(w["size"]["records"].as_u64().unwrap() >= 3000, "{w}");
+    let indexes: Vec<&str> = w["size"]["indexes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap())
+        .collect();
+    assert!(indexes.contains(&"dedup_records_pkey"), "{w}");
+    // (a) keeps no records: it runs on the empty window alone.
+    for pass in ["over_window", "over_window_purging"] {
+        let names: Vec<&str> = w[pass]["contenders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["(e)", "(f)"], "{pass}: {w}");
+        for c in w[pass]["contenders"].as_array().unwrap() {
+            assert_eq!(c["effects"].as_u64(), Some(unique), "{pass}: {c}");
+            assert!(c["wal_bytes_per_unique_key"].as_f64().unwrap() > 0.0, "{c}");
+        }
+    }
+    let empty: Vec<&serde_json::Value> = report["contenders"].as_array().unwrap().iter().collect();
+    assert_eq!(empty.len(), 3);
+    for c in empty.iter().filter(|c| c["name"] != "(a)") {
+        // A record of its own, as the heap holds it.
+        assert!(c["row_bytes"].as_f64().unwrap() > 50.0, "{c}");
+    }
+    let retention = &w["retention_runs"][0];
+    assert!(retention["error"].is_null(), "{retention}");
+    assert!(
+        retention["elapsed_s"].as_f64().unwrap() >= 0.0,
+        "{retention}"
+    );
+    // The retention ran until nothing past it was left (another test's `dedup purge` may have
+    // taken some of them).
+    let left = sql_value(
+        "SELECT count(*) FROM dedup_records WHERE scope LIKE 'bench-%-window' \
+         AND expires_at <= statement_timestamp() - interval '1 minute'",
+    );
+    assert_eq!(left, "0");
+
+    // A window needs random keys and a contender that keeps records.
+    let refused = dedup()
+        .args(["bench", "--only", "a,b", "--prefill", "10"])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused).1.contains("--prefill"),
+        "{:?}",
+        text(&refused)
+    );
+}
+
 /// `dedup forget` by key: a FAILED record and one whose lease ran out go; a key under a live
 /// lease (busy) and one a parked message carries (parked) stay; an unknown key is absent. A dry
 /// run changes nothing; a key may be given in hex.

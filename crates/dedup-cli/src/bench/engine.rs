@@ -12,7 +12,7 @@ use dedup_core::{
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 
-use super::{Ctx, Keys, Outcome, drive, result_of};
+use super::{Ctx, EventKeys, Outcome, drive, result_of};
 use crate::connect::{CliError, connect_redis};
 
 /// (c) and (d): `Dedup::process` on the tiered store (moka, Redis, Postgres), one call per
@@ -41,8 +41,8 @@ pub(super) async fn tiered(
     } else {
         store
     };
-    let scope = Scope::new(format!("bench-{which}-{}", ctx.run_id))
-        .map_err(|e| CliError::Config(format!("scope: {e}")))?;
+    let scope =
+        Scope::new(ctx.scope(which)).map_err(|e| CliError::Config(format!("scope: {e}")))?;
     let effects = Arc::new(AtomicU64::new(0));
     let (elapsed, latencies_us, errors, stats, batches) = if batched {
         let dedup = Arc::new(Dedup::new(Batched::new(store, ctx.batch)));
@@ -73,6 +73,8 @@ pub(super) async fn tiered(
         pg_trips: Some(trips),
         server_statements: None,
         cpu: None,
+        wal: None,
+        row_bytes: None,
         tiers: tier_counts(&stats),
         batches,
     })
@@ -86,7 +88,7 @@ fn process_one<S: Store + 'static>(
     dedup: &Arc<Dedup<S>>,
     scope: &Scope,
     effects: &Arc<AtomicU64>,
-    keys: Keys,
+    keys: EventKeys,
 ) -> impl Fn(u64) -> std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send>>
 + Clone
 + Send
@@ -127,8 +129,7 @@ pub(super) async fn lease_batches(
     let fast = connect_redis(url, &format!("dedup-bench-f-{}", ctx.run_id)).await?;
     let store =
         TieredStore::new(pg.clone(), fast, TieredConfig::default()).with_background_backfill();
-    let scope = Scope::new(format!("bench-f-{}", ctx.run_id))
-        .map_err(|e| CliError::Config(format!("scope: {e}")))?;
+    let scope = Scope::new(ctx.scope("f")).map_err(|e| CliError::Config(format!("scope: {e}")))?;
     let dedup = Arc::new(Dedup::new(store));
     let effects = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
@@ -220,6 +221,8 @@ pub(super) async fn lease_batches(
         pg_trips: Some(pg.statements()),
         server_statements: None,
         cpu: None,
+        wal: None,
+        row_bytes: None,
         tiers: tier_counts(&dedup.store().stats()),
         batches: None,
     })

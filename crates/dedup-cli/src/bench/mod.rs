@@ -41,6 +41,7 @@ mod runners;
 mod statements;
 mod txmode;
 mod usual;
+mod window;
 
 use engine::tiered;
 use report::Report;
@@ -96,6 +97,24 @@ pub(crate) struct BenchArgs {
     /// figure; the bench's keys before random ones became the default).
     #[arg(long, value_enum, default_value_t = Keys::Uuid)]
     keys: Keys,
+    /// The window at size: top the window's scopes (`bench-<tag>-window` of the contenders that
+    /// keep records) up to this many completed records in all, with random UUID-shaped keys,
+    /// kept from one bench to the next; then each run also runs those contenders over the
+    /// window, beside their run on an empty one. 0: no window.
+    #[arg(long, default_value_t = 0)]
+    prefill: u64,
+    /// With the window: this many more records among them, already past their retention, for
+    /// `--purge-during` to remove.
+    #[arg(long, default_value_t = 0)]
+    expired: u64,
+    /// With the window: run the contenders over it a second time with the retention running
+    /// (today's bounded DELETE, `dedup purge`), from their start until nothing past retention is
+    /// left; the expired records are topped up to `--expired` before each such run.
+    #[arg(long)]
+    purge_during: bool,
+    /// The retention's records per statement (`dedup purge --batch`).
+    #[arg(long, default_value_t = 1000)]
+    purge_batch: u32,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -110,15 +129,26 @@ enum Keys {
     Sequential,
 }
 
-impl Keys {
+/// The event ids of one run: their shape, and (for random ids) a salt that gives each run of a
+/// contender over the same scope (the window's) keys of its own, with the stream's duplicates
+/// where they were.
+#[derive(Clone, Copy, Debug)]
+struct EventKeys {
+    shape: Keys,
+    salt: u64,
+}
+
+impl EventKeys {
     /// Event `id`'s idempotency key.
     fn of(self, id: u64) -> String {
-        match self {
-            Self::Uuid => dedup_workload::event_id(id),
-            Self::Sequential => format!("e{id}"),
+        match self.shape {
+            Keys::Uuid => dedup_workload::event_id(id ^ self.salt),
+            Keys::Sequential => format!("e{id}"),
         }
     }
+}
 
+impl Keys {
     /// As `--keys` names it.
     fn name(self) -> &'static str {
         match self {
@@ -148,6 +178,11 @@ struct Outcome {
     batches: Option<dedup_core::BatchCounts>,
     /// What the machine's processors did meanwhile (Linux).
     cpu: Option<cpu::CpuUse>,
+    /// The server's WAL meanwhile: bytes, and full-page images where they were counted
+    /// (`pg_stat_wal`, settled: with a window).
+    wal: Option<(u64, Option<u64>)>,
+    /// The average heap size of one of its records, where it keeps records.
+    row_bytes: Option<f64>,
 }
 
 impl Outcome {
@@ -224,6 +259,46 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     );
     txmode::ledger_table(&pool).await?;
     let counting = statements::enable(&pool).await;
+    let windowed = args.prefill > 0 || args.expired > 0;
+    let keepers: Vec<&str> = window::KEEPERS
+        .iter()
+        .filter(|(c, _)| args.only.iter().any(|o| o == c))
+        .map(|(_, t)| *t)
+        .collect();
+    if windowed && (args.keys != Keys::Uuid || keepers.is_empty()) {
+        return Err(CliError::Config(
+            "--prefill and --expired need --keys uuid and a contender that keeps records \
+             (c, d, e, e', f, ek, fk)"
+                .into(),
+        ));
+    }
+    if args.purge_during && !windowed {
+        return Err(CliError::Config(
+            "--purge-during needs a window (--prefill, --expired)".into(),
+        ));
+    }
+    let note = |what: &str| {
+        if !args.json {
+            eprintln!("[bench] {what}");
+        }
+    };
+    let mut window = None;
+    if windowed {
+        let filled = window::fill(&pool, &keepers, args.prefill, args.expired, &note).await?;
+        let size = window::size(&pool).await?;
+        window = Some(Window {
+            filled,
+            size,
+            purges: Vec::new(),
+        });
+    }
+    let window_only: Vec<String> = args
+        .only
+        .iter()
+        .filter(|c| window::KEEPERS.iter().any(|(k, _)| k == c))
+        .cloned()
+        .collect();
+    let salts = std::collections::hash_map::RandomState::new();
     let mut rounds = Vec::new();
     for round in 1..=args.repeat {
         // Each run of a contender in a key space of its own: a second run over the first's keys
@@ -240,14 +315,72 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             stream: Arc::clone(&stream),
             concurrency: args.concurrency,
             tx_workers: args.tx_workers,
+            scopes: run_id.clone(),
             run_id,
             quiet: args.json,
-            keys: args.keys,
+            keys: EventKeys {
+                shape: args.keys,
+                salt: 0,
+            },
         };
-        if args.repeat > 1 {
-            ctx.note(&format!("run {round} of {}", args.repeat));
+        if args.repeat > 1 || windowed {
+            ctx.note(&format!(
+                "run {round} of {}, on an empty window",
+                args.repeat
+            ));
         }
-        rounds.push(run_round(&args, &ctx, &pool, unique, counting).await?);
+        rounds.push(
+            run_round(
+                &args,
+                &args.only,
+                &ctx,
+                &pool,
+                unique,
+                counting,
+                Pass::Empty,
+            )
+            .await?,
+        );
+        if let Some(w) = window.as_mut() {
+            for pass in [Pass::Window, Pass::Purge] {
+                if pass == Pass::Purge && !args.purge_during {
+                    continue;
+                }
+                if pass == Pass::Purge && round > 1 {
+                    // The expired records the last run's retention removed, made again.
+                    window::fill(&pool, &keepers, args.prefill, args.expired, &note).await?;
+                }
+                let ctx = Ctx {
+                    run_id: format!("{}-{}", ctx.run_id, pass.tag()),
+                    scopes: "window".to_owned(),
+                    keys: EventKeys {
+                        shape: args.keys,
+                        salt: std::hash::BuildHasher::hash_one(&salts, (round, pass.tag())),
+                    },
+                    ..ctx.clone()
+                };
+                ctx.note(&format!(
+                    "run {round} of {}, {}",
+                    args.repeat,
+                    pass.describe()
+                ));
+                let purge = if pass == Pass::Purge {
+                    Some(
+                        window::Purge::start(&args.pg.database_url, &pool, args.purge_batch)
+                            .await?,
+                    )
+                } else {
+                    None
+                };
+                let done =
+                    run_round(&args, &window_only, &ctx, &pool, unique, counting, pass).await;
+                if let Some(p) = purge {
+                    ctx.note("waiting for the retention to finish, then VACUUM");
+                    w.purges.push(p.finish().await);
+                }
+                rounds.push(done?);
+            }
+        }
     }
     // Rows are deleted only now: deleting between contenders would set autovacuum to work
     // while the next one is timed.
@@ -265,12 +398,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         .flat_map(|(i, r)| r.outcomes.iter().map(move |o| (i, o)))
         .filter(|(_, o)| o.effects != unique || o.errors > 0)
         .collect();
-    let report = Report {
-        args: &args,
-        unique,
-        sync: &sync,
-        rounds: &rounds,
-    };
+    let report = Report::new(&args, unique, &sync, &rounds, window.as_ref());
     if args.json {
         println!("{}", report.json());
     } else {
@@ -292,8 +420,46 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     }
 }
 
+/// Which window a run ran over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    /// Scopes of its own, empty when it starts (every bench's runs).
+    Empty,
+    /// The window `--prefill` filled.
+    Window,
+    /// The same, with the retention running (`--purge-during`).
+    Purge,
+}
+
+impl Pass {
+    fn tag(self) -> &'static str {
+        match self {
+            Self::Empty => "empty",
+            Self::Window => "window",
+            Self::Purge => "purge",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Self::Empty => "on an empty window",
+            Self::Window => "over the window",
+            Self::Purge => "over the window, with the retention running",
+        }
+    }
+}
+
+/// The window of a bench with `--prefill` or `--expired`: what filling it did, what it takes on
+/// disk, and what the retention did in each run beside it.
+struct Window {
+    filled: window::Filled,
+    size: window::Size,
+    purges: Vec<window::Purged>,
+}
+
 /// One run of every contender asked for, in order.
 struct Round {
+    pass: Pass,
     run_id: String,
     outcomes: Vec<Outcome>,
     /// The ceiling's rows per second, when it was measured.
@@ -304,19 +470,24 @@ struct Round {
 
 async fn run_round(
     args: &BenchArgs,
+    only: &[String],
     ctx: &Ctx,
     pool: &PgPool,
     unique: u64,
     counting: bool,
+    pass: Pass,
 ) -> Result<Round, CliError> {
+    // Full-page images are counted late (see `window::wal_since`): waited for with a window.
+    let settle = args.prefill > 0 || args.expired > 0;
     let mut round = Round {
+        pass,
         run_id: ctx.run_id.clone(),
         outcomes: Vec::new(),
         ceiling: None,
         claims: None,
     };
     for c in CONTENDERS {
-        if !args.only.iter().any(|o| o == c) {
+        if !only.iter().any(|o| o == c) {
             continue;
         }
         let before = if counting {
@@ -325,6 +496,7 @@ async fn run_round(
             None
         };
         let ticks = cpu::now();
+        let wal = window::wal(pool).await;
         let mut outcome = match c {
             "a" => usual_postgres(ctx, pool, false).await?,
             "b" => usual_redis(ctx, &args.redis_url, None).await?,
@@ -349,6 +521,15 @@ async fn run_round(
             }
         };
         outcome.cpu = ticks.zip(cpu::now()).map(|(b, a)| a.since(b));
+        if let Some(before) = wal {
+            outcome.wal = window::wal_since(pool, before, settle).await;
+        }
+        // A window's rows are mostly the fill's: only an empty one's are the contender's own.
+        if pass == Pass::Empty
+            && let Some(tag) = window::tag_of(outcome.name)
+        {
+            outcome.row_bytes = window::row_bytes(pool, &ctx.scope(tag)).await;
+        }
         if let (Some(b), Some(a)) = (before, statements::count(pool).await) {
             outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
         }
@@ -362,17 +543,26 @@ const CONTENDERS: [&str; 13] = [
     "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ek", "fk", "ceiling", "claim",
 ];
 
+#[derive(Clone)]
 struct Ctx {
     batch: BatchConfig,
     stream: Arc<Vec<u64>>,
     concurrency: usize,
     tx_workers: usize,
     run_id: String,
+    /// Where the run's records go: `bench-<tag>-<this>` (the run id, or `window` for a run over
+    /// the window `--prefill` filled).
+    scopes: String,
     quiet: bool,
-    keys: Keys,
+    keys: EventKeys,
 }
 
 impl Ctx {
+    /// The scope of the contender tagged `tag` (one of [`SCOPE_TAGS`]) in this run.
+    fn scope(&self, tag: &str) -> String {
+        format!("bench-{tag}-{}", self.scopes)
+    }
+
     fn note(&self, what: &str) {
         if !self.quiet {
             eprintln!("[bench] {what}");

@@ -5,13 +5,24 @@
 //! middle of an even N), its rate shown with the min-max of every run; ratios are ratios of
 //! medians. The JSON carries every run as well.
 
-use super::{BenchArgs, Outcome, Round};
+use super::{BenchArgs, Outcome, Pass, Round, Window};
 
 pub(super) struct Report<'a> {
-    pub(super) args: &'a BenchArgs,
-    pub(super) unique: u64,
-    pub(super) sync: &'a str,
-    pub(super) rounds: &'a [Round],
+    args: &'a BenchArgs,
+    unique: u64,
+    sync: &'a str,
+    /// The runs of one pass (the runs on an empty window, in the report a bench prints).
+    rounds: Vec<&'a Round>,
+    /// Every run of every pass.
+    all: &'a [Round],
+    window: Option<&'a Window>,
+}
+
+/// `n` per unique key.
+fn per_unique(n: u64, unique: u64) -> f64 {
+    #[allow(clippy::cast_precision_loss)]
+    let per = n as f64 / unique.max(1) as f64;
+    per
 }
 
 /// The median of `xs` (the upper middle of an even count); `None` when empty.
@@ -20,7 +31,36 @@ fn median(mut xs: Vec<f64>) -> Option<f64> {
     xs.get(xs.len() / 2).copied()
 }
 
-impl Report<'_> {
+impl<'a> Report<'a> {
+    /// The report of a bench: its runs on an empty window, and the window's if it had one.
+    pub(super) fn new(
+        args: &'a BenchArgs,
+        unique: u64,
+        sync: &'a str,
+        all: &'a [Round],
+        window: Option<&'a Window>,
+    ) -> Self {
+        let mut report = Self {
+            args,
+            unique,
+            sync,
+            rounds: Vec::new(),
+            all,
+            window,
+        };
+        report.rounds = report.pass(Pass::Empty).rounds;
+        report
+    }
+
+    /// The same bench's runs of `pass` alone.
+    fn pass(&self, pass: Pass) -> Self {
+        Self {
+            rounds: self.all.iter().filter(|r| r.pass == pass).collect(),
+            window: None,
+            ..*self
+        }
+    }
+
     /// The contenders that ran, in the order they ran.
     fn names(&self) -> Vec<&'static str> {
         self.rounds
@@ -146,6 +186,149 @@ impl Report<'_> {
         self.print_counts(&median_runs);
         self.print_ratios(repeated);
         self.print_ceiling(&median_runs);
+        if let Some(w) = self.window {
+            self.print_window(w);
+        }
+    }
+
+    /// Prints the window: how it was filled, what it takes on disk, each contender over it beside
+    /// itself on an empty window (medians), and what the retention did beside it.
+    fn print_window(&self, w: &Window) {
+        let f = &w.filled;
+        let (per, heap, idx) = w.size.per_record();
+        println!();
+        println!(
+            "The window: {} records in dedup_records after the fill ({} were in the window's \
+             scopes, {} live and {} expired inserted in {:.0} s; VACUUM and CHECKPOINT {:.0} s), \
+             {} of them past their retention",
+            w.size.records,
+            f.found,
+            f.inserted_live,
+            f.inserted_expired,
+            f.fill.as_secs_f64(),
+            f.vacuum.as_secs_f64(),
+            f.expired
+        );
+        #[allow(clippy::cast_precision_loss)]
+        let mb = |b: u64| b as f64 / 1_048_576.0;
+        println!(
+            "On disk: {:.0} MB, {per:.0} bytes per record (the heap {heap:.0}, the indexes \
+             {idx:.0}: {})",
+            mb(w.size.total()),
+            w.size
+                .indexes
+                .iter()
+                .map(|(n, b)| format!("{n} {:.0}", per_unique(*b, w.size.records)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let over = self.pass(Pass::Window);
+        let purge = self.pass(Pass::Purge);
+        let purging = !purge.rounds.is_empty();
+        println!();
+        print!(
+            "{:<6} {:>12} {:>12} {:>6} {:>10} {:>10} {:>6} {:>9} {:>7}",
+            "",
+            "empty ev/s",
+            "window ev/s",
+            "ratio",
+            "empty p99",
+            "window p99",
+            "ratio",
+            "WAL B/u",
+            "FPI/u"
+        );
+        if purging {
+            print!(
+                " {:>12} {:>11} {:>10}",
+                "purging ev/s", "purging p99", "p99/window"
+            );
+        }
+        println!();
+        let events = self.args.events;
+        let p99 = |r: &Self, n: &str| r.median_run(n).and_then(|o| o.percentile_ms(0.99));
+        for name in over.names() {
+            let (Some(e), Some(o)) = (self.median_run(name), over.median_run(name)) else {
+                continue;
+            };
+            let (re, ro) = (e.rate(events), o.rate(events));
+            let (pe, po) = (p99(self, name), p99(&over, name));
+            let ms = |x: Option<f64>| x.map_or("-".to_owned(), |t| format!("{t:.2}"));
+            let ratio = |a: Option<f64>, b: Option<f64>| {
+                a.zip(b)
+                    .map_or("-".to_owned(), |(a, b)| format!("{:.2}", a / b))
+            };
+            print!(
+                "{:<6} {re:>12.0} {ro:>12.0} {:>6.2} {:>10} {:>10} {:>6} {:>9} {:>7}",
+                name,
+                ro / re,
+                ms(pe),
+                ms(po),
+                ratio(po, pe),
+                o.wal.map_or("-".to_owned(), |w| format!(
+                    "{:.0}",
+                    per_unique(w.0, self.unique)
+                )),
+                o.wal.and_then(|w| w.1).map_or("-".to_owned(), |f| format!(
+                    "{:.3}",
+                    per_unique(f, self.unique)
+                )),
+            );
+            if let Some(p) = purge.median_run(name) {
+                let pp = p.percentile_ms(0.99);
+                print!(
+                    " {:>12.0} {:>11} {:>10}",
+                    p.rate(events),
+                    ms(pp),
+                    ratio(pp, po)
+                );
+            }
+            println!();
+        }
+        println!(
+            "ratio: over the window / on an empty one (events/s), and the window's p99 / the empty \
+             one's; WAL B/u, FPI/u: over the window, per unique key (pg_stat_wal)"
+        );
+        for (i, p) in w.purges.iter().enumerate() {
+            #[allow(clippy::cast_precision_loss)]
+            let rate = p.records as f64 / p.elapsed.as_secs_f64().max(1e-9);
+            println!(
+                "retention {}: {} records in {} statements of up to {} in {:.1} s ({rate:.0}/s), \
+                 other sessions waiting on its locks for {:.2} s; the VACUUM after it {:.1} s{}",
+                i + 1,
+                p.records,
+                p.statements,
+                self.args.purge_batch,
+                p.elapsed.as_secs_f64(),
+                p.blocked.as_secs_f64(),
+                p.vacuum.as_secs_f64(),
+                p.error
+                    .as_ref()
+                    .map_or(String::new(), |e| format!(" (stopped: {e})"))
+            );
+        }
+    }
+
+    /// The window as JSON, where the bench had one.
+    fn window_json(&self) -> serde_json::Value {
+        let Some(w) = self.window else {
+            return serde_json::Value::Null;
+        };
+        let f = &w.filled;
+        serde_json::json!({
+            "prefill": self.args.prefill,
+            "expired": self.args.expired,
+            "found": f.found,
+            "inserted_live": f.inserted_live,
+            "inserted_expired": f.inserted_expired,
+            "past_retention_after_fill": f.expired,
+            "fill_s": f.fill.as_secs_f64(),
+            "vacuum_checkpoint_s": f.vacuum.as_secs_f64(),
+            "size": w.size.json(),
+            "over_window": self.pass(Pass::Window).json(),
+            "over_window_purging": self.args.purge_during.then(|| self.pass(Pass::Purge).json()),
+            "retention_runs": w.purges.iter().map(super::window::Purged::json).collect::<Vec<_>>(),
+        })
     }
 
     /// Prints the bench's settings and the table's column names.
@@ -253,6 +436,25 @@ impl Report<'_> {
             }
         }
         for &o in median_runs {
+            let wal = o.wal.map(|(bytes, fpi)| {
+                format!(
+                    "the server wrote {:.0} bytes of WAL{} per unique key",
+                    per_unique(bytes, self.unique),
+                    fpi.map_or(String::new(), |f| format!(
+                        " and {:.3} full-page images",
+                        per_unique(f, self.unique)
+                    ))
+                )
+            });
+            let row = o
+                .row_bytes
+                .map(|b| format!("a record takes {b:.0} bytes in the heap (pg_column_size)"));
+            let both: Vec<String> = wal.into_iter().chain(row).collect();
+            if !both.is_empty() {
+                println!("{}: {}", o.name, both.join("; "));
+            }
+        }
+        for &o in median_runs {
             if let Some(b) = o.batches {
                 println!(
                     "{}: {} claims in {} batch calls, {} completions in {} batch calls (L1 hits \
@@ -347,6 +549,9 @@ impl Report<'_> {
                 "completion_calls": b.completion_calls, "completions": b.completions,
             })),
             "cpu": o.cpu.map(|c| c.json(self.args.events)),
+            "wal_bytes_per_unique_key": o.wal.map(|w| per_unique(w.0, self.unique)),
+            "wal_fpi_per_unique_key": o.wal.and_then(|w| w.1).map(|f| per_unique(f, self.unique)),
+            "row_bytes": o.row_bytes,
         })
     }
 
@@ -406,6 +611,7 @@ impl Report<'_> {
             "claim_cost_over_insert": self.claim_cost(),
             "ratios": self.ratios_json(),
             "runs": runs,
+            "window": self.window_json(),
         })
     }
 

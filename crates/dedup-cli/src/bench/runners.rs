@@ -28,7 +28,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::{PgConnection, PgPool};
 
 use super::engine::tier_counts;
-use super::{Ctx, Keys, Outcome, result_of};
+use super::{Ctx, EventKeys, Outcome, result_of};
 use crate::connect::{CliError, connect_redis};
 
 /// Which runner.
@@ -70,7 +70,7 @@ pub(super) async fn through_kafka(
         ctx.concurrency
     ));
     let config = RunnerConfig::new(bootstrap, format!("bench-{tag}-{}", ctx.run_id), [&topic])
-        .with_scope(format!("bench-{tag}-{}", ctx.run_id))
+        .with_scope(ctx.scope(tag))
         .with_ordering(KeyOrder::PerKey)
         .with_max_in_flight(ctx.concurrency)
         // The mock cluster assigns at once with the KIP-848 protocol.
@@ -157,6 +157,8 @@ pub(super) async fn through_kafka(
         pg_trips: Some(pg.statements()),
         server_statements: None,
         cpu: None,
+        wal: None,
+        row_bytes: None,
         tiers: tiers.map_or((0, 0, events), |d| tier_counts(&d.store().stats())),
         batches: None,
     })
@@ -198,7 +200,12 @@ impl BatchHandler for Counted {
 
 /// Produces the stream: each event's id as its payload, its `idempotency-key` header and its
 /// message key (the partitioner spreads the keys over the partitions).
-async fn produce(bootstrap: &str, topic: &str, stream: &[u64], keys: Keys) -> Result<(), CliError> {
+async fn produce(
+    bootstrap: &str,
+    topic: &str,
+    stream: &[u64],
+    keys: EventKeys,
+) -> Result<(), CliError> {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("enable.idempotence", "true")

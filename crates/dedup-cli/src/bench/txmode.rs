@@ -36,8 +36,7 @@ pub(super) async fn transaction_mode(
         "{name} dedup: transaction mode, {workers} batch transactions of up to {size} at once"
     ));
     let store = PgStore::new(pool.clone());
-    let scope = Scope::new(format!("bench-{tag}-{}", ctx.run_id))
-        .map_err(|e| CliError::Config(format!("scope: {e}")))?;
+    let scope = Scope::new(ctx.scope(tag)).map_err(|e| CliError::Config(format!("scope: {e}")))?;
     let contender = Arc::new(name.to_owned());
     let run = Arc::new(ctx.run_id.clone());
     let executed = Arc::new(AtomicU64::new(0));
@@ -148,6 +147,8 @@ pub(super) async fn transaction_mode(
         pg_trips: Some(store.statements()),
         server_statements: None,
         cpu: None,
+        wal: None,
+        row_bytes: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })
@@ -260,8 +261,8 @@ where
 pub(super) async fn claims(ctx: &Ctx, pool: &PgPool, rows: u64) -> Result<f64, CliError> {
     use dedup_core::{ClaimOutcome, Store};
     ctx.note("claims: 500-key claim statements on new keys, two clients");
-    let scope = Scope::new(format!("bench-claim-{}", ctx.run_id))
-        .map_err(|e| CliError::Failed(format!("claims: {e}")))?;
+    let scope =
+        Scope::new(ctx.scope("claim")).map_err(|e| CliError::Failed(format!("claims: {e}")))?;
     let store = PgStore::new(pool.clone());
     let keys = ctx.keys;
     two_clients(rows, "claims", move |from, to| {

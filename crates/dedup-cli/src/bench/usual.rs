@@ -133,6 +133,8 @@ pub(super) async fn usual_postgres(
         pg_trips: Some(unique_calls),
         server_statements: None,
         cpu: None,
+        wal: None,
+        row_bytes: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })
@@ -248,6 +250,8 @@ pub(super) async fn usual_redis(
         pg_trips: None,
         server_statements: None,
         cpu: None,
+        wal: None,
+        row_bytes: None,
         tiers: (0, ctx.stream.len() as u64, 0),
         batches: None,
     })

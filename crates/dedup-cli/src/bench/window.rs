@@ -1,0 +1,433 @@
+//! The bench at the size of a production window (`--prefill`, `--expired`, `--purge-during`):
+//! the window's scopes filled with completed records, what they take on disk, what the server
+//! writes per key, and retention running beside the contenders.
+//!
+//! The window is the records of the scopes `bench-<tag>-window` of the contenders that keep
+//! records (c, d, e, e', f, ek, fk): `--prefill N` tops them up to N records in all (split evenly
+//! among the contenders asked for), kept from one bench to the next, so that a second sitting
+//! does not fill them again. The records are as a stream leaves them: random UUID-shaped keys in
+//! random order, completed, with a fingerprint and a 16-byte result, created over the last 7 days
+//! (the default retention) and expiring over the next 7. `--expired M` adds M records already past
+//! their retention, among them, for the retention to remove.
+
+use std::time::{Duration, Instant};
+
+use dedup_core::Store;
+use dedup_pg::PgStore;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::connect::CliError;
+
+/// The contenders that keep records, with the tag of their scope.
+pub(super) const KEEPERS: [(&str, &str); 7] = [
+    ("c", "c"),
+    ("d", "d"),
+    ("e", "e"),
+    ("e'", "e2"),
+    ("f", "f"),
+    ("ek", "ek"),
+    ("fk", "fk"),
+];
+
+/// The scope tag of the contender `name` as the report names it (`(e')`), where it keeps records.
+pub(super) fn tag_of(name: &str) -> Option<&'static str> {
+    let letter = name.trim_start_matches('(').trim_end_matches(')');
+    KEEPERS.iter().find(|(c, _)| *c == letter).map(|(_, t)| *t)
+}
+
+/// The window's scope of tag `tag`.
+pub(super) fn window_scope(tag: &str) -> String {
+    format!("bench-{tag}-window")
+}
+
+/// The records inserted per statement while filling.
+const FILL_CHUNK: i64 = 50_000;
+
+/// The retention the window's records were written with: the default policy's.
+const RETENTION_SECS: i64 = 7 * 24 * 3600;
+
+/// One statement of the fill: `$2` completed records under scope `$1`, random UUID-shaped keys,
+/// a fingerprint and a 16-byte result each; live ones (`$3` false) created over the last 7 days
+/// and expiring over the next 7, expired ones (`$3` true) expired over the last day.
+const FILL_SQL: &str = concat!(
+    "INSERT INTO dedup_records (scope, key, state, owner, token, lease_until, attempts,",
+    "  fingerprint, result, created_at, updated_at, expires_at)",
+    " SELECT $1, g.k, 'completed', 'bench-prefill', nextval('dedup_token_seq'), NULL, 1,",
+    "  sha256(g.k), substring(sha256(g.k || '\\x00'::bytea) FROM 1 FOR 16),",
+    "  g.e - $4::float8 * interval '1 second', g.e - $4::float8 * interval '1 second', g.e",
+    " FROM (SELECT convert_to(gen_random_uuid()::text, 'UTF8') AS k,",
+    "   CASE WHEN $3 THEN statement_timestamp() - random() * interval '1 day'",
+    "   ELSE statement_timestamp() + random() * $4::float8 * interval '1 second' END AS e",
+    "   FROM generate_series(1, $2)) g",
+    " ON CONFLICT DO NOTHING"
+);
+
+/// What [`fill`] found and did.
+#[derive(Debug, Default)]
+pub(super) struct Filled {
+    /// Records in the window's scopes before, and inserted.
+    pub(super) found: u64,
+    pub(super) inserted_live: u64,
+    pub(super) inserted_expired: u64,
+    /// Past their retention, in the whole table, after the fill.
+    pub(super) expired: u64,
+    pub(super) fill: Duration,
+    /// The VACUUM (ANALYZE) after it, and the CHECKPOINT after that.
+    pub(super) vacuum: Duration,
+}
+
+/// Tops the window of `tags` up to `live` records in all that have not expired and `expired`
+/// records past their retention, then VACUUMs and checkpoints, so that the passes that follow
+/// start from a settled table. Counting is from the indexes alone: the scopes' rows through the
+/// primary key, the expired ones (which only a bench makes) through the `expires_at` index.
+pub(super) async fn fill(
+    pool: &PgPool,
+    tags: &[&str],
+    live: u64,
+    expired: u64,
+    note: &dyn Fn(&str),
+) -> Result<Filled, CliError> {
+    let e =
+        |what: &str, e: sqlx::Error| CliError::Failed(format!("filling the window: {what}: {e}"));
+    let mut filled = Filled::default();
+    let started = Instant::now();
+    let expired_now = count_expired(pool).await.map_err(|x| e("counting", x))?;
+    let share = |n: u64| n / u64::try_from(tags.len().max(1)).unwrap_or(1);
+    let expired_each = share(expired_now);
+    let mut plan: Vec<(String, u64, bool)> = Vec::new();
+    for tag in tags {
+        let scope = window_scope(tag);
+        let have: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE scope = $1")
+            .bind(&scope)
+            .fetch_one(pool)
+            .await
+            .map_err(|x| e("counting", x))?;
+        let have = u64::try_from(have).unwrap_or(0);
+        filled.found += have;
+        let live_have = have.saturating_sub(expired_each);
+        plan.push((scope.clone(), share(live).saturating_sub(live_have), false));
+        plan.push((scope, share(expired).saturating_sub(expired_each), true));
+    }
+    let total: u64 = plan.iter().map(|p| p.1).sum();
+    if total > 0 {
+        note(&format!(
+            "filling the window: {total} records to insert ({} found in its scopes)",
+            filled.found
+        ));
+    }
+    let mut done = 0u64;
+    let mut told = 0u64;
+    for (scope, n, past) in plan {
+        let mut left = n;
+        while left > 0 {
+            // Two statements at once: the server's two cores.
+            let a =
+                i64::try_from(left.min(2 * u64::try_from(FILL_CHUNK).unwrap_or(1))).unwrap_or(0);
+            let (x, y) = (a / 2 + a % 2, a / 2);
+            let one = |n: i64| {
+                sqlx::query(FILL_SQL)
+                    .bind(&scope)
+                    .bind(n)
+                    .bind(past)
+                    .bind(RETENTION_SECS)
+                    .execute(pool)
+            };
+            let (rx, ry) = tokio::join!(one(x), async {
+                if y > 0 {
+                    one(y).await.map(Some)
+                } else {
+                    Ok(None)
+                }
+            });
+            let rows = rx.map_err(|x| e("inserting", x))?.rows_affected()
+                + ry.map_err(|x| e("inserting", x))?
+                    .map_or(0, |r| r.rows_affected());
+            left = left.saturating_sub(u64::try_from(a).unwrap_or(0));
+            done += rows;
+            if past {
+                filled.inserted_expired += rows;
+            } else {
+                filled.inserted_live += rows;
+            }
+            if done - told > total / 20 {
+                told = done;
+                note(&format!(
+                    "filling the window: {done} of {total} ({:.0} s)",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+        }
+    }
+    filled.fill = started.elapsed();
+    let settled = Instant::now();
+    sqlx::query("VACUUM (ANALYZE) dedup_records")
+        .execute(pool)
+        .await
+        .map_err(|x| e("VACUUM", x))?;
+    // Not every role may; the passes then start with whatever checkpoint comes.
+    let _ = sqlx::query("CHECKPOINT").execute(pool).await;
+    filled.vacuum = settled.elapsed();
+    filled.expired = count_expired(pool).await.map_err(|x| e("counting", x))?;
+    Ok(filled)
+}
+
+/// Records past their retention, in the whole table.
+async fn count_expired(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM dedup_records WHERE expires_at <= statement_timestamp()",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// What `dedup_records` takes on disk, summed over its partition tree (a partitioned parent's own
+/// size is 0), read after a VACUUM so that the record count (`reltuples`) is exact enough.
+#[derive(Debug, Default)]
+pub(super) struct Size {
+    pub(super) records: u64,
+    pub(super) heap: u64,
+    pub(super) toast: u64,
+    /// Each index, by name, largest first.
+    pub(super) indexes: Vec<(String, u64)>,
+}
+
+impl Size {
+    pub(super) fn total(&self) -> u64 {
+        self.heap + self.toast + self.indexes.iter().map(|i| i.1).sum::<u64>()
+    }
+
+    /// Bytes per record, and the heap's and the indexes' shares of them.
+    pub(super) fn per_record(&self) -> (f64, f64, f64) {
+        #[allow(clippy::cast_precision_loss)]
+        let per = |b: u64| b as f64 / self.records.max(1) as f64;
+        (
+            per(self.total()),
+            per(self.heap + self.toast),
+            per(self.indexes.iter().map(|i| i.1).sum()),
+        )
+    }
+
+    pub(super) fn json(&self) -> serde_json::Value {
+        let (all, heap, idx) = self.per_record();
+        serde_json::json!({
+            "records": self.records,
+            "bytes": self.total(),
+            "heap_bytes": self.heap,
+            "toast_bytes": self.toast,
+            "indexes": self.indexes.iter().map(|(n, b)| serde_json::json!({"name": n, "bytes": b})).collect::<Vec<_>>(),
+            "bytes_per_record": all,
+            "heap_bytes_per_record": heap,
+            "index_bytes_per_record": idx,
+        })
+    }
+}
+
+/// Measures `dedup_records` (see [`Size`]).
+pub(super) async fn size(pool: &PgPool) -> Result<Size, CliError> {
+    let e = |e: sqlx::Error| CliError::Failed(format!("measuring dedup_records: {e}"));
+    let tables: Vec<(i64, i64, i64)> = sqlx::query_as(
+        "SELECT greatest(c.reltuples, 0)::int8, pg_relation_size(c.oid)::int8,
+                coalesce(pg_total_relation_size(c.reltoastrelid), 0)::int8
+         FROM (SELECT relid FROM pg_partition_tree('dedup_records') WHERE isleaf
+               UNION SELECT 'dedup_records'::regclass WHERE NOT EXISTS
+                 (SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'dedup_records'::regclass))
+           AS t JOIN pg_class c ON c.oid = t.relid",
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(e)?;
+    let indexes: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT i.relname::text, pg_relation_size(i.oid)::int8
+         FROM (SELECT relid FROM pg_partition_tree('dedup_records') WHERE isleaf
+               UNION SELECT 'dedup_records'::regclass WHERE NOT EXISTS
+                 (SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'dedup_records'::regclass))
+           AS t JOIN pg_index x ON x.indrelid = t.relid
+         JOIN pg_class i ON i.oid = x.indexrelid ORDER BY 2 DESC",
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(e)?;
+    let u = |n: i64| u64::try_from(n).unwrap_or(0);
+    Ok(Size {
+        records: tables.iter().map(|t| u(t.0)).sum(),
+        heap: tables.iter().map(|t| u(t.1)).sum(),
+        toast: tables.iter().map(|t| u(t.2)).sum(),
+        indexes: indexes.into_iter().map(|(n, b)| (n, u(b))).collect(),
+    })
+}
+
+/// The average size of one of `scope`'s rows as the heap holds it (`pg_column_size` of the row:
+/// its columns and tuple header, without the line pointer and the free space around it).
+pub(super) async fn row_bytes(pool: &PgPool, scope: &str) -> Option<f64> {
+    sqlx::query_scalar::<_, Option<f64>>(
+        "SELECT avg(pg_column_size(r.*))::float8 FROM dedup_records r WHERE r.scope = $1",
+    )
+    .bind(scope)
+    .fetch_one(pool)
+    .await
+    .ok()
+    .flatten()
+}
+
+/// Where the server's WAL stood: its insert position, and what `pg_stat_wal` (Postgres 14 and
+/// later) had counted, bytes and full-page images.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct WalMark {
+    position: u64,
+    counted: u64,
+    fpi: u64,
+}
+
+/// The server's WAL now.
+pub(super) async fn wal(pool: &PgPool) -> Option<WalMark> {
+    let (position, counted, fpi): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::int8, wal_bytes::int8, \
+         wal_fpi::int8 FROM pg_stat_wal",
+    )
+    .fetch_one(pool)
+    .await
+    .ok()?;
+    Some(WalMark {
+        position: u64::try_from(position).ok()?,
+        counted: u64::try_from(counted).ok()?,
+        fpi: u64::try_from(fpi).ok()?,
+    })
+}
+
+/// The WAL written since `before`: its bytes (from the insert position: exact), and with
+/// `settle` its full-page images. Those come from `pg_stat_wal`, which each backend adds to when
+/// it is idle a second or more after its last report (up to 10 s): settling waits (up to 12 s)
+/// until the bytes it counted match the position's, so that its images are complete.
+pub(super) async fn wal_since(
+    pool: &PgPool,
+    before: WalMark,
+    settle: bool,
+) -> Option<(u64, Option<u64>)> {
+    let mut after = wal(pool).await?;
+    let bytes = after.position.saturating_sub(before.position);
+    if !settle {
+        return Some((bytes, None));
+    }
+    let deadline = Instant::now() + Duration::from_secs(12);
+    loop {
+        let counted = after.counted.saturating_sub(before.counted);
+        // The position also moves over page headers: about 0.3% of the bytes.
+        if counted.saturating_mul(100) >= bytes.saturating_mul(98) {
+            return Some((bytes, Some(after.fpi.saturating_sub(before.fpi))));
+        }
+        if Instant::now() >= deadline {
+            return Some((bytes, None));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        after = wal(pool).await?;
+    }
+}
+
+/// What the retention did while a pass ran.
+#[derive(Debug, Default)]
+pub(super) struct Purged {
+    pub(super) records: u64,
+    pub(super) statements: u64,
+    /// From its start until nothing was left to remove.
+    pub(super) elapsed: Duration,
+    /// How long, while it ran, at least one other session waited on a lock it held (sampled
+    /// every 10 ms).
+    pub(super) blocked: Duration,
+    /// The VACUUM of `dedup_records` after it.
+    pub(super) vacuum: Duration,
+    pub(super) error: Option<String>,
+}
+
+impl Purged {
+    pub(super) fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "records": self.records,
+            "statements": self.statements,
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "blocked_others_s": self.blocked.as_secs_f64(),
+            "vacuum_after_s": self.vacuum.as_secs_f64(),
+            "error": self.error,
+        })
+    }
+}
+
+/// The retention, started beside a pass: [`Store::purge`] in statements of `batch` records, on
+/// a connection of its own, until nothing past retention is left; and a sampler of the sessions
+/// it blocks. [`Purge::finish`] waits for it and VACUUMs.
+pub(super) struct Purge {
+    task: tokio::task::JoinHandle<Purged>,
+}
+
+impl Purge {
+    pub(super) async fn start(url: &str, pool: &PgPool, batch: u32) -> Result<Self, CliError> {
+        let own = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(url)
+            .await
+            .map_err(|e| CliError::Failed(format!("the retention's connection: {e}")))?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&own)
+            .await
+            .map_err(|e| CliError::Failed(format!("the retention's connection: {e}")))?;
+        let (pool, store) = (pool.clone(), PgStore::new(own));
+        let task = tokio::spawn(async move {
+            let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
+            let sampler = {
+                let pool = pool.clone();
+                tokio::spawn(async move {
+                    let mut blocked = Duration::ZERO;
+                    let tick = Duration::from_millis(10);
+                    while !*done_rx.borrow() {
+                        let waiting: i64 = sqlx::query_scalar(
+                            "SELECT count(*) FROM pg_stat_activity \
+                             WHERE $1 = ANY(pg_blocking_pids(pid))",
+                        )
+                        .bind(pid)
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap_or(0);
+                        if waiting > 0 {
+                            blocked += tick;
+                        }
+                        let _ = tokio::time::timeout(tick, done_rx.changed()).await;
+                    }
+                    blocked
+                })
+            };
+            let mut purged = Purged::default();
+            let started = Instant::now();
+            loop {
+                match store.purge(batch).await {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        purged.records += n;
+                        purged.statements += 1;
+                    }
+                    Err(e) => {
+                        purged.error = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            purged.elapsed = started.elapsed();
+            let _ = done_tx.send(true);
+            purged.blocked = sampler.await.unwrap_or_default();
+            let vacuumed = Instant::now();
+            if let Err(e) = sqlx::query("VACUUM dedup_records").execute(&pool).await {
+                purged.error.get_or_insert(format!("VACUUM: {e}"));
+            }
+            purged.vacuum = vacuumed.elapsed();
+            purged
+        });
+        Ok(Self { task })
+    }
+
+    pub(super) async fn finish(self) -> Purged {
+        self.task.await.unwrap_or_else(|e| Purged {
+            error: Some(format!("the retention's task: {e}")),
+            ..Purged::default()
+        })
+    }
+}
