@@ -108,8 +108,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     expired: u64,
     /// With the window: run the contenders over it a second time with the retention running
-    /// (today's bounded DELETE, `dedup purge`), from their start until nothing past retention is
-    /// left; the expired records are topped up to `--expired` before each such run.
+    /// (today's bounded DELETE, `dedup purge`), from their start until a statement finds less
+    /// than a full batch; the expired records are topped up to `--expired` before each such run.
     #[arg(long)]
     purge_during: bool,
     /// The retention's records per statement (`dedup purge --batch`).
