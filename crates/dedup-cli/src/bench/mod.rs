@@ -103,8 +103,8 @@ pub(crate) struct BenchArgs {
     /// window, beside their run on an empty one. 0: no window.
     #[arg(long, default_value_t = 0)]
     prefill: u64,
-    /// With the window: this many more records among them, already past their retention, for
-    /// `--purge-during` to remove.
+    /// With the window: top its scopes up to this many records in all already past their
+    /// retention (besides `--prefill`'s), for `--purge-during` to remove.
     #[arg(long, default_value_t = 0)]
     expired: u64,
     /// With the window: run the contenders over it a second time with the retention running
@@ -113,7 +113,7 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     purge_during: bool,
     /// The retention's records per statement (`dedup purge --batch`).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     purge_batch: u32,
     /// Print JSON instead of the table.
     #[arg(long)]
@@ -323,6 +323,12 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                 salt: 0,
             },
         };
+        if args.purge_during && round > 1 {
+            // The expired records the last run's retention removed, made again; before this
+            // run's first contender, so that each run's passes follow the fill's checkpoint in
+            // the same order as the first's.
+            window::fill(&pool, &keepers, args.prefill, args.expired, &note).await?;
+        }
         if args.repeat > 1 || windowed {
             ctx.note(&format!(
                 "run {round} of {}, on an empty window",
@@ -345,10 +351,6 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             for pass in [Pass::Window, Pass::Purge] {
                 if pass == Pass::Purge && !args.purge_during {
                     continue;
-                }
-                if pass == Pass::Purge && round > 1 {
-                    // The expired records the last run's retention removed, made again.
-                    window::fill(&pool, &keepers, args.prefill, args.expired, &note).await?;
                 }
                 let ctx = Ctx {
                     run_id: format!("{}-{}", ctx.run_id, pass.tag()),
@@ -521,6 +523,10 @@ async fn run_round(
             }
         };
         outcome.cpu = ticks.zip(cpu::now()).map(|(b, a)| a.since(b));
+        // Counted before the bench's own reads below.
+        if let (Some(b), Some(a)) = (before, statements::count(pool).await) {
+            outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
+        }
         if let Some(before) = wal {
             outcome.wal = window::wal_since(pool, before, settle).await;
         }
@@ -529,9 +535,6 @@ async fn run_round(
             && let Some(tag) = window::tag_of(outcome.name)
         {
             outcome.row_bytes = window::row_bytes(pool, &ctx.scope(tag)).await;
-        }
-        if let (Some(b), Some(a)) = (before, statements::count(pool).await) {
-            outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
         }
         round.outcomes.push(outcome);
     }

@@ -199,10 +199,11 @@ impl<'a> Report<'a> {
         println!();
         println!(
             "The window: {} records in dedup_records after the fill ({} were in the window's \
-             scopes, {} live and {} expired inserted in {:.0} s; VACUUM and CHECKPOINT {:.0} s), \
-             {} of them past their retention",
+             scopes, {} of them expired; {} live and {} expired inserted in {:.0} s; VACUUM and \
+             CHECKPOINT {:.0} s), {} of them past their retention",
             w.size.records,
             f.found,
+            f.found_expired,
             f.inserted_live,
             f.inserted_expired,
             f.fill.as_secs_f64(),
@@ -319,6 +320,7 @@ impl<'a> Report<'a> {
             "prefill": self.args.prefill,
             "expired": self.args.expired,
             "found": f.found,
+            "found_expired": f.found_expired,
             "inserted_live": f.inserted_live,
             "inserted_expired": f.inserted_expired,
             "past_retention_after_fill": f.expired,

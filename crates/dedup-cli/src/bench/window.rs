@@ -68,6 +68,8 @@ const FILL_SQL: &str = concat!(
 pub(super) struct Filled {
     /// Records in the window's scopes before, and inserted.
     pub(super) found: u64,
+    /// Of them, past their retention.
+    pub(super) found_expired: u64,
     pub(super) inserted_live: u64,
     pub(super) inserted_expired: u64,
     /// Past their retention, in the whole table, after the fill.
@@ -78,9 +80,10 @@ pub(super) struct Filled {
 }
 
 /// Tops the window of `tags` up to `live` records in all that have not expired and `expired`
-/// records past their retention, then VACUUMs and checkpoints, so that the passes that follow
-/// start from a settled table. Counting is from the indexes alone: the scopes' rows through the
-/// primary key, the expired ones (which only a bench makes) through the `expires_at` index.
+/// records past their retention, split evenly among the scopes, then VACUUMs and checkpoints, so
+/// that the passes that follow start from a settled table. Each scope's rows are counted through
+/// the primary key, and its expired ones through the `expires_at` index (which reads the heap for
+/// the expired rows alone).
 pub(super) async fn fill(
     pool: &PgPool,
     tags: &[&str],
@@ -92,9 +95,7 @@ pub(super) async fn fill(
         |what: &str, e: sqlx::Error| CliError::Failed(format!("filling the window: {what}: {e}"));
     let mut filled = Filled::default();
     let started = Instant::now();
-    let expired_now = count_expired(pool).await.map_err(|x| e("counting", x))?;
     let share = |n: u64| n / u64::try_from(tags.len().max(1)).unwrap_or(1);
-    let expired_each = share(expired_now);
     let mut plan: Vec<(String, u64, bool)> = Vec::new();
     for tag in tags {
         let scope = window_scope(tag);
@@ -103,11 +104,23 @@ pub(super) async fn fill(
             .fetch_one(pool)
             .await
             .map_err(|x| e("counting", x))?;
-        let have = u64::try_from(have).unwrap_or(0);
+        let past: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM dedup_records \
+             WHERE expires_at <= statement_timestamp() AND scope = $1",
+        )
+        .bind(&scope)
+        .fetch_one(pool)
+        .await
+        .map_err(|x| e("counting", x))?;
+        let (have, past) = (
+            u64::try_from(have).unwrap_or(0),
+            u64::try_from(past).unwrap_or(0),
+        );
         filled.found += have;
-        let live_have = have.saturating_sub(expired_each);
+        filled.found_expired += past;
+        let live_have = have.saturating_sub(past);
         plan.push((scope.clone(), share(live).saturating_sub(live_have), false));
-        plan.push((scope, share(expired).saturating_sub(expired_each), true));
+        plan.push((scope, share(expired).saturating_sub(past), true));
     }
     let total: u64 = plan.iter().map(|p| p.1).sum();
     if total > 0 {
@@ -276,30 +289,36 @@ pub(super) async fn row_bytes(pool: &PgPool, scope: &str) -> Option<f64> {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct WalMark {
     position: u64,
-    counted: u64,
-    fpi: u64,
+    counted: Option<u64>,
+    fpi: Option<u64>,
 }
 
-/// The server's WAL now.
+/// The server's WAL now; `None` where the position cannot be read (a server in recovery).
 pub(super) async fn wal(pool: &PgPool) -> Option<WalMark> {
-    let (position, counted, fpi): (i64, i64, i64) = sqlx::query_as(
-        "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::int8, wal_bytes::int8, \
-         wal_fpi::int8 FROM pg_stat_wal",
-    )
-    .fetch_one(pool)
-    .await
-    .ok()?;
+    let position: i64 =
+        sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::int8")
+            .fetch_one(pool)
+            .await
+            .ok()?;
+    // Postgres 14 and later; before, no images are counted.
+    let (counted, fpi): (i64, i64) =
+        sqlx::query_as("SELECT wal_bytes::int8, wal_fpi::int8 FROM pg_stat_wal")
+            .fetch_one(pool)
+            .await
+            .unwrap_or((-1, -1));
     Some(WalMark {
         position: u64::try_from(position).ok()?,
-        counted: u64::try_from(counted).ok()?,
-        fpi: u64::try_from(fpi).ok()?,
+        counted: u64::try_from(counted).ok(),
+        fpi: u64::try_from(fpi).ok(),
     })
 }
 
-/// The WAL written since `before`: its bytes (from the insert position: exact), and with
-/// `settle` its full-page images. Those come from `pg_stat_wal`, which each backend adds to when
-/// it is idle a second or more after its last report (up to 10 s): settling waits (up to 12 s)
-/// until the bytes it counted match the position's, so that its images are complete.
+/// The WAL the server wrote since `before` (the contender's and anything else's, such as an
+/// autovacuum): its bytes, from the insert position, and with `settle` its full-page images.
+/// Those come from `pg_stat_wal`, which each backend adds to when it is idle a second or more
+/// after its last report (up to 10 s): settling waits (up to 12 s) until the bytes it counted
+/// come within 5% of the position's move (which also covers page headers and each record's
+/// alignment), so that its images are all but complete.
 pub(super) async fn wal_since(
     pool: &PgPool,
     before: WalMark,
@@ -312,10 +331,13 @@ pub(super) async fn wal_since(
     }
     let deadline = Instant::now() + Duration::from_secs(12);
     loop {
-        let counted = after.counted.saturating_sub(before.counted);
-        // The position also moves over page headers: about 0.3% of the bytes.
-        if counted.saturating_mul(100) >= bytes.saturating_mul(98) {
-            return Some((bytes, Some(after.fpi.saturating_sub(before.fpi))));
+        let (Some(c0), Some(c1), Some(f0), Some(f1)) =
+            (before.counted, after.counted, before.fpi, after.fpi)
+        else {
+            return Some((bytes, None));
+        };
+        if c1.saturating_sub(c0).saturating_mul(100) >= bytes.saturating_mul(95) {
+            return Some((bytes, Some(f1.saturating_sub(f0))));
         }
         if Instant::now() >= deadline {
             return Some((bytes, None));
@@ -371,31 +393,40 @@ impl Purge {
             .fetch_one(&own)
             .await
             .map_err(|e| CliError::Failed(format!("the retention's connection: {e}")))?;
+        // The sampler on a connection of its own too, not one the contenders wait for.
+        let watch = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(url)
+            .await
+            .map_err(|e| CliError::Failed(format!("the retention's sampler: {e}")))?;
         let (pool, store) = (pool.clone(), PgStore::new(own));
         let task = tokio::spawn(async move {
             let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
-            let sampler = {
-                let pool = pool.clone();
-                tokio::spawn(async move {
-                    let mut blocked = Duration::ZERO;
-                    let tick = Duration::from_millis(10);
-                    while !*done_rx.borrow() {
-                        let waiting: i64 = sqlx::query_scalar(
-                            "SELECT count(*) FROM pg_stat_activity \
-                             WHERE $1 = ANY(pg_blocking_pids(pid))",
-                        )
-                        .bind(pid)
-                        .fetch_one(&pool)
-                        .await
-                        .unwrap_or(0);
-                        if waiting > 0 {
-                            blocked += tick;
-                        }
-                        let _ = tokio::time::timeout(tick, done_rx.changed()).await;
+            let sampler = tokio::spawn(async move {
+                let mut blocked = Duration::ZERO;
+                let tick = Duration::from_millis(10);
+                let mut last = Instant::now();
+                while !*done_rx.borrow() {
+                    // `pg_blocking_pids` takes the lock manager's locks: asked only of the
+                    // sessions waiting on a lock.
+                    let waiting: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE wait_event_type = 'Lock' AND $1 = ANY(pg_blocking_pids(pid))",
+                    )
+                    .bind(pid)
+                    .fetch_one(&watch)
+                    .await
+                    .unwrap_or(0);
+                    // The time since the last sample, counted whole when someone waits now.
+                    let now = Instant::now();
+                    if waiting > 0 {
+                        blocked += now - last;
                     }
-                    blocked
-                })
-            };
+                    last = now;
+                    let _ = tokio::time::timeout(tick, done_rx.changed()).await;
+                }
+                blocked
+            });
             let mut purged = Purged::default();
             let started = Instant::now();
             loop {
