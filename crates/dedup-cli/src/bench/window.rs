@@ -12,12 +12,10 @@
 
 use std::time::{Duration, Instant};
 
+use crate::connect::{CliError, connect_pg};
 use dedup_core::Store;
 use dedup_pg::PgStore;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
-
-use crate::connect::CliError;
 
 /// The contenders that keep records, with the tag of their scope.
 pub(super) const KEEPERS: [(&str, &str); 7] = [
@@ -384,21 +382,13 @@ pub(super) struct Purge {
 
 impl Purge {
     pub(super) async fn start(url: &str, pool: &PgPool, batch: u32) -> Result<Self, CliError> {
-        let own = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(url)
-            .await
-            .map_err(|e| CliError::Failed(format!("the retention's connection: {e}")))?;
+        let own = connect_pg(url, 1).await?;
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
             .fetch_one(&own)
             .await
             .map_err(|e| CliError::Failed(format!("the retention's connection: {e}")))?;
         // The sampler on a connection of its own too, not one the contenders wait for.
-        let watch = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(url)
-            .await
-            .map_err(|e| CliError::Failed(format!("the retention's sampler: {e}")))?;
+        let watch = connect_pg(url, 1).await?;
         let (pool, store) = (pool.clone(), PgStore::new(own));
         let task = tokio::spawn(async move {
             let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
