@@ -548,6 +548,36 @@ fn sigterm_drains_commits_and_exits() {
     assert!(rest.contains("(failed 0)"), "{rest}");
 }
 
+/// The runners' contenders produce their stream into librdkafka's mock cluster, which keeps only
+/// 5 MB of batches per partition and silently drops the oldest beyond it: a stream it cut is
+/// refused at once, naming the way out, instead of waiting for events that are gone (it stalled
+/// at half the events, 120 s, before).
+#[test]
+fn the_bench_refuses_a_stream_the_mock_cluster_cut() {
+    let out = dedup()
+        .args([
+            "bench",
+            "--only",
+            "ek",
+            "--events",
+            "400000",
+            "--tx-workers",
+            "1",
+        ])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("keeps 5 MB per partition and dropped the first")
+            && stderr.contains("run fewer --events or more --tx-workers"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("no progress"), "{stderr}");
+}
+
 /// `dedup bench` in a quick mode (so that it cannot rot): every contender of both workloads runs
 /// the same stream, and the ceiling is measured;
 /// each runs every unique key's effect exactly once, and the JSON carries what the table shows.
