@@ -32,14 +32,18 @@ if held_token and string.match(held_token, '^%d+$') then
   end
 end
 
+-- One HSET for every field (a backfill per completed key: each call inside a script costs).
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 's', ARGV[1], 't', ARGV[2], 'k', ARGV[4], 'a', ARGV[5], 'fp', ARGV[6])
+local k = KEYS[1]
 if ARGV[1] == 'in_progress' then
-  redis.call('HSET', KEYS[1], 'o', ARGV[7], 'lu', ARGV[8])
+  redis.call('HSET', k, 's', ARGV[1], 't', ARGV[2], 'k', ARGV[4], 'a', ARGV[5], 'fp', ARGV[6],
+    'o', ARGV[7], 'lu', ARGV[8])
 elseif ARGV[1] == 'completed' then
-  redis.call('HSET', KEYS[1], 'r', ARGV[9])
+  redis.call('HSET', k, 's', ARGV[1], 't', ARGV[2], 'k', ARGV[4], 'a', ARGV[5], 'fp', ARGV[6],
+    'r', ARGV[9])
 else
-  redis.call('HSET', KEYS[1], 'f', ARGV[10])
+  redis.call('HSET', k, 's', ARGV[1], 't', ARGV[2], 'k', ARGV[4], 'a', ARGV[5], 'fp', ARGV[6],
+    'f', ARGV[10])
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', k, ARGV[3])
 return 1

@@ -738,3 +738,64 @@ async fn a_pipeline_of_backfills_loads_a_missing_script_once(pool: PgPool) {
         assert_eq!(copy.state, State::Completed);
     }
 }
+
+/// A batch claim stops asking a fast path that answers almost none of its keys (a stream of new
+/// keys: each lookup a Redis round trip for nothing), but for one batch in 16, and asks it again
+/// as soon as that probe finds it answering: a replay of completed keys (here after L1 was
+/// emptied, as on an instance that took the partition over) is answered by Redis again within
+/// 16 batches, not by Postgres for good.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn batch_claims_skip_a_fast_path_that_answers_nothing_and_return_for_a_replay(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await;
+    let batch = |b: usize| -> Vec<dedup_core::ClaimRequest> {
+        (0..64)
+            .map(|i| req(&key(format!("n{b}-{i}")), "a"))
+            .collect()
+    };
+    let mut leases = Vec::new();
+    for b in 0..40 {
+        for o in s.claim_batch(&batch(b)).await {
+            leases.push(acquired(o.unwrap()));
+        }
+    }
+    let st = s.stats();
+    // 1,024 keys warm the gate up (16 batches asked); of the other 24 batches, one in 16 asks.
+    assert_eq!(st.l2_hits, 0, "{st:?}");
+    assert_eq!(st.l2_misses + st.l2_bypassed, 40 * 64, "{st:?}");
+    assert!(st.l2_bypassed >= 22 * 64, "{st:?}");
+    assert_eq!(st.authority_claims, 40 * 64, "{st:?}");
+
+    // The last 20 batches complete; Redis holds their copies (backfilled in the foreground).
+    let items: Vec<(dedup_core::Lease, Bytes)> = leases[20 * 64..]
+        .iter()
+        .map(|l| (l.clone(), Bytes::from_static(b"done")))
+        .collect();
+    assert!(s.complete_batch(&items).await.iter().all(Result::is_ok));
+    s.clear_l1();
+
+    // Their replay: the first probe finds Redis answering, and every batch after it asks.
+    let before = s.stats();
+    let mut from_authority = Vec::new();
+    for b in 20..40 {
+        let asked = s.stats().authority_claims;
+        for o in s.claim_batch(&batch(b)).await {
+            assert!(
+                matches!(o.unwrap(), ClaimOutcome::Completed { .. }),
+                "batch {b}"
+            );
+        }
+        from_authority.push(s.stats().authority_claims - asked);
+    }
+    let after = s.stats();
+    let first_answered = from_authority.iter().position(|&n| n == 0).unwrap();
+    assert!(first_answered < 16, "{from_authority:?}");
+    assert!(
+        from_authority[first_answered..].iter().all(|&n| n == 0),
+        "{from_authority:?}"
+    );
+    assert!(
+        after.l2_hits - before.l2_hits >= (20 - 16) * 64,
+        "{before:?} {after:?}"
+    );
+}

@@ -350,7 +350,10 @@ impl<Q: Send, R: Send> Lane<Q, R> {
             if let Some(batch) = self.lead() {
                 let _slot = Slot(self);
                 let (items, senders): (Vec<Q>, Vec<oneshot::Sender<R>>) = batch.into_iter().unzip();
-                let answers = run(items).await;
+                // Boxed: only a leader runs the batch call, once per batch, and its future (the
+                // whole tiered claim down to the SQL) is tens of kilobytes. Inline, every queued
+                // caller's future would carry that much, allocated and moved per message.
+                let answers = Box::pin(run(items)).await;
                 for (sender, answer) in senders.into_iter().zip(answers) {
                     if let Err(answer) = sender.send(answer) {
                         orphans.push(answer);

@@ -185,11 +185,16 @@ where
         let mut h = Sha256::new();
         h.update(identity(key));
         let digest = h.finalize();
-        let mut hex = String::with_capacity(32);
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut rkey = String::with_capacity(self.prefix.len() + 35);
+        rkey.push_str(&self.prefix);
+        rkey.push_str(":{");
         for b in &digest[..16] {
-            hex.push_str(&format!("{b:02x}"));
+            rkey.push(char::from(HEX[usize::from(b >> 4)]));
+            rkey.push(char::from(HEX[usize::from(b & 0x0f)]));
         }
-        format!("{}:{{{hex}}}", self.prefix)
+        rkey.push('}');
+        rkey
     }
 }
 

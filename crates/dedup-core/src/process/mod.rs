@@ -309,7 +309,8 @@ impl<S: Store> Dedup<S> {
             if let Some(outcome) = outcome {
                 return outcome;
             }
-            match self.store.get(&req.key).await {
+            // Boxed (a rare path): an inline store call would enlarge every message's future.
+            match Box::pin(self.store.get(&req.key)).await {
                 Ok(Some(r))
                     if r.state == State::InProgress && r.owner.as_ref() == Some(&req.owner) =>
                 {
@@ -317,7 +318,7 @@ impl<S: Store> Dedup<S> {
                     // a lock), so it is extended from now before it is used: the fence says
                     // whether it is still ours at all.
                     let mut lease = Lease::granted(&r, req);
-                    match self.store.extend(&lease).await {
+                    match Box::pin(self.store.extend(&lease)).await {
                         Ok(until) => {
                             lease.lease_until = until;
                             return Ok(ClaimOutcome::Acquired(lease));

@@ -66,7 +66,9 @@ impl<S: Store> Dedup<S> {
         };
         let outcome = match outcome {
             Ok(outcome) => outcome,
-            Err(panic) => return Err(self.panicked(&lease, panic_message(&*panic)).await),
+            Err(panic) => {
+                return Err(Box::pin(self.panicked(&lease, panic_message(&*panic))).await);
+            }
         };
         match outcome {
             Ok(Completion::Store(result)) => {
@@ -86,7 +88,7 @@ impl<S: Store> Dedup<S> {
                         // The effect ran, but its result cannot be stored. Releasing the key
                         // would run the effect again; FAILED keeps it at one and says why.
                         let reason = format!("the effect ran but its result was refused: {e}");
-                        let _ = self.store.fail_permanent(&lease, &reason).await;
+                        let _ = Box::pin(self.store.fail_permanent(&lease, &reason)).await;
                         Err(ProcessError::Store(StoreError::Input(e)))
                     }
                     Err(e) => Err(self.lease_error(&lease, e)),
@@ -96,7 +98,10 @@ impl<S: Store> Dedup<S> {
                 self.store.committed(&lease, &result).await;
                 Ok(executed(result))
             }
-            Err(e) => self.recorded_failure(&lease, e).await,
+            // Boxed, as every rare path here: a store call's future can be as large as a
+            // Postgres call's (~15 KB with sqlx), and an inline one makes every message's
+            // future that much larger, allocated and copied per message whatever path it takes.
+            Err(e) => Box::pin(self.recorded_failure(&lease, e)).await,
         }
     }
 
@@ -266,7 +271,7 @@ impl<S: Store> Dedup<S> {
             };
             if err.is_outcome_unknown() {
                 warn!(key = %lease.key, error = %err, "completion outcome unknown; reading it back");
-                if let Ok(Some(r)) = self.store.get(&lease.key).await {
+                if let Ok(Some(r)) = Box::pin(self.store.get(&lease.key)).await {
                     if r.token == lease.token && r.state == State::Completed {
                         return Ok(());
                     }
@@ -312,7 +317,9 @@ impl<S: Store> Dedup<S> {
         loop {
             sleep(wait).await;
             let sent = Instant::now();
-            match self.store.extend(lease).await {
+            // Boxed: the heartbeat lives beside the completion, and an inline store call
+            // would double the size of every message's future.
+            match Box::pin(self.store.extend(lease)).await {
                 Ok(until) => {
                     granted.extended(sent + lease.policy.lease);
                     wait = every;

@@ -31,10 +31,16 @@ pub struct TieredConfig {
     pub l1_policy: L1Policy,
     /// How long a fast-path call may take before it counts as a miss.
     pub l2_timeout: Duration,
+    /// Below this share of their keys answered by the fast path, batch claims stop asking it
+    /// and go straight to the authority, but for one batch in 16 that keeps the share current
+    /// (a batch the fast path answers mostly, a replay, makes every batch ask again at once).
+    /// 0 always asks. Single claims always ask.
+    pub l2_batch_min_hit_rate: f64,
 }
 
 impl Default for TieredConfig {
-    /// 100,000 entries or 64 MiB, 10 minutes, LRU, a 50 ms fast-path timeout.
+    /// 100,000 entries or 64 MiB, 10 minutes, LRU, a 50 ms fast-path timeout; batch claims
+    /// skip a fast path that answers less than 5% of their keys.
     fn default() -> Self {
         Self {
             l1_max_entries: 100_000,
@@ -42,6 +48,7 @@ impl Default for TieredConfig {
             l1_ttl: Duration::from_secs(600),
             l1_policy: L1Policy::Lru,
             l2_timeout: Duration::from_millis(50),
+            l2_batch_min_hit_rate: 0.05,
         }
     }
 }
@@ -71,6 +78,17 @@ impl TieredConfig {
         self.l2_timeout = t;
         self
     }
+
+    /// Sets the share of their keys the fast path must answer for batch claims to keep asking
+    /// it (clamped to 0..=1; 0 always asks).
+    pub fn with_l2_batch_min_hit_rate(mut self, share: f64) -> Self {
+        self.l2_batch_min_hit_rate = if share.is_nan() {
+            0.0
+        } else {
+            share.clamp(0.0, 1.0)
+        };
+        self
+    }
 }
 
 /// Counters per tier, read with [`TieredStore::stats`](crate::TieredStore::stats).
@@ -89,6 +107,9 @@ pub struct TierStats {
     pub l2_errors: u64,
     /// Fast-path calls that timed out.
     pub l2_timeouts: u64,
+    /// Claims of batches sent to the authority without asking the fast path, because it was
+    /// answering too few batch keys (`TieredConfig::l2_batch_min_hit_rate`).
+    pub l2_bypassed: u64,
     /// Copies written to the fast path after the authority had the outcome.
     pub backfills: u64,
     /// Copies the fast path refused (it held a newer token).
@@ -111,6 +132,7 @@ pub(super) struct Counters {
     pub(super) l2_misses: AtomicU64,
     pub(super) l2_errors: AtomicU64,
     pub(super) l2_timeouts: AtomicU64,
+    pub(super) l2_bypassed: AtomicU64,
     pub(super) backfills: AtomicU64,
     pub(super) backfills_refused: AtomicU64,
     pub(super) backfills_failed: AtomicU64,

@@ -13,8 +13,8 @@
 //! Here: `TieredStore<A: Store, F: FastPath>`, the moka L1 and the tier machinery (claims through
 //! the tiers, backfills, the background writer). `store.rs` is its `Store` implementation;
 //! `batch_cache.rs` the caches transaction mode uses (`BatchCache`); `cache.rs` `Cached`, the
-//! `FastPath` trait and `NoFastPath`; `config.rs` the settings and counters; `span.rs` the
-//! `dedup.decision` span.
+//! `FastPath` trait and `NoFastPath`; `config.rs` the settings and counters; `gate.rs` whether a
+//! batch claim asks the fast path; `span.rs` the `dedup.decision` span.
 
 use std::fmt;
 use std::future::Future;
@@ -34,6 +34,7 @@ use crate::store::Store;
 mod batch_cache;
 mod cache;
 mod config;
+mod gate;
 mod span;
 mod store;
 
@@ -87,6 +88,8 @@ pub struct TieredStore<A, F> {
     l1: moka::sync::Cache<IdempotencyKey, Arc<L1Entry>>,
     config: TieredConfig,
     counters: Arc<Counters>,
+    /// Whether batch claims ask the fast path.
+    gate: gate::L2Gate,
     /// Where batch backfills go when they are written in the background.
     deferred: Option<mpsc::Sender<Vec<Fill>>>,
 }
@@ -132,6 +135,7 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             authority,
             fast,
             l1,
+            gate: gate::L2Gate::new(config.l2_batch_min_hit_rate),
             config,
             counters: Arc::default(),
             deferred: None,
@@ -204,6 +208,7 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             l2_misses: n(&c.l2_misses),
             l2_errors: n(&c.l2_errors),
             l2_timeouts: n(&c.l2_timeouts),
+            l2_bypassed: n(&c.l2_bypassed),
             backfills: n(&c.backfills),
             backfills_refused: n(&c.backfills_refused),
             backfills_failed: n(&c.backfills_failed),
@@ -320,7 +325,8 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         rest
     }
 
-    /// [`Store::claim_batch`]: L1, then one fast-path call, then one authority call.
+    /// [`Store::claim_batch`]: L1, then one fast-path call (unless the gate says the fast path
+    /// is answering too few batch keys to be worth asking: `gate.rs`), then one authority call.
     async fn claim_batch_tiered(
         &self,
         reqs: &[ClaimRequest],
@@ -339,9 +345,18 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             }
             out.push(answer);
         }
-        span.record("l2_asked", pending.len());
         if !pending.is_empty() {
-            pending = self.lookup_pending(reqs, pending, &mut out).await;
+            if self.gate.ask() {
+                let asked = pending.len();
+                span.record("l2_asked", asked);
+                pending = self.lookup_pending(reqs, pending, &mut out).await;
+                self.gate.observe(asked, asked - pending.len());
+            } else {
+                span.record("l2_asked", 0);
+                self.counters
+                    .l2_bypassed
+                    .fetch_add(pending.len() as u64, Ordering::Relaxed);
+            }
         }
         span.record("authority_asked", pending.len());
         if !pending.is_empty() {

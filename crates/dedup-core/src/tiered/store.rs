@@ -2,7 +2,8 @@
 //! authority; every write goes to the authority first, and the caches learn a terminal outcome
 //! only after it committed.
 //!
-//! A batch claim filters through L1, asks the fast path once (`FastPath::lookup_many`), the
+//! A batch claim filters through L1, asks the fast path once (`FastPath::lookup_many`; not while
+//! the fast path answers too few batch keys to be worth a round trip, `gate.rs`), the
 //! authority once for the rest, and backfills once (`store_many`), or hands the backfill to the
 //! background writer (`TieredStore::with_background_backfill`) so that a batch answers as soon as
 //! the authority has. A batch claim writes no IN_PROGRESS markers (a single claim does): a
