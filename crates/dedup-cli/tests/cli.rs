@@ -549,7 +549,7 @@ fn sigterm_drains_commits_and_exits() {
 }
 
 /// The runners' contenders produce their stream into librdkafka's mock cluster, which keeps only
-/// 5 MB of batches per partition and silently drops the oldest beyond it: a stream it cut is
+/// 5 MiB of batches per partition and silently drops the oldest beyond it: a stream it cut is
 /// refused at once, naming the way out, instead of waiting for events that are gone (it stalled
 /// at half the events, 120 s, before).
 #[test]
@@ -563,6 +563,8 @@ fn the_bench_refuses_a_stream_the_mock_cluster_cut() {
             "400000",
             "--tx-workers",
             "1",
+            "--keys",
+            "uuid",
         ])
         .env("DATABASE_URL", env("DATABASE_URL"))
         .env("REDIS_URL", env("REDIS_URL"))
@@ -571,8 +573,8 @@ fn the_bench_refuses_a_stream_the_mock_cluster_cut() {
     let (stdout, stderr) = text(&out);
     assert!(!out.status.success(), "{stdout}\n{stderr}");
     assert!(
-        stderr.contains("keeps 5 MB per partition and dropped the first")
-            && stderr.contains("run fewer --events or more --tx-workers"),
+        stderr.contains("keeps 5 MiB per partition and dropped the first")
+            && stderr.contains("run fewer --events, more --tx-workers"),
         "{stderr}"
     );
     assert!(!stderr.contains("no progress"), "{stderr}");

@@ -200,7 +200,7 @@ impl BatchHandler for Counted {
 
 /// The most bytes of record batches the embedded mock cluster keeps per partition
 /// (librdkafka's `rdkafka_mock.c`: older batches are dropped beyond it).
-const MOCK_PARTITION_BYTES: &str = "5 MB";
+const MOCK_PARTITION_BYTES: &str = "5 MiB";
 
 /// Produces the stream: each event's id as its payload, its `idempotency-key` header and its
 /// message key (the partitioner spreads the keys over the partitions). Compressed (gzip), since
@@ -257,7 +257,7 @@ async fn produce(
             return Err(CliError::Failed(format!(
                 "the embedded Kafka mock cluster keeps {MOCK_PARTITION_BYTES} per partition and \
                  dropped the first {low} of partition {partition}'s {high} events: run fewer \
-                 --events or more --tx-workers"
+                 --events, more --tx-workers, or --keys sequential (shorter keys)"
             )));
         }
     }

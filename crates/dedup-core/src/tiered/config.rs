@@ -31,10 +31,11 @@ pub struct TieredConfig {
     pub l1_policy: L1Policy,
     /// How long a fast-path call may take before it counts as a miss.
     pub l2_timeout: Duration,
-    /// Below this share of their keys answered by the fast path, batch claims stop asking it
-    /// and go straight to the authority, but for one batch in 16 that keeps the share current
-    /// (a batch the fast path answers mostly, a replay, makes every batch ask again at once).
-    /// 0 always asks. Single claims always ask.
+    /// Below this share of their keys answered by the fast path (after 1,024 keys looked up),
+    /// batch claims stop asking it and go straight to the authority, but for one batch in 16
+    /// that keeps the share current; a probe of at least 32 keys that meets the share (a replay)
+    /// makes every batch ask again at once. 0 always asks; NaN counts as 0, more than 1 as 1.
+    /// Single claims always ask.
     pub l2_batch_min_hit_rate: f64,
 }
 

@@ -8,8 +8,9 @@
 //! keys batch lookups answered (counts halved as they grow, so recent batches weigh most) and,
 //! while it is below [`TieredConfig::l2_batch_min_hit_rate`](super::TieredConfig), sends batch
 //! claims straight to the authority, except one batch in [`PROBE_EVERY`], which asks as before
-//! and keeps the share current. A batch the fast path answers mostly (a replay of keys another
-//! instance completed, after a rebalance) restarts the count, so the gate opens at once.
+//! and keeps the share current. A lookup of at least 32 keys that finds the share met while the
+//! counts say it is not (a replay of keys another instance completed, after a rebalance)
+//! restarts the count, so the gate opens at once; smaller ones only add to the counts.
 //!
 //! Skipping the fast path is always correct: the authority answers every claim; the fast path
 //! only spares it work. Single claims (`Store::claim`) always ask.
@@ -18,6 +19,8 @@ use std::sync::{Mutex, PoisonError};
 
 /// Keys looked up before the gate may close: a fresh store asks.
 const WARMUP: u64 = 1_024;
+/// The fewest keys of one lookup that may restart the counts on their own.
+const SAMPLE: u64 = 32;
 /// Counts are halved past this many keys.
 const WINDOW: u64 = 8_192;
 /// While closed, one batch in this many still asks.
@@ -41,7 +44,12 @@ pub(super) struct L2Gate {
 impl L2Gate {
     pub(super) fn new(min_hit_rate: f64) -> Self {
         Self {
-            min_hit_rate,
+            // The config's field is public: NaN or a share past 1 would keep the gate shut.
+            min_hit_rate: if min_hit_rate.is_nan() {
+                0.0
+            } else {
+                min_hit_rate.clamp(0.0, 1.0)
+            },
             counts: Mutex::default(),
         }
     }
@@ -51,12 +59,15 @@ impl L2Gate {
         self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Whether `answered` of `asked` keys meet the share.
+    fn worth(&self, answered: u64, asked: u64) -> bool {
+        answered as f64 >= asked as f64 * self.min_hit_rate
+    }
+
     /// Whether this batch asks the fast path (`false`: straight to the authority).
     pub(super) fn ask(&self) -> bool {
         let mut c = self.counts();
-        let open = self.min_hit_rate <= 0.0
-            || c.asked < WARMUP
-            || c.answered as f64 >= c.asked as f64 * self.min_hit_rate;
+        let open = self.min_hit_rate <= 0.0 || c.asked < WARMUP || self.worth(c.answered, c.asked);
         if open {
             c.skipped = 0;
             return true;
@@ -76,8 +87,10 @@ impl L2Gate {
         }
         let (asked, answered) = (asked as u64, answered as u64);
         let mut c = self.counts();
-        if answered * 2 >= asked {
-            // Mostly answered: what came before says little about what comes now.
+        if asked >= SAMPLE && self.worth(answered, asked) && !self.worth(c.answered, c.asked) {
+            // A lookup large enough to judge by found the fast path worth asking while the
+            // counts said it was not (a replay has begun): what came before says little about
+            // what comes now, and the gate opens at once.
             c.asked = asked;
             c.answered = answered;
             return;
@@ -127,6 +140,33 @@ mod tests {
         assert!(until_probe < PROBE_EVERY);
         gate.observe(128, 128);
         assert_eq!(batches(&gate, 50, 128, 120), 50);
+    }
+
+    #[test]
+    fn a_probe_at_the_floor_reopens_the_gate_and_small_batches_do_not_restart_it() {
+        let gate = L2Gate::new(0.05);
+        batches(&gate, 200, 128, 0);
+        // Batches of one key, each answered: they add to the counts, they do not restart them.
+        for _ in 0..100 {
+            gate.observe(1, 1);
+        }
+        assert!(!(0..PROBE_EVERY).all(|_| gate.ask()));
+        // A probe of 128 keys finding 7 answered (5.5%) opens the gate at once.
+        while !gate.ask() {}
+        gate.observe(128, 7);
+        assert_eq!(batches(&gate, 50, 128, 7), 50);
+    }
+
+    #[test]
+    fn nan_or_a_share_past_one_is_cleaned_as_the_setter_cleans_it() {
+        let nan = L2Gate::new(f64::NAN);
+        assert_eq!(batches(&nan, 500, 128, 0), 500, "NaN always asks");
+        let all = L2Gate::new(7.0);
+        assert_eq!(
+            batches(&all, 500, 128, 128),
+            500,
+            "clamped to 1: a full share is enough"
+        );
     }
 
     #[test]

@@ -345,7 +345,9 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
             }
             out.push(answer);
         }
-        if !pending.is_empty() {
+        if pending.is_empty() {
+            span.record("l2_asked", 0);
+        } else {
             if self.gate.ask() {
                 let asked = pending.len();
                 span.record("l2_asked", asked);
