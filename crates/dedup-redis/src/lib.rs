@@ -6,8 +6,8 @@
 //! before the authority committed it. Losing Redis (flush, restart, failover) costs speed only.
 //!
 //! Each idempotency key is one Redis hash, `<prefix>:{<digest>}`, where the digest (128 bits of
-//! SHA-256 over scope and key) is the hash tag: the scripts in the workspace's `lua/` touch one key
-//! each, so they run unchanged on Redis Cluster. The hash also holds the full scope and key, and a
+//! SHA-256 over scope and key) is the hash tag: on Redis Cluster every script call touches one key,
+//! so the scripts in the workspace's `lua/` run unchanged there. The hash also holds the full scope and key, and a
 //! copy whose identity does not match is a miss (with a warning), never an answer.
 //!
 //! Connections: [`ConnectionManager`] (reconnects in the background) or a cluster connection,
@@ -21,8 +21,9 @@
 //! concurrent calls that the multiplexed connection writes together. Writes are the scripts in
 //! `lua/`, one per verb, each opening with its KEYS, ARGV and return values, embedded with
 //! `include_str!` and run through `redis::Script` (EVALSHA, reloaded on NOSCRIPT): `store.lua`
-//! (an IN_PROGRESS marker or a terminal copy; refused where a newer token is held, or where a
-//! marker would replace the terminal copy of its own token), `release.lua` and `extend.lua` (both
+//! (IN_PROGRESS markers or terminal copies, one per key it is given: one key on a cluster, a
+//! chunk of a backfill on one server; refused where a newer token is held, or where a marker
+//! would replace the terminal copy of its own token), `release.lua` and `extend.lua` (both
 //! only for the marker's own token). Tokens are compared as decimal strings, exact past 2^53.
 //!
 //! # Example
@@ -236,11 +237,10 @@ where
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
-        let written: i64 = store_invocation(&self.redis_key(key), key, copy, ttl)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(classify)?;
-        Ok(written == 1)
+        let mut inv = SCRIPTS.store.prepare_invoke();
+        add_copy(&mut inv, &self.redis_key(key), key, copy, ttl);
+        let written: Vec<i64> = inv.invoke_async(&mut conn).await.map_err(classify)?;
+        Ok(written.first() == Some(&1))
     }
 
     /// One pipeline of HGETALL and PTTL per key (or, on a cluster, concurrent lookups).
@@ -278,10 +278,11 @@ where
             .collect()
     }
 
-    /// One pipeline of store scripts (or, on a cluster, concurrent calls). A pipeline does not
-    /// load a script Redis lacks (after a restart, or on a just-started server): on NOSCRIPT the
-    /// script is loaded and the pipeline sent once more. An item the pipeline still could not
-    /// write is written on its own, concurrently.
+    /// One store script call per [`STORE_CHUNK`] copies (or, on a cluster, concurrent calls of
+    /// one copy each), all in one pipeline. A pipeline does not load a script Redis lacks (after a
+    /// restart, or on a just-started server): on NOSCRIPT the script is loaded and the pipeline
+    /// sent once more. The items of a call that failed (one that met foreign data stops there) are
+    /// written on their own, concurrently.
     async fn store_many(
         &self,
         items: &[(IdempotencyKey, Cached, Duration)],
@@ -290,30 +291,34 @@ where
             return join_all(items.iter().map(|(k, c, ttl)| self.store(k, c, *ttl))).await;
         }
         let mut pipe = redis::pipe();
-        for (key, copy, ttl) in items {
-            pipe.invoke_script(&store_invocation(&self.redis_key(key), key, copy, *ttl));
-        }
-        let mut conn = self.conn.clone();
-        let values: Vec<redis::Value> = match pipe.query_async(&mut conn).await {
-            Ok(v) => v,
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                match SCRIPTS.store.load_async(&mut conn).await {
-                    Ok(_) => pipe.query_async(&mut conn).await.unwrap_or_default(),
-                    Err(_) => Vec::new(),
-                }
+        for chunk in items.chunks(STORE_CHUNK) {
+            let mut inv = SCRIPTS.store.prepare_invoke();
+            for (key, copy, ttl) in chunk {
+                add_copy(&mut inv, &self.redis_key(key), key, copy, *ttl);
             }
-            Err(_) => Vec::new(),
-        };
-        let mut values = values.into_iter();
-        let written: Vec<Option<bool>> = items
-            .iter()
-            .map(|_| {
-                values
-                    .next()
-                    .and_then(|v| redis::from_redis_value::<i64>(v).ok())
-                    .map(|w| w == 1)
-            })
-            .collect();
+            pipe.invoke_script(&inv);
+        }
+        // Each call is answered on its own: one that met foreign data does not fail the others.
+        pipe.ignore_errors();
+        let mut conn = self.conn.clone();
+        let mut answers: Vec<redis::RedisResult<Vec<i64>>> =
+            pipe.query_async(&mut conn).await.unwrap_or_default();
+        let no_script = |a: &redis::RedisResult<Vec<i64>>| matches!(a, Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript));
+        if answers.iter().any(no_script) && SCRIPTS.store.load_async(&mut conn).await.is_ok() {
+            answers = pipe.query_async(&mut conn).await.unwrap_or_default();
+        }
+        // One array of answers per call; a call that failed (or answered short) leaves its items
+        // unanswered here.
+        let mut written: Vec<Option<bool>> = Vec::with_capacity(items.len());
+        let mut answers = answers.into_iter();
+        for chunk in items.chunks(STORE_CHUNK) {
+            let mut call = answers
+                .next()
+                .and_then(Result::ok)
+                .unwrap_or_default()
+                .into_iter();
+            written.extend(chunk.iter().map(|_| call.next().map(|w| w == 1)));
+        }
         join_all(
             items
                 .iter()
@@ -360,15 +365,20 @@ where
     }
 }
 
-/// The store script's invocation for `copy` of `key`.
-fn store_invocation<'a>(
+/// How many copies one store script call carries in a pipelined backfill: a script runs alone on
+/// its server, so a call is kept short (about a quarter of a millisecond).
+const STORE_CHUNK: usize = 128;
+
+/// Adds `copy` of `key` to a store script call (`lua/store.lua`: one key and ten arguments).
+fn add_copy(
+    inv: &mut redis::ScriptInvocation<'_>,
     rkey: &str,
     key: &IdempotencyKey,
     copy: &Cached,
     ttl: Duration,
-) -> redis::ScriptInvocation<'a> {
+) {
     let empty: &[u8] = b"";
-    let mut inv = SCRIPTS.store.key(rkey);
+    inv.key(rkey);
     inv.arg(copy.state.as_str())
         .arg(copy.token.get())
         .arg(ms(ttl))
@@ -386,7 +396,6 @@ fn store_invocation<'a>(
         )
         .arg(copy.result.as_deref().unwrap_or(empty))
         .arg(copy.failure.as_deref().unwrap_or(""));
-    inv
 }
 
 /// A lookup's answer: the hash's fields and its PTTL.
