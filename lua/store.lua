@@ -2,7 +2,7 @@
 --
 -- One call stores one or more copies: copy i is KEYS[i] with ARGV[10*(i-1)+1 .. 10*i]. On Redis
 -- Cluster a call carries one key (each record's hash has a hash tag of its own); on one server a
--- backfill carries a whole batch, one script call instead of one per key.
+-- backfill carries up to 128 copies (and about 1 MiB) per call instead of one.
 --
 -- KEYS[i]   the record's hash. One hash per idempotency key; its name carries a hash tag.
 -- ARGV, per copy (o = 10*(i-1)):
@@ -56,6 +56,10 @@ local function store(i)
   end
   redis.call('PEXPIRE', k, ARGV[o + 3])
   return 1
+end
+
+if #ARGV ~= 10 * #KEYS then
+  return redis.error_reply('ERR dedup store: expected 10 arguments per key')
 end
 
 local out = {}

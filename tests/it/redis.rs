@@ -831,6 +831,52 @@ async fn a_backfill_of_many_copies_answers_each_and_leaves_foreign_data_alone(po
     assert_eq!(evalsha, 3 + 128 + 44, "{info}");
 }
 
+/// A server that enforces hash slots behind one address (here: one master of the test cluster,
+/// reached as if it were a lone server) refuses a script call of several keys with CROSSSLOT. The
+/// backfill then writes each copy on its own (those of this master's slots land), and every later
+/// backfill sends one copy per call.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_slot_enforcing_server_behind_one_address_gets_one_copy_per_call(pool: PgPool) {
+    let redis = RedisServer::start();
+    let s = tiered(pool, &redis).await;
+    let urls =
+        std::env::var("REDIS_CLUSTER_URLS").expect("REDIS_CLUSTER_URLS is set by scripts/test");
+    let node_url = urls.split(',').next().unwrap();
+    let node = dedup_redis::RedisFastPath::connect(node_url)
+        .await
+        .unwrap()
+        .with_prefix(format!("slots-{}", std::process::id()));
+    assert!(node.batched_copies());
+    let mut items = Vec::new();
+    for i in 0..30 {
+        let k = key(format!("slot{i}"));
+        let lease = acquired(s.claim(&req(&k, "a")).await.unwrap());
+        s.complete(&lease, b"done").await.unwrap();
+        items.push((
+            k,
+            Cached::completed(&lease, Bytes::from_static(b"done")),
+            ms(60_000),
+        ));
+    }
+    let written = node.store_many(&items).await;
+    assert!(!node.batched_copies(), "CROSSSLOT turns batched copies off");
+    // The copies of this master's slots are written; the others are refused (MOVED), each on
+    // its own, and no answer is missing.
+    assert_eq!(written.len(), 30);
+    let landed = written.iter().filter(|w| matches!(w, Ok(true))).count();
+    assert!((1..30).contains(&landed), "{written:?}");
+    for ((k, _, _), w) in items.iter().zip(&written) {
+        if matches!(w, Ok(true)) {
+            assert_eq!(
+                node.lookup(k).await.unwrap().unwrap().state,
+                State::Completed
+            );
+        } else {
+            assert!(w.is_err(), "{w:?}");
+        }
+    }
+}
+
 /// A batch claim stops asking a fast path that answers almost none of its keys (a stream of new
 /// keys: each lookup a Redis round trip for nothing), but for one batch in 16, and asks it again
 /// as soon as that probe finds it answering: a replay of completed keys (here after L1 was

@@ -45,7 +45,9 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::LazyLock;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -82,6 +84,10 @@ pub struct RedisFastPath<C = ConnectionManager> {
     /// where a pipeline may not cross hash slots; the multiplexed connection still writes them
     /// together).
     pipelined: bool,
+    /// Whether a pipelined backfill carries many copies per script call (off: one per call).
+    /// Shared by clones; turned off for good the first time the server answers CROSSSLOT (a
+    /// single endpoint that still enforces hash slots, as a managed cluster's proxy does).
+    batched_copies: Arc<AtomicBool>,
 }
 
 impl<C> fmt::Debug for RedisFastPath<C> {
@@ -159,7 +165,18 @@ where
             conn,
             prefix: "dedup".to_owned(),
             pipelined: true,
+            batched_copies: Arc::new(AtomicBool::new(true)),
         }
+    }
+
+    /// Whether a backfill on one server sends many copies in one store script call (the
+    /// default) or one copy per call. A script call touches every key it is given, so it must
+    /// reach one server that holds them all: turn it off behind a proxy that routes a call by its
+    /// first key (twemproxy). A server that enforces hash slots behind one address (a managed
+    /// cluster's endpoint) answers CROSSSLOT, and it turns off by itself.
+    pub fn with_batched_copies(self, on: bool) -> Self {
+        self.batched_copies.store(on, Ordering::Relaxed);
+        self
     }
 
     /// Whether batch calls go as one pipeline (the default; for one Redis server) or as
@@ -168,6 +185,12 @@ where
     pub fn with_pipelining(mut self, on: bool) -> Self {
         self.pipelined = on;
         self
+    }
+
+    /// Whether backfills send many copies per store script call now
+    /// ([`with_batched_copies`](Self::with_batched_copies)).
+    pub fn batched_copies(&self) -> bool {
+        self.batched_copies.load(Ordering::Relaxed)
     }
 
     /// Sets the key prefix (to share a Redis between deployments).
@@ -278,8 +301,8 @@ where
             .collect()
     }
 
-    /// One store script call per [`STORE_CHUNK`] copies (or, on a cluster, concurrent calls of
-    /// one copy each), all in one pipeline. A pipeline does not load a script Redis lacks (after a
+    /// One store script call per [`STORE_CHUNK`] copies or about [`STORE_CHUNK_BYTES`] (or, on a
+    /// cluster, concurrent calls of one copy each), all in one pipeline. A pipeline does not load a script Redis lacks (after a
     /// restart, or on a just-started server): on NOSCRIPT the script is loaded and the pipeline
     /// sent once more. The items of a call that failed (one that met foreign data stops there) are
     /// written on their own, concurrently.
@@ -290,10 +313,15 @@ where
         if !self.pipelined || items.len() < 2 {
             return join_all(items.iter().map(|(k, c, ttl)| self.store(k, c, *ttl))).await;
         }
+        let calls = if self.batched_copies.load(Ordering::Relaxed) {
+            copy_calls(items)
+        } else {
+            (0..items.len()).map(|i| i..i + 1).collect()
+        };
         let mut pipe = redis::pipe();
-        for chunk in items.chunks(STORE_CHUNK) {
+        for call in &calls {
             let mut inv = SCRIPTS.store.prepare_invoke();
-            for (key, copy, ttl) in chunk {
+            for (key, copy, ttl) in &items[call.clone()] {
                 add_copy(&mut inv, &self.redis_key(key), key, copy, *ttl);
             }
             pipe.invoke_script(&inv);
@@ -303,21 +331,34 @@ where
         let mut conn = self.conn.clone();
         let mut answers: Vec<redis::RedisResult<Vec<i64>>> =
             pipe.query_async(&mut conn).await.unwrap_or_default();
-        let no_script = |a: &redis::RedisResult<Vec<i64>>| matches!(a, Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript));
-        if answers.iter().any(no_script) && SCRIPTS.store.load_async(&mut conn).await.is_ok() {
+        let server_said = |a: &redis::RedisResult<Vec<i64>>, kind| matches!(a, Err(e) if e.kind() == redis::ErrorKind::Server(kind));
+        if answers
+            .iter()
+            .any(|a| server_said(a, redis::ServerErrorKind::NoScript))
+            && SCRIPTS.store.load_async(&mut conn).await.is_ok()
+        {
             answers = pipe.query_async(&mut conn).await.unwrap_or_default();
+        }
+        if answers
+            .iter()
+            .any(|a| server_said(a, redis::ServerErrorKind::CrossSlot))
+            && self.batched_copies.swap(false, Ordering::Relaxed)
+        {
+            warn!(
+                "Redis refused a store script call of several keys (CROSSSLOT): backfills now send one copy per call"
+            );
         }
         // One array of answers per call; a call that failed (or answered short) leaves its items
         // unanswered here.
         let mut written: Vec<Option<bool>> = Vec::with_capacity(items.len());
         let mut answers = answers.into_iter();
-        for chunk in items.chunks(STORE_CHUNK) {
-            let mut call = answers
+        for call in &calls {
+            let mut got = answers
                 .next()
                 .and_then(Result::ok)
                 .unwrap_or_default()
                 .into_iter();
-            written.extend(chunk.iter().map(|_| call.next().map(|w| w == 1)));
+            written.extend(call.clone().map(|_| got.next().map(|w| w == 1)));
         }
         join_all(
             items
@@ -365,9 +406,33 @@ where
     }
 }
 
-/// How many copies one store script call carries in a pipelined backfill: a script runs alone on
-/// its server, so a call is kept short (about a quarter of a millisecond).
+/// The most copies one store script call carries in a pipelined backfill, and the most bytes of
+/// results and reasons: a script runs alone on its server, and Redis reads a call whole before it
+/// runs it, so a call is kept short (about a quarter of a millisecond for 128 small copies).
 const STORE_CHUNK: usize = 128;
+const STORE_CHUNK_BYTES: usize = 1 << 20;
+
+/// Splits a backfill into store script calls of at most [`STORE_CHUNK`] copies and about
+/// [`STORE_CHUNK_BYTES`] (a copy larger than that goes alone).
+fn copy_calls(items: &[(IdempotencyKey, Cached, Duration)]) -> Vec<Range<usize>> {
+    let mut calls = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (key, copy, _)) in items.iter().enumerate() {
+        let size = key.key_bytes().len()
+            + copy.result.as_ref().map_or(0, Bytes::len)
+            + copy.failure.as_ref().map_or(0, String::len)
+            + 256;
+        if i > start && (i - start == STORE_CHUNK || bytes + size > STORE_CHUNK_BYTES) {
+            calls.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    if start < items.len() {
+        calls.push(start..items.len());
+    }
+    calls
+}
 
 /// Adds `copy` of `key` to a store script call (`lua/store.lua`: one key and ten arguments).
 fn add_copy(
@@ -493,4 +558,30 @@ fn config_error(e: RedisError) -> StoreError {
             "the Redis configuration is not valid"
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dedup_core::Scope;
+
+    fn copy(n: usize, result_len: usize) -> (IdempotencyKey, Cached, Duration) {
+        let key =
+            IdempotencyKey::new(Scope::new("s").expect("scope"), format!("k{n}")).expect("key");
+        let mut copy = Cached::new(State::Completed, FencingToken::new(1));
+        copy.result = Some(Bytes::from(vec![b'r'; result_len]));
+        (key, copy, Duration::from_secs(60))
+    }
+
+    /// Calls hold at most 128 copies and about 1 MiB; a copy larger than that goes alone.
+    #[test]
+    fn a_backfill_is_cut_into_calls_by_count_and_by_bytes() {
+        let small: Vec<_> = (0..300).map(|n| copy(n, 16)).collect();
+        assert_eq!(copy_calls(&small), vec![0..128, 128..256, 256..300]);
+        let big: Vec<_> = (0..5).map(|n| copy(n, 400 << 10)).collect();
+        assert_eq!(copy_calls(&big), vec![0..2, 2..4, 4..5]);
+        let huge = vec![copy(0, 16), copy(1, 3 << 20), copy(2, 16)];
+        assert_eq!(copy_calls(&huge), vec![0..1, 1..2, 2..3]);
+        assert!(copy_calls(&[]).is_empty());
+    }
 }

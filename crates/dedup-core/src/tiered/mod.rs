@@ -85,7 +85,7 @@ impl Tier {
 pub struct TieredStore<A, F> {
     authority: A,
     fast: F,
-    l1: moka::sync::Cache<IdempotencyKey, Arc<L1Entry>, L1Hasher>,
+    l1: moka::sync::Cache<IdempotencyKey, Arc<L1Entry>>,
     config: TieredConfig,
     counters: Arc<Counters>,
     /// Whether batch claims ask the fast path.
@@ -93,11 +93,6 @@ pub struct TieredStore<A, F> {
     /// Where batch backfills go when they are written in the background.
     deferred: Option<mpsc::Sender<Vec<Fill>>>,
 }
-
-/// L1's hasher: foldhash's quality variant, seeded per process (keys come from outside; a fixed
-/// hash would let a producer crowd them). SipHash, the default, cost a sixth of the engine's CPU
-/// in lease mode by the batch, where each message meets L1 several times.
-type L1Hasher = foldhash::quality::RandomState;
 
 /// A copy to write to the fast path, and for how long.
 type Fill = (IdempotencyKey, Cached, Duration);
@@ -135,7 +130,7 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
                 L1Policy::TinyLfu => moka::policy::EvictionPolicy::tiny_lfu(),
                 L1Policy::Lru => moka::policy::EvictionPolicy::lru(),
             })
-            .build_with_hasher(L1Hasher::default());
+            .build();
         Self {
             authority,
             fast,
