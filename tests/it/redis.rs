@@ -877,6 +877,27 @@ async fn a_slot_enforcing_server_behind_one_address_gets_one_copy_per_call(pool:
     }
 }
 
+/// The engine's setting reaches its fast path: on by default, off when asked.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn the_engine_sends_one_copy_per_call_when_asked(pool: PgPool) {
+    let redis = RedisServer::start();
+    for (asked, want) in [(None, true), (Some(false), false)] {
+        let mut builder = dedup::Engine::builder()
+            .postgres(pool.clone())
+            .scope("copies")
+            .redis_url(redis.url());
+        if let Some(on) = asked {
+            builder = builder.redis_batched_copies(on);
+        }
+        let engine = builder.build().await.unwrap();
+        let fast = engine.dedup().store().inner().fast_path();
+        match fast {
+            dedup::Fast::Redis(r) => assert_eq!(r.batched_copies(), want),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 /// A batch claim stops asking a fast path that answers almost none of its keys (a stream of new
 /// keys: each lookup a Redis round trip for nothing), but for one batch in 16, and asks it again
 /// as soon as that probe finds it answering: a replay of completed keys (here after L1 was

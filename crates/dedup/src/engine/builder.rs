@@ -58,6 +58,8 @@ pub struct EngineBuilder {
     redis: Option<Redis>,
     #[cfg(feature = "redis")]
     redis_prefix: String,
+    #[cfg(feature = "redis")]
+    redis_batched_copies: bool,
     tiers: TieredConfig,
     group_commit: BatchConfig,
     policy: Policy,
@@ -75,6 +77,8 @@ impl Default for EngineBuilder {
             redis: None,
             #[cfg(feature = "redis")]
             redis_prefix: "dedup".to_owned(),
+            #[cfg(feature = "redis")]
+            redis_batched_copies: true,
             tiers: TieredConfig::default(),
             group_commit: BatchConfig::default(),
             policy: Policy::default(),
@@ -164,6 +168,18 @@ impl EngineBuilder {
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn redis_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.redis_prefix = prefix.into();
+        self
+    }
+
+    /// Whether a backfill to one Redis server sends many copies per script call (default: yes,
+    /// up to 128 copies or about 1 MiB a call). Turn it off behind a proxy that routes a call by
+    /// its first key (twemproxy): each copy then goes in a call of its own. A server that
+    /// enforces hash slots behind one address answers CROSSSLOT and turns it off by itself; a
+    /// Redis Cluster (`redis_cluster`) always sends one copy per call.
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn redis_batched_copies(mut self, on: bool) -> Self {
+        self.redis_batched_copies = on;
         self
     }
 
@@ -296,6 +312,8 @@ impl EngineBuilder {
             self.redis,
             #[cfg(feature = "redis")]
             &self.redis_prefix,
+            #[cfg(feature = "redis")]
+            self.redis_batched_copies,
         )
         .await?;
         let pg = pool.map(PgStore::new);
@@ -375,7 +393,11 @@ fn incarnation() -> String {
 }
 
 #[cfg(feature = "redis")]
-async fn fast_path(redis: Option<Redis>, prefix: &str) -> Result<FastTier, BuildError> {
+async fn fast_path(
+    redis: Option<Redis>,
+    prefix: &str,
+    batched_copies: bool,
+) -> Result<FastTier, BuildError> {
     use dedup_redis::RedisFastPath;
 
     let store_error = |source| BuildError::Store {
@@ -398,7 +420,8 @@ async fn fast_path(redis: Option<Redis>, prefix: &str) -> Result<FastTier, Build
                 RedisFastPath::connect(&url)
                     .await
                     .map_err(store_error)?
-                    .with_prefix(prefix),
+                    .with_prefix(prefix)
+                    .with_batched_copies(batched_copies),
             )
         }
         Some(Redis::Cluster(urls)) => {
