@@ -677,6 +677,25 @@ async fn eventually(s: &Tiered, keys: &[dedup_core::IdempotencyKey], want: State
     panic!("Redis never held {want:?} copies of every key");
 }
 
+/// How many times Redis ran `name` since its stats were last reset (`INFO commandstats`), with
+/// the whole section for a failure message.
+async fn command_calls(
+    conn: &mut dedup_redis::redis::aio::MultiplexedConnection,
+    name: &str,
+) -> (u64, String) {
+    let info: String = dedup_redis::redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let calls = info
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap());
+    (calls, info)
+}
+
 /// A pipeline of backfills on a Redis that lacks the store script (just restarted, or its
 /// scripts flushed) loads the script once and sends the pipeline again: it does not fall back to
 /// one call per copy, each loading the script for itself.
@@ -717,20 +736,11 @@ async fn a_pipeline_of_backfills_loads_a_missing_script_once(pool: PgPool) {
 
     let written = s.fast_path().store_many(&items).await;
     assert!(written.iter().all(|w| matches!(w, Ok(true))), "{written:?}");
-    let info: String = dedup_redis::redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let calls = |name: &str| -> u64 {
-        info.lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:calls=")))
-            .and_then(|rest| rest.split(',').next())
-            .map_or(0, |n| n.parse().unwrap())
-    };
-    assert_eq!(calls("script|load"), 1, "{info}");
+    let (loads, info) = command_calls(&mut conn, "script|load").await;
+    assert_eq!(loads, 1, "{info}");
+    let (evalsha, info) = command_calls(&mut conn, "evalsha").await;
     assert!(
-        calls("evalsha") <= 2,
+        evalsha <= 2,
         "one script call carries the 20 copies: at most one refused, then one that wrote: {info}"
     );
     for k in &keys {
@@ -818,16 +828,7 @@ async fn a_backfill_of_many_copies_answers_each_and_leaves_foreign_data_alone(po
     }
     // Three calls of up to 128 copies; the two that met foreign data fail, and each copy of those
     // two calls (128 and 44) is then written on its own.
-    let info: String = dedup_redis::redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let evalsha = info
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse::<u64>().unwrap());
+    let (evalsha, info) = command_calls(&mut conn, "evalsha").await;
     assert_eq!(evalsha, 3 + 128 + 44, "{info}");
 }
 
