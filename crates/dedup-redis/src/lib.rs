@@ -6,9 +6,10 @@
 //! before the authority committed it. Losing Redis (flush, restart, failover) costs speed only.
 //!
 //! Each idempotency key is one Redis hash, `<prefix>:{<digest>}`, where the digest (128 bits of
-//! SHA-256 over scope and key) is the hash tag: on Redis Cluster every script call touches one key,
-//! so the scripts in the workspace's `lua/` run unchanged there. The hash also holds the full scope and key, and a
-//! copy whose identity does not match is a miss (with a warning), never an answer.
+//! SHA-256 over scope and key) is the hash tag: on Redis Cluster every script call touches one
+//! key, so the scripts in the workspace's `lua/` run unchanged there. The hash also holds the full
+//! scope and key, and a copy whose identity does not match is a miss (with a warning), never an
+//! answer.
 //!
 //! Connections: [`ConnectionManager`] (reconnects in the background) or a cluster connection,
 //! behind the same [`RedisFastPath`] type. The URL carries ACL user and password
@@ -302,9 +303,9 @@ where
     }
 
     /// One store script call per [`STORE_CHUNK`] copies or about [`STORE_CHUNK_BYTES`] (or, on a
-    /// cluster, concurrent calls of one copy each), all in one pipeline. A pipeline does not load a script Redis lacks (after a
-    /// restart, or on a just-started server): on NOSCRIPT the script is loaded and the pipeline
-    /// sent once more. The items of a call that failed (one that met foreign data stops there) are
+    /// cluster, concurrent calls of one copy each), all in one pipeline. A pipeline does not load
+    /// a script Redis lacks (after a restart, or on a just-started server): on NOSCRIPT the script
+    /// is loaded and the pipeline sent once more. The items of a call that failed (one that met foreign data stops there) are
     /// written on their own, concurrently.
     async fn store_many(
         &self,
@@ -331,7 +332,10 @@ where
         let mut conn = self.conn.clone();
         let mut answers: Vec<redis::RedisResult<Vec<i64>>> =
             pipe.query_async(&mut conn).await.unwrap_or_default();
-        let server_said = |a: &redis::RedisResult<Vec<i64>>, kind| matches!(a, Err(e) if e.kind() == redis::ErrorKind::Server(kind));
+        let server_said = |a: &redis::RedisResult<Vec<i64>>, kind| {
+            a.as_ref()
+                .is_err_and(|e| e.kind() == redis::ErrorKind::Server(kind))
+        };
         if answers
             .iter()
             .any(|a| server_said(a, redis::ServerErrorKind::NoScript))

@@ -176,6 +176,18 @@ impl EngineBuilder {
     /// its first key (twemproxy): each copy then goes in a call of its own. A server that
     /// enforces hash slots behind one address answers CROSSSLOT and turns it off by itself; a
     /// Redis Cluster (`redis_cluster`) always sends one copy per call.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), dedup::BuildError> {
+    /// let engine = dedup::Engine::builder()
+    ///     .postgres_url("postgres://dedup@db/payments")
+    ///     .scope("payments")
+    ///     .redis_url("redis://twemproxy.internal:22121")
+    ///     .redis_batched_copies(false) // the proxy routes a script call by its first key
+    ///     .build()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn redis_batched_copies(mut self, on: bool) -> Self {
