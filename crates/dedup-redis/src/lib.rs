@@ -305,8 +305,8 @@ where
     /// One store script call per [`STORE_CHUNK`] copies or about [`STORE_CHUNK_BYTES`] (or, on a
     /// cluster, concurrent calls of one copy each), all in one pipeline. A pipeline does not load
     /// a script Redis lacks (after a restart, or on a just-started server): on NOSCRIPT the script
-    /// is loaded and the pipeline sent once more. The items of a call that failed (one that met foreign data stops there) are
-    /// written on their own, concurrently.
+    /// is loaded and the pipeline sent once more. The items of a call that failed (one that met
+    /// foreign data stops there) are written on their own, concurrently.
     async fn store_many(
         &self,
         items: &[(IdempotencyKey, Cached, Duration)],
@@ -415,6 +415,9 @@ where
 /// runs it, so a call is kept short (about a quarter of a millisecond for 128 small copies).
 const STORE_CHUNK: usize = 128;
 const STORE_CHUNK_BYTES: usize = 1 << 20;
+/// What a copy adds to a call besides its key, result and reason: the record's hash name and the
+/// other nine arguments, as text.
+const COPY_OVERHEAD_BYTES: usize = 256;
 
 /// Splits a backfill into store script calls of at most [`STORE_CHUNK`] copies and about
 /// [`STORE_CHUNK_BYTES`] (a copy larger than that goes alone).
@@ -425,7 +428,7 @@ fn copy_calls(items: &[(IdempotencyKey, Cached, Duration)]) -> Vec<Range<usize>>
         let size = key.key_bytes().len()
             + copy.result.as_ref().map_or(0, Bytes::len)
             + copy.failure.as_ref().map_or(0, String::len)
-            + 256;
+            + COPY_OVERHEAD_BYTES;
         if i > start && (i - start == STORE_CHUNK || bytes + size > STORE_CHUNK_BYTES) {
             calls.push(start..i);
             (start, bytes) = (i, 0);
