@@ -38,7 +38,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Produce a stream with duplicates, redeliveries and poison to Kafka, consume it through the
-    /// full engine (moka, Redis, Postgres) into a ledger, and report what happened.
+    /// full engine (L1, Redis, Postgres) into a ledger, and report what happened.
     Demo(demo::DemoArgs),
     Bench(bench::BenchArgs),
     /// Apply or verify dedup's migrations (its own table, `dedup_migrations`), and check that the
@@ -232,7 +232,9 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
     let key = IdempotencyKey::new(scope, args.key.as_bytes())
         .map_err(|e| CliError::Config(format!("key: {e}")))?;
     println!("key: {key}");
-    println!("L1 (moka): in-process only; each consumer holds its own, so this process has none");
+    println!(
+        "L1 (in-process cache): in-process only; each consumer holds its own, so this process has none"
+    );
     match &args.redis_url {
         None => println!("L2 (Redis): not asked (no REDIS_URL)"),
         Some(url) => {

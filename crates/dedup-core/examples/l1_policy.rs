@@ -1,9 +1,11 @@
-//! Measures L1 hit ratios for moka's TinyLFU and LRU policies, through the real `TieredStore`
+//! Measures L1 hit ratios for the two L1 policies (`L1Policy::TinyLfu`, `L1Policy::Lru`), through the real `TieredStore`
 //! (in-memory authority, no fast path), on two streams:
 //!
 //! - **zipf**: keys drawn from a Zipf(1.0) law over 1,000,000 keys (a skewed duplicate stream);
 //! - **mostly-new**: 90% never-seen keys, 10% duplicates, half of them of 100 hot keys and half
-//!   of a recent key.
+//!   of a recent key;
+//! - **replay**: never-seen keys, and after every 9,000 of them a replay, in order, of the 1,000
+//!   keys seen 7,500 to 8,500 new keys before (a partition redelivered after a rebalance).
 //!
 //! For each stream, L1 capacity (entries) and policy, it prints the L1 hit ratio and the share of
 //! events that could have hit at all (a repeat of a completed key). `cargo run --release -p
@@ -66,6 +68,22 @@ fn mostly_new(events: usize, rng: &mut Lcg) -> Vec<u64> {
     out
 }
 
+const REPLAY_FROM: u64 = 8_500;
+
+fn replay(events: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(events);
+    let mut next_new = 10_000_000u64;
+    while out.len() < events {
+        for _ in 0..9_000 {
+            next_new += 1;
+            out.push(next_new);
+        }
+        out.extend(next_new - REPLAY_FROM..next_new - REPLAY_FROM + 1_000);
+    }
+    out.truncate(events);
+    out
+}
+
 async fn run(stream: &[u64], capacity: u64, policy: L1Policy) -> (f64, f64) {
     let config = TieredConfig::default()
         .with_l1_capacity(capacity, capacity * 4096)
@@ -103,6 +121,7 @@ async fn main() {
     let streams = [
         ("zipf", zipf(events, 1_000_000, &mut rng)),
         ("mostly-new", mostly_new(events, &mut rng)),
+        ("replay", replay(events)),
     ];
     println!("L1 hit ratio by policy ({events} events per stream)");
     println!(

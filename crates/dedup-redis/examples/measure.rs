@@ -130,7 +130,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         (events - unique) as f64 * 100.0 / claims
     );
     println!(
-        "  answered by L1 (moka)      {:>7}  {:>5.1}%",
+        "  answered by L1             {:>7}  {:>5.1}%",
         st.l1_hits,
         pct(st.l1_hits)
     );
@@ -181,7 +181,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         replay.len()
     );
     println!(
-        "  answered by L1 (moka)      {:>7}  {:>5.1}%",
+        "  answered by L1             {:>7}  {:>5.1}%",
         st.l1_hits,
         st.l1_hits as f64 * 100.0 / n
     );

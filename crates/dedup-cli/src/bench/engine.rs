@@ -15,7 +15,7 @@ use sqlx::PgPool;
 use super::{Ctx, EventKeys, Outcome, drive, result_of};
 use crate::connect::{CliError, connect_redis};
 
-/// (c) and (d): `Dedup::process` on the tiered store (moka, Redis, Postgres), one call per
+/// (c) and (d): `Dedup::process` on the tiered store (L1, Redis, Postgres), one call per
 /// message; (d) puts `Batched` between the consumer and the tiers.
 pub(super) async fn tiered(
     ctx: &Ctx,

@@ -1,4 +1,4 @@
-//! The demo's two ways to consume, both built from one `dedup::Engine` (moka, Redis, Postgres):
+//! The demo's two ways to consume, both built from one `dedup::Engine` (L1 in process, Redis, Postgres):
 //! transaction mode by the batch (a `TxHandler`, the default), and one message at a time in lease
 //! mode (a `LeaseHandler`).
 //!
@@ -23,10 +23,10 @@ use crate::connect::CliError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Mode {
     /// Transaction mode by the batch: each partition's batch (up to 500 messages) in one Postgres
-    /// transaction, its ledger rows in one statement; moka and Redis in front answer keys already
+    /// transaction, its ledger rows in one statement; L1 and Redis in front answer keys already
     /// settled, and learn each commit's completions after it.
     Tx,
-    /// One message at a time through the full engine (moka, Redis, Postgres; claims grouped by
+    /// One message at a time through the full engine (L1, Redis, Postgres; claims grouped by
     /// group commit), each ledger row and its completion in a transaction of their own.
     PerMessage,
 }

@@ -7,13 +7,19 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// The L1 eviction policy. See docs/PERFORMANCE.md (`scripts/measure`) for the measurements behind the default.
+/// The L1 eviction policy. Both admit every key. L1 (`quick_cache`'s CLOCK-Pro) keeps a share of
+/// its capacity for entries read since they came in ("hot") and holds new entries in the rest,
+/// first in, first out; a read there moves an entry to the hot share. See docs/PERFORMANCE.md
+/// (`l1_policy`) for the measurements behind the default.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub enum L1Policy {
-    /// moka's default: TinyLFU admission (may refuse a new key on a stream of mostly new keys).
+    /// Frequency first: 97% of L1 for entries read again, so a new key that is not read soon
+    /// leaves early. Suits a small L1 on a skewed stream (a few keys repeated often); a replay of
+    /// keys seen long before (a rebalance) mostly misses.
     TinyLfu,
-    /// Least recently used: admits every new key.
+    /// Recency first (the default): 95% of L1 holds entries in the order they came, read or not,
+    /// so a replay of the last keys seen (up to about 85% of the capacity back) hits.
     Lru,
 }
 

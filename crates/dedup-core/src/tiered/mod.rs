@@ -1,4 +1,4 @@
-//! Three tiers, one authority: an in-process L1 (moka), a fast path L2 (Redis, through the
+//! Three tiers, one authority: an in-process L1 (`quick_cache`), a fast path L2 (Redis, through the
 //! [`FastPath`] trait) and the authority (Postgres, any [`Store`]).
 //!
 //! - L1 holds only terminal outcomes (COMPLETED, FAILED): bounded by entries and by bytes, each
@@ -10,17 +10,17 @@
 //! - A miss, an error or a timeout in a cache falls through to the authority: losing a cache costs
 //!   speed, never a second effect.
 //!
-//! Here: `TieredStore<A: Store, F: FastPath>`, the moka L1 and the tier machinery (claims through
+//! Here: `TieredStore<A: Store, F: FastPath>`, the tier machinery (claims through
 //! the tiers, backfills, the background writer). `store.rs` is its `Store` implementation;
 //! `batch_cache.rs` the caches transaction mode uses (`BatchCache`); `cache.rs` `Cached`, the
-//! `FastPath` trait and `NoFastPath`; `config.rs` the settings and counters; `gate.rs` whether a
+//! `FastPath` trait and `NoFastPath`; `l1.rs` L1; `config.rs` the settings and counters; `gate.rs` whether a
 //! batch claim asks the fast path; `span.rs` the `dedup.decision` span.
 
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::time::timeout;
@@ -35,6 +35,7 @@ mod batch_cache;
 mod cache;
 mod config;
 mod gate;
+mod l1;
 mod span;
 mod store;
 
@@ -43,25 +44,6 @@ pub use cache::{Cached, FastPath, NoFastPath};
 use config::{Counters, bump};
 pub use config::{L1Policy, TierStats, TieredConfig};
 pub(crate) use span::{decision_span, record_decision};
-
-#[derive(Debug)]
-struct L1Entry {
-    copy: Cached,
-    ttl: Duration,
-}
-
-struct L1Expiry;
-
-impl moka::Expiry<IdempotencyKey, Arc<L1Entry>> for L1Expiry {
-    fn expire_after_create(
-        &self,
-        _: &IdempotencyKey,
-        v: &Arc<L1Entry>,
-        _: Instant,
-    ) -> Option<Duration> {
-        Some(v.ttl)
-    }
-}
 
 /// Which tier answered a claim.
 #[derive(Clone, Copy, Debug)]
@@ -81,11 +63,11 @@ impl Tier {
     }
 }
 
-/// The tiered store: L1 (moka), the fast path `F` (L2), and the authority `A`.
+/// The tiered store: L1, the fast path `F` (L2), and the authority `A`.
 pub struct TieredStore<A, F> {
     authority: A,
     fast: F,
-    l1: moka::sync::Cache<IdempotencyKey, Arc<L1Entry>>,
+    l1: l1::L1,
     config: TieredConfig,
     counters: Arc<Counters>,
     /// Whether batch claims ask the fast path.
@@ -107,7 +89,7 @@ impl<A: fmt::Debug, F: fmt::Debug> fmt::Debug for TieredStore<A, F> {
             .field("authority", &self.authority)
             .field("fast", &self.fast)
             .field("config", &self.config)
-            .field("l1_entries", &self.l1.entry_count())
+            .field("l1_entries", &self.l1.len())
             .finish_non_exhaustive()
     }
 }
@@ -115,22 +97,7 @@ impl<A: fmt::Debug, F: fmt::Debug> fmt::Debug for TieredStore<A, F> {
 impl<A: Store, F: FastPath> TieredStore<A, F> {
     /// Puts L1 and `fast` in front of `authority`.
     pub fn new(authority: A, fast: F, config: TieredConfig) -> Self {
-        // Each entry weighs at least max_bytes / max_entries, so both bounds hold at once.
-        let floor = u32::try_from(config.l1_max_bytes / config.l1_max_entries.max(1))
-            .unwrap_or(u32::MAX)
-            .max(1);
-        let l1 = moka::sync::Cache::builder()
-            .max_capacity(config.l1_max_bytes)
-            .weigher(move |k: &IdempotencyKey, v: &Arc<L1Entry>| {
-                let size = k.key_bytes().len() + k.scope().as_str().len() + v.copy.size();
-                u32::try_from(size).unwrap_or(u32::MAX).max(floor)
-            })
-            .expire_after(L1Expiry)
-            .eviction_policy(match config.l1_policy {
-                L1Policy::TinyLfu => moka::policy::EvictionPolicy::tiny_lfu(),
-                L1Policy::Lru => moka::policy::EvictionPolicy::lru(),
-            })
-            .build();
+        let l1 = l1::L1::new(&config);
         Self {
             authority,
             fast,
@@ -188,13 +155,12 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
 
     /// Drops every L1 entry (for tests and operators; never needed for correctness).
     pub fn clear_l1(&self) {
-        self.l1.invalidate_all();
-        self.l1.run_pending_tasks();
+        self.l1.clear();
     }
 
-    /// How many entries L1 holds (moka's count, updated as its maintenance runs).
+    /// How many entries L1 holds (expired ones included until a lookup or an eviction meets them).
     pub fn l1_entry_count(&self) -> u64 {
-        self.l1.entry_count()
+        self.l1.len()
     }
 
     /// A snapshot of the counters.
@@ -401,8 +367,8 @@ impl<A: Store, F: FastPath> TieredStore<A, F> {
         let ttl = ttl
             .min(self.config.l1_ttl)
             .min(copy.expires_in.unwrap_or(Duration::MAX));
-        if copy.state.is_terminal() && !ttl.is_zero() {
-            self.l1.insert(key.clone(), Arc::new(L1Entry { copy, ttl }));
+        if copy.state.is_terminal() {
+            self.l1.insert(key, copy, ttl);
         }
     }
 
