@@ -7,9 +7,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// The L1 eviction policy. Both admit every key. L1 (`quick_cache`'s CLOCK-Pro) keeps a share of
-/// its capacity for entries read since they came in ("hot") and holds new entries in the rest,
-/// first in, first out; a read there moves an entry to the hot share. See docs/PERFORMANCE.md
+/// The L1 eviction policy. Both admit every key whose entry weighs up to 64 KiB (a heavier one
+/// may not be held, see `tiered/l1.rs`). L1 (`quick_cache`'s CLOCK-Pro) keeps a share of its
+/// capacity for entries read since they came in ("hot") and holds new entries in the rest, first
+/// in, first out; a read there moves an entry to the hot share. See docs/PERFORMANCE.md
 /// (`l1_policy`) for the measurements behind the default.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]

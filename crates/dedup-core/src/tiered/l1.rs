@@ -1,12 +1,17 @@
-//! L1: the in-process cache of terminal outcomes, on `quick_cache` (a sharded hash table with a
-//! CLOCK-Pro eviction that allocates only when its tables grow). It replaced moka, whose table
+//! L1: the in-process cache of terminal outcomes, on `quick_cache` (a sharded hash table with
+//! CLOCK-Pro eviction and no housekeeping of its own; an insert allocates the entry's `Arc`, the
+//! tables only when they grow). It replaced moka, whose table
 //! rehashing, housekeeping and per-entry allocations were a quarter of the engine's CPU in lease
 //! mode (docs/PERFORMANCE.md).
 //!
 //! Bounded by bytes and, through a per-entry floor (`max_bytes / max_entries`), by entries. An
 //! entry carries its deadline (never past the record's retention nor `l1_ttl`) and is answered
 //! only before it: a lookup that finds it past due removes it and misses. Expired entries that no
-//! lookup meets are evicted by capacity like any other.
+//! lookup meets are evicted by capacity like any other. An entry heavier than its shard's hot
+//! share is not held; `Layout` cuts the table so that every entry up to 64 KiB is (in an L1 of
+//! under ~1.3 MB, up to a twentieth of its bytes). Besides the entries, quick_cache remembers up
+//! to half as many evicted keys (a hash and a slot each, about 80 bytes), outside the byte
+//! bound.
 
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
@@ -75,26 +80,20 @@ pub(super) struct L1 {
 
 impl L1 {
     pub(super) fn new(config: &TieredConfig) -> Self {
-        let entries = config.l1_max_entries.max(1);
-        let bytes = config.l1_max_bytes.max(1);
-        // Each entry weighs at least max_bytes / max_entries, so both bounds hold at once.
-        let floor = (bytes / entries).max(1);
-        let shards = shards(entries);
-        // An entry heavier than a shard's hot share is not held (quick_cache's rule): the share
-        // is raised where needed so that a few entries of the floor's weight always fit.
-        let shard_bytes = (bytes / shards).max(1);
-        let hot = hot_share(config.l1_policy)
-            .max(4.0 * floor as f64 / shard_bytes as f64)
-            .min(1.0);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::with_layout(&Layout::of(config, cores))
+    }
+
+    fn with_layout(l: &Layout) -> Self {
         let table = Cache::with_options(
             OptionsBuilder::new()
-                .shards(usize::try_from(shards).unwrap_or(1))
-                .estimated_items_capacity(usize::try_from(entries).unwrap_or(usize::MAX))
-                .weight_capacity(bytes)
-                .hot_allocation(hot)
+                .shards(usize::try_from(l.shards).unwrap_or(1))
+                .estimated_items_capacity(usize::try_from(l.estimated).unwrap_or(usize::MAX))
+                .weight_capacity(l.bytes)
+                .hot_allocation(l.hot)
                 .build()
                 .expect("both capacities are set"),
-            Weigh { floor },
+            Weigh { floor: l.floor },
             BuildHasherDefault::default(),
             DefaultLifecycle::default(),
         );
@@ -132,15 +131,59 @@ impl L1 {
     }
 }
 
-/// Shards of at least 64 entries each, at most four per core (quick_cache's default), a power
-/// of two.
-fn shards(entries: u64) -> u64 {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut shards = u64::try_from(cores * 4).unwrap_or(1).next_power_of_two();
-    while shards > 1 && entries / shards < 64 {
-        shards /= 2;
+/// The largest entry every L1 holds, where its bytes allow (a fraction of them otherwise).
+const HELD: u64 = 64 << 10;
+
+/// How L1's table is cut, from the settings and the cores.
+#[derive(Debug, PartialEq)]
+struct Layout {
+    /// The byte bound, at most 2^60 (quick_cache sums weights in a u64).
+    bytes: u64,
+    /// Every entry weighs at least this (`bytes / entries`, rounded up), so the byte bound is
+    /// also the entry bound.
+    floor: u64,
+    /// A power of two, at most four per core (quick_cache's default), each of at least 64
+    /// entries, and few enough that each shard's hot share holds an entry of [`HELD`] bytes (or
+    /// of the whole hot share of `bytes`, when that is less): quick_cache does not hold an
+    /// entry heavier than its shard's hot share.
+    shards: u64,
+    hot: f64,
+    /// What quick_cache sizes its memory of evicted keys by (half of this): the entries L1 can
+    /// hold at the lightest a copy weighs (96 bytes), not more.
+    estimated: u64,
+}
+
+impl Layout {
+    fn of(config: &TieredConfig, cores: usize) -> Self {
+        let bytes = config.l1_max_bytes.clamp(1, 1 << 60);
+        let entries = config.l1_max_entries.clamp(1, bytes);
+        let floor = bytes.div_ceil(entries);
+        let share = hot_share(config.l1_policy);
+        let held = (HELD as f64).min(share * bytes as f64);
+        let mut shards = u64::try_from(cores.max(1) * 4)
+            .unwrap_or(1 << 10)
+            .min(1 << 10)
+            .next_power_of_two();
+        while shards > 1 && (entries / shards < 64 || share * ((bytes / shards) as f64) < held) {
+            shards /= 2;
+        }
+        let shard_bytes = bytes.div_ceil(shards);
+        // A few entries of the floor's weight always fit the hot share, however small L1 is.
+        let hot = share.max(4.0 * floor as f64 / shard_bytes as f64).min(1.0);
+        Self {
+            bytes,
+            floor,
+            shards,
+            hot,
+            estimated: entries.min(bytes / 96).max(1),
+        }
     }
-    shards
+
+    /// The heaviest entry every shard holds.
+    #[cfg(test)]
+    fn held(&self) -> u64 {
+        (self.hot * self.bytes.div_ceil(self.shards) as f64) as u64
+    }
 }
 
 /// The share of L1 kept for entries read since they came in ("hot"); new entries wait in the
@@ -224,6 +267,63 @@ mod tests {
             assert!(by_bytes.len() <= 256, "{policy:?}: {}", by_bytes.len());
             assert!(by_bytes.len() >= 128, "{policy:?}: {}", by_bytes.len());
         }
+    }
+
+    #[test]
+    fn every_layout_holds_an_entry_of_64_kib_where_its_bytes_allow() {
+        for cores in [1, 2, 4, 16, 64, 512] {
+            for policy in [L1Policy::Lru, L1Policy::TinyLfu] {
+                for (entries, bytes) in [
+                    (100_000, 64 << 20),
+                    (100_000, 1 << 20),
+                    (10_000_000, 64 << 20),
+                    (1_000, 4 << 20),
+                    (1, 1),
+                    (u64::MAX, u64::MAX),
+                    (100, u64::MAX),
+                ] {
+                    let config = TieredConfig::default()
+                        .with_l1_capacity(entries, bytes)
+                        .with_l1_policy(policy);
+                    let l = Layout::of(&config, cores);
+                    let want = HELD.min((hot_share(policy) * l.bytes as f64) as u64);
+                    let at = format!("{cores} cores, {policy:?}, {entries}/{bytes}: {l:?}");
+                    assert!(l.held() >= want.max(l.floor), "{at}");
+                    assert!(
+                        l.shards.is_power_of_two() && l.shards <= 4 * cores as u64,
+                        "{at}"
+                    );
+                    assert!(
+                        l.bytes <= 1 << 60 && l.estimated <= l.bytes / 96 + 1,
+                        "{at}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// 4 KiB results in an L1 of 1 MiB on a machine of 64 cores are held (with a shard count
+    /// from the cores alone, each shard's hot share was 3 KiB and nothing was held).
+    #[test]
+    fn many_cores_still_hold_ordinary_results() {
+        let config = TieredConfig::default().with_l1_capacity(100_000, 1 << 20);
+        let l1 = L1::with_layout(&Layout::of(&config, 64));
+        for n in 0..1_000 {
+            l1.insert(&key(n), done(4096), Duration::from_secs(60));
+        }
+        assert!(l1.len() >= 128 && l1.len() <= 256, "{}", l1.len());
+        assert!(l1.get(&key(999)).is_some());
+    }
+
+    /// A byte bound of u64::MAX is taken as 2^60: inserts past the entry bound evict instead
+    /// of overflowing the table's weight sum.
+    #[test]
+    fn an_unbounded_byte_setting_still_bounds_entries() {
+        let l1 = l1(100, u64::MAX, L1Policy::Lru);
+        for n in 0..1_000 {
+            l1.insert(&key(n), done(16), Duration::from_secs(60));
+        }
+        assert!(l1.len() <= 100 && l1.len() >= 50, "{}", l1.len());
     }
 
     /// With the defaults, a result of 100 KB is held (an entry heavier than a shard's hot share,
