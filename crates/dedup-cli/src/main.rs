@@ -232,9 +232,7 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
     let key = IdempotencyKey::new(scope, args.key.as_bytes())
         .map_err(|e| CliError::Config(format!("key: {e}")))?;
     println!("key: {key}");
-    println!(
-        "L1 (in-process cache): in-process only; each consumer holds its own, so this process has none"
-    );
+    println!("L1: in-process only; each consumer holds its own, so this process has none");
     match &args.redis_url {
         None => println!("L2 (Redis): not asked (no REDIS_URL)"),
         Some(url) => {

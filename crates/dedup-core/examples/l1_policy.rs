@@ -1,4 +1,5 @@
-//! Measures L1 hit ratios for the two L1 policies (`L1Policy::TinyLfu`, `L1Policy::Lru`), through the real `TieredStore`
+//! Measures L1 hit ratios for the two L1 policies (`L1Policy::TinyLfu`, `L1Policy::Lru`), through
+//! the real `TieredStore`
 //! (in-memory authority, no fast path), on two streams:
 //!
 //! - **zipf**: keys drawn from a Zipf(1.0) law over 1,000,000 keys (a skewed duplicate stream);

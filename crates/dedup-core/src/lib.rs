@@ -7,10 +7,10 @@
 //! consumer API ([`Dedup::process`]). Backends live in their own crates (`dedup-pg` is the durable
 //! source of truth).
 //!
-//! Its dependencies: `bytes`, `quick_cache` (L1), `sha2` (payload fingerprints), `serde` and `bincode`
-//! (typed results; `serde_json` with the `json` feature), `thiserror`, `tracing`, `futures-util`
-//! (joining futures, catching a handler's panic), and `tokio` for timers (the heartbeat, the
-//! in-flight wait), synchronisation (`Batched`'s queue) and the one background task
+//! Its dependencies: `bytes`, `quick_cache` (L1), `sha2` (payload fingerprints), `serde` and
+//! `bincode` (typed results; `serde_json` with the `json` feature), `thiserror`, `tracing`,
+//! `futures-util` (joining futures, catching a handler's panic), and `tokio` for timers (the
+//! heartbeat, the in-flight wait), synchronisation (`Batched`'s queue) and the one background task
 //! (`TieredStore::with_background_backfill`).
 //!
 //! # A tour

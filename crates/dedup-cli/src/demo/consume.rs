@@ -1,4 +1,4 @@
-//! The demo's two ways to consume, both built from one `dedup::Engine` (L1 in process, Redis, Postgres):
+//! The demo's two ways to consume, both built from one `dedup::Engine` (L1, Redis, Postgres):
 //! transaction mode by the batch (a `TxHandler`, the default), and one message at a time in lease
 //! mode (a `LeaseHandler`).
 //!

@@ -1,8 +1,7 @@
 //! L1: the in-process cache of terminal outcomes, on `quick_cache` (a sharded hash table with
 //! CLOCK-Pro eviction and no housekeeping of its own; an insert allocates the entry's `Arc`, the
-//! tables only when they grow). It replaced moka, whose table
-//! rehashing, housekeeping and per-entry allocations were a quarter of the engine's CPU in lease
-//! mode (docs/PERFORMANCE.md).
+//! tables only when they grow). It replaced moka, whose table rehashing, housekeeping and
+//! per-entry allocations were a quarter of the engine's CPU in lease mode (docs/PERFORMANCE.md).
 //!
 //! Bounded by bytes and, through a per-entry floor (`max_bytes / max_entries`), by entries. An
 //! entry carries its deadline (never past the record's retention nor `l1_ttl`) and is answered

@@ -1,5 +1,5 @@
-//! Three tiers, one authority: an in-process L1 (`quick_cache`), a fast path L2 (Redis, through the
-//! [`FastPath`] trait) and the authority (Postgres, any [`Store`]).
+//! Three tiers, one authority: an in-process L1 (`quick_cache`), a fast path L2 (Redis, through
+//! the [`FastPath`] trait) and the authority (Postgres, any [`Store`]).
 //!
 //! - L1 holds only terminal outcomes (COMPLETED, FAILED): bounded by entries and by bytes, each
 //!   entry living no longer than its record's retention.
@@ -10,11 +10,11 @@
 //! - A miss, an error or a timeout in a cache falls through to the authority: losing a cache costs
 //!   speed, never a second effect.
 //!
-//! Here: `TieredStore<A: Store, F: FastPath>`, the tier machinery (claims through
-//! the tiers, backfills, the background writer). `store.rs` is its `Store` implementation;
-//! `batch_cache.rs` the caches transaction mode uses (`BatchCache`); `cache.rs` `Cached`, the
-//! `FastPath` trait and `NoFastPath`; `l1.rs` L1; `config.rs` the settings and counters; `gate.rs` whether a
-//! batch claim asks the fast path; `span.rs` the `dedup.decision` span.
+//! Here: `TieredStore<A: Store, F: FastPath>`, the tier machinery (claims through the tiers,
+//! backfills, the background writer). `store.rs` is its `Store` implementation; `batch_cache.rs`
+//! the caches transaction mode uses (`BatchCache`); `cache.rs` `Cached`, the `FastPath` trait and
+//! `NoFastPath`; `l1.rs` L1; `config.rs` the settings and counters; `gate.rs` whether a batch
+//! claim asks the fast path; `span.rs` the `dedup.decision` span.
 
 use std::fmt;
 use std::future::Future;
