@@ -105,9 +105,14 @@ impl L1 {
         if Instant::now() < entry.until {
             return Some(entry);
         }
-        // Past due: gone, unless a fresher copy replaced it meanwhile.
-        self.table.remove_if(key, |e| Arc::ptr_eq(e, &entry));
+        self.forget(key, &entry);
         None
+    }
+
+    /// Removes `key`'s entry if it is still `seen`: a fresher copy another thread wrote after
+    /// `seen` was read stays.
+    fn forget(&self, key: &IdempotencyKey, seen: &Arc<Entry>) {
+        self.table.remove_if(key, |e| Arc::ptr_eq(e, seen));
     }
 
     /// Holds `copy` for `ttl` (not at all when `ttl` is zero).
@@ -227,13 +232,13 @@ mod tests {
     #[test]
     fn an_entry_is_answered_until_its_deadline_then_dropped() {
         let l1 = l1(100, 1 << 20, L1Policy::Lru);
-        l1.insert(&key(1), done(1), Duration::from_millis(40));
+        l1.insert(&key(1), done(1), Duration::from_millis(300));
         l1.insert(&key(2), done(1), Duration::from_secs(60));
         l1.insert(&key(3), done(1), Duration::ZERO);
         assert!(l1.get(&key(1)).is_some());
         assert!(l1.get(&key(3)).is_none(), "a zero time to live is not held");
         assert_eq!(l1.len(), 2);
-        sleep(Duration::from_millis(60));
+        sleep(Duration::from_millis(400));
         assert!(l1.get(&key(1)).is_none(), "past its deadline");
         assert_eq!(l1.len(), 1, "the lookup removed it");
         assert_eq!(l1.get(&key(2)).expect("still live").copy, done(1));
@@ -242,6 +247,26 @@ mod tests {
         assert_eq!(l1.get(&key(1)).expect("fresh").copy, done(2));
         l1.clear();
         assert_eq!(l1.len(), 0);
+    }
+
+    /// A lookup that meets an entry past due removes that entry only: a fresher copy written
+    /// between its read and its removal (another thread's completion) stays. The interleaving is
+    /// played step by step: read the stale entry, write the fresh one, then remove.
+    #[test]
+    fn an_expired_lookup_never_removes_a_fresher_copy() {
+        let l1 = l1(100, 1 << 20, L1Policy::Lru);
+        let k = key(1);
+        l1.insert(&k, done(1), Duration::from_nanos(1));
+        let stale = l1.table.get(&k).expect("held until a lookup meets it");
+        sleep(Duration::from_millis(1));
+        assert!(Instant::now() >= stale.until);
+        l1.insert(&k, done(2), Duration::from_secs(60));
+        l1.forget(&k, &stale);
+        assert_eq!(l1.get(&k).expect("the fresh copy stays").copy, done(2));
+        // The entry it read is the one there: removed.
+        let fresh = l1.table.get(&k).expect("fresh");
+        l1.forget(&k, &fresh);
+        assert!(l1.get(&k).is_none());
     }
 
     #[test]
