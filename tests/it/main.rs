@@ -25,5 +25,6 @@ mod pg_batch;
 mod pg_faults;
 mod pg_migrate;
 mod pg_parked;
+mod pg_plans;
 mod pg_tls;
 mod redis;

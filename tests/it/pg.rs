@@ -1,8 +1,8 @@
 //! Postgres-only scenarios: transactional mode, zombies, the storm with real effect rows.
 //!
 //! Zombies are fenced out with their business writes; transaction-mode claims; a connection
-//! terminated before COMMIT; corrupt rows; and a batch completion that never scans the table
-//! whatever its statistics say (docs/ARCHITECTURE.md, invariant 31).
+//! terminated before COMMIT; corrupt rows. (The statements whose plans must not depend on the
+//! table's statistics are in `pg_plans`.)
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -543,118 +543,4 @@ async fn a_cancelled_batch_leader_strands_nobody(pool: PgPool) {
     assert_eq!(store.batch_counts().claim_calls, 2);
     tx.rollback().await.unwrap();
     drop(held);
-}
-
-/// A batch completion finds each key through the primary key, whatever the table's statistics
-/// say: never a sequential scan of `dedup_records`. The table is vacuumed empty (its statistics
-/// say so), a connection completes a few keys while it is tiny, then the table grows to 3,000
-/// keys and the same connection completes them in batches of 500. A prepared join was planned
-/// then as a hash join over a sequential scan, and the connection kept that plan while the table
-/// grew (lease mode ran at half its rate after a VACUUM: docs/PERFORMANCE.md). Rows are written and read
-/// here by statements that never scan the table; every pool is closed before the counters are
-/// read, so that its backend's counts are in.
-#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn a_batch_completion_never_scans_the_table_whatever_its_statistics_say(pool: PgPool) {
-    use sqlx::postgres::PgPoolOptions;
-    for sql in [
-        "ALTER TABLE dedup_records SET (autovacuum_enabled = false)",
-        "VACUUM dedup_records",
-    ] {
-        sqlx::query(sql).execute(&pool).await.unwrap();
-    }
-    // (sequential scans, index scans) of dedup_records.
-    let scans = || async {
-        sqlx::query_as::<_, (i64, i64)>(
-            "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables \
-             WHERE relname = 'dedup_records'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    let before = scans().await;
-    let own_pool = || async {
-        PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with((*pool.connect_options()).clone())
-            .await
-            .unwrap()
-    };
-    // Rows `from..to` IN_PROGRESS, written without reading the table, and their leases, each
-    // read by its primary key on a pool that rules sequential scans out (so that the reads'
-    // plans cannot count here), closed after.
-    let leases = |from: i32, to: i32| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query(
-                "INSERT INTO dedup_records (scope, key, state, owner, token, lease_until, attempts, \
-                 created_at, updated_at, expires_at) \
-                 SELECT 'sc', convert_to('k' || i, 'UTF8'), 'in_progress', 'a', \
-                 nextval('dedup_token_seq'), now() + interval '1 hour', 1, now(), now(), \
-                 now() + interval '1 day' FROM generate_series($1::int4, $2::int4 - 1) AS i",
-            )
-            .bind(from)
-            .bind(to)
-            .execute(&pool)
-            .await
-            .unwrap();
-            let reads = PgPoolOptions::new()
-                .max_connections(1)
-                .after_connect(|conn, _| {
-                    Box::pin(async move {
-                        sqlx::query("SET enable_seqscan = off")
-                            .execute(conn)
-                            .await
-                            .map(drop)
-                    })
-                })
-                .connect_with((*pool.connect_options()).clone())
-                .await
-                .unwrap();
-            let store = PgStore::new(reads.clone());
-            let mut out = Vec::new();
-            for i in from..to {
-                let k = dedup_core::IdempotencyKey::new(
-                    dedup_core::Scope::new("sc").unwrap(),
-                    format!("k{i}"),
-                )
-                .unwrap();
-                let record = store.get(&k).await.unwrap().unwrap();
-                out.push((Lease::of_record(&record).unwrap(), bytes("done")));
-            }
-            reads.close().await;
-            out
-        }
-    };
-    let completions = own_pool().await;
-    let store = PgStore::new(completions.clone());
-    let tiny = leases(0, 12).await;
-    for pair in tiny.chunks(2) {
-        assert!(store.complete_batch(pair).await.iter().all(Result::is_ok));
-    }
-    let grown = leases(12, 3_012).await;
-    for chunk in grown.chunks(500) {
-        assert!(store.complete_batch(chunk).await.iter().all(Result::is_ok));
-    }
-    completions.close().await;
-    // 3,012 reads by key and 12 completion statements, each at least one scan.
-    let mut after = scans().await;
-    for _ in 0..100 {
-        if (after.0 - before.0) + (after.1 - before.1) >= 3_012 + 12 {
-            break;
-        }
-        sleep(ms(100)).await;
-        after = scans().await;
-    }
-    assert!(
-        after.1 - before.1 >= 3_012 + 12,
-        "every read and completion found its keys through an index: {before:?} -> {after:?}"
-    );
-    assert_eq!(after.0, before.0, "no sequential scan of dedup_records");
-    let done: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'completed'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(done, 3_012);
 }

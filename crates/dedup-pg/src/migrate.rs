@@ -28,7 +28,10 @@
 //! indexed by the ordering key's digest and offset, and by the dedup record they carry) and
 //! `dedup_parked_owners` (each partition's parking epoch); `dedup_dead_letters` (dead letters the
 //! dead-letter topic refused for good); `dedup_schema` (one row: the generation and the floor);
-//! and the function `dedup_complete_batch` (batch completions, planned per call).
+//! and the functions every statement joining `dedup_records` to a batch's arrays goes through,
+//! so that no plan depends on the table's statistics: `dedup_complete_batch` (batch completions),
+//! `dedup_fresh_batch` (transaction mode's fresh check), `dedup_get_many`, `dedup_extend_batch`
+//! (batch heartbeats) and `dedup_regrant_batch`.
 //!
 //! The statements are here, not in `sql.rs`: they serve start-up only and name sqlx's tables.
 
@@ -43,7 +46,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 3;
+pub const SCHEMA_GENERATION: i32 = 4;
 
 /// The table [`MIGRATOR`] records dedup's applied migrations in.
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";

@@ -167,12 +167,12 @@ pub(crate) const COMPLETE_BATCH_SQL: &str = "SELECT s AS scope, k AS key \
      FROM dedup_complete_batch($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[]) \
      AS f(s, k)";
 
-/// Reads many records. $1 scopes, $2 keys.
+/// Reads many records. $1 scopes, $2 keys. Through `dedup_get_many` (migration
+/// 20261128000001), a probe of the primary key per key whatever the statistics say.
 pub(crate) const GET_MANY_SQL: &str = concat!(
     "SELECT ",
     record_cols!("r"),
-    " FROM dedup_records r JOIN unnest($1::text[], $2::bytea[]) AS q(scope, key)",
-    " ON r.scope = q.scope AND r.key = q.key"
+    " FROM dedup_get_many($1::text[], $2::bytea[]) AS r"
 );
 
 /// A claim found the key out of attempts: mark it FAILED, fenced on what was read.
@@ -233,17 +233,11 @@ pub(crate) const PURGE_SQL: &str = concat!(
 /// Re-grants leases from now, after a claim that waited: each lease runs its full length from
 /// when the claim took effect, not from when its statement arrived. Fenced on the token, like
 /// every change to a claimed record. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
-/// $5 retentions (µs).
+/// $5 retentions (µs). Through `dedup_regrant_batch` (migration 20261128000001), a probe of the
+/// primary key per key whatever the statistics say.
 pub(crate) const REGRANT_SQL: &str = concat!(
-    "UPDATE dedup_records AS r SET",
-    " lease_until = clock_timestamp() + q.lease_us::float8 * interval '1 microsecond',",
-    " updated_at = clock_timestamp(),",
-    " expires_at = greatest(r.expires_at,",
-    "   clock_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond')",
-    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[])",
-    "   AS q(scope, key, token, lease_us, ret_us)",
-    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
-    " RETURNING r.scope, r.key, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us"
+    "SELECT r.scope, r.key, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us",
+    " FROM dedup_regrant_batch($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[]) AS r"
 );
 
 /// Gives back a lease that was never used, with the attempt its claim counted: a first
@@ -276,13 +270,13 @@ pub(crate) const TRY_LOCK_SQL: &str = concat!(
 /// Transaction mode by the batch, for keys its transaction has try-locked: which have no row at
 /// all (fresh: no claim statement needed), with a fencing token for each fresh one, and the
 /// server's clock. One row per key, in order. $1 scopes, $2 keys.
+///
+/// Through `dedup_fresh_batch` (migration 20261128000001): the same join, planned under settings
+/// that leave only a probe of the primary key per key, so that statistics saying the table is
+/// empty cannot give the connection a plan that scans it (invariant 31).
 pub(crate) const FRESH_SQL: &str = concat!(
-    "SELECT r.key IS NULL AS fresh,",
-    " CASE WHEN r.key IS NULL THEN nextval('dedup_token_seq') END AS token,",
-    " (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us",
-    " FROM unnest($1::text[], $2::bytea[]) WITH ORDINALITY AS q(scope, key, n)",
-    " LEFT JOIN dedup_records r ON r.scope = q.scope AND r.key = q.key",
-    " ORDER BY q.n"
+    "SELECT f.fresh, f.token, f.now_us",
+    " FROM dedup_fresh_batch($1::text[], $2::bytea[]) AS f ORDER BY f.n"
 );
 
 /// Transaction mode by the batch: fresh keys whose handler succeeded, written COMPLETED at once
@@ -340,16 +334,12 @@ pub(crate) const STORED_OFFSETS_SQL: &str = concat!(
 
 /// [`EXTEND_SQL`] for many leases at once (a heartbeat for a whole batch); answers the keys it
 /// extended, with their new lease end. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
-/// $5 retentions (µs).
+/// $5 retentions (µs). Through `dedup_extend_batch` (migration 20261128000001): a heartbeat
+/// planned on statistics that say the table is empty would otherwise read the whole table at
+/// every beat.
 pub(crate) const EXTEND_BATCH_SQL: &str = concat!(
-    "UPDATE dedup_records AS r SET updated_at = statement_timestamp(),",
-    " lease_until = statement_timestamp() + q.lease_us::float8 * interval '1 microsecond',",
-    " expires_at = greatest(r.expires_at,",
-    "   statement_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond')",
-    " FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[])",
-    "   AS q(scope, key, token, lease_us, ret_us)",
-    " WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token AND r.state = 'in_progress'",
-    " RETURNING r.scope, r.key, r.token, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS until_us"
+    "SELECT r.scope, r.key, r.token, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS until_us",
+    " FROM dedup_extend_batch($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[]) AS r"
 );
 
 /// The first half of an instance identity's advisory lock key (the two-`int4` form, a key space
