@@ -95,4 +95,32 @@ AS $$
     RETURNING r.*
 $$;
 
+-- The batch completion as PL/pgSQL: the same UPDATE under the same settings, its plan now made once
+-- per connection and kept, instead of at each call (about 0.6 ms a batch). RETURN QUERY of an
+-- UPDATE ... RETURNING needs Postgres 14 or later.
+CREATE OR REPLACE FUNCTION dedup_complete_batch(
+    p_scopes text[], p_keys bytea[], p_tokens int8[], p_results bytea[], p_rets int8[]
+) RETURNS TABLE (done_scope text, done_key bytea)
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    UPDATE dedup_records AS r SET state = 'completed', lease_until = NULL, result = q.result,
+        failure = NULL, updated_at = statement_timestamp(),
+        expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at
+            ELSE statement_timestamp() + q.ret_us::float8 * interval '1 microsecond' END,
+        pinned_ttl = CASE WHEN r.expires_at = 'infinity'
+            THEN q.ret_us::float8 * interval '1 microsecond' ELSE r.pinned_ttl END
+    FROM unnest(p_scopes, p_keys, p_tokens, p_results, p_rets)
+        AS q(scope, key, token, result, ret_us)
+    WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token
+        AND r.state = (SELECT 'in_progress'::text)
+    RETURNING r.scope, r.key;
+END
+$$;
+
 UPDATE dedup_schema SET generation = 4;

@@ -159,8 +159,9 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
 /// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
 /// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
 ///
-/// Through `dedup_complete_batch` (migration 20261127000001): the same UPDATE, planned at each
-/// call with sequential scans and hash and merge joins ruled out, so that each key is found
+/// Through `dedup_complete_batch` (migration 20261127000001; PL/pgSQL, its plan kept per
+/// connection, since 20261128000001): the same UPDATE, planned with sequential scans and hash
+/// and merge joins ruled out, so that each key is found
 /// through the primary key even when the table's statistics say it is empty (a prepared join
 /// planned then kept a sequential scan of the whole table while the table grew).
 pub(crate) const COMPLETE_BATCH_SQL: &str = "SELECT s AS scope, k AS key \
