@@ -1,10 +1,9 @@
 //! Completions and every other fenced end of a lease, one at a time or many in one statement.
 //!
 //! `COMPLETE_BATCH_SQL` completes many leases in one fenced `UPDATE ... FROM unnest`, inside the
-//! function `dedup_complete_batch` (migration `20261127000001`, PL/pgSQL since `20261128000001`).
-//! That function is planned with sequential scans, hash joins and merge joins ruled out, so its
-//! only plans probe the primary key once per key, whatever the table's statistics say
-//! (docs/ARCHITECTURE.md, invariant 31); the plan is made once per connection and kept.
+//! function `dedup_complete_batch` (migration `20261127000001`). That function is planned at each
+//! call with sequential scans and merge joins ruled out, so its only plans probe the primary key
+//! once per key, whatever the table's statistics say (docs/ARCHITECTURE.md, invariant 31).
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -28,10 +28,11 @@
 //! indexed by the ordering key's digest and offset, and by the dedup record they carry) and
 //! `dedup_parked_owners` (each partition's parking epoch); `dedup_dead_letters` (dead letters the
 //! dead-letter topic refused for good); `dedup_schema` (one row: the generation and the floor);
-//! and the functions every statement joining `dedup_records` to a batch's arrays goes through,
-//! so that no plan depends on the table's statistics: `dedup_claim_batch` (batch claims),
-//! `dedup_complete_batch` (batch completions), `dedup_fresh_batch` (transaction mode's fresh check), `dedup_get_many`, `dedup_extend_batch`
-//! (batch heartbeats) and `dedup_regrant_batch`.
+//! and the SQL functions, planned at each call, that the pooled statements joining
+//! `dedup_records` to a batch's arrays go through, so that no kept plan depends on the table's
+//! statistics: `dedup_complete_batch` (batch completions), `dedup_get_many`,
+//! `dedup_extend_batch` (batch heartbeats) and `dedup_regrant_batch`. The batch claim and
+//! transaction mode's fresh check do not yet.
 //!
 //! The statements are here, not in `sql.rs`: they serve start-up only and name sqlx's tables.
 

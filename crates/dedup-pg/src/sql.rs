@@ -100,30 +100,67 @@ pub(crate) const CLAIM_SQL: &str = concat!(
 /// branches per key, one statement, one WAL flush. Keys whose row is missing from the answer lost
 /// a race with a concurrent writer and are claimed again one by one.
 ///
-/// Through `dedup_claim_batch` (migration 20261128000001), whose one statement inserts the new
-/// keys first, with no read before and in one lock order (scope, key), so that two batches never
-/// wait on each other in a cycle; a key that has a row is a conflict `DO NOTHING` skips without a
-/// lock or a write. The keys the insert left out are read from the statement's snapshot and taken
-/// over where their lease expired, they were released, or they are past retention. A key whose
-/// row was committed after the snapshot is in neither: it lost a race. The function is planned
-/// with sequential scans, hash and merge joins ruled out, its plan kept per connection, so those
-/// reads probe the primary key whatever the table's statistics say (invariant 31).
-///
 /// $1 scopes, $2 keys, $3 owners, $4 fingerprints, $5 leases (µs), $6 retentions (µs),
 /// $7 max attempts.
 pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
-    "SELECT f.src, f.now_us, f.done_us, ",
-    record_cols!("f"),
-    " FROM dedup_claim_batch($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
-    " $6::int8[], $7::int4[]) AS f"
+    "WITH clock AS (SELECT statement_timestamp() AS t), ",
+    "q AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
+    "  $6::int8[], $7::int4[]) AS q(scope, key, owner, fp, lease_us, ret_us, max_attempts)), ",
+    // New keys first, with no read before: a key that has a row is a conflict, which
+    // `DO NOTHING` skips without a lock or a write. A batch of new keys costs about what
+    // inserting its rows costs.
+    "ins AS (",
+    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "    fingerprint, created_at, updated_at, expires_at)",
+    "  SELECT q.scope, q.key, 'in_progress', q.owner, nextval('dedup_token_seq'),",
+    "    c.t + q.lease_us::float8 * interval '1 microsecond', 1, q.fp, c.t, c.t,",
+    "    c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
+    "  FROM q, clock c",
+    // One lock order for every batch, so two batches never wait on each other in a cycle.
+    "  ORDER BY q.scope, q.key",
+    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
+    // The keys the insert left out, read from the statement's snapshot. A key whose row was
+    // committed after the snapshot is in neither: it lost a race, and is claimed on its own.
+    "qc AS (SELECT q.* FROM q WHERE NOT EXISTS",
+    "  (SELECT 1 FROM ins WHERE ins.scope = q.scope AND ins.key = q.key)), ",
+    "cur AS (SELECT r.* FROM dedup_records r JOIN qc ON r.scope = qc.scope AND r.key = qc.key), ",
+    "upd AS (",
+    "  UPDATE dedup_records AS r SET state = 'in_progress', owner = q.owner,",
+    "    token = nextval('dedup_token_seq'),",
+    "    lease_until = c.t + q.lease_us::float8 * interval '1 microsecond',",
+    "    attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,",
+    "    fingerprint = CASE WHEN r.expires_at <= c.t THEN q.fp ELSE coalesce(r.fingerprint, q.fp) END,",
+    "    result = NULL,",
+    "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
+    "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
+    "    updated_at = c.t,",
+    "    expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at",
+    "      ELSE c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond' END",
+    "  FROM clock c, qc q",
+    "  WHERE r.scope = q.scope AND r.key = q.key AND (r.expires_at <= c.t OR (r.attempts < q.max_attempts",
+    "    AND (q.fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.fp)",
+    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
+    "  RETURNING r.*) ",
+    "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8 AS done_us, ",
+    record_cols!("ins"),
+    " FROM ins ",
+    "UNION ALL SELECT 'upd', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
+    record_cols!("upd"),
+    " FROM upd ",
+    "UNION ALL SELECT 'cur', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
+    record_cols!("cur"),
+    " FROM cur ",
+    "WHERE NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key)"
 );
 
 /// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
 /// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
 ///
-/// Through `dedup_complete_batch` (migration 20261127000001; PL/pgSQL, its plan kept per
-/// connection, since 20261128000001): the same UPDATE, planned with sequential scans and hash
-/// and merge joins ruled out, so that each key is found
+/// Through `dedup_complete_batch` (migration 20261127000001): the same UPDATE, planned at each
+/// call with sequential scans and hash and merge joins ruled out, so that each key is found
 /// through the primary key even when the table's statistics say it is empty (a prepared join
 /// planned then kept a sequential scan of the whole table while the table grew).
 pub(crate) const COMPLETE_BATCH_SQL: &str = "SELECT s AS scope, k AS key \
@@ -131,7 +168,8 @@ pub(crate) const COMPLETE_BATCH_SQL: &str = "SELECT s AS scope, k AS key \
      AS f(s, k)";
 
 /// Reads many records. $1 scopes, $2 keys. Through `dedup_get_many` (migration
-/// 20261128000001), a probe of the primary key per key whatever the statistics say.
+/// 20261128000001), planned at each call with sequential scans and hash and merge joins ruled
+/// out, so that no plan made while the table looked empty is kept.
 pub(crate) const GET_MANY_SQL: &str = concat!(
     "SELECT ",
     record_cols!("r"),
@@ -196,8 +234,8 @@ pub(crate) const PURGE_SQL: &str = concat!(
 /// Re-grants leases from now, after a claim that waited: each lease runs its full length from
 /// when the claim took effect, not from when its statement arrived. Fenced on the token, like
 /// every change to a claimed record. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
-/// $5 retentions (µs). Through `dedup_regrant_batch` (migration 20261128000001), a probe of the
-/// primary key per key whatever the statistics say.
+/// $5 retentions (µs). Through `dedup_regrant_batch` (migration 20261128000001), planned at each
+/// call as [`COMPLETE_BATCH_SQL`] is.
 pub(crate) const REGRANT_SQL: &str = concat!(
     "SELECT r.scope, r.key, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us",
     " FROM dedup_regrant_batch($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[]) AS r"
@@ -233,13 +271,13 @@ pub(crate) const TRY_LOCK_SQL: &str = concat!(
 /// Transaction mode by the batch, for keys its transaction has try-locked: which have no row at
 /// all (fresh: no claim statement needed), with a fencing token for each fresh one, and the
 /// server's clock. One row per key, in order. $1 scopes, $2 keys.
-///
-/// Through `dedup_fresh_batch` (migration 20261128000001): the same join, planned under settings
-/// that leave only a probe of the primary key per key, so that statistics saying the table is
-/// empty cannot give the connection a plan that scans it (invariant 31).
 pub(crate) const FRESH_SQL: &str = concat!(
-    "SELECT f.fresh, f.token, f.now_us",
-    " FROM dedup_fresh_batch($1::text[], $2::bytea[]) AS f ORDER BY f.n"
+    "SELECT r.key IS NULL AS fresh,",
+    " CASE WHEN r.key IS NULL THEN nextval('dedup_token_seq') END AS token,",
+    " (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us",
+    " FROM unnest($1::text[], $2::bytea[]) WITH ORDINALITY AS q(scope, key, n)",
+    " LEFT JOIN dedup_records r ON r.scope = q.scope AND r.key = q.key",
+    " ORDER BY q.n"
 );
 
 /// Transaction mode by the batch: fresh keys whose handler succeeded, written COMPLETED at once
