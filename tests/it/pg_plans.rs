@@ -5,8 +5,10 @@
 //! table is empty. A statement prepared on a pooled connection then is planned as a join over a
 //! sequential scan, and the connection kept that plan while the table grew: lease mode ran at half
 //! its rate (the batch completion, migration 20261127000001); a batch heartbeat planned that way
-//! reads the whole table at every beat (migration 20261128000001).
-//! The functions are planned at each call, so no plan made while the table looked empty is kept.
+//! reads the whole table at every beat (migration 20261128000001); transaction mode's fresh check
+//! ran at a third of its rate (migration 20261129000001).
+//! Those functions are planned at each call, so no plan made while the table looked empty is kept;
+//! the fresh check's plan is kept, and has no path but a probe per key.
 //! Each test empties the table's statistics (autovacuum off, so they stay), runs the statements
 //! on one connection past the five custom plans a prepared statement gets before its generic one,
 //! grows the table, runs them again on the same connection, and counts the table's sequential
@@ -14,13 +16,14 @@
 //! written and read here by statements that never scan the table; every pool is closed before
 //! the counters are read, so that its backend's counts are in.
 
-use dedup_core::{Lease, Store};
-use dedup_pg::PgStore;
+use bytes::Bytes;
+use dedup_core::{ClaimRequest, Lease, Store};
+use dedup_pg::{BatchAnswer, BatchRequest, PgStore};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::sleep;
 
-use crate::support::{bytes, key, ms};
+use crate::support::{Boom, bytes, key, ms, req};
 
 /// No rows, and statistics that say so.
 async fn empty_statistics(pool: &PgPool) {
@@ -227,4 +230,61 @@ async fn heartbeats_reads_and_regrants_of_a_batch_never_scan_the_table(pool: PgP
         after.2 - before.2 <= 6 * 3_012 + 500,
         "no statement read a whole index: {before:?} -> {after:?}"
     );
+}
+
+/// Transaction mode's fresh check finds each key by a probe, though its plan is kept per
+/// connection (migration 20261129000001): one connection runs batches of new keys past the check's
+/// five custom plans, two keys at a time while the table is empty and then tiny, then 500 at a
+/// time once the table holds 2,000 records more. (Repeats of done keys would go on to the batch
+/// claim, which a VACUUM of the emptied table still sends to a sequential scan: docs/PERFORMANCE.md.)
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn fresh_checks_never_scan_the_table_whatever_its_statistics_say(pool: PgPool) {
+    empty_statistics(&pool).await;
+    let before = scans(&pool).await;
+    let conn = one_connection(&pool).await;
+    let store = PgStore::new(conn.clone());
+    let batch = async |prefix: &str, n: usize| {
+        let reqs: Vec<ClaimRequest> = (0..n)
+            .map(|i| req(&key(format!("{prefix}{i}")), "b"))
+            .collect();
+        let answers = store
+            .transact_batch(BatchRequest::new(&reqs), |_tx, leases| {
+                let n = leases.len();
+                Box::pin(
+                    async move { Ok((0..n).map(|_| Ok(Bytes::from_static(b"done"))).collect()) },
+                )
+            })
+            .await
+            .unwrap();
+        assert_eq!(answers.len(), n);
+        for a in &answers {
+            assert!(matches!(a, BatchAnswer::<Boom>::Executed { .. }), "{a:?}");
+        }
+    };
+    for round in 0..7 {
+        batch(&format!("tiny{round}-"), 2).await;
+    }
+    for round in 0..4 {
+        batch(&format!("grown{round}-"), 500).await;
+    }
+    conn.close().await;
+    // One probe per key checked (14 while tiny, 2,000 once grown).
+    let after = settled(&pool, before, 2_014).await;
+    assert!(
+        after.1 - before.1 >= 2_014,
+        "every fresh check found its keys through an index: {before:?} -> {after:?}"
+    );
+    assert_eq!(after.0, before.0, "no sequential scan of dedup_records");
+    // A fresh key's probe finds nothing (the insert's uniqueness check may read what it meets);
+    // a plan that read the whole index would read up to 2,000 entries per call.
+    assert!(
+        after.2 - before.2 <= 2_014 + 500,
+        "no statement read a whole index: {before:?} -> {after:?}"
+    );
+    let done: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'completed'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(done, 2_014);
 }

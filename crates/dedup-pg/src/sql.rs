@@ -270,14 +270,12 @@ pub(crate) const TRY_LOCK_SQL: &str = concat!(
 
 /// Transaction mode by the batch, for keys its transaction has try-locked: which have no row at
 /// all (fresh: no claim statement needed), with a fencing token for each fresh one, and the
-/// server's clock. One row per key, in order. $1 scopes, $2 keys.
+/// server's clock. One row per key, in order. $1 scopes, $2 keys. Through `dedup_fresh_batch`
+/// (migration 20261129000001): a probe of the primary key per key, whatever the table's
+/// statistics said when its plan was made (invariant 31).
 pub(crate) const FRESH_SQL: &str = concat!(
-    "SELECT r.key IS NULL AS fresh,",
-    " CASE WHEN r.key IS NULL THEN nextval('dedup_token_seq') END AS token,",
-    " (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us",
-    " FROM unnest($1::text[], $2::bytea[]) WITH ORDINALITY AS q(scope, key, n)",
-    " LEFT JOIN dedup_records r ON r.scope = q.scope AND r.key = q.key",
-    " ORDER BY q.n"
+    "SELECT f.fresh, f.token, f.now_us FROM dedup_fresh_batch($1::text[], $2::bytea[]) AS f",
+    " ORDER BY f.n"
 );
 
 /// Transaction mode by the batch: fresh keys whose handler succeeded, written COMPLETED at once
