@@ -23,7 +23,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::sleep;
 
-use crate::support::{Boom, bytes, key, ms, req};
+use crate::support::{Boom, acquired, bytes, key, ms, req};
 
 /// No rows, and statistics that say so.
 async fn empty_statistics(pool: &PgPool) {
@@ -287,4 +287,95 @@ async fn fresh_checks_never_scan_the_table_whatever_its_statistics_say(pool: PgP
             .await
             .unwrap();
     assert_eq!(done, 2_014);
+}
+
+/// Rows `names` IN_PROGRESS under leases that ended a second ago (a batch claim takes each one
+/// over), written without reading the table.
+async fn expired(pool: &PgPool, names: &[String]) {
+    sqlx::query(
+        "INSERT INTO dedup_records (scope, key, state, owner, token, lease_until, attempts, \
+         created_at, updated_at, expires_at) \
+         SELECT 'test', convert_to(n, 'UTF8'), 'in_progress', 'dead', \
+         nextval('dedup_token_seq'), now() - interval '1 second', 1, now(), now(), \
+         now() + interval '1 day' FROM unnest($1::text[]) AS n",
+    )
+    .bind(names)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// The batch claim finds each key that has a row by a probe, and takes it over by its ctid,
+/// though its plan is kept per connection (migration 20261129000001): one connection takes over
+/// expired leases, and answers repeats of done keys (transaction mode sends them to the batch
+/// claim), past the claim's five custom plans, two keys at a time while the table is empty and
+/// then tiny, then 500 at a time over 2,000 expired leases and 2,000 done keys.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn batch_claims_never_scan_the_table_whatever_its_statistics_say(pool: PgPool) {
+    empty_statistics(&pool).await;
+    let before = scans(&pool).await;
+    let conn = one_connection(&pool).await;
+    let store = PgStore::new(conn.clone());
+    let names = |prefix: &str, n: usize| -> Vec<String> {
+        (0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>()
+    };
+    let run = async |taken: &[String], done: &[String]| {
+        // Takeovers of expired leases: the batch claim's update by ctid.
+        expired(&pool, taken).await;
+        let reqs: Vec<ClaimRequest> = taken.iter().map(|n| req(&key(n), "b")).collect();
+        for outcome in store.claim_batch(&reqs).await {
+            let lease = acquired(outcome.unwrap());
+            assert_eq!(lease.attempts, 2, "{lease:?}");
+        }
+        // New keys (the fresh check), then the same keys again (the fresh check finds them,
+        // and the batch claim reads them and answers their results).
+        let reqs: Vec<ClaimRequest> = done.iter().map(|n| req(&key(n), "b")).collect();
+        for replay in [false, true] {
+            let answers = store
+                .transact_batch(BatchRequest::new(&reqs), |_tx, leases| {
+                    let n = leases.len();
+                    Box::pin(async move {
+                        Ok((0..n).map(|_| Ok(Bytes::from_static(b"done"))).collect())
+                    })
+                })
+                .await
+                .unwrap();
+            for a in &answers {
+                match a {
+                    BatchAnswer::<Boom>::Executed { .. } if !replay => {}
+                    BatchAnswer::Replayed { result, .. } if replay && result == "done" => {}
+                    other => panic!("replay {replay}: {other:?}"),
+                }
+            }
+        }
+    };
+    for round in 0..7 {
+        run(
+            &names(&format!("x{round}-"), 2),
+            &names(&format!("n{round}-"), 2),
+        )
+        .await;
+    }
+    let taken = names("gx", 2_000);
+    let done = names("gn", 2_000);
+    for (t, d) in taken.chunks(500).zip(done.chunks(500)) {
+        run(t, d).await;
+    }
+    conn.close().await;
+    // Once the table has grown: per key taken over, the insert's check and the probe; per done
+    // key, the fresh check twice, the insert's check and the probe.
+    let after = settled(&pool, before, 2 * 2_000 + 4 * 2_000).await;
+    assert!(
+        after.1 - before.1 >= 2 * 2_000 + 4 * 2_000,
+        "every claim found its keys through an index: {before:?} -> {after:?}"
+    );
+    assert_eq!(after.0, before.0, "no sequential scan of dedup_records");
+    // About one entry per probe (10,070 when written); a plan that read the whole index would
+    // read up to 8,000 entries per call once the table had grown.
+    let read = after.2 - before.2;
+    assert!(
+        read <= 2 * 2_000 + 4 * 2_000 + 500,
+        "no statement read a whole index: {before:?} -> {after:?}"
+    );
+    eprintln!("index scans {}, entries read {read}", after.1 - before.1);
 }

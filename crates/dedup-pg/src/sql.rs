@@ -100,60 +100,23 @@ pub(crate) const CLAIM_SQL: &str = concat!(
 /// branches per key, one statement, one WAL flush. Keys whose row is missing from the answer lost
 /// a race with a concurrent writer and are claimed again one by one.
 ///
+/// Through `dedup_claim_batch` (migration 20261129000001). New keys are inserted first, with no
+/// read before and in one lock order (scope, key), so that two batches never wait on each other
+/// in a cycle; a key that has a row is a conflict `DO NOTHING` skips without a lock or a write.
+/// The keys the insert left out are read from the statement's snapshot, each by a probe of the
+/// primary key, and taken over through their row's ctid (in key order) where their lease expired,
+/// they were released, or they are past retention. A key whose row was committed after the
+/// snapshot is in neither: it lost a race. PL/pgSQL, its plan kept per connection; the
+/// statement's shape leaves no plan but probes, whatever the table's statistics said when it was
+/// made (invariant 31).
+///
 /// $1 scopes, $2 keys, $3 owners, $4 fingerprints, $5 leases (µs), $6 retentions (µs),
 /// $7 max attempts.
 pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
-    "WITH clock AS (SELECT statement_timestamp() AS t), ",
-    "q AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
-    "  $6::int8[], $7::int4[]) AS q(scope, key, owner, fp, lease_us, ret_us, max_attempts)), ",
-    // New keys first, with no read before: a key that has a row is a conflict, which
-    // `DO NOTHING` skips without a lock or a write. A batch of new keys costs about what
-    // inserting its rows costs.
-    "ins AS (",
-    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
-    "    fingerprint, created_at, updated_at, expires_at)",
-    "  SELECT q.scope, q.key, 'in_progress', q.owner, nextval('dedup_token_seq'),",
-    "    c.t + q.lease_us::float8 * interval '1 microsecond', 1, q.fp, c.t, c.t,",
-    "    c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
-    "  FROM q, clock c",
-    // One lock order for every batch, so two batches never wait on each other in a cycle.
-    "  ORDER BY q.scope, q.key",
-    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
-    // The keys the insert left out, read from the statement's snapshot. A key whose row was
-    // committed after the snapshot is in neither: it lost a race, and is claimed on its own.
-    "qc AS (SELECT q.* FROM q WHERE NOT EXISTS",
-    "  (SELECT 1 FROM ins WHERE ins.scope = q.scope AND ins.key = q.key)), ",
-    "cur AS (SELECT r.* FROM dedup_records r JOIN qc ON r.scope = qc.scope AND r.key = qc.key), ",
-    "upd AS (",
-    "  UPDATE dedup_records AS r SET state = 'in_progress', owner = q.owner,",
-    "    token = nextval('dedup_token_seq'),",
-    "    lease_until = c.t + q.lease_us::float8 * interval '1 microsecond',",
-    "    attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,",
-    "    fingerprint = CASE WHEN r.expires_at <= c.t THEN q.fp ELSE coalesce(r.fingerprint, q.fp) END,",
-    "    result = NULL,",
-    "    failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,",
-    "    created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,",
-    "    updated_at = c.t,",
-    "    expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at",
-    "      ELSE c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond' END",
-    "  FROM clock c, qc q",
-    "  WHERE r.scope = q.scope AND r.key = q.key AND (r.expires_at <= c.t OR (r.attempts < q.max_attempts",
-    "    AND (q.fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.fp)",
-    "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
-    "  RETURNING r.*) ",
-    "SELECT 'ins' AS src, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8 AS now_us, ",
-    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8 AS done_us, ",
-    record_cols!("ins"),
-    " FROM ins ",
-    "UNION ALL SELECT 'upd', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
-    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
-    record_cols!("upd"),
-    " FROM upd ",
-    "UNION ALL SELECT 'cur', (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8, ",
-    "(extract(epoch FROM clock_timestamp()) * 1000000)::int8, ",
-    record_cols!("cur"),
-    " FROM cur ",
-    "WHERE NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key)"
+    "SELECT f.src, f.now_us, f.done_us, ",
+    record_cols!("f"),
+    " FROM dedup_claim_batch($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[],",
+    " $6::int8[], $7::int4[]) AS f"
 );
 
 /// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
