@@ -6,11 +6,11 @@
 -- Both statements were sent inline, prepared once per pooled connection, and planned as a join of
 -- the batch's arrays to dedup_records on whatever the statistics said then, and the connection
 -- kept that plan while the table grew, until autovacuum next analyzed it. On a fresh database or
--- after a TRUNCATE, the fresh check's was a hash join over a sequential scan (8.6-11.8 ms a batch
--- instead of 0.6; transaction mode at 12,000-16,000 events/s instead of 40,000-52,000). After a
--- VACUUM of an emptied table (a bench's cleanup, a purge that emptied the table), the batch
--- claim's was (15-17 ms a statement instead of 1.4; transaction mode at 7,700 events/s, lease
--- mode's p99 at 106-117 ms).
+-- after a TRUNCATE, the fresh check's plan was a hash join over a sequential scan (8.6-11.8 ms a
+-- batch instead of 0.6; transaction mode at 12,000-16,000 events/s instead of 40,000-52,000).
+-- After a VACUUM of an emptied table (a bench's cleanup, a purge that emptied the table), the
+-- batch claim's plan read the table the same way (15-17 ms a statement instead of 1.4;
+-- transaction mode at 7,700 events/s, lease mode's p99 at 106-117 ms).
 --
 -- Both are on hot paths, so they are PL/pgSQL, whose plans are made once per connection and kept
 -- (a SQL function is planned at each call, which cost 0.25-0.3 ms a batch). A kept plan is safe
@@ -26,16 +26,19 @@
 -- (A PL/pgSQL form that joined the arrays to dedup_records was tried: its kept plan could be a
 -- full scan of the primary key after a VACUUM of the emptied table.)
 --
--- The takeover, row by row, as the join did it: it reads the row version the statement's snapshot
--- sees and updates that version. If a concurrent writer changed the row meanwhile, READ COMMITTED
--- follows it to its newest version and checks the takeover's conditions again there, or leaves the
--- key out; a key left out is answered from what was read, and its caller claims it again on its
--- own when that says the key was claimable. The takeovers now lock their rows in key order, as
--- the insert of new keys always did.
+-- The takeover reads the row version the statement's snapshot sees and updates that version. If a
+-- concurrent writer changed the row meanwhile, what READ COMMITTED does depends on the minor
+-- release: before the fix that rechecks a TID scan's ctid under EvalPlanQual (upstream commit
+-- dee21ea, backpatched to 13; 15.18 has it), it follows the row to its newest version and checks
+-- the takeover's conditions again there, as the join did; since, it leaves the key out. A key left out is answered from
+-- what was read ('cur'), and its caller claims it again on its own (the single-key claim) when
+-- that says the key was claimable: one more statement, never a second owner. The takeovers now
+-- lock their rows in key order, as the insert of new keys always did.
 --
 -- Each reads and writes what the statement it replaces did, and runs as its caller (SECURITY
--- INVOKER), on the caller's search path. dedup_claim_batch answers dedup_records' columns in
--- order: a migration that adds a column to dedup_records replaces it. Generation 5: binaries of
+-- INVOKER), on the caller's search path. dedup_claim_batch names every column it answers, so a
+-- column added to dedup_records (by a later migration, or by an application) leaves it working;
+-- a column dropped or renamed needs it replaced. Generation 5: binaries of
 -- generation 5 call these functions. They only add, so the floor stays 1.
 
 CREATE FUNCTION dedup_fresh_batch(p_scopes text[], p_keys bytea[])
@@ -81,7 +84,10 @@ BEGIN
             c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'
         FROM q, clock c
         ORDER BY q.scope, q.key
-        ON CONFLICT (scope, key) DO NOTHING RETURNING r.*),
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING r.scope, r.key, r.state, r.owner, r.token, r.lease_until, r.attempts,
+            r.fingerprint, r.result, r.failure, r.created_at, r.updated_at, r.expires_at,
+            r.pinned_ttl),
     -- The keys the insert left out (computed first: only they are probed).
     qc AS MATERIALIZED (SELECT q.* FROM q WHERE NOT EXISTS
         (SELECT 1 FROM ins WHERE ins.scope = q.scope AND ins.key = q.key)),
@@ -117,7 +123,9 @@ BEGIN
                     AND (q.q_fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.q_fp)
                     AND (r.state = 'released'
                         OR (r.state = 'in_progress' AND r.lease_until <= c.t))))
-        RETURNING r.*)
+        RETURNING r.scope, r.key, r.state, r.owner, r.token, r.lease_until, r.attempts,
+            r.fingerprint, r.result, r.failure, r.created_at, r.updated_at, r.expires_at,
+            r.pinned_ttl)
     SELECT 'ins'::text, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8,
         (extract(epoch FROM clock_timestamp()) * 1000000)::int8, ins.*
     FROM ins

@@ -3,6 +3,7 @@
 //!
 //! A claim (single and batch) that waited on an uncommitted claim past its lease still gets a
 //! live lease; callers cancelled in `Batched` (queued, and in flight) leave no lease behind;
+//! a batch takeover that met a row changed after its snapshot grants it once;
 //! `statement_timeout`, `pg_cancel_backend` and a read-only database raise passing errors and the
 //! read-only connection is not reused; a Postgres of the test's own (`support::PgServer`) crashed
 //! with `pg_ctl stop -m immediate` between a handler and its completion, and started again: the
@@ -121,6 +122,61 @@ async fn a_batch_that_waited_on_a_lock_gets_leases_from_when_it_took_effect(pool
             "{k}: lease ended before it was granted: {c3:?}"
         );
         store.extend(lease).await.expect("the heartbeat");
+    }
+}
+
+/// A batch claim's takeover meets a row that a concurrent writer changed after the claim's
+/// snapshot: the writer holds the released row locked, the batch's takeover waits on it, the
+/// writer commits. Depending on the minor release, the takeover either follows the row to its
+/// newest version or leaves the key out and answers it from what it read; then the single-key
+/// claim takes it over. Either way the key is granted once, under the token stored, and the keys
+/// beside it (a new one, another released one) are granted by the batch.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_batch_takeover_of_a_row_changed_meanwhile_grants_it_once(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let (changed, other, fresh) = (key("changed"), key("other"), key("fresh"));
+    for k in [&changed, &other] {
+        let lease = acquired(store.claim(&req(k, "first")).await.unwrap());
+        store.fail_retryable(&lease, "boom").await.unwrap();
+    }
+    let mut writer = pool.begin().await.unwrap();
+    sqlx::query("UPDATE dedup_records SET updated_at = now() WHERE key = $1")
+        .bind(changed.key_bytes())
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    let batch = {
+        let store = store.clone();
+        let reqs = vec![req(&changed, "b"), req(&other, "b"), req(&fresh, "b")];
+        tokio::spawn(async move { store.claim_batch(&reqs).await })
+    };
+    until_lock_waits(&pool, 1).await;
+    writer.commit().await.unwrap();
+    let leases: Vec<_> = batch
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| acquired(a.unwrap()))
+        .collect();
+    for (k, lease) in [&changed, &other, &fresh].into_iter().zip(&leases) {
+        let record = store.get(k).await.unwrap().unwrap();
+        assert_eq!(record.state, State::InProgress, "{k}");
+        assert_eq!(record.token, lease.token, "{k}: the lease holds the key");
+        assert_eq!(record.owner.as_ref().map(|o| o.as_str()), Some("b"), "{k}");
+        let attempts = if k == &fresh { 1 } else { 2 };
+        assert_eq!(lease.attempts, attempts, "{k}: one attempt spent per grant");
+        store
+            .complete(lease, b"done")
+            .await
+            .expect("the lease completes");
+    }
+    // One grant each: a second claim finds every key done.
+    for k in [&changed, &other, &fresh] {
+        let again = store.claim(&req(k, "late")).await.unwrap();
+        assert!(
+            matches!(again, ClaimOutcome::Completed { .. }),
+            "{k}: {again:?}"
+        );
     }
 }
 
