@@ -6,6 +6,8 @@ use dedup_pg::{MIGRATOR, MigrationMode, SCHEMA_GENERATION, SchemaError, prepare}
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{PgPool, SqlSafeStr};
 
+use crate::support::{acquired, key, req};
+
 /// Migrations that have run before this change: dedup's deployments up to then recorded them
 /// into `_sqlx_migrations`.
 const BEFORE_OWN_TABLE: i64 = 20_261_126_000_000;
@@ -384,4 +386,43 @@ async fn a_schema_older_than_the_binary_is_refused_until_it_is_migrated(pool: Pg
             "{mode}"
         );
     }
+}
+
+/// A column added to `dedup_records` (an expand step of a later migration, or an application's
+/// own) leaves the batch claim working: `dedup_claim_batch` names every column it answers. New
+/// keys, a key taken over, and a done key answered from its record, in one statement.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_column_added_to_the_records_leaves_batch_claims_working(pool: PgPool) {
+    use dedup_core::{ClaimOutcome, Store};
+    let store = dedup_pg::PgStore::new(pool.clone());
+    let (done, failed, fresh) = (key("done"), key("failed"), key("fresh"));
+    let lease = acquired(store.claim(&req(&done, "a")).await.unwrap());
+    store.complete(&lease, b"result").await.unwrap();
+    let lease = acquired(store.claim(&req(&failed, "a")).await.unwrap());
+    store.fail_retryable(&lease, "boom").await.unwrap();
+    sqlx::query("ALTER TABLE dedup_records ADD COLUMN app_note text")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let reqs = vec![req(&done, "b"), req(&failed, "b"), req(&fresh, "b")];
+    let before = store.statements();
+    let outcomes: Vec<ClaimOutcome> = store
+        .claim_batch(&reqs)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        matches!(&outcomes[0], ClaimOutcome::Completed { result, .. } if result == "result"),
+        "{:?}",
+        outcomes[0]
+    );
+    assert_eq!(acquired(outcomes[1].clone()).attempts, 2);
+    assert_eq!(acquired(outcomes[2].clone()).attempts, 1);
+    // One statement: a failed batch statement would fall back to a claim per key.
+    assert_eq!(
+        store.statements() - before,
+        1,
+        "the batch claim answered all three"
+    );
 }
