@@ -925,6 +925,75 @@ fn the_bench_fills_a_window_and_runs_beside_the_retention() {
     );
 }
 
+/// `--keys uuidv7`: a window of its own (`bench-<tag>-window-v7`) of time-ordered keys, each
+/// key's first 48 bits its record's creation in milliseconds, filled in time order; the runs over
+/// it make time-ordered keys too, later than every key of the window.
+#[test]
+fn the_bench_fills_a_time_ordered_window_with_time_ordered_keys() {
+    let began = sql_value("SELECT statement_timestamp()::text");
+    let out = dedup()
+        .args([
+            "bench",
+            "--events",
+            "300",
+            "--concurrency",
+            "8",
+            "--only",
+            "e,f",
+            "--keys",
+            "uuidv7",
+            "--prefill",
+            "2000",
+            "--json",
+        ])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["keys"], "uuidv7", "{report}");
+    let unique = report["unique_keys"].as_u64().unwrap();
+    let w = &report["window"];
+    for c in w["over_window"]["contenders"].as_array().unwrap() {
+        assert_eq!(c["effects"].as_u64(), Some(unique), "{c}");
+    }
+    let scopes = "('bench-e-window-v7', 'bench-f-window-v7')";
+    let filled = sql_value(&format!(
+        "SELECT count(*) FROM dedup_records WHERE scope IN {scopes} AND owner = 'bench-prefill'"
+    ));
+    assert!(filled.parse::<u64>().unwrap() >= 2000, "{filled}");
+    // Every key is version 7, and its time is its record's creation (the fill's) or later (a
+    // run's: made when the run began, a millisecond more every 32 events).
+    let off = sql_value(&format!(
+        "SELECT count(*) FROM dedup_records WHERE scope IN {scopes} AND \
+         (substr(convert_from(key, 'UTF8'), 15, 1) <> '7' OR \
+          ('x' || lpad(replace(substr(convert_from(key, 'UTF8'), 1, 13), '-', ''), 16, '0'))::bit(64)::int8 \
+            <> (extract(epoch FROM created_at) * 1000)::int8 AND owner = 'bench-prefill')"
+    ));
+    assert_eq!(off, "0");
+    // This bench's runs' keys sort after every key a fill made.
+    let (ran, before) = (
+        sql_value(&format!(
+            "SELECT count(*) FROM dedup_records WHERE scope IN {scopes} \
+             AND owner IS DISTINCT FROM 'bench-prefill' AND created_at >= '{began}'::timestamptz"
+        )),
+        sql_value(&format!(
+            "SELECT count(*) FROM dedup_records r WHERE r.scope IN {scopes} \
+             AND r.owner IS DISTINCT FROM 'bench-prefill' AND r.created_at >= '{began}'::timestamptz \
+             AND r.key <= (SELECT k.key FROM dedup_records k WHERE k.scope = r.scope \
+                           AND k.owner = 'bench-prefill' ORDER BY k.key DESC LIMIT 1)"
+        )),
+    );
+    assert_eq!(
+        ran.parse::<u64>().unwrap(),
+        2 * unique,
+        "(e) and (f), each key once"
+    );
+    assert_eq!(before, "0");
+}
+
 /// `dedup forget` by key: a FAILED record and one whose lease ran out go; a key under a live
 /// lease (busy) and one a parked message carries (parked) stay; an unknown key is absent. A dry
 /// run changes nothing; a key may be given in hex.

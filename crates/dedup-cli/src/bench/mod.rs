@@ -93,14 +93,16 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     repeat: u32,
     /// The shape of the event ids: `uuid` (random, as producers make them, landing all over the
-    /// primary key) or `sequential` (`e<n>`, one hot corner of it, which flatters every
-    /// figure; the bench's keys before random ones became the default).
+    /// primary key), `uuidv7` (time-ordered, as RFC 9562's version 7 makes them: new keys land at
+    /// the primary key's right edge) or `sequential` (`e<n>`, one hot corner of it, which
+    /// flatters every figure; the bench's keys before random ones became the default).
     #[arg(long, value_enum, default_value_t = Keys::Uuid)]
     keys: Keys,
     /// The window at size: top the window's scopes (`bench-<tag>-window` of the contenders that
-    /// keep records) up to this many completed records in all, with random UUID-shaped keys,
-    /// kept from one bench to the next; then each run also runs those contenders over the
-    /// window, beside their run on an empty one. 0: no window.
+    /// keep records, `bench-<tag>-window-v7` with `--keys uuidv7`) up to this many completed
+    /// records in all, with keys of `--keys`'s shape, kept from one bench to the next; then each
+    /// run also runs those contenders over the window, beside their run on an empty one. 0: no
+    /// window.
     #[arg(long, default_value_t = 0)]
     prefill: u64,
     /// With the window: top its scopes up to this many records in all already past their
@@ -125,34 +127,63 @@ pub(crate) struct BenchArgs {
 enum Keys {
     /// Random UUID-shaped ids (`dedup_workload::event_id`).
     Uuid,
+    /// Time-ordered UUIDv7-shaped ids (`dedup_workload::time_ordered_event_id`): the run's start
+    /// in milliseconds, plus one for every 32 events, then random bits; a window of its own
+    /// (`bench-<tag>-window-v7`) made the same way over the last 7 days.
+    Uuidv7,
     /// `e<n>`.
     Sequential,
 }
 
 /// The event ids of one run: their shape, and (for random ids) a salt that gives each run of a
 /// contender over the same scope (the window's) keys of its own, with the stream's duplicates
-/// where they were.
+/// where they were; for time-ordered ids, the time the run began.
 #[derive(Clone, Copy, Debug)]
 struct EventKeys {
     shape: Keys,
     salt: u64,
+    unix_ms: u64,
 }
 
 impl EventKeys {
+    /// Ids of `shape`, salted with `salt`, made now.
+    fn new(shape: Keys, salt: u64) -> Self {
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        Self {
+            shape,
+            salt,
+            unix_ms,
+        }
+    }
+
     /// Event `id`'s idempotency key.
     fn of(self, id: u64) -> String {
         match self.shape {
             Keys::Uuid => dedup_workload::event_id(id ^ self.salt),
+            Keys::Uuidv7 => {
+                dedup_workload::time_ordered_event_id(self.unix_ms + id / 32, id ^ self.salt)
+            }
             Keys::Sequential => format!("e{id}"),
         }
     }
 }
 
 impl Keys {
+    /// The scopes of the window (`--prefill`) of these keys: `bench-<tag>-<this>`.
+    fn window(self) -> &'static str {
+        match self {
+            Self::Uuidv7 => "window-v7",
+            _ => "window",
+        }
+    }
+
     /// As `--keys` names it.
     fn name(self) -> &'static str {
         match self {
             Self::Uuid => "uuid",
+            Self::Uuidv7 => "uuidv7",
             Self::Sequential => "sequential",
         }
     }
@@ -265,10 +296,10 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         .filter(|(c, _)| args.only.iter().any(|o| o == c))
         .map(|(_, t)| *t)
         .collect();
-    if windowed && (args.keys != Keys::Uuid || keepers.is_empty()) {
+    if windowed && (args.keys == Keys::Sequential || keepers.is_empty()) {
         return Err(CliError::Config(
-            "--prefill and --expired need --keys uuid and a contender that keeps records \
-             (c, d, e, e', f, ek, fk)"
+            "--prefill and --expired need --keys uuid or uuidv7 and a contender that keeps \
+             records (c, d, e, e', f, ek, fk)"
                 .into(),
         ));
     }
@@ -284,7 +315,15 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     };
     let mut window = None;
     if windowed {
-        let filled = window::fill(&pool, &keepers, args.prefill, args.expired, &note).await?;
+        let filled = window::fill(
+            &pool,
+            &keepers,
+            args.keys,
+            args.prefill,
+            args.expired,
+            &note,
+        )
+        .await?;
         let size = window::size(&pool).await?;
         window = Some(Window {
             filled,
@@ -318,16 +357,21 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             scopes: run_id.clone(),
             run_id,
             quiet: args.json,
-            keys: EventKeys {
-                shape: args.keys,
-                salt: 0,
-            },
+            keys: EventKeys::new(args.keys, 0),
         };
         if args.purge_during && round > 1 {
             // The expired records the last run's retention removed, made again; before this
             // run's first contender, so that each run's passes follow the fill's checkpoint in
             // the same order as the first's.
-            window::fill(&pool, &keepers, args.prefill, args.expired, &note).await?;
+            window::fill(
+                &pool,
+                &keepers,
+                args.keys,
+                args.prefill,
+                args.expired,
+                &note,
+            )
+            .await?;
         }
         if args.repeat > 1 || windowed {
             ctx.note(&format!(
@@ -354,11 +398,11 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                 }
                 let ctx = Ctx {
                     run_id: format!("{}-{}", ctx.run_id, pass.tag()),
-                    scopes: "window".to_owned(),
-                    keys: EventKeys {
-                        shape: args.keys,
-                        salt: std::hash::BuildHasher::hash_one(&salts, (round, pass.tag())),
-                    },
+                    scopes: args.keys.window().to_owned(),
+                    keys: EventKeys::new(
+                        args.keys,
+                        std::hash::BuildHasher::hash_one(&salts, (round, pass.tag())),
+                    ),
                     ..ctx.clone()
                 };
                 ctx.note(&format!(

@@ -8,10 +8,13 @@
 //! does not fill them again. The records are as a stream leaves them: random UUID-shaped keys in
 //! random order, completed, with a fingerprint and a 16-byte result, created over the last 7 days
 //! (the default retention) and expiring over the next 7. `--expired M` adds M records already past
-//! their retention, among them, for the retention to remove.
+//! their retention, among them, for the retention to remove. With `--keys uuidv7` the window is
+//! another one, `bench-<tag>-window-v7`: the same records with time-ordered keys (UUIDv7, their
+//! creation's time), inserted in that order.
 
 use std::time::{Duration, Instant};
 
+use super::Keys;
 use crate::connect::{CliError, connect_pg};
 use dedup_core::Store;
 use dedup_pg::PgStore;
@@ -34,9 +37,9 @@ pub(super) fn tag_of(name: &str) -> Option<&'static str> {
     KEEPERS.iter().find(|(c, _)| *c == letter).map(|(_, t)| *t)
 }
 
-/// The window's scope of tag `tag`.
-pub(super) fn window_scope(tag: &str) -> String {
-    format!("bench-{tag}-window")
+/// The window's scope of tag `tag`, for keys of `keys`'s shape.
+pub(super) fn window_scope(tag: &str, keys: Keys) -> String {
+    format!("bench-{tag}-{}", keys.window())
 }
 
 /// The records inserted per statement while filling.
@@ -45,19 +48,26 @@ const FILL_CHUNK: i64 = 50_000;
 /// The retention the window's records were written with: the default policy's.
 const RETENTION_SECS: i64 = 7 * 24 * 3600;
 
-/// One statement of the fill: `$2` completed records under scope `$1`, random UUID-shaped keys,
-/// a fingerprint and a 16-byte result each; live ones (`$3` false) created over the last 7 days
-/// and expiring over the next 7, expired ones (`$3` true) expired over the last day.
+/// One statement of the fill: `$2` completed records under scope `$1`, a fingerprint and a
+/// 16-byte result each; live ones (`$3` false) created over the last 7 days and expiring over the
+/// next 7, expired ones (`$3` true) expired over the last day; in either, at a random point of
+/// the share `[$6, $6 + $7)` of that span. The keys are random UUID-shaped ones, or with `$5`
+/// UUIDv7-shaped ones whose time is the record's creation.
 const FILL_SQL: &str = concat!(
     "INSERT INTO dedup_records (scope, key, state, owner, token, lease_until, attempts,",
     "  fingerprint, result, created_at, updated_at, expires_at)",
     " SELECT $1, g.k, 'completed', 'bench-prefill', nextval('dedup_token_seq'), NULL, 1,",
-    "  sha256(g.k), substring(sha256(g.k || '\\x00'::bytea) FROM 1 FOR 16),",
-    "  g.e - $4::float8 * interval '1 second', g.e - $4::float8 * interval '1 second', g.e",
-    " FROM (SELECT convert_to(gen_random_uuid()::text, 'UTF8') AS k,",
-    "   CASE WHEN $3 THEN statement_timestamp() - random() * interval '1 day'",
-    "   ELSE statement_timestamp() + random() * $4::float8 * interval '1 second' END AS e",
-    "   FROM generate_series(1, $2)) g",
+    "  sha256(g.k), substring(sha256(g.k || '\\x00'::bytea) FROM 1 FOR 16), g.c, g.c, g.e",
+    " FROM (SELECT CASE WHEN $5 THEN convert_to(lpad(to_hex(t.m >> 16), 8, '0') || '-'",
+    "      || lpad(to_hex(t.m & 65535), 4, '0') || '-7' || substr(t.u, 16, 3) || substr(t.u, 19),",
+    "      'UTF8') ELSE convert_to(t.u, 'UTF8') END AS k, t.c, t.e",
+    "   FROM (SELECT gen_random_uuid()::text AS u, s.e - $4::float8 * interval '1 second' AS c,",
+    "       (extract(epoch FROM s.e - $4::float8 * interval '1 second') * 1000)::int8 AS m, s.e",
+    "     FROM (SELECT CASE WHEN $3 THEN statement_timestamp()",
+    "         - (1 - $6::float8 - random() * $7::float8) * interval '1 day'",
+    "       ELSE statement_timestamp()",
+    "         + ($6::float8 + random() * $7::float8) * $4::float8 * interval '1 second' END AS e",
+    "       FROM generate_series(1, $2)) s) t) g",
     " ON CONFLICT DO NOTHING"
 );
 
@@ -77,14 +87,17 @@ pub(super) struct Filled {
     pub(super) vacuum: Duration,
 }
 
-/// Tops the window of `tags` up to `live` records in all that have not expired and `expired`
-/// records past their retention, split evenly among the scopes, then VACUUMs and checkpoints, so
-/// that the passes that follow start from a settled table. Each scope's rows are counted through
+/// Tops the window of `tags` (for keys of `keys`'s shape) up to `live` records in all that have
+/// not expired and `expired` records past their retention, split evenly among the scopes, then
+/// VACUUMs and checkpoints, so that the passes that follow start from a settled table. Random keys
+/// go in in random order; time-ordered ones in the order of their time, one share of the span per
+/// statement, as a stream of them would. Each scope's rows are counted through
 /// the primary key, and its expired ones through the `expires_at` index (which reads the heap for
 /// the expired rows alone).
 pub(super) async fn fill(
     pool: &PgPool,
     tags: &[&str],
+    keys: Keys,
     live: u64,
     expired: u64,
     note: &dyn Fn(&str),
@@ -96,7 +109,7 @@ pub(super) async fn fill(
     let share = |n: u64| n / u64::try_from(tags.len().max(1)).unwrap_or(1);
     let mut plan: Vec<(String, u64, bool)> = Vec::new();
     for tag in tags {
-        let scope = window_scope(tag);
+        let scope = window_scope(tag, keys);
         let have: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE scope = $1")
             .bind(&scope)
             .fetch_one(pool)
@@ -136,12 +149,24 @@ pub(super) async fn fill(
             let a =
                 i64::try_from(left.min(2 * u64::try_from(FILL_CHUNK).unwrap_or(1))).unwrap_or(0);
             let (x, y) = (a / 2 + a % 2, a / 2);
-            let one = |n: i64| {
+            // The share of the span this statement's records are made in: all of it for random
+            // keys, the next slice of it for time-ordered ones.
+            #[allow(clippy::cast_precision_loss)]
+            let (from, width) = if keys == Keys::Uuidv7 {
+                let all = n.max(1) as f64;
+                ((n - left) as f64 / all, a as f64 / all)
+            } else {
+                (0.0, 1.0)
+            };
+            let one = |count: i64| {
                 sqlx::query(FILL_SQL)
                     .bind(&scope)
-                    .bind(n)
+                    .bind(count)
                     .bind(past)
                     .bind(RETENTION_SECS)
+                    .bind(keys == Keys::Uuidv7)
+                    .bind(from)
+                    .bind(width)
                     .execute(pool)
             };
             let (rx, ry) = tokio::join!(one(x), async {
