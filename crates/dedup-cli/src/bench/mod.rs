@@ -146,11 +146,22 @@ struct EventKeys {
 }
 
 impl EventKeys {
-    /// Ids of `shape`, salted with `salt`, made now.
-    fn new(shape: Keys, salt: u64) -> Self {
-        let unix_ms = std::time::SystemTime::now()
+    /// The `unique` ids of a run, of `shape`, salted with `salt`, made now; time-ordered ones
+    /// after every time-ordered id an earlier run of this bench made, even one that ended sooner
+    /// than its ids' times (one millisecond every 32 ids).
+    fn new(shape: Keys, salt: u64, unique: u64) -> Self {
+        static NEXT_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let span = unique / 32 + 1;
+        let unix_ms = NEXT_MS
+            .fetch_update(
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+                |next| Some(now.max(next).saturating_add(span)),
+            )
+            .map_or(now, |next| now.max(next));
         Self {
             shape,
             salt,
@@ -357,7 +368,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             scopes: run_id.clone(),
             run_id,
             quiet: args.json,
-            keys: EventKeys::new(args.keys, 0),
+            keys: EventKeys::new(args.keys, 0, unique),
         };
         if args.purge_during && round > 1 {
             // The expired records the last run's retention removed, made again; before this
@@ -402,6 +413,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                     keys: EventKeys::new(
                         args.keys,
                         std::hash::BuildHasher::hash_one(&salts, (round, pass.tag())),
+                        unique,
                     ),
                     ..ctx.clone()
                 };

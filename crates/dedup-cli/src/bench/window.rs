@@ -10,7 +10,9 @@
 //! (the default retention) and expiring over the next 7. `--expired M` adds M records already past
 //! their retention, among them, for the retention to remove. With `--keys uuidv7` the window is
 //! another one, `bench-<tag>-window-v7`: the same records with time-ordered keys (UUIDv7, their
-//! creation's time), inserted in that order.
+//! creation's time), inserted in that order. The retention (`--purge-during`) is the table's: it
+//! removes the expired records of both windows, and each run after the first tops up only the
+//! window of its own keys' shape.
 
 use std::time::{Duration, Instant};
 
@@ -52,7 +54,8 @@ const RETENTION_SECS: i64 = 7 * 24 * 3600;
 /// 16-byte result each; live ones (`$3` false) created over the last 7 days and expiring over the
 /// next 7, expired ones (`$3` true) expired over the last day; in either, at a random point of
 /// the share `[$6, $6 + $7)` of that span. The keys are random UUID-shaped ones, or with `$5`
-/// UUIDv7-shaped ones whose time is the record's creation.
+/// UUIDv7-shaped ones whose time is the record's creation (in whole milliseconds, rounded down),
+/// inserted in the order of that time.
 const FILL_SQL: &str = concat!(
     "INSERT INTO dedup_records (scope, key, state, owner, token, lease_until, attempts,",
     "  fingerprint, result, created_at, updated_at, expires_at)",
@@ -61,15 +64,29 @@ const FILL_SQL: &str = concat!(
     " FROM (SELECT CASE WHEN $5 THEN convert_to(lpad(to_hex(t.m >> 16), 8, '0') || '-'",
     "      || lpad(to_hex(t.m & 65535), 4, '0') || '-7' || substr(t.u, 16, 3) || substr(t.u, 19),",
     "      'UTF8') ELSE convert_to(t.u, 'UTF8') END AS k, t.c, t.e",
-    "   FROM (SELECT gen_random_uuid()::text AS u, s.e - $4::float8 * interval '1 second' AS c,",
-    "       (extract(epoch FROM s.e - $4::float8 * interval '1 second') * 1000)::int8 AS m, s.e",
-    "     FROM (SELECT CASE WHEN $3 THEN statement_timestamp()",
-    "         - (1 - $6::float8 - random() * $7::float8) * interval '1 day'",
-    "       ELSE statement_timestamp()",
-    "         + ($6::float8 + random() * $7::float8) * $4::float8 * interval '1 second' END AS e",
-    "       FROM generate_series(1, $2)) s) t) g",
+    "   FROM (SELECT gen_random_uuid()::text AS u, s.c, s.e,",
+    "       CASE WHEN $5 THEN floor(extract(epoch FROM s.c) * 1000)::int8 END AS m",
+    "     FROM (SELECT r.e - $4::float8 * interval '1 second' AS c, r.e",
+    "       FROM (SELECT CASE WHEN $3 THEN statement_timestamp()",
+    "           - (1 - $6::float8 - random() * $7::float8) * interval '1 day'",
+    "         ELSE statement_timestamp()",
+    "           + ($6::float8 + random() * $7::float8) * $4::float8 * interval '1 second' END AS e",
+    "         FROM generate_series(1, $2)) r) s",
+    "     ORDER BY CASE WHEN $5 THEN s.e END) t) g",
     " ON CONFLICT DO NOTHING"
 );
+
+/// The share `[from, from + width)` of the fill's span that records `done..done + count` of `n`
+/// are made in: all of it for random keys (they go in in random order), for time-ordered ones the
+/// slice of it that is theirs, so that the statements that follow one another go on in time.
+#[allow(clippy::cast_precision_loss)]
+fn slice(keys: Keys, n: u64, done: u64, count: u64) -> (f64, f64) {
+    if keys != Keys::Uuidv7 || n == 0 {
+        return (0.0, 1.0);
+    }
+    let all = n as f64;
+    (done as f64 / all, count as f64 / all)
+}
 
 /// What [`fill`] found and did.
 #[derive(Debug, Default)]
@@ -130,8 +147,9 @@ pub(super) async fn fill(
         filled.found += have;
         filled.found_expired += past;
         let live_have = have.saturating_sub(past);
-        plan.push((scope.clone(), share(live).saturating_sub(live_have), false));
-        plan.push((scope, share(expired).saturating_sub(past), true));
+        // The expired first: their keys (for time-ordered ones) are the older.
+        plan.push((scope.clone(), share(expired).saturating_sub(past), true));
+        plan.push((scope, share(live).saturating_sub(live_have), false));
     }
     let total: u64 = plan.iter().map(|p| p.1).sum();
     if total > 0 {
@@ -149,29 +167,25 @@ pub(super) async fn fill(
             let a =
                 i64::try_from(left.min(2 * u64::try_from(FILL_CHUNK).unwrap_or(1))).unwrap_or(0);
             let (x, y) = (a / 2 + a % 2, a / 2);
-            // The share of the span this statement's records are made in: all of it for random
-            // keys, the next slice of it for time-ordered ones.
-            #[allow(clippy::cast_precision_loss)]
-            let (from, width) = if keys == Keys::Uuidv7 {
-                let all = n.max(1) as f64;
-                ((n - left) as f64 / all, a as f64 / all)
-            } else {
-                (0.0, 1.0)
-            };
-            let one = |count: i64| {
+            // The two statements' records are adjacent slices of the span (time-ordered keys).
+            let done_here = n - left;
+            let one = |count: i64, from: u64| {
+                let count_u = u64::try_from(count).unwrap_or(0);
+                let (start, width) = slice(keys, n, from, count_u);
                 sqlx::query(FILL_SQL)
                     .bind(&scope)
                     .bind(count)
                     .bind(past)
                     .bind(RETENTION_SECS)
                     .bind(keys == Keys::Uuidv7)
-                    .bind(from)
+                    .bind(start)
                     .bind(width)
                     .execute(pool)
             };
-            let (rx, ry) = tokio::join!(one(x), async {
+            let x_u = u64::try_from(x).unwrap_or(0);
+            let (rx, ry) = tokio::join!(one(x, done_here), async {
                 if y > 0 {
-                    one(y).await.map(Some)
+                    one(y, done_here + x_u).await.map(Some)
                 } else {
                     Ok(None)
                 }
@@ -480,5 +494,24 @@ impl Purge {
             error: Some(format!("the retention's task: {e}")),
             ..Purged::default()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_ordered_fills_go_on_in_slices_and_random_ones_take_the_whole_span() {
+        assert_eq!(slice(Keys::Uuid, 300, 100, 50), (0.0, 1.0));
+        assert_eq!(slice(Keys::Uuidv7, 0, 0, 0), (0.0, 1.0));
+        // Two statements of 50 after 100 of 400: adjacent, in order, inside the span.
+        let a = slice(Keys::Uuidv7, 400, 100, 50);
+        let b = slice(Keys::Uuidv7, 400, 150, 50);
+        assert_eq!(a, (0.25, 0.125));
+        assert!((a.0 + a.1 - b.0).abs() < f64::EPSILON);
+        // The last ends the span.
+        let last = slice(Keys::Uuidv7, 400, 350, 50);
+        assert!((last.0 + last.1 - 1.0).abs() < f64::EPSILON);
     }
 }
