@@ -324,9 +324,10 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             eprintln!("[bench] {what}");
         }
     };
-    let mut window = None;
-    if windowed {
-        let filled = window::fill(
+    // The window topped up to what was asked: before the first run, and before each later one
+    // that purges.
+    let fill = || {
+        window::fill(
             &pool,
             &keepers,
             args.keys,
@@ -334,7 +335,10 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             args.expired,
             &note,
         )
-        .await?;
+    };
+    let mut window = None;
+    if windowed {
+        let filled = fill().await?;
         let size = window::size(&pool).await?;
         window = Some(Window {
             filled,
@@ -374,15 +378,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             // The expired records the last run's retention removed, made again; before this
             // run's first contender, so that each run's passes follow the fill's checkpoint in
             // the same order as the first's.
-            window::fill(
-                &pool,
-                &keepers,
-                args.keys,
-                args.prefill,
-                args.expired,
-                &note,
-            )
-            .await?;
+            fill().await?;
         }
         if args.repeat > 1 || windowed {
             ctx.note(&format!(
