@@ -22,8 +22,7 @@
 //! The migrations are the workspace's `migrations/`: timestamped SQL, embedded by
 //! `sqlx::migrate!` (`build.rs` reruns on change; `.gitattributes` keeps them LF, since migration
 //! checksums hash the bytes). They make `dedup_records`, keyed by `(scope, key)` and indexed on
-//! `expires_at` for the purge and on `lease_until` for adoption (filled to 70%, so that a
-//! completion can be a HOT update); one sequence, `dedup_token_seq`; `dedup_offsets`, consumer
+//! `expires_at` for the purge; one sequence, `dedup_token_seq`; `dedup_offsets`, consumer
 //! positions per `(consumer_group, topic, partition)` for offsets in the transaction;
 //! `dedup_parked` (parked messages, keyed by `(consumer_group, topic, partition, offset)`,
 //! indexed by the ordering key's digest and offset, and by the dedup record they carry) and
@@ -31,8 +30,7 @@
 //! dead-letter topic refused for good); `dedup_schema` (one row: the generation and the floor);
 //! and the SQL functions, planned at each call, that the pooled statements joining
 //! `dedup_records` to a batch's arrays go through, so that no kept plan depends on the table's
-//! statistics: `dedup_complete_batch_hot` (batch completions; `dedup_complete_batch` before
-//! generation 6), `dedup_get_many`,
+//! statistics: `dedup_complete_batch` (batch completions), `dedup_get_many`,
 //! `dedup_extend_batch` (batch heartbeats) and `dedup_regrant_batch`. The batch claim and
 //! transaction mode's fresh check do not yet.
 //!

@@ -122,13 +122,12 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
 /// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
 /// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
 ///
-/// Through `dedup_complete_batch_hot` (migration 20261130000004; `dedup_complete_batch`, migration
-/// 20261127000001, before it): the same UPDATE, planned at each call with sequential scans and
-/// hash and merge joins ruled out, so that each key is found through the primary key even when
-/// the table's statistics say it is empty (a prepared join planned then kept a sequential scan of
-/// the whole table while the table grew).
+/// Through `dedup_complete_batch` (migration 20261127000001): the same UPDATE, planned at each
+/// call with sequential scans and hash and merge joins ruled out, so that each key is found
+/// through the primary key even when the table's statistics say it is empty (a prepared join
+/// planned then kept a sequential scan of the whole table while the table grew).
 pub(crate) const COMPLETE_BATCH_SQL: &str = "SELECT s AS scope, k AS key \
-     FROM dedup_complete_batch_hot($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[]) \
+     FROM dedup_complete_batch($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[]) \
      AS f(s, k)";
 
 /// Reads many records. $1 scopes, $2 keys. Through `dedup_get_many` (migration
@@ -159,7 +158,7 @@ pub(crate) const EXHAUST_SQL: &str = concat!(
 /// the retention from now and 1/64 of the retention more (the claim set it to the lease's end
 /// plus the retention, so a completion within its lease under a retention of at least 64 leases
 /// keeps it): it then changes no indexed column, and Postgres can write it as a HOT update
-/// (migration 20261130000004). Otherwise, and for a release or a failure, the retention counts
+/// (migration 20261130000001). Otherwise, and for a release or a failure, the retention counts
 /// from now, as before; a release or a failure also clears the lease.
 /// $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention (µs).
 pub(crate) const FINISH_SQL: &str = concat!(
