@@ -15,12 +15,10 @@
 --     less than a lease ago. The old index on live owners goes;
 --   * a completion keeps the row's `lease_until` (no longer read once the state is not
 --     IN_PROGRESS: a binary of generation 6 reads it as absent) and keeps its `expires_at` when
---     that is already between the retention from now and 1/64 of the retention more. A claim sets
---     `expires_at` to the lease's end plus the retention (a heartbeat moves it with the lease), so
---     a completion within its lease, under a retention of at least 64 leases (a 30 s lease: 32
---     minutes), changes neither. A record is then kept at least its retention after its
---     completion and at most 1/64 of it longer; under a shorter retention, or after a lease that
---     ran past its end, the completion sets the expiry to the retention from now, as before;
+--     that is already at least the retention from now. A claim sets `expires_at` to the lease's
+--     end plus the retention, and a heartbeat moves it with the lease, so a completion within its
+--     lease changes neither, and a record is kept at least its retention after its completion
+--     and at most one lease longer;
 --   * pages are filled to 70% by inserts, leaving room on each for its rows' completed versions.
 --     Only pages written from now on are filled so. A deployment that runs transaction mode
 --     alone, whose rows are written once, can set it back to 100.
@@ -47,13 +45,9 @@ SET enable_mergejoin = off
 AS $$
     UPDATE dedup_records AS r SET state = 'completed', result = q.result,
         failure = NULL, updated_at = statement_timestamp(),
-        expires_at = CASE WHEN r.expires_at = 'infinity'
-                OR (r.expires_at >= statement_timestamp()
-                        + q.ret_us::float8 * interval '1 microsecond'
-                    AND r.expires_at <= statement_timestamp()
-                        + q.ret_us::float8 * 1.015625 * interval '1 microsecond')
-            THEN r.expires_at
-            ELSE statement_timestamp() + q.ret_us::float8 * interval '1 microsecond' END,
+        expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at
+            ELSE greatest(r.expires_at,
+                statement_timestamp() + q.ret_us::float8 * interval '1 microsecond') END,
         pinned_ttl = CASE WHEN r.expires_at = 'infinity'
             THEN q.ret_us::float8 * interval '1 microsecond' ELSE r.pinned_ttl END
     FROM unnest(p_scopes, p_keys, p_tokens, p_results, p_rets)

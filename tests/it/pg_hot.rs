@@ -1,9 +1,8 @@
 //! A lease-mode completion is a HOT update (migration 20261130000001, docs/ARCHITECTURE.md
 //! invariant 32): it changes no indexed column, so Postgres writes the completed row version on
 //! the same page without a new index entry. What that asks of the layout, tested here:
-//! - the completion keeps the record's `expires_at` when that is between the retention from now
-//!   and 1/64 of it more, and moves it otherwise (a lease that ran past its end; the conformance
-//!   suite's short retentions);
+//! - the completion keeps the record's `expires_at` when that already covers the retention from
+//!   now, and moves it when it does not (a lease that ran past its end);
 //! - a completed record reads with no lease end, though the row keeps it;
 //! - adoption still finds live leases through an index, not a scan, with completed records
 //!   (which keep a lease end) beside them, and leaves those alone.
@@ -58,14 +57,13 @@ async fn record(store: &PgStore, lease: &Lease) -> Record {
 }
 
 /// Ten leases completed, five one by one and five in a batch: every completion is a HOT update,
-/// each keeps the expiry its claim set (the lease's end plus the retention: a minute's lease
-/// under a day's retention is within the 1/64 of it a completion may keep), and each completed
-/// record reads with no lease end.
+/// each keeps the expiry its claim set (the lease's end plus the retention, which covers the
+/// retention from the completion), and each completed record reads with no lease end.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn completions_within_their_lease_are_hot_and_keep_the_expiry(pool: PgPool) {
     let work = own_pool(&pool).await;
     let store = PgStore::new(work.clone());
-    let retention = Duration::from_secs(86_400);
+    let retention = Duration::from_secs(3600);
     let policy = short_lease(60_000).with_retention(retention);
     let mut leases = Vec::new();
     for i in 0..10 {

@@ -154,12 +154,10 @@ pub(crate) const EXHAUST_SQL: &str = concat!(
 );
 
 /// Every fenced end of a lease (complete, release, fail): applies only under the live token.
-/// A completion leaves `lease_until` as it was, and `expires_at` too when that is already between
-/// the retention from now and 1/64 of the retention more (the claim set it to the lease's end
-/// plus the retention, so a completion within its lease under a retention of at least 64 leases
-/// keeps it): it then changes no indexed column, and Postgres can write it as a HOT update
-/// (migration 20261130000001). Otherwise, and for a release or a failure, the retention counts
-/// from now, as before; a release or a failure also clears the lease.
+/// A completion leaves `lease_until` as it was and `expires_at` too when that is already at least
+/// the retention from now (the claim set it to the lease's end plus the retention): it changes no
+/// indexed column, so Postgres can write it as a HOT update (migration 20261130000001). A
+/// release or a failure clears the lease and counts the retention from now, as before.
 /// $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention (µs).
 pub(crate) const FINISH_SQL: &str = concat!(
     "UPDATE dedup_records SET state = $4,",
@@ -167,10 +165,8 @@ pub(crate) const FINISH_SQL: &str = concat!(
     " result = $5, failure = $6, updated_at = statement_timestamp(),",
     // A pinned record stays pinned, and keeps the span it gets once its parked message settles.
     " expires_at = CASE WHEN expires_at = 'infinity' THEN expires_at",
-    "   WHEN $4 = 'completed'",
-    "     AND expires_at >= statement_timestamp() + $7::float8 * interval '1 microsecond'",
-    "     AND expires_at <= statement_timestamp() + $7::float8 * 1.015625 * interval '1 microsecond'",
-    "     THEN expires_at",
+    "   WHEN $4 = 'completed' THEN greatest(expires_at,",
+    "     statement_timestamp() + $7::float8 * interval '1 microsecond')",
     "   ELSE statement_timestamp() + $7::float8 * interval '1 microsecond' END,",
     " pinned_ttl = CASE WHEN expires_at = 'infinity'",
     "   THEN $7::float8 * interval '1 microsecond' ELSE pinned_ttl END",
