@@ -23,7 +23,6 @@ mod kill;
 mod pg;
 mod pg_batch;
 mod pg_faults;
-mod pg_hot;
 mod pg_migrate;
 mod pg_parked;
 mod pg_plans;

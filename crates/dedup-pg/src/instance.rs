@@ -4,8 +4,8 @@
 //! The lock is session-level, on a connection of its own kept for the store's life, and its
 //! keeper task (`keep`, a check every second) takes it back after the session ended under it
 //! (docs/ARCHITECTURE.md, invariant 24). Adoption is `ADOPT_SQL`, which the partial index
-//! `dedup_records_lease_idx` on lease ends serves. `PgStore::release_identity` lets the lock go at
-//! shutdown.
+//! `dedup_records_live_owner_idx` on live owners serves. `PgStore::release_identity` lets the lock
+//! go at shutdown.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;

@@ -54,12 +54,9 @@ pub(crate) fn record_from_row(key: &IdempotencyKey, row: &PgRow) -> Result<Recor
         .try_get::<Option<String>, _>("owner")
         .map_err(get_err)?
         .map(OwnerId::new);
-    // A completion leaves the lease's end on the row (so that it can be a HOT update: migration
-    // 20261130000001); it means something only while the record is IN_PROGRESS.
     record.lease_until = row
         .try_get::<Option<i64>, _>("lease_until_us")
         .map_err(get_err)?
-        .filter(|_| state == State::InProgress)
         .map(Timestamp::from_micros);
     record.fingerprint = match row
         .try_get::<Option<Vec<u8>>, _>("fingerprint")

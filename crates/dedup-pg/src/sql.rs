@@ -154,19 +154,12 @@ pub(crate) const EXHAUST_SQL: &str = concat!(
 );
 
 /// Every fenced end of a lease (complete, release, fail): applies only under the live token.
-/// A completion leaves `lease_until` as it was and `expires_at` too when that is already at least
-/// the retention from now (the claim set it to the lease's end plus the retention): it changes no
-/// indexed column, so Postgres can write it as a HOT update (migration 20261130000001). A
-/// release or a failure clears the lease and counts the retention from now, as before.
 /// $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention (µs).
 pub(crate) const FINISH_SQL: &str = concat!(
-    "UPDATE dedup_records SET state = $4,",
-    " lease_until = CASE WHEN $4 = 'completed' THEN lease_until END,",
-    " result = $5, failure = $6, updated_at = statement_timestamp(),",
+    "UPDATE dedup_records SET state = $4, lease_until = NULL, result = $5, failure = $6,",
+    " updated_at = statement_timestamp(),",
     // A pinned record stays pinned, and keeps the span it gets once its parked message settles.
     " expires_at = CASE WHEN expires_at = 'infinity' THEN expires_at",
-    "   WHEN $4 = 'completed' THEN greatest(expires_at,",
-    "     statement_timestamp() + $7::float8 * interval '1 microsecond')",
     "   ELSE statement_timestamp() + $7::float8 * interval '1 microsecond' END,",
     " pinned_ttl = CASE WHEN expires_at = 'infinity'",
     "   THEN $7::float8 * interval '1 microsecond' ELSE pinned_ttl END",
@@ -320,8 +313,7 @@ pub(crate) const IDENTITY_LOCK_CLASS: i32 = 0x6465_6475;
 pub(crate) const IDENTITY_LOCK_SQL: &str = "SELECT pg_try_advisory_lock($1::int4, hashtext($2))";
 
 /// Ends the live leases of an identity's earlier incarnations (owners LIKE $1, not LIKE $2; both
-/// patterns escaped with `\`). The partial index on lease ends finds them (`lease_until > now`: the
-/// live leases, and the records completed less than a lease ago, which keep theirs).
+/// patterns escaped with `\`); the partial index on live owners finds them.
 pub(crate) const ADOPT_SQL: &str = concat!(
     "UPDATE dedup_records r SET lease_until = statement_timestamp(), updated_at = statement_timestamp()",
     " WHERE r.state = 'in_progress' AND r.owner LIKE $1 AND r.owner NOT LIKE $2",
