@@ -61,6 +61,22 @@ struct Span {
     attrs: HashMap<String, String>,
 }
 
+/// `dedup bench` against the test servers; the caller adds its options.
+fn bench() -> Command {
+    let mut cmd = dedup();
+    cmd.arg("bench")
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .env("REDIS_URL", env("REDIS_URL"));
+    cmd
+}
+
+/// The `--json` report of a bench that succeeded.
+fn report(out: &Output) -> serde_json::Value {
+    let (stdout, stderr) = text(out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
 /// An OTLP/HTTP receiver: decodes every `POST /v1/traces` body as an `ExportTraceServiceRequest`.
 fn receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -488,8 +504,6 @@ fn bad_configuration_is_named_and_passwords_are_not_printed() {
 fn sigterm_drains_commits_and_exits() {
     let mut child = dedup()
         .args(["demo", "--events", "100000", "--quiet"])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -554,9 +568,8 @@ fn sigterm_drains_commits_and_exits() {
 /// at half the events, 120 s, before).
 #[test]
 fn the_bench_refuses_a_stream_the_mock_cluster_cut() {
-    let out = dedup()
+    let out = bench()
         .args([
-            "bench",
             "--only",
             "ek",
             "--events",
@@ -566,8 +579,6 @@ fn the_bench_refuses_a_stream_the_mock_cluster_cut() {
             "--keys",
             "uuid",
         ])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .output()
         .unwrap();
     let (stdout, stderr) = text(&out);
@@ -586,19 +597,16 @@ fn the_bench_refuses_a_stream_the_mock_cluster_cut() {
 #[test]
 fn the_bench_runs_every_contender_on_the_same_stream() {
     // Spawned, not `output()`: its process id names its run's scopes (`bench-<tag>-<pid>-<secs>`).
-    let child = dedup()
-        .args(["bench", "--events", "600", "--concurrency", "8", "--json"])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
+    let child = bench()
+        .args(["--events", "600", "--concurrency", "8", "--json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let report = report(&out);
+    let stderr = text(&out).1;
     assert_eq!(report["events"], 600);
     assert_eq!(report["unique_keys"], 420);
     assert_eq!(report["keys"], "uuid", "random event ids by default");
@@ -691,8 +699,6 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     // A bad argument is a configuration error (exit 2), named.
     let bad = dedup()
         .args(["bench", "--duplicates", "1.5"])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
@@ -705,9 +711,8 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
 /// run's rows are deleted after.
 #[test]
 fn the_bench_repeats_its_contenders_and_reports_medians() {
-    let child = dedup()
+    let child = bench()
         .args([
-            "bench",
             "--events",
             "300",
             "--concurrency",
@@ -720,17 +725,14 @@ fn the_bench_repeats_its_contenders_and_reports_medians() {
             "sequential",
             "--json",
         ])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let report = report(&out);
+    let stderr = text(&out).1;
     let unique = report["unique_keys"].as_u64().unwrap();
     assert_eq!(report["repeat"], 3);
     assert_eq!(report["keys"], "sequential");
@@ -797,9 +799,8 @@ fn the_bench_repeats_its_contenders_and_reports_medians() {
     );
 
     // The table says how many runs, with the spread beside each median.
-    let table = dedup()
+    let table = bench()
         .args([
-            "bench",
             "--events",
             "200",
             "--concurrency",
@@ -809,8 +810,6 @@ fn the_bench_repeats_its_contenders_and_reports_medians() {
             "--repeat",
             "2",
         ])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .output()
         .unwrap();
     let (stdout, stderr) = text(&table);
@@ -830,9 +829,8 @@ fn the_bench_fills_a_window_and_runs_beside_the_retention() {
     // Records that expired before the bench began: its fill's expired ones, and any another
     // bench left. Its retention (or another test's `dedup purge`) must leave none of them.
     let began = sql_value("SELECT statement_timestamp()::text");
-    let out = dedup()
+    let out = bench()
         .args([
-            "bench",
             "--events",
             "300",
             "--concurrency",
@@ -848,13 +846,9 @@ fn the_bench_fills_a_window_and_runs_beside_the_retention() {
             "100",
             "--json",
         ])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .output()
         .unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let report = report(&out);
     let unique = report["unique_keys"].as_u64().unwrap();
     let w = &report["window"];
     // Topped up: whatever an earlier bench left in the window's scopes counts.
@@ -913,8 +907,6 @@ fn the_bench_fills_a_window_and_runs_beside_the_retention() {
     // A window needs random or time-ordered keys and a contender that keeps records.
     let refused = dedup()
         .args(["bench", "--only", "a,b", "--prefill", "10"])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .output()
         .unwrap();
     assert!(!refused.status.success());
@@ -931,9 +923,8 @@ fn the_bench_fills_a_window_and_runs_beside_the_retention() {
 #[test]
 fn the_bench_fills_a_time_ordered_window_with_time_ordered_keys() {
     let began = sql_value("SELECT statement_timestamp()::text");
-    let out = dedup()
+    let out = bench()
         .args([
-            "bench",
             "--events",
             "300",
             "--concurrency",
@@ -946,13 +937,9 @@ fn the_bench_fills_a_time_ordered_window_with_time_ordered_keys() {
             "2000",
             "--json",
         ])
-        .env("DATABASE_URL", env("DATABASE_URL"))
-        .env("REDIS_URL", env("REDIS_URL"))
         .output()
         .unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let report = report(&out);
     assert_eq!(report["keys"], "uuidv7", "{report}");
     let unique = report["unique_keys"].as_u64().unwrap();
     let w = &report["window"];
