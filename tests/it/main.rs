@@ -26,5 +26,6 @@ mod pg_faults;
 mod pg_migrate;
 mod pg_parked;
 mod pg_plans;
+mod pg_retention;
 mod pg_tls;
 mod redis;

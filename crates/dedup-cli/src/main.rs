@@ -3,9 +3,11 @@
 //! Configuration comes from flags or the environment (`DATABASE_URL`, `REDIS_URL`,
 //! `KAFKA_BROKERS`); `OTEL_EXPORTER_OTLP_ENDPOINT` sends spans over OTLP/HTTP (to Jaeger, say).
 //!
-//! Here: the subcommands, and `migrate` (`--mode apply|verify|off`), `inspect` and `purge`. The
-//! others have a module each: `demo/`, `bench/`, `parked.rs` (`parked`, `unpark`, `drop`; keys
-//! that are not printable text as `hex:...`, `hex.rs`), `forget.rs`, `dead_letters.rs`.
+//! Here: the subcommands, and `migrate` (`--mode apply|verify|off`) and `inspect`. The others
+//! have a module each: `demo/`, `bench/`, `purge.rs` (once, or `--every` as a sidecar that one
+//! instance at a time runs), `parked.rs` (`parked`, `unpark`, `drop`; keys that are not printable
+//! text as `hex:...`, `hex.rs`), `forget.rs`, `dead_letters.rs`; `signals.rs` stops the
+//! long-running ones.
 
 #![allow(clippy::print_stdout)]
 
@@ -16,6 +18,8 @@ mod demo;
 mod forget;
 mod hex;
 mod parked;
+mod purge;
+mod signals;
 mod telemetry;
 
 use std::process::ExitCode;
@@ -46,8 +50,9 @@ enum Command {
     Migrate(MigrateArgs),
     /// Show one key's record in each tier.
     Inspect(InspectArgs),
-    /// Delete records past their retention, in batches.
-    Purge(PurgeArgs),
+    /// Delete records past their retention, in batches: once, or every `--every` seconds with
+    /// one instance at a time purging.
+    Purge(purge::PurgeArgs),
     /// List a consumer group's parked keys: messages, oldest, attempts, next run, last error.
     Parked(parked::ParkedArgs),
     /// Make a parked key's head due now (and lift a hold).
@@ -97,15 +102,6 @@ struct InspectArgs {
     key: String,
 }
 
-#[derive(Args, Debug)]
-struct PurgeArgs {
-    #[command(flatten)]
-    pg: PgArgs,
-    /// Rows deleted per statement.
-    #[arg(long, default_value_t = 1000)]
-    batch: u32,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let telemetry = match telemetry::Telemetry::init() {
@@ -150,23 +146,7 @@ async fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Drop(args) => parked::drop(args).await,
         Command::Forget(args) => forget::run(args).await,
         Command::DeadLetters(args) => dead_letters::run(args).await,
-        Command::Purge(args) => {
-            let pool = connect_pg(&args.pg.database_url, 2).await?;
-            let store = dedup_pg::PgStore::new(pool);
-            let mut total = 0;
-            loop {
-                let n = store
-                    .purge(args.batch)
-                    .await
-                    .map_err(|e| CliError::Failed(format!("purge: {e}")))?;
-                total += n;
-                if n < u64::from(args.batch) {
-                    break;
-                }
-            }
-            println!("purged {total} record(s) past retention");
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Purge(args) => purge::run(args).await,
     }
 }
 

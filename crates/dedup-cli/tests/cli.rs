@@ -562,6 +562,148 @@ fn sigterm_drains_commits_and_exits() {
     assert!(rest.contains("(failed 0)"), "{rest}");
 }
 
+/// A running `dedup purge --every`: its stdout lines, as they come.
+struct Purger {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Purger {
+    fn start() -> Self {
+        let mut child = dedup()
+            .args(["purge", "--every", "0.1", "--batch", "500"])
+            .env("DATABASE_URL", env("DATABASE_URL"))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits (up to 60 s) for a line that starts with `prefix`.
+    fn wait_for(&mut self, prefix: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    let hit = line.starts_with(prefix);
+                    self.seen.push(line);
+                    if hit {
+                        return;
+                    }
+                }
+                Err(_) => panic!("no line {prefix:?} within 60 s; saw {:?}", self.seen),
+            }
+        }
+    }
+
+    /// Every line printed so far.
+    fn printed(&mut self) -> &[String] {
+        while let Ok(line) = self.lines.try_recv() {
+            self.seen.push(line);
+        }
+        &self.seen
+    }
+}
+
+impl Drop for Purger {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `n` completed records of `scope`, past their retention since a second ago.
+fn insert_expired(scope: &str, n: u32) {
+    sql_value(&format!(
+        "INSERT INTO dedup_records (scope, key, state, token, attempts, result, created_at, \
+         updated_at, expires_at) SELECT '{scope}', int8send(g), 'completed', \
+         nextval('dedup_token_seq'), 1, '\\x00', now(), now(), now() - interval '1 second' \
+         FROM generate_series(1, {n}) g"
+    ));
+}
+
+/// Waits (up to 60 s) until `scope` holds no record.
+fn until_purged(scope: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let query = format!("SELECT count(*) FROM dedup_records WHERE scope = '{scope}'");
+    while sql_value(&query) != "0" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{scope}'s expired records were not purged within 60 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// `dedup purge --every`, run twice beside each other: one purges and the other stands by; the
+/// one that purges is killed (SIGKILL: its session, and with it the retention lock, ends without
+/// a word), and the other takes over and purges what expires next. SIGTERM stops it cleanly.
+#[test]
+fn purge_every_runs_in_one_instance_at_a_time_and_another_takes_over_after_sigkill() {
+    let out = dedup()
+        .args(["migrate"])
+        .env("DATABASE_URL", env("DATABASE_URL"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let scope = format!("purge-every-{}", std::process::id());
+    let mut first = Purger::start();
+    first.wait_for("leading");
+    let mut second = Purger::start();
+    second.wait_for("standing by");
+
+    insert_expired(&scope, 1200);
+    until_purged(&scope);
+    first.wait_for("purged ");
+    assert!(
+        !second.printed().iter().any(|l| l.starts_with("purged")),
+        "the instance standing by purged too: {:?}",
+        second.printed()
+    );
+
+    first.child.kill().unwrap(); // SIGKILL
+    first.child.wait().unwrap();
+    second.wait_for("leading");
+    insert_expired(&scope, 700);
+    until_purged(&scope);
+    second.wait_for("purged ");
+
+    let pid = second.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = second.child.wait().unwrap();
+    assert!(status.success(), "{status:?}: {:?}", second.printed());
+    second.wait_for("stopped: ");
+    let last = second.printed().last().unwrap().clone();
+    let purged: u64 = last
+        .split(", ")
+        .nth(1)
+        .and_then(|p| p.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{last}"));
+    assert!(purged >= 700, "{last}");
+}
+
 /// The runners' contenders produce their stream into librdkafka's mock cluster, which keeps only
 /// 5 MiB of batches per partition and silently drops the oldest beyond it: a stream it cut is
 /// refused at once, naming the way out, instead of waiting for events that are gone (it stalled

@@ -89,6 +89,7 @@ mod migrate;
 mod offsets;
 mod parked;
 mod refused;
+mod retention;
 mod rows;
 mod sql;
 mod store;
@@ -111,6 +112,7 @@ pub use migrate::{
     SchemaError, SchemaStatus, SchemaVersion, migrate, prepare,
 };
 pub use refused::RefusedDeadLetter;
+pub use retention::{Retention, RetentionConfig, RetentionStats};
 use rows::record_from_row;
 use sql::GET_MANY_SQL;
 use store::Conn;

@@ -312,6 +312,15 @@ pub(crate) const IDENTITY_LOCK_CLASS: i32 = 0x6465_6475;
 /// $1 the class, $2 the identity.
 pub(crate) const IDENTITY_LOCK_SQL: &str = "SELECT pg_try_advisory_lock($1::int4, hashtext($2))";
 
+/// The first half of the retention lock's key (the two-`int4` form, apart from the identities'
+/// class): "dedr".
+pub(crate) const RETENTION_LOCK_CLASS: i32 = 0x6465_6472;
+
+/// Takes the retention lock of this database and schema if no other session holds it: its holder
+/// is the one retention task that purges. $1 the class.
+pub(crate) const RETENTION_LOCK_SQL: &str =
+    "SELECT pg_try_advisory_lock($1::int4, hashtext(current_schema()))";
+
 /// Ends the live leases of an identity's earlier incarnations (owners LIKE $1, not LIKE $2; both
 /// patterns escaped with `\`); the partial index on live owners finds them.
 pub(crate) const ADOPT_SQL: &str = concat!(

@@ -35,6 +35,8 @@ pub struct EngineStats {
     pub tiers: TierStats,
     /// Group commit.
     pub group_commit: BatchCounts,
+    /// Retention in the background, if the engine runs it.
+    pub retention: Option<dedup_pg::RetentionStats>,
 }
 
 /// One consumer's health ([`Health::consumers`]).
@@ -111,6 +113,7 @@ impl Engine {
                 .collect(),
             tiers: self.tier_stats(),
             group_commit: self.group_commit_stats(),
+            retention: self.retention_stats(),
         }
     }
 

@@ -103,7 +103,10 @@ pub use dedup_core::{
 #[cfg(feature = "pg")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
 pub use {
-    dedup_pg::{ConnectError, MigrationMode, PgStore, SchemaError},
+    dedup_pg::{
+        ConnectError, MigrationMode, PgStore, Retention, RetentionConfig, RetentionStats,
+        SchemaError,
+    },
     engine::{Authority, BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, Tiers},
     health::{ConsumerHealth, EngineStats, Health},
     running::{Shutdown, Stopped},

@@ -24,6 +24,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg, redact};
+use crate::signals::Signals;
 use dedup_workload::{Workload, ledger_payload};
 use report::Report;
 
@@ -538,41 +539,4 @@ async fn create_topic(
         }
     }
     Ok(())
-}
-
-/// SIGINT or SIGTERM, registered when the demo starts so a signal during set-up is not lost.
-struct Signals {
-    #[cfg(unix)]
-    int: tokio::signal::unix::Signal,
-    #[cfg(unix)]
-    term: tokio::signal::unix::Signal,
-}
-
-impl Signals {
-    fn install() -> Result<Self, CliError> {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            let err =
-                |e: std::io::Error| CliError::Failed(format!("installing signal handlers: {e}"));
-            Ok(Self {
-                int: signal(SignalKind::interrupt()).map_err(err)?,
-                term: signal(SignalKind::terminate()).map_err(err)?,
-            })
-        }
-        #[cfg(not(unix))]
-        Ok(Self {})
-    }
-
-    async fn recv(&mut self) {
-        #[cfg(unix)]
-        tokio::select! {
-            _ = self.int.recv() => {}
-            _ = self.term.recv() => {}
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

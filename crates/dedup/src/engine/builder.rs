@@ -9,7 +9,7 @@ use dedup_core::{
     Adoption, BatchConfig, Batched, Dedup, InstanceId, MAX_WAIT, Policy, Scope, Store,
     TieredConfig, TieredStore, Timestamp,
 };
-use dedup_pg::{MigrationMode, PgStore};
+use dedup_pg::{MigrationMode, PgStore, RetentionConfig};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tracing::{info, warn};
@@ -67,6 +67,7 @@ pub struct EngineBuilder {
     instance: Option<String>,
     scope: Option<String>,
     migrations: MigrationMode,
+    retention: Option<RetentionConfig>,
 }
 
 impl Default for EngineBuilder {
@@ -86,6 +87,7 @@ impl Default for EngineBuilder {
             instance: None,
             scope: None,
             migrations: MigrationMode::Apply,
+            retention: None,
         }
     }
 }
@@ -245,6 +247,29 @@ impl EngineBuilder {
         self
     }
 
+    /// Retention in the background (off by default): every engine built with it runs a task,
+    /// and the one that holds the retention lock of the database deletes the records past their
+    /// retention, `config.batch` a statement, every `config.every`; when its process dies,
+    /// another engine's task takes over at its next round. Without it, run `dedup purge` (once,
+    /// or `--every` as a sidecar). [`Engine::shutdown`] stops it; [`Engine::stats`] counts it.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), dedup::BuildError> {
+    /// use std::time::Duration;
+    ///
+    /// let engine = dedup::Engine::builder()
+    ///     .postgres_url("postgres://dedup@db/payments")
+    ///     .scope("payments")
+    ///     .retention(dedup::RetentionConfig::default().with_every(Duration::from_secs(300)))
+    ///     .build()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn retention(mut self, config: RetentionConfig) -> Self {
+        self.retention = Some(config);
+        self
+    }
+
     /// Checks every setting, connects, migrates (as [`migrations`](Self::migrations) says) and,
     /// with an instance identity, adopts the leases of its earlier incarnations.
     ///
@@ -294,6 +319,12 @@ impl EngineBuilder {
                         "in_memory",
                         "an in-memory engine takes no fast path: Redis would keep results the \
                          memory does not",
+                    ));
+                }
+                if self.retention.is_some() {
+                    return Err(BuildError::setting(
+                        "retention",
+                        "an in-memory engine has no Postgres to purge",
                     ));
                 }
                 None
@@ -374,8 +405,14 @@ impl EngineBuilder {
             .map_err(|e| BuildError::setting("policy", e))?
             .with_in_flight_wait(self.in_flight_wait)
             .map_err(|e| BuildError::setting("in_flight_wait", e))?;
+        // Started last: an engine that failed to build leaves no task behind.
+        let retention = pg
+            .as_ref()
+            .zip(self.retention)
+            .map(|(pg, config)| pg.spawn_retention(config));
         Ok(Engine {
             inner: Arc::new(Inner {
+                retention: Mutex::new(retention),
                 pg,
                 tiers,
                 store,

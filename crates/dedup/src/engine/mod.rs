@@ -50,6 +50,8 @@ pub struct Engine {
 struct Inner {
     /// `None` in an in-memory engine.
     pg: Option<PgStore>,
+    /// Retention in the background, if asked for; taken out and stopped at shutdown.
+    retention: Mutex<Option<dedup_pg::Retention>>,
     tiers: Arc<Tiers>,
     store: Arc<EngineStore>,
     dedup: Arc<Dedup<Arc<EngineStore>>>,
@@ -162,6 +164,17 @@ impl Engine {
         self.inner.store.batch_counts()
     }
 
+    /// What retention in the background has done (`None` without
+    /// [`retention`](EngineBuilder::retention), or after shutdown).
+    pub fn retention_stats(&self) -> Option<dedup_pg::RetentionStats> {
+        self.inner
+            .retention
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(dedup_pg::Retention::stats)
+    }
+
     /// A handle that stops everything built from this engine ([`Shutdown`](crate::Shutdown)).
     pub fn shutdown_handle(&self) -> crate::Shutdown {
         self.inner.running.handle()
@@ -169,7 +182,8 @@ impl Engine {
 
     /// Shuts down everything built from this engine: consumers stop taking messages, let the
     /// running ones finish (each up to its drain timeout), commit and leave their groups; then,
-    /// once every consumer's `run` has returned and every HTTP layer has drained, the instance
+    /// once every consumer's `run` has returned and every HTTP layer has drained, retention in
+    /// the background stops (its lock goes to another engine's task) and the instance
     /// identity is released so that a successor takes it at once. Call it once; stop the HTTP
     /// server from taking requests first (or give it [`Shutdown::stopped`](crate::Shutdown::stopped)
     /// as its graceful-shutdown signal).
@@ -187,6 +201,15 @@ impl Engine {
             for layer in layers {
                 layer.drain().await;
             }
+        }
+        let retention = self
+            .inner
+            .retention
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(retention) = retention {
+            retention.stop().await;
         }
         if let Some(pg) = &self.inner.pg
             && pg.release_identity().await
