@@ -85,9 +85,14 @@ async fn an_engine_with_retention_purges_expired_records_in_batches_and_keeps_li
         engine.stats().retention.is_some_and(|s| s.purged == 2500)
     })
     .await;
+    until("the round ended", async || {
+        engine.retention_stats().is_some_and(|s| s.rounds >= 1)
+    })
+    .await;
     let stats = engine.retention_stats().unwrap();
-    assert!(stats.leading, "{stats:?}");
-    assert!(stats.rounds >= 1, "{stats:?}");
+    assert!(stats.leading(), "{stats:?}");
+    // 1,000, 1,000 and 500: the round went on until a statement deleted less than a batch.
+    assert_eq!(stats.statements, 3, "{stats:?}");
     assert_eq!((stats.errors, stats.standby), (0, 0), "{stats:?}");
     assert_eq!(holders(&pool).await, 1);
 
@@ -103,10 +108,10 @@ async fn an_engine_with_retention_purges_expired_records_in_batches_and_keeps_li
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn one_task_purges_at_a_time_and_another_takes_over_when_it_stops(pool: PgPool) {
     let first: Retention = PgStore::new(pool.clone()).spawn_retention(config());
-    until("the first task leads", async || first.stats().leading).await;
+    until("the first task leads", async || first.stats().leading()).await;
     let second = PgStore::new(pool.clone()).spawn_retention(config());
     until("the second stands by", async || second.stats().standby >= 3).await;
-    assert!(!second.stats().leading);
+    assert!(!second.stats().leading());
     assert_eq!(holders(&pool).await, 1);
 
     records(&pool, "s", 1500, 0).await;
@@ -116,10 +121,10 @@ async fn one_task_purges_at_a_time_and_another_takes_over_when_it_stops(pool: Pg
     })
     .await;
     assert_eq!(second.stats().purged, 0, "{:?}", second.stats());
-    assert!(!second.stats().leading);
+    assert!(!second.stats().leading());
 
     first.stop().await;
-    until("the second takes over", async || second.stats().leading).await;
+    until("the second takes over", async || second.stats().leading()).await;
     assert_eq!(holders(&pool).await, 1);
     records(&pool, "s", 700, 3).await;
     until("purged by the second", async || {
@@ -136,7 +141,7 @@ async fn one_task_purges_at_a_time_and_another_takes_over_when_it_stops(pool: Pg
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_leader_whose_session_was_ended_leads_again_after_its_next_round(pool: PgPool) {
     let task = PgStore::new(pool.clone()).spawn_retention(config());
-    until("the task leads", async || task.stats().leading).await;
+    until("the task leads", async || task.stats().leading()).await;
     // The server ends the leader's session (a failover or an operator would): the lock goes
     // with it, the next round fails, and the one after connects and takes the lock again.
     let ended: bool = sqlx::query_scalar(
@@ -152,11 +157,33 @@ async fn a_leader_whose_session_was_ended_leads_again_after_its_next_round(pool:
         task.stats().errors >= 1
     })
     .await;
-    until("leading again", async || task.stats().leading).await;
+    until("leading again", async || task.stats().leading()).await;
     records(&pool, "t", 40, 0).await;
     until("purged after the reconnect", async || {
         count(&pool, "t").await == 0
     })
     .await;
     assert_eq!(holders(&pool).await, 1);
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_statement_past_the_timeout_fails_its_round_and_deletes_nothing(pool: PgPool) {
+    records(&pool, "u", 20_000, 0).await;
+    // 1 ms: no statement of the round can finish, so the setting reached the session.
+    let task = PgStore::new(pool.clone()).spawn_retention(
+        config()
+            .with_batch(20_000)
+            .with_statement_timeout(Duration::from_millis(1)),
+    );
+    until("a failed round", async || task.stats().errors >= 2).await;
+    let stats = task.stop().await;
+    assert_eq!(stats.purged, 0, "{stats:?}");
+    assert!(
+        stats
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("statement timeout")),
+        "{stats:?}"
+    );
+    assert_eq!(count(&pool, "u").await, 20_000);
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::Args;
 use dedup_core::Store;
-use dedup_pg::{PgStore, RetentionConfig, RetentionStats};
+use dedup_pg::{PgStore, RetentionConfig, RetentionState, RetentionStats};
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg};
@@ -19,7 +19,7 @@ pub(crate) struct PurgeArgs {
     #[command(flatten)]
     pg: PgArgs,
     /// Rows deleted per statement.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     batch: u32,
     /// Keep running, and purge every this many seconds (fractions allowed) while this instance
     /// holds the retention lock; stop on SIGINT or SIGTERM.
@@ -81,15 +81,6 @@ async fn watch(args: &PurgeArgs, every: Duration) -> Result<ExitCode, CliError> 
         every.as_secs_f64()
     );
     let mut seen = RetentionStats::default();
-    let role = |s: &RetentionStats| {
-        if s.leading {
-            Some("leading: this instance purges")
-        } else if s.standby > 0 {
-            Some("standing by: another instance holds the retention lock")
-        } else {
-            None
-        }
-    };
     let tick = every.min(Duration::from_millis(200));
     loop {
         tokio::select! {
@@ -97,10 +88,18 @@ async fn watch(args: &PurgeArgs, every: Duration) -> Result<ExitCode, CliError> 
             () = tokio::time::sleep(tick) => {}
         }
         let now = retention.stats();
-        if let Some(line) = role(&now)
-            && role(&seen) != Some(line)
-        {
-            println!("{line}");
+        if now.state != seen.state {
+            match now.state {
+                RetentionState::Leading => println!("leading: this instance purges"),
+                RetentionState::StandingBy => {
+                    println!("standing by: another instance holds the retention lock");
+                }
+                RetentionState::Failed => eprintln!(
+                    "dedup purge: a round failed (trying again next round): {}",
+                    now.last_error.as_deref().unwrap_or("?")
+                ),
+                _ => {}
+            }
         }
         if now.purged > seen.purged {
             println!(
@@ -109,15 +108,9 @@ async fn watch(args: &PurgeArgs, every: Duration) -> Result<ExitCode, CliError> 
                 now.purged
             );
         }
-        if now.errors > seen.errors
-            && let Some(e) = &now.last_error
-        {
-            eprintln!("dedup purge: a round failed (tried again next round): {e}");
-        }
         seen = now;
     }
-    let last = retention.stats();
-    retention.stop().await;
+    let last = retention.stop().await;
     println!(
         "stopped: {} round(s) led, {} record(s) purged",
         last.rounds, last.purged

@@ -112,7 +112,7 @@ pub use migrate::{
     SchemaError, SchemaStatus, SchemaVersion, migrate, prepare,
 };
 pub use refused::RefusedDeadLetter;
-pub use retention::{Retention, RetentionConfig, RetentionStats};
+pub use retention::{Retention, RetentionConfig, RetentionState, RetentionStats};
 use rows::record_from_row;
 use sql::GET_MANY_SQL;
 use store::Conn;

@@ -2,13 +2,17 @@
 //! records past their retention, so that no cron job is needed and a fleet of N consumers does
 //! not run N purges.
 //!
-//! Each task keeps a connection of its own (not pooled). Every round it takes a session-level
-//! advisory lock on it, `pg_try_advisory_lock(RETENTION_LOCK_CLASS, hashtext(current_schema()))`:
-//! the task that holds it leads, and purges on that same session in bounded batches
-//! ([`PURGE_SQL`], as `dedup purge` does) until a batch comes back short; the others stand by and
-//! try again next round. The lock lives as long as the leader's session, so the server releases
-//! it when the leader's process dies or its connection drops, and another task takes it at its
-//! next round (docs/ARCHITECTURE.md, invariant 35). Exclusivity is for load, not safety: two
+//! Each task keeps a session of its own: a connection made by the store's pool (so the pool's
+//! settings and `after_connect` apply) and then detached from it. Every round it tries a
+//! session-level advisory lock on it, keyed on the schema that holds `dedup_records`: the task
+//! that holds it leads, and purges on that same session in bounded batches ([`PURGE_SQL`], as
+//! `dedup purge` does) until a batch comes back short; the others stand by and try again next
+//! round. The lock lives as long as the leader's session, so the server releases it when the
+//! leader's process dies or closes its connection (a connection cut without a word is seen by the
+//! server's TCP keepalive, which the session sets to about a minute), and another task takes it
+//! at its next round (docs/ARCHITECTURE.md, invariant 35). Every call has a client-side deadline,
+//! so a network that swallows packets costs a round, not the task. Session locks need a session:
+//! behind PgBouncer, use session pooling for dedup. Exclusivity is for load, not safety: two
 //! purges at once would still delete each expired record once (the purge skips locked rows), and
 //! a record past `expires_at` counts as absent whether or not it was purged yet.
 
@@ -17,7 +21,7 @@ use std::time::{Duration, SystemTime};
 
 use dedup_core::StoreError;
 use sqlx::Connection;
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::{PgConnection, PgPool};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
@@ -25,6 +29,13 @@ use tracing::{debug, info, warn};
 use crate::PgStore;
 use crate::classify::classify;
 use crate::sql::{PURGE_SQL, RETENTION_LOCK_CLASS, RETENTION_LOCK_SQL};
+
+/// The longest `statement_timeout` Postgres takes (an `int4` of milliseconds).
+const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+/// What a call may take beyond the statement's own timeout before the client gives up on it.
+const CLIENT_MARGIN: Duration = Duration::from_secs(5);
+/// How long [`Retention::stop`] waits for a statement in flight before it drops the session.
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// How a background retention task runs ([`PgStore::spawn_retention`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,8 +47,8 @@ pub struct RetentionConfig {
     pub batch: u32,
     /// Time between two statements of a round, to leave room for the claims beside it.
     pub pause: Duration,
-    /// The longest one statement may run (its `statement_timeout`); a round that hits it ends
-    /// and the next one goes on.
+    /// The longest one statement may run (its `statement_timeout`; the client gives up a few
+    /// seconds later); a round that hits it fails, and the next one goes on.
     pub statement_timeout: Duration,
 }
 
@@ -72,36 +83,62 @@ impl RetentionConfig {
         self
     }
 
-    /// Sets the longest one statement may run (at least 1 ms).
+    /// Sets the longest one statement may run (1 ms to about 24 days, Postgres's bounds).
     pub fn with_statement_timeout(mut self, timeout: Duration) -> Self {
-        self.statement_timeout = timeout.max(Duration::from_millis(1));
+        self.statement_timeout = timeout.clamp(Duration::from_millis(1), MAX_STATEMENT_TIMEOUT);
         self
     }
+}
+
+/// Where a retention task stands ([`RetentionStats::state`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetentionState {
+    /// Before its first round.
+    #[default]
+    Starting,
+    /// It holds the lock: it is the one that purges.
+    Leading,
+    /// Another session holds the lock.
+    StandingBy,
+    /// Its last round failed (Postgres unreachable, a statement refused or timed out); it
+    /// connects again at the next round.
+    Failed,
 }
 
 /// What a retention task has done ([`Retention::stats`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetentionStats {
-    /// Whether this task holds the lock now: it is the one that purges.
-    pub leading: bool,
-    /// Rounds this task ran as the leader.
+    /// Where it stands now.
+    pub state: RetentionState,
+    /// Rounds it ran as the leader, to their end.
     pub rounds: u64,
     /// Rounds in which another session held the lock.
     pub standby: u64,
-    /// Records this task deleted.
+    /// Records it deleted (counted after each statement).
     pub purged: u64,
+    /// Its statements that deleted at least one record.
+    pub statements: u64,
     /// When its last round as the leader ended.
     pub last_round: Option<SystemTime>,
-    /// Rounds that ended on an error (the connection is made again at the next round).
+    /// Rounds that failed.
     pub errors: u64,
-    /// The last error, if the last round ended on one.
+    /// The error of the last round, if it failed.
     pub last_error: Option<String>,
+}
+
+impl RetentionStats {
+    /// Whether it holds the lock now.
+    pub fn leading(&self) -> bool {
+        self.state == RetentionState::Leading
+    }
 }
 
 /// A running retention task ([`PgStore::spawn_retention`]). Dropping it stops the task (and its
 /// session, so its lock goes to another task); [`stop`](Self::stop) also waits for the end.
 #[derive(Debug)]
+#[must_use = "dropping a Retention stops its task"]
 pub struct Retention {
     stop: watch::Sender<bool>,
     stats: Arc<Mutex<RetentionStats>>,
@@ -117,13 +154,18 @@ impl Retention {
             .clone()
     }
 
-    /// Stops the task: a statement in flight finishes, the session closes (releasing the lock),
-    /// and this returns once the task has ended.
-    pub async fn stop(mut self) {
+    /// Stops the task and answers what it did: a statement in flight may finish (up to a few
+    /// seconds; after that the session is dropped, which ends it on the server), then the session
+    /// closes, releasing the lock.
+    pub async fn stop(mut self) -> RetentionStats {
         self.stop.send_replace(true);
-        if let Some(task) = self.task.take() {
+        if let Some(mut task) = self.task.take()
+            && tokio::time::timeout(STOP_WAIT, &mut task).await.is_err()
+        {
+            task.abort();
             let _ = task.await;
         }
+        self.stats()
     }
 }
 
@@ -135,16 +177,22 @@ impl Drop for Retention {
 
 impl PgStore {
     /// Starts retention in the background on the current Tokio runtime: every
-    /// [`every`](RetentionConfig::every), the one task of all that share this database and schema
-    /// which holds the retention lock deletes the records past their retention, `batch` a
-    /// statement, until none is left. Parked keys' records are kept, as by `dedup purge`. Run it
-    /// in every instance: only one purges at a time, and when it dies another takes over at its
-    /// next round.
+    /// [`every`](RetentionConfig::every), the one task of all that share this database and the
+    /// schema of `dedup_records` which holds the retention lock deletes the records past their
+    /// retention, `batch` a statement, until none is left. Parked keys' records are kept, as by
+    /// `dedup purge`. Run it in every instance: only one purges at a time, and when it dies
+    /// another takes over at its next round. Its session comes from this store's pool (made by
+    /// it, then detached), and needs a real session: behind PgBouncer, session pooling.
+    #[must_use = "dropping the Retention stops the task at once"]
     pub fn spawn_retention(&self, config: RetentionConfig) -> Retention {
         let (stop, stopped) = watch::channel(false);
         let stats = Arc::new(Mutex::new(RetentionStats::default()));
-        let options = self.pool().connect_options();
-        let task = tokio::spawn(run(options, config, stopped, Arc::clone(&stats)));
+        let task = tokio::spawn(run(
+            self.pool().clone(),
+            config,
+            stopped,
+            Arc::clone(&stats),
+        ));
         Retention {
             stop,
             stats,
@@ -164,39 +212,143 @@ async fn pause(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool {
     }
 }
 
+/// `f`, given up on `limit` from now: a network that swallows packets is an error, not a hang.
+async fn bounded<T>(
+    limit: Duration,
+    f: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r.map_err(|e| classify(e, false)),
+        Err(_) => Err(StoreError::unavailable(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer from Postgres within {limit:?}"),
+        ))),
+    }
+}
+
+struct Task {
+    pool: PgPool,
+    config: RetentionConfig,
+    stats: Arc<Mutex<RetentionStats>>,
+}
+
+impl Task {
+    fn update(&self, f: impl FnOnce(&mut RetentionStats)) {
+        f(&mut self.stats.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    fn limit(&self) -> Duration {
+        self.config.statement_timeout + CLIENT_MARGIN
+    }
+
+    /// A session of its own: made by the pool (its options and `after_connect`), then detached,
+    /// with the statement timeout and a TCP keepalive that lets the server see a silent death
+    /// within about a minute.
+    async fn connect(&self) -> Result<PgConnection, StoreError> {
+        let limit = self.limit();
+        let mut conn = bounded(limit, self.pool.acquire()).await?.detach();
+        let timeout_ms = self.config.statement_timeout.as_millis().to_string();
+        bounded(
+            limit,
+            sqlx::query(
+                "SELECT set_config('statement_timeout', $1, false), \
+                 set_config('tcp_keepalives_idle', '30', false), \
+                 set_config('tcp_keepalives_interval', '10', false), \
+                 set_config('tcp_keepalives_count', '3', false)",
+            )
+            .bind(timeout_ms)
+            .execute(&mut conn),
+        )
+        .await?;
+        Ok(conn)
+    }
+
+    /// One round: connects if needed, takes the lock if it can (once per session), and as the
+    /// leader purges until a statement deletes less than a full batch.
+    async fn round(
+        &self,
+        session: &mut Option<(PgConnection, bool)>,
+        stopped: &mut watch::Receiver<bool>,
+    ) -> Result<bool, StoreError> {
+        let limit = self.limit();
+        if session.is_none() {
+            *session = Some((self.connect().await?, false));
+        }
+        let Some((conn, leading)) = session.as_mut() else {
+            return Ok(false);
+        };
+        // A session lock is taken once per session and never let go while the session lives
+        // (taking it again would stack it, and one unlock would not release it).
+        if !*leading {
+            let got: Option<bool> = bounded(
+                limit,
+                sqlx::query_scalar(RETENTION_LOCK_SQL)
+                    .bind(RETENTION_LOCK_CLASS)
+                    .fetch_optional(&mut *conn),
+            )
+            .await?;
+            if got != Some(true) {
+                return Ok(false);
+            }
+            *leading = true;
+            self.update(|s| s.state = RetentionState::Leading);
+            info!("retention: this instance leads the purge");
+        }
+        loop {
+            let n = bounded(
+                limit,
+                sqlx::query(PURGE_SQL)
+                    .bind(i64::from(self.config.batch))
+                    .execute(&mut *conn),
+            )
+            .await?
+            .rows_affected();
+            self.update(|s| {
+                s.purged += n;
+                s.statements += u64::from(n > 0);
+            });
+            if n < u64::from(self.config.batch) || pause(stopped, self.config.pause).await {
+                return Ok(true);
+            }
+        }
+    }
+}
+
 async fn run(
-    options: Arc<PgConnectOptions>,
+    pool: PgPool,
     config: RetentionConfig,
     mut stopped: watch::Receiver<bool>,
     stats: Arc<Mutex<RetentionStats>>,
 ) {
-    let update = |f: &dyn Fn(&mut RetentionStats)| {
-        f(&mut stats.lock().unwrap_or_else(PoisonError::into_inner));
+    let task = Task {
+        pool,
+        config,
+        stats,
     };
-    // The session, once connected, and whether it holds the lock (it keeps it while it lives).
+    // The session, once made, and whether it holds the lock (it keeps it while it lives).
     let mut session: Option<(PgConnection, bool)> = None;
     loop {
-        match round(&mut session, &options, config, &mut stopped).await {
-            Ok(Round::Standby) => update(&|s| {
-                s.leading = false;
+        match task.round(&mut session, &mut stopped).await {
+            Ok(false) => task.update(|s| {
+                s.state = RetentionState::StandingBy;
                 s.standby += 1;
+                s.last_error = None;
             }),
-            Ok(Round::Led(n)) => update(&|s| {
-                s.leading = true;
+            Ok(true) => task.update(|s| {
+                s.state = RetentionState::Leading;
                 s.rounds += 1;
-                s.purged += n;
                 s.last_round = Some(SystemTime::now());
                 s.last_error = None;
             }),
             Err(e) => {
                 warn!(error = %e, "retention: a round failed; connecting again next round");
-                // A session in an unknown state is closed: its lock, if any, goes with it.
+                // A session in an unknown state is dropped: its lock, if any, goes with it.
                 session = None;
                 let text = e.to_string();
-                update(&|s| {
-                    s.leading = false;
+                task.update(|s| {
+                    s.state = RetentionState::Failed;
                     s.errors += 1;
-                    s.last_error = Some(text.clone());
+                    s.last_error = Some(text);
                 });
             }
         }
@@ -205,68 +357,8 @@ async fn run(
         }
     }
     if let Some((conn, _)) = session.take() {
-        // Closing the session releases the lock at once; dropping would too, less politely.
-        let _ = conn.close().await;
+        // Closing the session releases the lock at once; dropping it would too, less politely.
+        let _ = tokio::time::timeout(CLIENT_MARGIN, conn.close()).await;
     }
-    update(&|s| s.leading = false);
     debug!("retention stopped");
-}
-
-enum Round {
-    /// Another session holds the lock.
-    Standby,
-    /// This one led, and deleted this many records.
-    Led(u64),
-}
-
-async fn round(
-    session: &mut Option<(PgConnection, bool)>,
-    options: &PgConnectOptions,
-    config: RetentionConfig,
-    stopped: &mut watch::Receiver<bool>,
-) -> Result<Round, StoreError> {
-    if session.is_none() {
-        let timeout_ms = u64::try_from(config.statement_timeout.as_millis()).unwrap_or(u64::MAX);
-        let options = options
-            .clone()
-            .options([("statement_timeout", timeout_ms.to_string())]);
-        let conn = PgConnection::connect_with(&options)
-            .await
-            .map_err(|e| classify(e, false))?;
-        *session = Some((conn, false));
-    }
-    let Some((conn, leading)) = session.as_mut() else {
-        return Ok(Round::Standby);
-    };
-    // A session lock is taken once per session and never let go while the session lives (taking
-    // it again would stack it, and one unlock would not release it).
-    if !*leading {
-        let got: bool = sqlx::query_scalar(RETENTION_LOCK_SQL)
-            .bind(RETENTION_LOCK_CLASS)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| classify(e, false))?;
-        if !got {
-            return Ok(Round::Standby);
-        }
-        *leading = true;
-        info!("retention: this instance leads the purge");
-    }
-    let mut purged = 0u64;
-    loop {
-        let n = sqlx::query(PURGE_SQL)
-            .bind(i64::from(config.batch))
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| classify(e, true))?
-            .rows_affected();
-        purged += n;
-        if n < u64::from(config.batch) || pause(stopped, config.pause).await {
-            break;
-        }
-    }
-    if purged > 0 {
-        debug!(purged, "retention: round done");
-    }
-    Ok(Round::Led(purged))
 }

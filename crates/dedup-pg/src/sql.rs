@@ -316,10 +316,13 @@ pub(crate) const IDENTITY_LOCK_SQL: &str = "SELECT pg_try_advisory_lock($1::int4
 /// class): "dedr".
 pub(crate) const RETENTION_LOCK_CLASS: i32 = 0x6465_6472;
 
-/// Takes the retention lock of this database and schema if no other session holds it: its holder
-/// is the one retention task that purges. $1 the class.
-pub(crate) const RETENTION_LOCK_SQL: &str =
-    "SELECT pg_try_advisory_lock($1::int4, hashtext(current_schema()))";
+/// Takes the retention lock of this database and of the schema that holds the `dedup_records`
+/// this session sees, if no other session holds it: its holder is the one retention task that
+/// purges. $1 the class.
+pub(crate) const RETENTION_LOCK_SQL: &str = concat!(
+    "SELECT pg_try_advisory_lock($1::int4, hashtext(n.nspname)) FROM pg_class c",
+    " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'dedup_records'::regclass"
+);
 
 /// Ends the live leases of an identity's earlier incarnations (owners LIKE $1, not LIKE $2; both
 /// patterns escaped with `\`); the partial index on live owners finds them.

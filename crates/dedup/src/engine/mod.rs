@@ -209,7 +209,7 @@ impl Engine {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         if let Some(retention) = retention {
-            retention.stop().await;
+            let _ = retention.stop().await;
         }
         if let Some(pg) = &self.inner.pg
             && pg.release_identity().await
