@@ -117,6 +117,10 @@ pub(crate) struct BenchArgs {
     /// The retention's records per statement (`dedup purge --batch`).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     purge_batch: u32,
+    /// The retention's pause between two statements, in milliseconds (`dedup purge --every ..
+    /// --pause-ms`, `RetentionConfig::pause`).
+    #[arg(long, default_value_t = 0)]
+    purge_pause_ms: u64,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -420,8 +424,13 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                 ));
                 let purge = if pass == Pass::Purge {
                     Some(
-                        window::Purge::start(&args.pg.database_url, &pool, args.purge_batch)
-                            .await?,
+                        window::Purge::start(
+                            &args.pg.database_url,
+                            &pool,
+                            args.purge_batch,
+                            Duration::from_millis(args.purge_pause_ms),
+                        )
+                        .await?,
                     )
                 } else {
                     None

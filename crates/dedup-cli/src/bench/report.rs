@@ -294,12 +294,14 @@ impl<'a> Report<'a> {
             #[allow(clippy::cast_precision_loss)]
             let rate = p.records as f64 / p.elapsed.as_secs_f64().max(1e-9);
             println!(
-                "retention {}: {} records in {} statements of up to {} in {:.1} s ({rate:.0}/s), \
-                 other sessions waiting on its locks for {:.2} s; the VACUUM after it {:.1} s{}",
+                "retention {}: {} records in {} statements of up to {} ({} ms apart) in {:.1} s \
+                 ({rate:.0}/s), other sessions waiting on its locks for {:.2} s; the VACUUM after \
+                 it {:.1} s{}",
                 i + 1,
                 p.records,
                 p.statements,
                 self.args.purge_batch,
+                self.args.purge_pause_ms,
                 p.elapsed.as_secs_f64(),
                 p.blocked.as_secs_f64(),
                 p.vacuum.as_secs_f64(),

@@ -420,7 +420,12 @@ pub(super) struct Purge {
 }
 
 impl Purge {
-    pub(super) async fn start(url: &str, pool: &PgPool, batch: u32) -> Result<Self, CliError> {
+    pub(super) async fn start(
+        url: &str,
+        pool: &PgPool,
+        batch: u32,
+        pause: Duration,
+    ) -> Result<Self, CliError> {
         let own = connect_pg(url, 1).await?;
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
             .fetch_one(&own)
@@ -468,6 +473,9 @@ impl Purge {
                         // full batch, as a scheduled purge would be.
                         if n < u64::from(batch) {
                             break;
+                        }
+                        if !pause.is_zero() {
+                            tokio::time::sleep(pause).await;
                         }
                     }
                     Err(e) => {
