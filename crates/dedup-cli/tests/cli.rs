@@ -869,8 +869,11 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
             panic!("no server counts: restart Postgres so that it preloads pg_stat_statements (stop_postgres; ensure_postgres): {report}")
         });
         let handler = server(i)["handler"].as_f64().unwrap();
-        // (a')'s own count takes in its ledger row; the server's puts it apart.
-        assert!(engine + handler >= trips(i) - 0.01, "{i}: {report}");
+        // (a')'s own count takes in its ledger row; the server's puts it apart. A count across
+        // an eviction (a reused server whose pg_stat_statements is full) is short: it says so.
+        if server(i)["complete"].as_bool().unwrap() {
+            assert!(engine + handler >= trips(i) - 0.01, "{i}: {report}");
+        }
     }
     assert!(server(6)["handler"].as_f64().unwrap() >= 1.0, "{report}");
     assert!(server(7)["handler"].as_f64().unwrap() >= 1.0, "{report}");

@@ -217,8 +217,10 @@ struct Outcome {
     /// Postgres round trips, where Postgres is used.
     pg_trips: Option<u64>,
     /// Statements the server ran while it ran (`pg_stat_statements`, BEGIN and COMMIT
-    /// included): all of them, and the handler's own (the ledger rows), where counted.
-    server_statements: Option<(u64, u64)>,
+    /// included): all of them, the handler's own (the ledger rows), and whether that is all of
+    /// them (false: the server evicted entries meanwhile, so these are lower bounds), where
+    /// counted.
+    server_statements: Option<(u64, u64, bool)>,
     /// Claims answered by L1, by L2, and by the authority.
     tiers: (u64, u64, u64),
     batches: Option<dedup_core::BatchCounts>,
@@ -586,7 +588,7 @@ async fn run_round(
         outcome.cpu = ticks.zip(cpu::now()).map(|(b, a)| a.since(b));
         // Counted before the bench's own reads below.
         if let (Some(b), Some(a)) = (before, statements::count(pool).await) {
-            outcome.server_statements = Some((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
+            outcome.server_statements = Some(a.since(b));
         }
         if let Some(before) = wal {
             outcome.wal = window::wal_since(pool, before, settle).await;

@@ -418,10 +418,15 @@ impl<'a> Report<'a> {
     fn print_counts(&self, median_runs: &[&Outcome]) {
         let a = self.args;
         for &o in median_runs {
-            if let Some((engine, handler)) = self.statements_per_unique(o) {
+            if let Some((engine, handler, complete)) = self.statements_per_unique(o) {
                 println!(
-                    "{}: {engine:.3} engine and {handler:.3} handler statements per unique key, counted by the server (pg_stat_statements; BEGIN and COMMIT included)",
-                    o.name
+                    "{}: {engine:.3} engine and {handler:.3} handler statements per unique key, counted by the server (pg_stat_statements; BEGIN and COMMIT included){}",
+                    o.name,
+                    if complete {
+                        ""
+                    } else {
+                        "; at least: it evicted entries meanwhile (pg_stat_statements.max)"
+                    }
                 );
             }
         }
@@ -520,11 +525,11 @@ impl<'a> Report<'a> {
 
     /// Statements the server ran per unique key while `o` ran: the engine's (everything but the
     /// handler's ledger writes), and the handler's.
-    fn statements_per_unique(&self, o: &Outcome) -> Option<(f64, f64)> {
-        let (all, handler) = o.server_statements?;
+    fn statements_per_unique(&self, o: &Outcome) -> Option<(f64, f64, bool)> {
+        let (all, handler, complete) = o.server_statements?;
         #[allow(clippy::cast_precision_loss)]
         let per = |n: u64| n as f64 / self.unique.max(1) as f64;
-        Some((per(all.saturating_sub(handler)), per(handler)))
+        Some((per(all.saturating_sub(handler)), per(handler), complete))
     }
 
     /// One run of a contender, as JSON (its share of `ceiling`, the ceiling of the same run or
@@ -539,8 +544,8 @@ impl<'a> Report<'a> {
             "p50_ms": o.percentile_ms(0.5),
             "p99_ms": o.percentile_ms(0.99),
             "pg_round_trips_per_unique_key": o.trips_per_unique(self.unique),
-            "server_statements_per_unique_key": self.statements_per_unique(o).map(|(engine, handler)| serde_json::json!({
-                "engine": engine, "handler": handler,
+            "server_statements_per_unique_key": self.statements_per_unique(o).map(|(engine, handler, complete)| serde_json::json!({
+                "engine": engine, "handler": handler, "complete": complete,
             })),
             "hit_ratio": {"l1": l1, "l2": l2, "postgres": auth},
             "effects": o.effects,
