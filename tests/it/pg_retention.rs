@@ -95,6 +95,16 @@ async fn an_engine_with_retention_purges_expired_records_in_batches_and_keeps_li
     assert_eq!(stats.statements, 3, "{stats:?}");
     assert_eq!((stats.errors, stats.standby), (0, 0), "{stats:?}");
     assert_eq!(holders(&pool).await, 1);
+    // Operators see who purges.
+    let named: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid \
+         WHERE l.locktype = 'advisory' AND l.classid = x'64656472'::int8::oid \
+         AND a.datname = current_database() AND a.application_name = 'dedup retention'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(named, 1);
 
     // Shutdown stops the task and lets its lock go.
     engine.shutdown().await;

@@ -236,11 +236,11 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
     }
     let pool = connect_pg(&args.pg.database_url, 2).await?;
     let store = dedup_pg::PgStore::new(pool);
-    match store
+    let record = store
         .get(&key)
         .await
-        .map_err(|e| CliError::Failed(format!("postgres: {e}")))?
-    {
+        .map_err(|e| CliError::Failed(format!("postgres: {e}")))?;
+    match &record {
         Some(r) => println!(
             "L3 (Postgres): {:?} token={} attempts={} owner={:?} lease_until={:?} result={} bytes failure={:?} created={:?} updated={:?} expires={:?}",
             r.state,
@@ -255,6 +255,13 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
             r.expires_at,
         ),
         None => println!("L3 (Postgres): no record"),
+    }
+    if let Some(r) = &record
+        && dedup_core::machine::purgeable(r, dedup_core::Timestamp::now())
+    {
+        println!(
+            "past its retention: it counts as absent (the key's next message runs again), and the next purge deletes it (`dedup purge`)"
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

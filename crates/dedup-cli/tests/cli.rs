@@ -319,6 +319,7 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("L2 (Redis): Completed"), "{stdout}");
     assert!(stdout.contains("L3 (Postgres): Completed"), "{stdout}");
+    assert!(!stdout.contains("past its retention"), "{stdout}");
 
     let out = dedup()
         .args(["inspect", &run, "no-such-key"])
@@ -710,6 +711,25 @@ fn purge_every_runs_in_one_instance_at_a_time_and_another_takes_over_after_sigki
         .output()
         .unwrap();
     assert!(out.status.success(), "{:?}", text(&out));
+    // `dedup inspect` says what an expired record is before the purge takes it.
+    db.value(
+        "INSERT INTO dedup_records (scope, key, state, token, attempts, result, created_at, \
+         updated_at, expires_at) VALUES ('a', convert_to('gone', 'UTF8'), 'completed', \
+         nextval('dedup_token_seq'), 1, '\\x00', now(), now(), now() - interval '1 second')",
+    );
+    let out = dedup()
+        .args(["inspect", "a", "gone"])
+        .env("DATABASE_URL", &db.url)
+        .env_remove("REDIS_URL")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("L3 (Postgres): Completed"), "{stdout}");
+    assert!(
+        stdout.contains("past its retention: it counts as absent"),
+        "{stdout}"
+    );
     let mut first = Purger::start(&db.url);
     first.wait_for("leading");
     let mut second = Purger::start(&db.url);

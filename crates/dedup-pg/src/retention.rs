@@ -242,8 +242,9 @@ impl Task {
     }
 
     /// A session of its own: made by the pool (its options and `after_connect`), then detached,
-    /// with the statement timeout and a TCP keepalive that lets the server see a silent death
-    /// within about a minute.
+    /// with the statement timeout, a TCP keepalive that lets the server see a silent death
+    /// within about a minute, and `application_name` "dedup retention" (who purges, in
+    /// `pg_stat_activity`).
     async fn connect(&self) -> Result<PgConnection, StoreError> {
         let limit = self.limit();
         let mut conn = bounded(limit, self.pool.acquire()).await?.detach();
@@ -254,7 +255,8 @@ impl Task {
                 "SELECT set_config('statement_timeout', $1, false), \
                  set_config('tcp_keepalives_idle', '30', false), \
                  set_config('tcp_keepalives_interval', '10', false), \
-                 set_config('tcp_keepalives_count', '3', false)",
+                 set_config('tcp_keepalives_count', '3', false), \
+                 set_config('application_name', 'dedup retention', false)",
             )
             .bind(timeout_ms)
             .execute(&mut conn),
