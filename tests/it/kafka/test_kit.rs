@@ -95,6 +95,13 @@ async fn an_in_memory_engine_refuses_what_needs_postgres_by_name() {
         .build()
         .await;
     assert_eq!(setting_of(redis), "in_memory");
+    let retention = Engine::builder()
+        .in_memory()
+        .retention(dedup::RetentionConfig::default())
+        .scope("memory")
+        .build()
+        .await;
+    assert_eq!(setting_of(retention), "retention");
 }
 
 async fn drive_the_kit(engine: &Engine) {
