@@ -9,6 +9,8 @@ use dedup::Engine;
 use dedup_pg::{PgStore, Retention, RetentionConfig};
 use sqlx::PgPool;
 
+use crate::support::until;
+
 /// `n` completed records of `scope` past their retention, and `live` ones within it.
 async fn records(pool: &PgPool, scope: &str, n: i64, live: i64) {
     sqlx::query(
@@ -46,18 +48,6 @@ async fn holders(pool: &PgPool) -> i64 {
     .unwrap()
 }
 
-/// Waits (up to 30 s) until `done` says so.
-async fn until(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !done().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not within 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn config() -> RetentionConfig {
     RetentionConfig::default()
         .with_every(Duration::from_millis(50))
@@ -77,15 +67,15 @@ async fn an_engine_with_retention_purges_expired_records_in_batches_and_keeps_li
         .build()
         .await
         .unwrap();
-    until("the expired records purged", async || {
+    until("the expired records purged", || async {
         count(&pool, "r").await == 10
     })
     .await;
-    until("the round counted", async || {
+    until("the round counted", || async {
         engine.stats().retention.is_some_and(|s| s.purged == 2500)
     })
     .await;
-    until("the round ended", async || {
+    until("the round ended", || async {
         engine.retention_stats().is_some_and(|s| s.rounds >= 1)
     })
     .await;
@@ -109,7 +99,7 @@ async fn an_engine_with_retention_purges_expired_records_in_batches_and_keeps_li
     // Shutdown stops the task and lets its lock go.
     engine.shutdown().await;
     assert!(engine.retention_stats().is_none());
-    until("the lock let go", async || holders(&pool).await == 0).await;
+    until("the lock let go", || async { holders(&pool).await == 0 }).await;
     records(&pool, "r", 5, 0).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(count(&pool, "r").await, 15, "nothing purges after shutdown");
@@ -118,15 +108,21 @@ async fn an_engine_with_retention_purges_expired_records_in_batches_and_keeps_li
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn one_task_purges_at_a_time_and_another_takes_over_when_it_stops(pool: PgPool) {
     let first: Retention = PgStore::new(pool.clone()).spawn_retention(config());
-    until("the first task leads", async || first.stats().leading()).await;
+    until("the first task leads", || async { first.stats().leading() }).await;
     let second = PgStore::new(pool.clone()).spawn_retention(config());
-    until("the second stands by", async || second.stats().standby >= 3).await;
+    until("the second stands by", || async {
+        second.stats().standby >= 3
+    })
+    .await;
     assert!(!second.stats().leading());
     assert_eq!(holders(&pool).await, 1);
 
     records(&pool, "s", 1500, 0).await;
-    until("purged by the first", async || count(&pool, "s").await == 0).await;
-    until("counted by the first", async || {
+    until("purged by the first", || async {
+        count(&pool, "s").await == 0
+    })
+    .await;
+    until("counted by the first", || async {
         first.stats().purged == 1500
     })
     .await;
@@ -134,14 +130,17 @@ async fn one_task_purges_at_a_time_and_another_takes_over_when_it_stops(pool: Pg
     assert!(!second.stats().leading());
 
     first.stop().await;
-    until("the second takes over", async || second.stats().leading()).await;
+    until("the second takes over", || async {
+        second.stats().leading()
+    })
+    .await;
     assert_eq!(holders(&pool).await, 1);
     records(&pool, "s", 700, 3).await;
-    until("purged by the second", async || {
+    until("purged by the second", || async {
         count(&pool, "s").await == 3
     })
     .await;
-    until("counted by the second", async || {
+    until("counted by the second", || async {
         second.stats().purged == 700
     })
     .await;
@@ -151,7 +150,7 @@ async fn one_task_purges_at_a_time_and_another_takes_over_when_it_stops(pool: Pg
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_leader_whose_session_was_ended_leads_again_after_its_next_round(pool: PgPool) {
     let task = PgStore::new(pool.clone()).spawn_retention(config());
-    until("the task leads", async || task.stats().leading()).await;
+    until("the task leads", || async { task.stats().leading() }).await;
     // The server ends the leader's session (a failover or an operator would): the lock goes
     // with it, the next round fails, and the one after connects and takes the lock again.
     let ended: bool = sqlx::query_scalar(
@@ -163,13 +162,13 @@ async fn a_leader_whose_session_was_ended_leads_again_after_its_next_round(pool:
     .await
     .unwrap();
     assert!(ended);
-    until("the failed round counted", async || {
+    until("the failed round counted", || async {
         task.stats().errors >= 1
     })
     .await;
-    until("leading again", async || task.stats().leading()).await;
+    until("leading again", || async { task.stats().leading() }).await;
     records(&pool, "t", 40, 0).await;
-    until("purged after the reconnect", async || {
+    until("purged after the reconnect", || async {
         count(&pool, "t").await == 0
     })
     .await;
@@ -185,7 +184,7 @@ async fn a_statement_past_the_timeout_fails_its_round_and_deletes_nothing(pool: 
             .with_batch(20_000)
             .with_statement_timeout(Duration::from_millis(1)),
     );
-    until("a failed round", async || task.stats().errors >= 2).await;
+    until("a failed round", || async { task.stats().errors >= 2 }).await;
     let stats = task.stop().await;
     assert_eq!(stats.purged, 0, "{stats:?}");
     assert!(
