@@ -273,11 +273,9 @@ impl Task {
         stopped: &mut watch::Receiver<bool>,
     ) -> Result<bool, StoreError> {
         let limit = self.limit();
-        if session.is_none() {
-            *session = Some((self.connect().await?, false));
-        }
-        let Some((conn, leading)) = session.as_mut() else {
-            return Ok(false);
+        let (conn, leading) = match session {
+            Some(held) => held,
+            None => session.insert((self.connect().await?, false)),
         };
         // A session lock is taken once per session and never let go while the session lives
         // (taking it again would stack it, and one unlock would not release it).
