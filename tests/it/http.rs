@@ -409,6 +409,8 @@ impl Service {
             .env("REDIS_URL", redis.url())
             .env("BIND", "127.0.0.1:0")
             .env("LEASE_MS", "2000")
+            // A killed instance's lock goes to the next one within a round.
+            .env("RETENTION_EVERY_MS", "100")
             .envs(env.iter().copied())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
@@ -421,6 +423,19 @@ impl Service {
             .unwrap()
             .expect("the service prints where it listens");
         let addr = line.strip_prefix("listening on ").expect(&line).to_owned();
+        // The example runs retention in the background: one of its processes holds the lock.
+        crate::support::until("an orders process holds the retention lock", || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                 AND classid = x'64656472'::int8::oid AND objsubid = 2 \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap()
+                == 1
+        })
+        .await;
         Self {
             child,
             base: format!("http://{addr}"),

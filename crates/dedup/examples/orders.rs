@@ -18,7 +18,8 @@
 //!
 //! Settings (environment): `DATABASE_URL`; `REDIS_URL` (optional: without it Postgres answers
 //! alone, behind the in-process L1); `BIND` (default `127.0.0.1:3000`, port 0 for any); `LEASE_MS`
-//! (default 30000). To watch crashes mid-request: `ORDERS_DELAY_MS` (a slow payment provider,
+//! (default 30000); `RETENTION_EVERY_MS` (default 60000: how often the instance that holds the
+//! retention lock deletes expired records, the others standing by). To watch crashes mid-request: `ORDERS_DELAY_MS` (a slow payment provider,
 //! inside the transaction), `ORDERS_AFTER_COMMIT_MS` (after the commit, before the answer),
 //! `EMAILS_DELAY_MS` (after the email, before the answer).
 
@@ -166,7 +167,14 @@ async fn get_order(State(app): State<App>, Path(id): Path<i64>) -> impl IntoResp
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set")?;
-    let mut engine = Engine::builder().postgres_url(url).scope("orders");
+    // Retention in the background: of all the instances, the one holding the retention lock
+    // deletes expired records every round; the others stand by.
+    let retention =
+        dedup::RetentionConfig::default().with_every(millis("RETENTION_EVERY_MS", 60_000)?);
+    let mut engine = Engine::builder()
+        .postgres_url(url)
+        .scope("orders")
+        .retention(retention);
     if let Ok(redis) = std::env::var("REDIS_URL") {
         engine = engine.redis_url(redis);
     }
