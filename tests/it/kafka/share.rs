@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use dedup_core::{Completion, HandlerError, LeaseContext};
 use dedup_kafka::{Batching, Delivery, Ordering as KeyOrdering, StatsHandle};
-use rdkafka::mocking::{MockCluster, MockCoordinator};
+use rdkafka::mocking::MockCoordinator;
 use sqlx::PgPool;
 use tokio::sync::Notify;
 
@@ -231,7 +231,7 @@ async fn a_runner_dropped_mid_run_leaves_its_partitions_to_the_next_member(
 /// round trip.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_partition_whose_first_fetch_answers_late_still_gets_its_share(pool: PgPool) {
-    let broker = Broker::Mock(MockCluster::new(2).unwrap());
+    let broker = Broker::mock_of(2);
     let (topic, group) = backlog(&broker).await;
     if let Broker::Mock(cluster) = &broker {
         cluster
