@@ -23,6 +23,7 @@ mod kill;
 mod pg;
 mod pg_batch;
 mod pg_faults;
+mod pg_key_time;
 mod pg_migrate;
 mod pg_parked;
 mod pg_plans;

@@ -212,6 +212,24 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
     let key = IdempotencyKey::new(scope, args.key.as_bytes())
         .map_err(|e| CliError::Config(format!("key: {e}")))?;
     println!("key: {key}");
+    match key.uuid7_millis() {
+        Some(ms) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            let (days, side) = match u128::from(ms).cmp(&now) {
+                std::cmp::Ordering::Greater => ((u128::from(ms) - now) / 86_400_000, "after"),
+                _ => ((now - u128::from(ms)) / 86_400_000, "before"),
+            };
+            println!(
+                "key time: parses as a UUIDv7 made at {ms} ms after the Unix epoch, {days} day(s) {side} now \
+                 (time-ordered keys keep a large window cheap)"
+            );
+        }
+        None => println!(
+            "key time: none (not a UUIDv7; a large window of random keys costs more, docs/PERFORMANCE.md \"Time-ordered event ids\")"
+        ),
+    }
     println!("L1: in-process only; each consumer holds its own, so this process has none");
     match &args.redis_url {
         None => println!("L2 (Redis): not asked (no REDIS_URL)"),

@@ -320,6 +320,7 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     assert!(stdout.contains("L2 (Redis): Completed"), "{stdout}");
     assert!(stdout.contains("L3 (Postgres): Completed"), "{stdout}");
     assert!(!stdout.contains("past its retention"), "{stdout}");
+    assert!(stdout.contains("key time: none (not a UUIDv7"), "{stdout}");
 
     let out = dedup()
         .args(["inspect", &run, "no-such-key"])
@@ -330,6 +331,20 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     let (stdout, _) = text(&out);
     assert!(stdout.contains("L3 (Postgres): no record"), "{stdout}");
     assert!(stdout.contains("not asked"), "{stdout}");
+
+    // A UUIDv7 key is shown with the time it was made (its first 48 bits, in milliseconds).
+    let out = dedup()
+        .args(["inspect", &run, "01901234-5678-7abc-9def-0123456789ab"])
+        .env("DATABASE_URL", &db)
+        .env_remove("REDIS_URL")
+        .output()
+        .unwrap();
+    let (stdout, _) = text(&out);
+    let made = format!(
+        "key time: parses as a UUIDv7 made at {} ms after the Unix epoch",
+        0x0190_1234_5678_i64
+    );
+    assert!(stdout.contains(&made), "{stdout}");
 
     let out = dedup()
         .args(["purge", "--batch", "100"])

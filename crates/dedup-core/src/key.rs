@@ -162,6 +162,49 @@ impl IdempotencyKey {
     pub fn key_bytes(&self) -> &[u8] {
         &self.key
     }
+
+    /// When the key was made, in milliseconds since the Unix epoch, if it is a UUIDv7 (RFC 9562:
+    /// version 7, variant `10`): 36 bytes of canonical text (`8-4-4-4-12` hex digits, either case),
+    /// or its 16 raw bytes. `None` for every other key. Time-ordered keys keep a large window cheap
+    /// (docs/PERFORMANCE.md, "Time-ordered event ids").
+    ///
+    /// Postgres's `dedup_uuid7_ms_v1(bytea)` (migration 20261130000001) answers the same for every
+    /// byte string; a test holds the two together. A 16-byte key is read as raw bytes, so a
+    /// 16-byte text key can parse as one too (with a time that is usually far off).
+    pub fn uuid7_millis(&self) -> Option<u64> {
+        uuid7_millis(&self.key)
+    }
+}
+
+/// [`IdempotencyKey::uuid7_millis`] of `key`'s bytes.
+fn uuid7_millis(key: &[u8]) -> Option<u64> {
+    match key.len() {
+        16 if key[6] >> 4 == 7 && key[8] >> 6 == 0b10 => {
+            Some(key[..6].iter().fold(0, |t, &b| (t << 8) | u64::from(b)))
+        }
+        36 => {
+            const HYPHENS: [usize; 4] = [8, 13, 18, 23];
+            if HYPHENS.iter().any(|&i| key[i] != b'-')
+                || key[14] != b'7'
+                || !matches!(key[19], b'8' | b'9' | b'a' | b'b' | b'A' | b'B')
+            {
+                return None;
+            }
+            let mut time = 0;
+            for (i, &c) in key.iter().enumerate() {
+                if HYPHENS.contains(&i) {
+                    continue;
+                }
+                let digit = u64::from(char::from(c).to_digit(16)?);
+                // The first 12 digits (8 before the first hyphen, 4 after) are the 48-bit time.
+                if i < 13 {
+                    time = (time << 4) | digit;
+                }
+            }
+            Some(time)
+        }
+        _ => None,
+    }
 }
 
 impl fmt::Display for IdempotencyKey {
@@ -261,6 +304,40 @@ fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A UUIDv7 is read as text (either case) or as its 16 bytes; anything else, including a
+    /// UUID of another version or variant, a bad digit or a misplaced hyphen, is not one.
+    #[test]
+    fn a_uuid7_key_tells_its_time_and_nothing_else_does() {
+        let ms = 0x0190_1234_5678_u64;
+        let text = "01901234-5678-7abc-9def-0123456789ab";
+        let key = |b: &[u8]| IdempotencyKey::new(scope(), b).expect("valid key");
+        assert_eq!(key(text.as_bytes()).uuid7_millis(), Some(ms));
+        assert_eq!(key(text.to_uppercase().as_bytes()).uuid7_millis(), Some(ms));
+        let raw: Vec<u8> = (0..16)
+            .map(|i| u8::from_str_radix(&text.replace('-', "")[2 * i..2 * i + 2], 16).expect("hex"))
+            .collect();
+        assert_eq!(key(&raw).uuid7_millis(), Some(ms));
+        for other in [
+            "01901234-5678-4abc-9def-0123456789ab", // version 4
+            "01901234-5678-7abc-cdef-0123456789ab", // variant 110
+            "01901234-5678-7abc-9def-0123456789ag", // not a hex digit
+            "0190123-45678-7abc-9def-0123456789ab", // a hyphen out of place
+            "01901234-5678-7abc-9def-0123456789a",  // 35 bytes
+            "order-42",
+        ] {
+            assert_eq!(key(other.as_bytes()).uuid7_millis(), None, "{other}");
+        }
+        let mut v4 = raw.clone();
+        v4[6] = 0x4b;
+        assert_eq!(key(&v4).uuid7_millis(), None);
+        let mut bad_variant = raw.clone();
+        bad_variant[8] = 0xdf;
+        assert_eq!(key(&bad_variant).uuid7_millis(), None);
+        let mut not_utf8 = text.as_bytes().to_vec();
+        not_utf8[0] = 0xff;
+        assert_eq!(key(&not_utf8).uuid7_millis(), None);
+    }
 
     fn scope() -> Scope {
         Scope::new("orders").expect("valid scope")

@@ -31,8 +31,12 @@
 //! and the SQL functions, planned at each call, that the pooled statements joining
 //! `dedup_records` to a batch's arrays go through, so that no kept plan depends on the table's
 //! statistics: `dedup_complete_batch` (batch completions), `dedup_get_many`,
-//! `dedup_extend_batch` (batch heartbeats) and `dedup_regrant_batch`. The batch claim and
-//! transaction mode's fresh check do not yet.
+//! `dedup_extend_batch` (batch heartbeats) and `dedup_regrant_batch`; `dedup_claim_batch` and
+//! `dedup_fresh_batch` (PL/pgSQL, plans kept per connection, safe by their shape). Beside them,
+//! `dedup_uuid7_ms_v1` (the time of a UUIDv7 key, the same function of the bytes as
+//! `IdempotencyKey::uuid7_millis`, inlined where it is called; no statement calls it yet: it is
+//! the first piece of the window partitioned by the key's time,
+//! docs/design/window-partitions.md).
 //!
 //! The statements are here, not in `sql.rs`: they serve start-up only and name sqlx's tables.
 
@@ -47,7 +51,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 5;
+pub const SCHEMA_GENERATION: i32 = 6;
 
 /// The table [`MIGRATOR`] records dedup's applied migrations in.
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";
