@@ -214,13 +214,9 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
     println!("key: {key}");
     match key.uuid7_millis() {
         Some(ms) => {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis());
-            let (days, side) = match u128::from(ms).cmp(&now) {
-                std::cmp::Ordering::Greater => ((u128::from(ms) - now) / 86_400_000, "after"),
-                _ => ((now - u128::from(ms)) / 86_400_000, "before"),
-            };
+            let now = u64::try_from(dedup_core::Timestamp::now().as_micros() / 1000).unwrap_or(0);
+            let days = ms.abs_diff(now) / 86_400_000;
+            let side = if ms > now { "after" } else { "before" };
             println!(
                 "key time: parses as a UUIDv7 made at {ms} ms after the Unix epoch, {days} day(s) {side} now \
                  (time-ordered keys keep a large window cheap)"
