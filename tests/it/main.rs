@@ -26,6 +26,7 @@ mod pg_faults;
 mod pg_key_time;
 mod pg_migrate;
 mod pg_parked;
+mod pg_partitioned;
 mod pg_plans;
 mod pg_retention;
 mod pg_tls;

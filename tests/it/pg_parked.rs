@@ -468,6 +468,20 @@ async fn expires_of(pool: &PgPool, name: &str) -> String {
 /// settles, the record lives its span again from then, and then expires as any other.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired(pool: PgPool) {
+    a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(pool).await;
+}
+
+/// The same over `dedup_records` partitioned by `kt` (`support::partition_records`).
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_partitioned(
+    pool: PgPool,
+) {
+    crate::support::partition_records(&pool).await;
+    a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(pool.clone()).await;
+    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+}
+
+async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(pool: PgPool) {
     use dedup_core::{ClaimOutcome, Policy, Store};
 
     let store = PgStore::new(pool.clone());
@@ -594,6 +608,18 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired(pool:
 /// Two parked messages naming one record: it stays pinned until the last of them settles.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_record_stays_pinned_until_its_last_parked_message_settles(pool: PgPool) {
+    a_record_stays_pinned_until_its_last_parked_message_settles_in(pool).await;
+}
+
+/// The same over `dedup_records` partitioned by `kt` (`support::partition_records`).
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_record_stays_pinned_until_its_last_parked_message_settles_partitioned(pool: PgPool) {
+    crate::support::partition_records(&pool).await;
+    a_record_stays_pinned_until_its_last_parked_message_settles_in(pool.clone()).await;
+    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+}
+
+async fn a_record_stays_pinned_until_its_last_parked_message_settles_in(pool: PgPool) {
     use dedup_core::Store;
 
     let store = PgStore::new(pool.clone());
@@ -822,6 +848,20 @@ async fn a_held_marker_holds_its_key_until_an_operator_releases_it(pool: PgPool)
 /// snapshot (without the new row), and must still leave the record pinned.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned(pool: PgPool) {
+    a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_in(pool).await;
+}
+
+/// The same over `dedup_records` partitioned by `kt` (`support::partition_records`).
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_partitioned(
+    pool: PgPool,
+) {
+    crate::support::partition_records(&pool).await;
+    a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_in(pool.clone()).await;
+    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+}
+
+async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_in(pool: PgPool) {
     use dedup_core::Store;
 
     let store = PgStore::new(pool.clone());

@@ -36,7 +36,9 @@
 //! `dedup_uuid7_ms_v1` (the time of a UUIDv7 key, the same function of the bytes as
 //! `IdempotencyKey::uuid7_millis`, inlined where it is called; no statement calls it yet: it is
 //! the first piece of the window partitioned by the key's time,
-//! docs/design/window-partitions.md).
+//! docs/design/window-partitions.md), and `dedup_kt` (a key's partition day, which every
+//! statement writes to and asks of `dedup_records.kt`; `-infinity` for every key on the single
+//! table, docs/ARCHITECTURE.md invariant 36).
 //!
 //! The statements are here, not in `sql.rs`: they serve start-up only and name sqlx's tables.
 
@@ -51,7 +53,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 6;
+pub const SCHEMA_GENERATION: i32 = 7;
 
 /// The table [`MIGRATOR`] records dedup's applied migrations in.
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";

@@ -54,15 +54,15 @@ macro_rules! record_cols {
 /// $1 scope, $2 key, $3 owner, $4 fingerprint, $5 lease (µs), $6 retention (µs), $7 max attempts.
 pub(crate) const CLAIM_SQL: &str = concat!(
     "WITH clock AS (SELECT statement_timestamp() AS t), ",
-    "cur AS (SELECT r.* FROM dedup_records r WHERE r.scope = $1 AND r.key = $2), ",
+    "cur AS (SELECT r.* FROM dedup_records r WHERE r.scope = $1 AND r.key = $2 AND r.kt = dedup_kt($2)), ",
     "ins AS (",
-    "  INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "  INSERT INTO dedup_records AS r (scope, key, kt, state, owner, token, lease_until, attempts,",
     "    fingerprint, created_at, updated_at, expires_at)",
-    "  SELECT $1, $2, 'in_progress', $3, nextval('dedup_token_seq'),",
+    "  SELECT $1, $2, dedup_kt($2), 'in_progress', $3, nextval('dedup_token_seq'),",
     "    c.t + $5::float8 * interval '1 microsecond', 1, $4, c.t, c.t,",
     "    c.t + ($5 + $6)::float8 * interval '1 microsecond'",
     "  FROM clock c WHERE NOT EXISTS (SELECT 1 FROM cur)",
-    "  ON CONFLICT (scope, key) DO NOTHING RETURNING r.*), ",
+    "  ON CONFLICT DO NOTHING RETURNING r.*), ",
     "upd AS (",
     "  UPDATE dedup_records AS r SET state = 'in_progress', owner = $3,",
     "    token = nextval('dedup_token_seq'),",
@@ -77,7 +77,8 @@ pub(crate) const CLAIM_SQL: &str = concat!(
     "    expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at",
     "      ELSE c.t + ($5 + $6)::float8 * interval '1 microsecond' END",
     "  FROM clock c",
-    "  WHERE r.scope = $1 AND r.key = $2 AND (r.expires_at <= c.t OR (r.attempts < $7",
+    "  WHERE r.scope = $1 AND r.key = $2 AND r.kt = dedup_kt($2)",
+    "  AND (r.expires_at <= c.t OR (r.attempts < $7",
     "    AND ($4::bytea IS NULL OR r.fingerprint IS NULL OR r.fingerprint = $4)",
     "    AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= c.t))))",
     "  RETURNING r.*) ",
@@ -148,7 +149,8 @@ pub(crate) const EXHAUST_SQL: &str = concat!(
     "   ELSE statement_timestamp() + $6::float8 * interval '1 microsecond' END,",
     " pinned_ttl = CASE WHEN expires_at = 'infinity'",
     "   THEN $6::float8 * interval '1 microsecond' ELSE pinned_ttl END",
-    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = $4 AND attempts >= $7",
+    " WHERE scope = $1 AND key = $2 AND kt = dedup_kt($2) AND token = $3 AND state = $4",
+    " AND attempts >= $7",
     " AND expires_at > statement_timestamp()",
     " AND (state = 'released' OR lease_until <= statement_timestamp())"
 );
@@ -163,7 +165,8 @@ pub(crate) const FINISH_SQL: &str = concat!(
     "   ELSE statement_timestamp() + $7::float8 * interval '1 microsecond' END,",
     " pinned_ttl = CASE WHEN expires_at = 'infinity'",
     "   THEN $7::float8 * interval '1 microsecond' ELSE pinned_ttl END",
-    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'"
+    " WHERE scope = $1 AND key = $2 AND kt = dedup_kt($2) AND token = $3",
+    " AND state = 'in_progress'"
 );
 
 /// The heartbeat. $1 scope, $2 key, $3 token, $4 lease (µs), $5 retention (µs).
@@ -172,26 +175,28 @@ pub(crate) const EXTEND_SQL: &str = concat!(
     " lease_until = statement_timestamp() + $4::float8 * interval '1 microsecond',",
     " expires_at = greatest(expires_at,",
     "   statement_timestamp() + ($4 + $5)::float8 * interval '1 microsecond')",
-    " WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'",
+    " WHERE scope = $1 AND key = $2 AND kt = dedup_kt($2) AND token = $3",
+    " AND state = 'in_progress'",
     " RETURNING (extract(epoch FROM lease_until) * 1000000)::int8"
 );
 
 pub(crate) const GET_SQL: &str = concat!(
     "SELECT ",
     record_cols!("r"),
-    " FROM dedup_records r WHERE r.scope = $1 AND r.key = $2"
+    " FROM dedup_records r WHERE r.scope = $1 AND r.key = $2 AND r.kt = dedup_kt($2)"
 );
 
 /// Bounded retention purge; skips rows another transaction holds.
 pub(crate) const PURGE_SQL: &str = concat!(
-    "WITH doomed AS (SELECT scope, key FROM dedup_records r",
+    "WITH doomed AS (SELECT scope, key, kt FROM dedup_records r",
     "  WHERE expires_at <= statement_timestamp()",
     // A parked message's record stays until the message ran or was dead-lettered.
     "  AND NOT EXISTS (SELECT 1 FROM dedup_parked p",
     "  WHERE p.dedup_scope = r.scope AND p.dedup_key = r.key)",
     "  ORDER BY expires_at LIMIT $1",
     "  FOR UPDATE SKIP LOCKED) ",
-    "DELETE FROM dedup_records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"
+    "DELETE FROM dedup_records r USING doomed d",
+    " WHERE r.scope = d.scope AND r.key = d.key AND r.kt = d.kt"
 );
 
 /// Re-grants leases from now, after a claim that waited: each lease runs its full length from
@@ -209,11 +214,13 @@ pub(crate) const REGRANT_SQL: &str = concat!(
 /// fewer. Answers how many rows it changed (1, or 0 where the token no longer holds the key).
 /// $1 scope, $2 key, $3 token.
 pub(crate) const WITHDRAW_SQL: &str = concat!(
-    "WITH d AS (DELETE FROM dedup_records WHERE scope = $1 AND key = $2 AND token = $3",
+    "WITH d AS (DELETE FROM dedup_records WHERE scope = $1 AND key = $2 AND kt = dedup_kt($2)",
+    "  AND token = $3",
     "  AND state = 'in_progress' AND attempts <= 1 RETURNING 1), ",
     "u AS (UPDATE dedup_records SET state = 'released', lease_until = NULL,",
     "  attempts = attempts - 1, updated_at = statement_timestamp()",
-    "  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND attempts > 1",
+    "  WHERE scope = $1 AND key = $2 AND kt = dedup_kt($2) AND token = $3",
+    "  AND state = 'in_progress' AND attempts > 1",
     "  RETURNING 1) ",
     "SELECT (SELECT count(*) FROM d) + (SELECT count(*) FROM u)"
 );
@@ -247,15 +254,15 @@ pub(crate) const FRESH_SQL: &str = concat!(
 /// advisory locks (a lease-mode claim), and the batch must not commit.
 /// $1 scopes, $2 keys, $3 owners, $4 tokens, $5 fingerprints, $6 results, $7 retentions (µs).
 pub(crate) const INSERT_COMPLETED_SQL: &str = concat!(
-    "INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "INSERT INTO dedup_records AS r (scope, key, kt, state, owner, token, lease_until, attempts,",
     "  fingerprint, result, created_at, updated_at, expires_at)",
-    " SELECT q.scope, q.key, 'completed', q.owner, q.token, NULL, 1, q.fp, q.result,",
+    " SELECT q.scope, q.key, dedup_kt(q.key), 'completed', q.owner, q.token, NULL, 1, q.fp, q.result,",
     "  statement_timestamp(), statement_timestamp(),",
     "  statement_timestamp() + q.ret_us::float8 * interval '1 microsecond'",
     " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[], $5::bytea[], $6::bytea[],",
     "  $7::int8[]) AS q(scope, key, owner, token, fp, result, ret_us)",
     " ORDER BY q.scope, q.key",
-    " ON CONFLICT (scope, key) DO NOTHING RETURNING r.scope, r.key"
+    " ON CONFLICT DO NOTHING RETURNING r.scope, r.key"
 );
 
 /// Transaction mode by the batch: fresh keys whose handler failed, written as the claim would
@@ -263,16 +270,16 @@ pub(crate) const INSERT_COMPLETED_SQL: &str = concat!(
 /// recorded as for any claim. Answers the keys it wrote (see [`INSERT_COMPLETED_SQL`]).
 /// $1 scopes, $2 keys, $3 owners, $4 tokens, $5 fingerprints, $6 leases (µs), $7 retentions (µs).
 pub(crate) const INSERT_CLAIMED_SQL: &str = concat!(
-    "INSERT INTO dedup_records AS r (scope, key, state, owner, token, lease_until, attempts,",
+    "INSERT INTO dedup_records AS r (scope, key, kt, state, owner, token, lease_until, attempts,",
     "  fingerprint, created_at, updated_at, expires_at)",
-    " SELECT q.scope, q.key, 'in_progress', q.owner, q.token,",
+    " SELECT q.scope, q.key, dedup_kt(q.key), 'in_progress', q.owner, q.token,",
     "  statement_timestamp() + q.lease_us::float8 * interval '1 microsecond', 1, q.fp,",
     "  statement_timestamp(), statement_timestamp(),",
     "  statement_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'",
     " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[], $5::bytea[], $6::int8[],",
     "  $7::int8[]) AS q(scope, key, owner, token, fp, lease_us, ret_us)",
     " ORDER BY q.scope, q.key",
-    " ON CONFLICT (scope, key) DO NOTHING RETURNING r.scope, r.key"
+    " ON CONFLICT DO NOTHING RETURNING r.scope, r.key"
 );
 
 /// Moves consumer positions forward, never back. $1 group, $2 topics, $3 partitions, $4 next

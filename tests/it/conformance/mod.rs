@@ -36,6 +36,18 @@ macro_rules! conformance {
             )*
         }
 
+        mod partitioned {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    crate::support::partition_records(&pool).await;
+                    let store = std::sync::Arc::new(dedup_pg::PgStore::new(pool.clone()));
+                    super::run::$case(store).await;
+                    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+                }
+            )*
+        }
+
         mod tiered {
             $(
                 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]

@@ -451,8 +451,10 @@ pub(crate) fn url_of(pool: &sqlx::PgPool) -> String {
 }
 
 mod nisshi;
+mod partitioned;
 mod pg_server;
 pub(crate) mod tls;
 
 pub(crate) use nisshi::NisshiServer;
+pub(crate) use partitioned::{misplaced_records, partition_records, records_by_partition};
 pub(crate) use pg_server::PgServer;

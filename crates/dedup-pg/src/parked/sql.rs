@@ -49,7 +49,9 @@ macro_rules! pin {
             $scope,
             " AND r.key = ",
             $key,
-            " AND r.expires_at > statement_timestamp() RETURNING 1)"
+            " AND r.kt = dedup_kt(",
+            $key,
+            ") AND r.expires_at > statement_timestamp() RETURNING 1)"
         )
     };
 }
@@ -82,12 +84,13 @@ macro_rules! unpin {
             " updated_at = statement_timestamp(), pinned_ttl = NULL FROM ",
             $gone,
             " g WHERE r.scope = g.dedup_scope AND r.key = g.dedup_key",
-            " AND r.expires_at = 'infinity'",
+            " AND r.kt = dedup_kt(g.dedup_key) AND r.expires_at = 'infinity'",
             // The record as this statement's snapshot saw it: a park that pinned it again and
             // committed meanwhile (its row invisible to the check below) changed its version,
             // and the record stays pinned.
             " AND r.xmin = (SELECT s.xmin FROM dedup_records s",
-            " WHERE s.scope = g.dedup_scope AND s.key = g.dedup_key)",
+            " WHERE s.scope = g.dedup_scope AND s.key = g.dedup_key",
+            " AND s.kt = dedup_kt(g.dedup_key))",
             " AND NOT EXISTS (SELECT 1 FROM dedup_parked q",
             " WHERE q.dedup_scope = g.dedup_scope AND q.dedup_key = g.dedup_key",
             " AND NOT (q.consumer_group = g.consumer_group AND q.topic = g.topic",
@@ -179,7 +182,7 @@ pub(super) const DEFER_SQL: &str = fenced!(
     " WHEN r.expires_at = 'infinity' THEN r.pinned_ttl",
     " ELSE r.expires_at - r.updated_at END, expires_at = 'infinity' FROM u",
     " WHERE r.scope = u.dedup_scope AND r.key = u.dedup_key",
-    " AND r.expires_at > statement_timestamp() RETURNING 1)",
+    " AND r.kt = dedup_kt(u.dedup_key) AND r.expires_at > statement_timestamp() RETURNING 1)",
     " SELECT 1 FROM u",
 );
 

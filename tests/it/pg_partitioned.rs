@@ -1,0 +1,343 @@
+//! Every statement over `dedup_records` partitioned by its key's partition day (`kt`,
+//! docs/design/window-partitions.md), with the stand-in mapping of `support::partition_records`:
+//! the conformance suite runs over that layout too (`conformance::partitioned`); here, every
+//! writer racing for the same keys across partitions (transaction mode by the batch, lease mode
+//! one by one and by the batch, a claim inside the caller's transaction) leaves one record and
+//! one effect per key, and every statement that finds a record by its key reads only that key's
+//! partition.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedup_core::{ClaimOutcome, ClaimRequest, Fingerprint, HandlerError, Lease, Store};
+use dedup_pg::{BatchRequest, ItemResult, PgStore};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::time::sleep;
+
+use crate::support::{
+    Boom, acquired, effect_rows, effects_table, insert_effect, key, misplaced_records,
+    partition_records, records_by_partition, req,
+};
+
+fn request(name: &str) -> ClaimRequest {
+    req(&key(name), "partitioned").with_fingerprint(Some(Fingerprint::of(name.as_bytes())))
+}
+
+fn name_of(lease: &Lease) -> String {
+    String::from_utf8(lease.key.key_bytes().to_vec()).unwrap()
+}
+
+/// Whether `answer` settles its key for a writer: done by it or by another.
+fn settled(answer: &ClaimOutcome) -> bool {
+    matches!(answer, ClaimOutcome::Completed { .. })
+}
+
+/// One writer's way of running keys. Answers the keys it has not seen settled yet.
+#[derive(Clone, Copy, Debug)]
+enum Writer {
+    /// `PgStore::transact_batch`: the claims, the effects and the completions in one transaction.
+    TxBatch,
+    /// Lease mode by the batch: `claim_batch`, the effects, `complete_batch`.
+    LeaseBatch,
+    /// Lease mode one by one: `claim`, the effect, `complete`.
+    LeaseOne,
+    /// `PgStore::claim_in` inside the caller's transaction, with the effect and `complete_in`.
+    InTx,
+}
+
+impl Writer {
+    async fn round(self, store: &PgStore, pending: Vec<String>) -> Vec<String> {
+        match self {
+            Writer::TxBatch => {
+                let reqs: Vec<ClaimRequest> = pending.iter().map(|n| request(n)).collect();
+                let answers = store
+                    .transact_batch(BatchRequest::new(&reqs), |tx, leases: &[Lease]| {
+                        Box::pin(async move {
+                            for l in leases {
+                                insert_effect(&mut *tx, &name_of(l), l.token, "tx-batch")
+                                    .await
+                                    .map_err(|_| HandlerError::Retryable(Boom("insert")))?;
+                            }
+                            Ok(leases
+                                .iter()
+                                .map(|_| -> ItemResult<Boom> { Ok(Bytes::from_static(b"ok")) })
+                                .collect())
+                        })
+                    })
+                    .await;
+                match answers {
+                    Ok(answers) => pending
+                        .into_iter()
+                        .zip(answers)
+                        .filter(|(_, a)| a.is_retryable())
+                        .map(|(n, _)| n)
+                        .collect(),
+                    // A fresh key another writer took mid-batch fails the batch whole: again.
+                    Err(e) if e.is_retryable() => pending,
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+            Writer::LeaseBatch => {
+                let reqs: Vec<ClaimRequest> = pending.iter().map(|n| request(n)).collect();
+                let answers = store.claim_batch(&reqs).await;
+                let mut left = Vec::new();
+                let mut done = Vec::new();
+                for (n, a) in pending.into_iter().zip(answers) {
+                    match a.unwrap() {
+                        ClaimOutcome::Acquired(lease) => {
+                            let mut conn = store.pool().acquire().await.unwrap();
+                            insert_effect(&mut conn, &n, lease.token, "lease-batch")
+                                .await
+                                .unwrap();
+                            done.push((lease, Bytes::from_static(b"ok")));
+                        }
+                        a if settled(&a) => {}
+                        _ => left.push(n),
+                    }
+                }
+                for r in store.complete_batch(&done).await {
+                    r.unwrap();
+                }
+                left
+            }
+            Writer::LeaseOne => {
+                let mut left = Vec::new();
+                for n in pending {
+                    match store.claim(&request(&n)).await.unwrap() {
+                        ClaimOutcome::Acquired(lease) => {
+                            let mut conn = store.pool().acquire().await.unwrap();
+                            insert_effect(&mut conn, &n, lease.token, "lease-one")
+                                .await
+                                .unwrap();
+                            store.complete(&lease, b"ok").await.unwrap();
+                        }
+                        a if settled(&a) => {}
+                        _ => left.push(n),
+                    }
+                }
+                left
+            }
+            Writer::InTx => {
+                let mut left = Vec::new();
+                for n in pending {
+                    let mut tx = store.pool().begin().await.unwrap();
+                    match PgStore::claim_in(&mut tx, &request(&n)).await {
+                        Ok(ClaimOutcome::Acquired(lease)) => {
+                            insert_effect(&mut tx, &n, lease.token, "in-tx")
+                                .await
+                                .unwrap();
+                            PgStore::complete_in(&mut tx, &lease, b"ok").await.unwrap();
+                            store.commit(tx, &lease).await.unwrap();
+                        }
+                        Ok(a) if settled(&a) => {}
+                        // In flight, or a lock it waited on past its bound: again.
+                        Ok(_) => left.push(n),
+                        Err(e) if e.is_retryable() => left.push(n),
+                        Err(e) => panic!("{e:?}"),
+                    }
+                }
+                left
+            }
+        }
+    }
+}
+
+/// Keys of three day partitions and the untimed one, run at once by every kind of writer, each
+/// of two of them going through the keys in the other order: one record and one effect per key,
+/// every record where `dedup_kt` puts it.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn every_writer_racing_across_partitions_runs_each_key_once(pool: PgPool) {
+    partition_records(&pool).await;
+    effects_table(&pool).await;
+    let names: Vec<String> = (0..48).map(|i| format!("race-{i}")).collect();
+    let writers = [
+        Writer::TxBatch,
+        Writer::TxBatch,
+        Writer::LeaseBatch,
+        Writer::LeaseBatch,
+        Writer::LeaseOne,
+        Writer::LeaseOne,
+        Writer::InTx,
+        Writer::InTx,
+    ];
+    let mut tasks = Vec::new();
+    for (i, writer) in writers.into_iter().enumerate() {
+        let store = PgStore::new(pool.clone());
+        let mut pending = names.clone();
+        if i % 2 == 1 {
+            pending.reverse();
+        }
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..400 {
+                if pending.is_empty() {
+                    return;
+                }
+                pending = writer.round(&store, pending).await;
+                sleep(Duration::from_millis(2)).await;
+            }
+            panic!("{writer:?}: keys never settled: {pending:?}");
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let effects = effect_rows(&pool).await;
+    let mut keys: Vec<&str> = effects.iter().map(|e| e.0.as_str()).collect();
+    keys.dedup();
+    assert_eq!(
+        (effects.len(), keys.len()),
+        (48, 48),
+        "one effect per key: {effects:?}"
+    );
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'completed'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(completed, 48);
+    assert_eq!(misplaced_records(&pool).await, 0);
+    let spread = records_by_partition(&pool).await;
+    assert_eq!(
+        spread.len(),
+        4,
+        "the keys spread over every partition: {spread:?}"
+    );
+    let workers: std::collections::BTreeSet<&str> = effects.iter().map(|e| e.2.as_str()).collect();
+    assert!(
+        workers.len() >= 2,
+        "more than one writer won keys: {workers:?}"
+    );
+}
+
+/// (index scans, sequential scans) of each partition, by name.
+async fn partition_scans(pool: &PgPool) -> Vec<(String, i64, i64)> {
+    sqlx::query_as(
+        "SELECT t.relname::text, coalesce(t.idx_scan, 0), t.seq_scan FROM pg_stat_user_tables t \
+         WHERE t.relname LIKE 'dedup\\_records\\_%' ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Every statement that finds records by their keys, for keys of one day partition only: no
+/// other partition is read, by an index or a scan (a statement that did not name `kt` would
+/// probe every partition's primary key).
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn every_lookup_by_key_reads_only_that_keys_partition(pool: PgPool) {
+    partition_records(&pool).await;
+    effects_table(&pool).await;
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT 'one-' || n FROM generate_series(1, 5000) n \
+         WHERE dedup_kt(convert_to('one-' || n, 'UTF8')) >= '2026-01-03' \
+         AND dedup_kt(convert_to('one-' || n, 'UTF8')) < '2026-01-05' ORDER BY n LIMIT 24",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(names.len(), 24);
+    let before = partition_scans(&pool).await;
+    let own = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let store = PgStore::new(own.clone());
+    let reqs: Vec<ClaimRequest> = names.iter().map(|n| request(n)).collect();
+    // One by one: claim, heartbeat, complete, then the duplicate's claim and a read.
+    let lease = acquired(store.claim(&reqs[0]).await.unwrap());
+    store.extend(&lease).await.unwrap();
+    store.complete(&lease, b"ok").await.unwrap();
+    assert!(settled(&store.claim(&reqs[0]).await.unwrap()));
+    assert!(store.get(&lease.key).await.unwrap().is_some());
+    // A retryable failure, the claim that takes the released key over, a withdrawal.
+    let lease = acquired(store.claim(&reqs[1]).await.unwrap());
+    store.fail_retryable(&lease, "again").await.unwrap();
+    let lease = acquired(store.claim(&reqs[1]).await.unwrap());
+    store.withdraw(&lease).await.unwrap();
+    // By the batch: claims of new and known keys, a heartbeat, completions, a read of many.
+    let leases: Vec<Lease> = store
+        .claim_batch(&reqs[1..12])
+        .await
+        .into_iter()
+        .map(|a| acquired(a.unwrap()))
+        .collect();
+    for r in store.extend_batch(&leases).await {
+        r.unwrap();
+    }
+    let items: Vec<(Lease, Bytes)> = leases
+        .iter()
+        .map(|l| (l.clone(), Bytes::from_static(b"ok")))
+        .collect();
+    for r in store.complete_batch(&items).await {
+        r.unwrap();
+    }
+    for a in store.claim_batch(&reqs[..12]).await {
+        assert!(settled(&a.unwrap()));
+    }
+    assert_eq!(
+        store
+            .get_many(leases.iter().map(|l| &l.key))
+            .await
+            .unwrap()
+            .len(),
+        11
+    );
+    // Transaction mode by the batch: new keys written completed, known ones answered.
+    let answers = store
+        .transact_batch(BatchRequest::new(&reqs[6..]), |tx, leases: &[Lease]| {
+            Box::pin(async move {
+                for l in leases {
+                    insert_effect(&mut *tx, &name_of(l), l.token, "tx-batch")
+                        .await
+                        .map_err(|_| HandlerError::Retryable(Boom("insert")))?;
+                }
+                Ok(leases
+                    .iter()
+                    .map(|_| -> ItemResult<Boom> { Ok(Bytes::from_static(b"ok")) })
+                    .collect())
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 18);
+    // A claim inside the caller's transaction, and forgetting keys.
+    let mut tx = own.begin().await.unwrap();
+    assert!(settled(
+        &PgStore::claim_in(&mut tx, &reqs[20]).await.unwrap()
+    ));
+    tx.commit().await.unwrap();
+    let report = store
+        .forget_keys(std::slice::from_ref(&lease.key))
+        .await
+        .unwrap();
+    assert_eq!(report.forgotten, vec![lease.key.clone()]);
+    assert!(store.get(&lease.key).await.unwrap().is_none());
+    own.close().await;
+
+    let mut after = partition_scans(&pool).await;
+    for _ in 0..100 {
+        let d1 = after.iter().find(|p| p.0 == "dedup_records_d1").unwrap().1;
+        let d1_before = before.iter().find(|p| p.0 == "dedup_records_d1").unwrap().1;
+        if d1 - d1_before >= 20 {
+            break;
+        }
+        sleep(Duration::from_millis(100)).await;
+        after = partition_scans(&pool).await;
+    }
+    for ((name, idx, seq), (_, idx0, seq0)) in after.iter().zip(&before) {
+        if name == "dedup_records_d1" {
+            assert!(
+                idx - idx0 >= 20,
+                "{name} was read through its key: {before:?} -> {after:?}"
+            );
+        } else {
+            assert_eq!(
+                (idx - idx0, seq - seq0),
+                (0, 0),
+                "{name} was never read: {before:?} -> {after:?}"
+            );
+        }
+    }
+}
