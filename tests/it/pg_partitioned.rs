@@ -341,3 +341,203 @@ async fn every_lookup_by_key_reads_only_that_keys_partition(pool: PgPool) {
         }
     }
 }
+
+/// A UUIDv7 key, as canonical text, made at `ms` milliseconds after the epoch.
+fn v7(ms: i64, n: u64) -> String {
+    format!(
+        "{:08x}-{:04x}-7abc-8def-{:012x}",
+        ms >> 16,
+        ms & 0xffff,
+        n & 0xffff_ffff_ffff
+    )
+}
+
+fn now_ms() -> i64 {
+    dedup_core::Timestamp::now().as_micros() / 1000
+}
+
+/// The partition that holds `name`'s record.
+async fn partition_of(pool: &PgPool, name: &[u8]) -> String {
+    sqlx::query_scalar("SELECT tableoid::regclass::text FROM dedup_records WHERE key = $1")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The switch in place (`dedup_pg::partition_by_key_time`), over records of every kind: random
+/// keys and UUIDv7 keys made before it stay in the untimed partition; UUIDv7 keys from a clock
+/// running ahead (text and raw, one under a live lease) move to their day's partition with their
+/// columns; one centuries ahead stays untimed. Afterwards every record is found (a duplicate
+/// replays its result, the held lease completes), new keys with a day go to `future`, the floor
+/// is 7, and a second run changes nothing.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn the_switch_in_place_keeps_every_record_where_its_lookups_find_it(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let now = now_ms();
+    let day = 86_400_000;
+    let mut done: Vec<Vec<u8>> = vec![
+        b"order-1".to_vec(),
+        b"7d3f1c52-93a1-4c1e-8f00-5b1f0c2d3e4f".to_vec(),
+        v7(now - 3_600_000, 1).into_bytes(),
+        v7(now + day, 2).into_bytes(),
+        v7(now + 300 * 365 * day, 3).into_bytes(),
+    ];
+    let mut raw = uuid_bytes(now + 2 * day);
+    raw[15] = 9;
+    done.push(raw.to_vec());
+    for k in &done {
+        let lease = acquired(store.claim(&req(&key(k), "before")).await.unwrap());
+        store.complete(&lease, k).await.unwrap();
+    }
+    let held_key = v7(now + 3 * day, 4);
+    let held = acquired(store.claim(&req(&key(&held_key), "before")).await.unwrap());
+
+    let switched = dedup_pg::partition_by_key_time(&pool).await.unwrap();
+    let dedup_pg::KeyTimeLayout::Switched { t0_ms, moved } = switched else {
+        panic!("{switched:?}");
+    };
+    assert!(t0_ms >= now, "{t0_ms} {now}");
+    assert_eq!(moved, 3, "the two completed keys ahead and the held one");
+
+    for k in &done {
+        match store.claim(&req(&key(k), "after")).await.unwrap() {
+            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], &k[..]),
+            other => panic!("{}: {other:?}", String::from_utf8_lossy(k)),
+        }
+    }
+    store.complete(&held, b"held").await.unwrap();
+    for (k, partition) in [
+        (done[0].clone(), "dedup_records_untimed"),
+        (done[2].clone(), "dedup_records_untimed"),
+        (done[3].clone(), "dedup_records_future"),
+        (done[4].clone(), "dedup_records_untimed"),
+        (done[5].clone(), "dedup_records_future"),
+        (held_key.clone().into_bytes(), "dedup_records_future"),
+    ] {
+        assert_eq!(
+            partition_of(&pool, &k).await,
+            partition,
+            "{}",
+            String::from_utf8_lossy(&k)
+        );
+    }
+    let fresh = v7(now_ms() + 1000, 5);
+    acquired(store.claim(&req(&key(&fresh), "after")).await.unwrap());
+    assert_eq!(
+        partition_of(&pool, fresh.as_bytes()).await,
+        "dedup_records_future"
+    );
+    assert_eq!(misplaced_records(&pool).await, 0);
+    let floor: i32 = sqlx::query_scalar("SELECT compat_floor FROM dedup_schema")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(floor, 7);
+    let index: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_class WHERE relname = 'dedup_records_key_time_idx'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(index, 0, "the switch's own index is gone");
+    assert_eq!(
+        dedup_pg::partition_by_key_time(&pool).await.unwrap(),
+        dedup_pg::KeyTimeLayout::AlreadyPartitioned
+    );
+    // A writer that leaves kt out is refused, not misplaced.
+    let err = sqlx::query(
+        "INSERT INTO dedup_records (scope, key, state, token, attempts, created_at, updated_at, \
+         expires_at) VALUES ('test', $1, 'completed', 1, 1, now(), now(), now())",
+    )
+    .bind(v7(now_ms() + 1000, 6).as_bytes())
+    .execute(&pool)
+    .await
+    .unwrap_err();
+    let code = err
+        .as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.into_owned());
+    assert_eq!(code.as_deref(), Some("23514"), "{err}");
+}
+
+/// 16 raw bytes of a UUIDv7 made at `ms`.
+fn uuid_bytes(ms: i64) -> [u8; 16] {
+    let mut b = [0x5au8; 16];
+    b[..6].copy_from_slice(&ms.to_be_bytes()[2..]);
+    b[6] = 0x70 | (b[6] & 0x0f);
+    b[8] = 0x80 | (b[8] & 0x3f);
+    b
+}
+
+/// Every kind of writer racing for UUIDv7 keys made just after the switch's time, while the
+/// switch runs: a key claimed before the switch (untimed then) is moved by it, one claimed after
+/// goes to its day's partition, and each runs once.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn writers_racing_through_the_switch_run_each_key_once(pool: PgPool) {
+    effects_table(&pool).await;
+    let base = now_ms() + 600_000;
+    let names: Vec<String> = (0..48).map(|i| v7(base + i * 1000, i as u64)).collect();
+    let writers = [
+        Writer::TxBatch,
+        Writer::LeaseBatch,
+        Writer::LeaseOne,
+        Writer::InTx,
+        Writer::TxBatch,
+        Writer::LeaseOne,
+    ];
+    let mut tasks = Vec::new();
+    for (i, writer) in writers.into_iter().enumerate() {
+        let store = PgStore::new(pool.clone());
+        let mut pending = names.clone();
+        if i % 2 == 1 {
+            pending.reverse();
+        }
+        // Each writer takes a few keys at a time, so that the switch lands among them.
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..2000 {
+                if pending.is_empty() {
+                    return;
+                }
+                let rest = pending.split_off(pending.len().min(4));
+                let mut left = writer.round(&store, pending).await;
+                left.extend(rest);
+                pending = left;
+                sleep(Duration::from_millis(3)).await;
+            }
+            panic!("{writer:?}: keys never settled: {pending:?}");
+        }));
+    }
+    // The switch once the first effect is in (its key's record committed before it).
+    while effect_rows(&pool).await.is_empty() {
+        sleep(Duration::from_millis(2)).await;
+    }
+    let switched = dedup_pg::partition_by_key_time(&pool).await.unwrap();
+    let dedup_pg::KeyTimeLayout::Switched { moved, .. } = switched else {
+        panic!("{switched:?}");
+    };
+    // The switch lands among the claims: some keys were moved by it (19 to 35 of 48 in three
+    // runs on the 2-core machine), the others claimed after it.
+    assert!(
+        moved > 0,
+        "some keys were claimed before the switch and moved by it"
+    );
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let effects = effect_rows(&pool).await;
+    let mut keys: Vec<&str> = effects.iter().map(|e| e.0.as_str()).collect();
+    keys.dedup();
+    assert_eq!(
+        (effects.len(), keys.len()),
+        (48, 48),
+        "one effect per key: {effects:?}"
+    );
+    assert_eq!(misplaced_records(&pool).await, 0);
+    let spread = records_by_partition(&pool).await;
+    assert_eq!(
+        spread,
+        vec![("dedup_records_future".to_owned(), 48)],
+        "every key is after T0: {switched:?}"
+    );
+}

@@ -84,6 +84,13 @@ struct MigrateArgs {
     /// check only the floor, if the schema records one.
     #[arg(long, default_value = "apply")]
     mode: dedup_pg::MigrationMode,
+    /// After the migrations, partition dedup_records by the key's own time (UUIDv7 keys made
+    /// from now on by their day; every other key, and every record stored before, in the untimed
+    /// partition). One-way; raises the compatibility floor to 7. The first step of the
+    /// partitioned window (docs/design/window-partitions.md): no partition is dropped yet, the
+    /// retention still deletes.
+    #[arg(long)]
+    partition_by_key_time: bool,
 }
 
 #[derive(Args, Debug)]
@@ -203,6 +210,24 @@ async fn migrate(args: MigrateArgs) -> Result<ExitCode, CliError> {
             }
         ),
         None => println!("no dedup_schema table: the floor was not checked"),
+    }
+    if args.partition_by_key_time {
+        let layout = dedup_pg::partition_by_key_time(&pool).await.map_err(|e| {
+            let message = format!("partitioning dedup_records by the key's time: {e}");
+            if e.is_retryable() {
+                CliError::Unreachable(message)
+            } else {
+                CliError::Failed(message)
+            }
+        })?;
+        match layout {
+            dedup_pg::KeyTimeLayout::Switched { t0_ms, moved } => println!(
+                "dedup_records partitioned by the key's time: UUIDv7 keys made from {t0_ms} ms \
+                 after the Unix epoch on go to the partition of their day; {moved} stored \
+                 record(s) moved there; compatibility floor 7"
+            ),
+            _ => println!("dedup_records was partitioned by the key's time already"),
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

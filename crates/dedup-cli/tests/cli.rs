@@ -1463,3 +1463,67 @@ fn forget_reads_the_keys_of_a_dead_letter_range() {
         .unwrap();
     assert!(out.status.success(), "{:?}", text(&out));
 }
+
+/// `dedup migrate --partition-by-key-time`: the records partitioned by their key's time after
+/// the migrations, a stored record of a key from a clock running ahead moved to its day's
+/// partition and still found, and a second run that changes nothing.
+#[test]
+fn migrate_partitions_the_records_by_their_keys_time_once() {
+    let db = OwnDb::new(&format!("dedup_partition_{}", std::process::id()));
+    let out = dedup()
+        .args(["migrate"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    // A UUIDv7 key made a day ahead of now (the server's clock), and a key without a time.
+    let ahead: String = db.value(
+        "SELECT lpad(to_hex(m >> 16), 8, '0') || '-' || lpad(to_hex(m & 65535), 4, '0') \
+         || '-7abc-8def-0123456789ab' FROM (SELECT (extract(epoch FROM now()) * 1000)::int8 \
+         + 86400000 AS m) t",
+    );
+    for key in [ahead.as_str(), "order-1"] {
+        db.value(&format!(
+            "INSERT INTO dedup_records (scope, key, state, token, attempts, result, created_at, \
+             updated_at, expires_at) VALUES ('a', convert_to('{key}', 'UTF8'), 'completed', \
+             nextval('dedup_token_seq'), 1, '\\x00', now(), now(), now() + interval '1 day')"
+        ));
+    }
+    let run = || {
+        let out = dedup()
+            .args(["migrate", "--partition-by-key-time"])
+            .env("DATABASE_URL", &db.url)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        stdout
+    };
+    let first = run();
+    assert!(
+        first.contains("partitioned by the key's time")
+            && first.contains("1 stored record(s) moved"),
+        "{first}"
+    );
+    assert_eq!(
+        db.value(&format!(
+            "SELECT tableoid::regclass::text FROM dedup_records WHERE key = convert_to('{ahead}', 'UTF8')"
+        )),
+        "dedup_records_future"
+    );
+    for key in [ahead.as_str(), "order-1"] {
+        let out = dedup()
+            .args(["inspect", "a", key])
+            .env("DATABASE_URL", &db.url)
+            .env_remove("REDIS_URL")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("L3 (Postgres): Completed"),
+            "{key}: {stdout}"
+        );
+    }
+    assert!(run().contains("partitioned by the key's time already"));
+}

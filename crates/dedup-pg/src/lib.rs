@@ -85,6 +85,7 @@ mod classify;
 mod complete;
 mod connect;
 mod instance;
+mod layout;
 mod migrate;
 mod offsets;
 mod parked;
@@ -107,6 +108,7 @@ use claim::claim_counted;
 pub use classify::{classify, is_passing, sqlstate};
 use complete::{complete_many, finish};
 pub use connect::{ConnectError, connect, redact_url};
+pub use layout::{KeyTimeLayout, partition_by_key_time};
 pub use migrate::{
     MIGRATIONS_TABLE, MIGRATOR, MigrationMode, ParseMigrationModeError, SCHEMA_GENERATION,
     SchemaError, SchemaStatus, SchemaVersion, migrate, prepare,

@@ -6,7 +6,11 @@
 //! (group commit), and the store an `Engine` built by `dedup::Engine::builder()` claims through
 //! (the same stack, as users get it), and that stack over the reference store (an engine built
 //! `in_memory()`, for users' tests): seven stores, one module each (`memory::*`, `postgres::*`,
-//! ...); a later store adds a module to the macro. `cases.rs` covers the store API, the other
+//! ...); a later store adds a module to the macro. Postgres runs twice more over
+//! `dedup_records` partitioned by `kt`: `partitioned::*` by the tests' stand-in mapping, which
+//! spreads the suite's keys over four partitions, and `switched::*` after the product's switch
+//! (`dedup_pg::partition_by_key_time`), whose mapping leaves the suite's keys (none is a UUIDv7)
+//! untimed. `cases.rs` covers the store API, the other
 //! files the APIs on top of it.
 
 mod cases;
@@ -41,6 +45,18 @@ macro_rules! conformance {
                 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
                 async fn $case(pool: sqlx::PgPool) {
                     crate::support::partition_records(&pool).await;
+                    let store = std::sync::Arc::new(dedup_pg::PgStore::new(pool.clone()));
+                    super::run::$case(store).await;
+                    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+                }
+            )*
+        }
+
+        mod switched {
+            $(
+                #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    dedup_pg::partition_by_key_time(&pool).await.unwrap();
                     let store = std::sync::Arc::new(dedup_pg::PgStore::new(pool.clone()));
                     super::run::$case(store).await;
                     assert_eq!(crate::support::misplaced_records(&pool).await, 0);

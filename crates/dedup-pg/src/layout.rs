@@ -1,0 +1,259 @@
+//! The switch of `dedup_records` to the table partitioned by its key's own time
+//! (docs/design/window-partitions.md; docs/ARCHITECTURE.md, invariant 36): [`partition_by_key_time`].
+//!
+//! Not run by the migrations: it is the layout's first step, without the partitions of weeks or
+//! the retention that drops them (both to come). What it makes, in one transaction under an
+//! ACCESS EXCLUSIVE lock on the table:
+//!
+//! - `T0`, the switch's own time (the server's clock, in milliseconds), chosen under the lock:
+//!   every key stored before it keeps `kt = '-infinity'`.
+//! - `dedup_kt` replaced, once, by the key's UTC day where the key is a UUIDv7
+//!   (`dedup_uuid7_ms_v1`) whose time lies in `[T0, T0 + span)`, and `-infinity` for every other
+//!   key. One reference to the key's time (`nullif`/`greatest`/`least` clamp it), so the planner
+//!   still inlines the call.
+//! - The table as it was becomes the partition `dedup_records_untimed`, `FROM (MINVALUE) TO
+//!   ('1970-01-01')`, with its rows, primary key and indexes as they are, under a partitioned
+//!   parent of the same name and columns, which has no primary key of its own: a key has one
+//!   partition, so each partition's primary key on `(scope, key)` holds it once in the table.
+//! - `dedup_records_future`, `FROM (T0's day) TO (MAXVALUE)`: every key with a day, until weeks
+//!   are carved out of it.
+//! - The stored keys whose time is at or after `T0` (made by clocks running ahead) moved to the
+//!   partition of their day, with their columns as they were.
+//! - `CHECK (kt = dedup_kt(key))` on the parent (not validated: every stored row meets it by the
+//!   choice of `T0`), so a writer that leaves `kt` out fails instead of putting a key where no
+//!   lookup finds it.
+//! - The compatibility floor raised to 7: binaries older than generation 7 neither write nor ask
+//!   for `kt`, and their `ON CONFLICT (scope, key)` has no index to name on the parent.
+//!
+//! The two scans of the old table the lock would otherwise cover (the check that every row is
+//! untimed, the search for keys at or after `T0`) are done before it, without blocking writers:
+//! the check is added `NOT VALID` and validated, and an index on the key's time is built
+//! concurrently (and dropped again after the switch). A killed build leaves an invalid index,
+//! which the next run drops and builds again.
+
+use sqlx::Executor;
+use sqlx::postgres::PgPool;
+use tracing::info;
+
+use dedup_core::StoreError;
+
+use crate::classify::classify;
+
+/// How long the switch waits for the table's lock before it gives up (and may be run again).
+const LOCK_TIMEOUT: &str = "10s";
+
+/// The span of key times after `T0` that get a day: 20 years. A key whose time is past it (a
+/// random 16-byte key that happens to parse as a UUIDv7, most of which are centuries ahead)
+/// stays untimed.
+const SPAN_MS: i64 = 20 * 36_525 * 86_400_000 / 100;
+
+/// What [`partition_by_key_time`] found or did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyTimeLayout {
+    /// The table was partitioned now.
+    Switched {
+        /// `T0`, in milliseconds since the Unix epoch: keys made from then on get a day.
+        t0_ms: i64,
+        /// Stored records whose key's time was at or after `T0`, moved to their day's partition.
+        moved: u64,
+    },
+    /// The table was partitioned already; nothing changed.
+    AlreadyPartitioned,
+}
+
+/// Whether `dedup_records` is partitioned.
+const PARTITIONED_SQL: &str = "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table \
+     WHERE partrelid = 'dedup_records'::regclass)";
+
+/// The check that every row of the old table is untimed, added without a scan.
+const UNTIMED_CHECK_SQL: &str = "ALTER TABLE dedup_records ADD CONSTRAINT \
+     dedup_records_untimed_kt CHECK (kt < '1970-01-01') NOT VALID";
+
+/// Whether the untimed check exists, and whether it was validated.
+const UNTIMED_CHECK_STATE_SQL: &str = "SELECT convalidated FROM pg_constraint \
+     WHERE conname = 'dedup_records_untimed_kt' AND conrelid = 'dedup_records'::regclass";
+
+/// The index on the key's time, for the keys at or after `T0`, and whether it is valid.
+const KEY_TIME_INDEX_STATE_SQL: &str = "SELECT i.indisvalid FROM pg_index i \
+     JOIN pg_class c ON c.oid = i.indexrelid \
+     WHERE c.relname = 'dedup_records_key_time_idx' AND i.indrelid = 'dedup_records'::regclass";
+
+const KEY_TIME_INDEX_SQL: &str = "CREATE INDEX CONCURRENTLY dedup_records_key_time_idx \
+     ON dedup_records (dedup_uuid7_ms_v1(key)) WHERE dedup_uuid7_ms_v1(key) IS NOT NULL";
+
+/// The statements of the switch before `dedup_kt` is replaced.
+const SWITCH_SQL: [&str; 10] = [
+    "ALTER TABLE dedup_records RENAME TO dedup_records_untimed",
+    "ALTER INDEX dedup_records_pkey RENAME TO dedup_records_untimed_pkey",
+    "ALTER INDEX dedup_records_expires_at_idx RENAME TO dedup_records_untimed_expires_at_idx",
+    "ALTER INDEX dedup_records_live_owner_idx RENAME TO dedup_records_untimed_live_owner_idx",
+    "CREATE TABLE dedup_records (LIKE dedup_records_untimed INCLUDING DEFAULTS \
+     INCLUDING CONSTRAINTS) PARTITION BY RANGE (kt)",
+    "ALTER TABLE dedup_records DROP CONSTRAINT dedup_records_untimed_kt",
+    "ALTER TABLE dedup_records ATTACH PARTITION dedup_records_untimed \
+     FOR VALUES FROM (MINVALUE) TO ('1970-01-01')",
+    "CREATE TABLE dedup_records_future (LIKE dedup_records INCLUDING DEFAULTS \
+     INCLUDING CONSTRAINTS)",
+    "ALTER TABLE dedup_records_future ADD CONSTRAINT dedup_records_future_pkey \
+     PRIMARY KEY (scope, key)",
+    // The parent's indexes take over the untimed partition's (no build) and build the future's.
+    "CREATE INDEX dedup_records_expires_at_idx ON dedup_records (expires_at)",
+];
+
+/// Moves the stored records whose key now has a day out of the untimed partition, every column
+/// as it was but `kt`. $1 `T0`, $2 its end. Answers how many.
+const MOVE_SQL: &str = "WITH m AS (DELETE FROM dedup_records_untimed r \
+     WHERE dedup_uuid7_ms_v1(r.key) >= $1 AND dedup_uuid7_ms_v1(r.key) < $2 RETURNING r.*), \
+     i AS (INSERT INTO dedup_records SELECT (jsonb_populate_record(NULL::dedup_records, \
+     to_jsonb(m) || jsonb_build_object('kt', dedup_kt(m.key)))).* FROM m RETURNING 1) \
+     SELECT count(*) FROM i";
+
+/// Partitions `dedup_records` by its key's time (module docs), or answers that it is already.
+/// Run it with nothing else changing dedup's schema (it is not a migration): claims and
+/// completions may run meanwhile and wait for its lock, at most its final transaction. Takes
+/// about a sequential read of the table (the check) and an index build over its UUIDv7 keys
+/// before that transaction; what the lock covers does not grow with the table.
+///
+/// # Errors
+///
+/// A [`StoreError`] as [`classify`] sorts it: a lock it could not get within 10 s
+/// (`lock_timeout`, retryable: run it again), a lost connection, a schema it does not know.
+pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, StoreError> {
+    let e = |e: sqlx::Error| classify(e, true);
+    if partitioned(pool).await? {
+        return Ok(KeyTimeLayout::AlreadyPartitioned);
+    }
+    // Before the lock: the untimed check, validated without blocking writers.
+    let check: Option<bool> = sqlx::query_scalar(UNTIMED_CHECK_STATE_SQL)
+        .fetch_optional(pool)
+        .await
+        .map_err(e)?;
+    if check.is_none() {
+        let mut tx = pool.begin().await.map_err(e)?;
+        lock_timeout(&mut tx).await?;
+        tx.execute(UNTIMED_CHECK_SQL).await.map_err(e)?;
+        tx.commit().await.map_err(e)?;
+    }
+    if check != Some(true) {
+        sqlx::query("ALTER TABLE dedup_records VALIDATE CONSTRAINT dedup_records_untimed_kt")
+            .execute(pool)
+            .await
+            .map_err(e)?;
+    }
+    // Before the lock: the index that finds the keys at or after T0.
+    let index: Option<bool> = sqlx::query_scalar(KEY_TIME_INDEX_STATE_SQL)
+        .fetch_optional(pool)
+        .await
+        .map_err(e)?;
+    if index == Some(false) {
+        sqlx::query("DROP INDEX CONCURRENTLY dedup_records_key_time_idx")
+            .execute(pool)
+            .await
+            .map_err(e)?;
+    }
+    if index != Some(true) {
+        sqlx::query(KEY_TIME_INDEX_SQL)
+            .execute(pool)
+            .await
+            .map_err(e)?;
+    }
+
+    let mut tx = pool.begin().await.map_err(e)?;
+    lock_timeout(&mut tx).await?;
+    tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .map_err(e)?;
+    if sqlx::query_scalar::<_, bool>(PARTITIONED_SQL)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(e)?
+    {
+        return Ok(KeyTimeLayout::AlreadyPartitioned);
+    }
+    let t0_ms: i64 =
+        sqlx::query_scalar("SELECT floor(extract(epoch FROM statement_timestamp()) * 1000)::int8")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(e)?;
+    let end_ms = t0_ms + SPAN_MS;
+    for step in SWITCH_SQL {
+        tx.execute(step).await.map_err(e)?;
+    }
+    let day = t0_ms.div_euclid(86_400_000);
+    let steps = [
+        format!(
+            "ALTER TABLE dedup_records ATTACH PARTITION dedup_records_future \
+             FOR VALUES FROM (date '1970-01-01' + {day}) TO (MAXVALUE)"
+        ),
+        "CREATE INDEX dedup_records_live_owner_idx ON dedup_records (owner text_pattern_ops) \
+         WHERE state = 'in_progress'"
+            .to_owned(),
+        // The key's day if its time is in [T0, end), else -infinity: one reference to the time.
+        format!(
+            "CREATE OR REPLACE FUNCTION dedup_kt(p_key bytea) RETURNS date \
+             LANGUAGE sql IMMUTABLE PARALLEL SAFE \
+             RETURN coalesce(date '1970-01-01' + (nullif(least(nullif(greatest( \
+             dedup_uuid7_ms_v1(p_key), {before}::int8), {before}::int8), {end_ms}::int8), \
+             {end_ms}::int8) / 86400000)::int4, '-infinity'::date)",
+            before = t0_ms - 1
+        ),
+        "ALTER TABLE dedup_records ADD CONSTRAINT dedup_records_kt \
+         CHECK (kt = dedup_kt(key)) NOT VALID"
+            .to_owned(),
+    ];
+    for step in steps {
+        // Integers computed above, and fixed names: nothing from outside.
+        sqlx::query(sqlx::AssertSqlSafe(step))
+            .execute(&mut *tx)
+            .await
+            .map_err(e)?;
+    }
+    let moved: i64 = sqlx::query_scalar(MOVE_SQL)
+        .bind(t0_ms)
+        .bind(end_ms)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(e)?;
+    tx.execute("UPDATE dedup_schema SET compat_floor = greatest(compat_floor, 7)")
+        .await
+        .map_err(e)?;
+    tx.commit().await.map_err(e)?;
+    // The index served the move; new keys with a day go to their own partitions.
+    let dropped = sqlx::query("DROP INDEX CONCURRENTLY IF EXISTS dedup_records_key_time_idx")
+        .execute(pool)
+        .await;
+    if let Err(err) = dropped {
+        info!(error = %err, "dedup_records_key_time_idx left in place; drop it at leisure");
+    }
+    let moved = u64::try_from(moved).unwrap_or(0);
+    info!(t0_ms, moved, "dedup_records partitioned by the key's time");
+    Ok(KeyTimeLayout::Switched { t0_ms, moved })
+}
+
+/// Bounds how long the transaction's statements wait for a lock ([`LOCK_TIMEOUT`]).
+async fn lock_timeout(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), StoreError> {
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(LOCK_TIMEOUT)
+        .execute(&mut **tx)
+        .await
+        .map(drop)
+        .map_err(|e| classify(e, true))
+}
+
+async fn partitioned(pool: &PgPool) -> Result<bool, StoreError> {
+    sqlx::query_scalar(PARTITIONED_SQL)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| classify(e, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SPAN_MS;
+
+    #[test]
+    fn the_span_is_twenty_years_of_days() {
+        assert_eq!(SPAN_MS, 7305 * 86_400_000);
+    }
+}
