@@ -241,3 +241,56 @@ async fn the_key_time_function_is_inlined_immutable_and_bound_to_its_helper(pool
         "the helper can be dropped from under the function"
     );
 }
+
+/// The time the partitioned layout gives a key its day by (`dedup_key_ms_v1`, migration
+/// 20261201000001): over the same corpus, never an error, the engine's time for every key that
+/// is a UUIDv7, and for the rest either none or some time (a key shaped like one with a bad digit
+/// gets one; which one does not matter, only that it is the same every time). Literals of every
+/// length are folded at planning without an error, and the call is inlined.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn the_partition_time_is_the_engines_for_every_uuid7_and_never_fails(pool: PgPool) {
+    let keys = corpus();
+    let bytes: Vec<Vec<u8>> = keys.iter().map(|(_, k)| k.clone()).collect();
+    let sql: Vec<(Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT dedup_key_ms_v1(k), dedup_key_ms_v1(k) FROM unnest($1::bytea[]) \
+         WITH ORDINALITY AS t(k, n) ORDER BY n",
+    )
+    .bind(&bytes)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(sql.len(), keys.len());
+    let (mut timed, mut laxer) = (0, 0);
+    for ((class, k), (got, again)) in keys.iter().zip(sql) {
+        assert_eq!(got, again);
+        match engine(k) {
+            Some(want) => {
+                assert_eq!(got, Some(want), "{class}: key {}", hex(k));
+                timed += 1;
+            }
+            None => laxer += usize::from(got.is_some()),
+        }
+    }
+    assert!(timed > 10_000 && laxer > 0, "{timed} {laxer}");
+    for len in [0usize, 1, 15, 16, 17, 35, 36, 37] {
+        let literal = format!("'\\x{}'::bytea", "37".repeat(len));
+        let _: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT dedup_key_ms_v1({literal})"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    }
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN (VERBOSE, COSTS OFF) SELECT dedup_key_ms_v1(k) FROM unnest($1::bytea[]) AS t(k)",
+    )
+    .bind(&bytes[..1])
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(
+        plan.contains("get_byte") && !plan.contains("dedup_key_ms_v1"),
+        "{plan}"
+    );
+}

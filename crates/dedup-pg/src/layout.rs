@@ -7,10 +7,11 @@
 //!
 //! - `T0`, the switch's own time (the server's clock, in milliseconds), chosen under the lock:
 //!   every key stored before it keeps `kt = '-infinity'`.
-//! - `dedup_kt` replaced, once, by the key's UTC day where the key is a UUIDv7
-//!   (`dedup_uuid7_ms_v1`) whose time lies in `[T0, T0 + span)`, and `-infinity` for every other
+//! - `dedup_kt` replaced, once, by the key's UTC day where the key is shaped like a UUIDv7
+//!   (`dedup_key_ms_v1`) and its time lies in `[T0, T0 + span)`, and `-infinity` for every other
 //!   key. One reference to the key's time (`nullif`/`greatest`/`least` clamp it), so the planner
-//!   still inlines the call.
+//!   still inlines the call. The stored records moved are found by the same function, so a key
+//!   has a day exactly when the move took it.
 //! - The table as it was becomes the partition `dedup_records_untimed`, `FROM (MINVALUE) TO
 //!   ('1970-01-01')`, with its rows, primary key and indexes as they are, under a partitioned
 //!   parent of the same name and columns, which has no primary key of its own: a key has one
@@ -80,7 +81,7 @@ const KEY_TIME_INDEX_STATE_SQL: &str = "SELECT i.indisvalid FROM pg_index i \
      WHERE c.relname = 'dedup_records_key_time_idx' AND i.indrelid = 'dedup_records'::regclass";
 
 const KEY_TIME_INDEX_SQL: &str = "CREATE INDEX CONCURRENTLY dedup_records_key_time_idx \
-     ON dedup_records (dedup_uuid7_ms_v1(key)) WHERE dedup_uuid7_ms_v1(key) IS NOT NULL";
+     ON dedup_records (dedup_key_ms_v1(key)) WHERE dedup_key_ms_v1(key) IS NOT NULL";
 
 /// The statements of the switch before `dedup_kt` is replaced.
 const SWITCH_SQL: [&str; 10] = [
@@ -104,7 +105,7 @@ const SWITCH_SQL: [&str; 10] = [
 /// Moves the stored records whose key now has a day out of the untimed partition, every column
 /// as it was but `kt`. $1 `T0`, $2 its end. Answers how many.
 const MOVE_SQL: &str = "WITH m AS (DELETE FROM dedup_records_untimed r \
-     WHERE dedup_uuid7_ms_v1(r.key) >= $1 AND dedup_uuid7_ms_v1(r.key) < $2 RETURNING r.*), \
+     WHERE dedup_key_ms_v1(r.key) >= $1 AND dedup_key_ms_v1(r.key) < $2 RETURNING r.*), \
      i AS (INSERT INTO dedup_records SELECT (jsonb_populate_record(NULL::dedup_records, \
      to_jsonb(m) || jsonb_build_object('kt', dedup_kt(m.key)))).* FROM m RETURNING 1) \
      SELECT count(*) FROM i";
@@ -194,7 +195,7 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
             "CREATE OR REPLACE FUNCTION dedup_kt(p_key bytea) RETURNS date \
              LANGUAGE sql IMMUTABLE PARALLEL SAFE \
              RETURN coalesce(date '1970-01-01' + (nullif(least(nullif(greatest( \
-             dedup_uuid7_ms_v1(p_key), {before}::int8), {before}::int8), {end_ms}::int8), \
+             dedup_key_ms_v1(p_key), {before}::int8), {before}::int8), {end_ms}::int8), \
              {end_ms}::int8) / 86400000)::int4, '-infinity'::date)",
             before = t0_ms - 1
         ),
