@@ -36,9 +36,10 @@
 //! `dedup_uuid7_ms_v1` (the time of a UUIDv7 key, the same function of the bytes as
 //! `IdempotencyKey::uuid7_millis`, inlined where it is called; no statement calls it yet: it is
 //! the first piece of the window partitioned by the key's time,
-//! docs/design/window-partitions.md), and `dedup_kt` (a key's partition day, which every
-//! statement writes to and asks of `dedup_records.kt`; `-infinity` for every key on the single
-//! table, docs/ARCHITECTURE.md invariant 36).
+//! docs/design/window-partitions.md), `dedup_kt` (a key's partition day, which every statement
+//! writes to and asks of `dedup_records.kt`; `-infinity` for every key on the single table,
+//! docs/ARCHITECTURE.md invariant 36) and `dedup_key_ms_v1` (the time the partitioned layout
+//! takes a key's day from, `layout.rs`).
 //!
 //! The statements are here, not in `sql.rs`: they serve start-up only and name sqlx's tables.
 
