@@ -60,11 +60,27 @@ async fn own_postgres(pg: &PgServer) -> PgPool {
 /// group's committed offsets at the end of every partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_loop_with_a_redis_flush_and_a_postgres_crash_loses_and_doubles_nothing() {
+    kill_loop(false).await;
+}
+
+/// The kill loop over `dedup_records` partitioned by `kt` (docs/ARCHITECTURE.md, invariant 36),
+/// with the tests' stand-in mapping (`support::partition_records`), which spreads the loop's
+/// keys over three partitions of days and the untimed one: every way of consuming writes each
+/// record where its lookups look, through the kills, the flush and the crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kill_loop_over_the_partitioned_records_loses_and_doubles_nothing() {
+    kill_loop(true).await;
+}
+
+async fn kill_loop(partitioned: bool) {
     const KILLS: u32 = 12;
     const PARTS: u32 = 6;
     const PART: u32 = 300;
     let pg = PgServer::start();
     let pool = own_postgres(&pg).await;
+    if partitioned {
+        crate::support::partition_records(&pool).await;
+    }
     let redis = RedisServer::start();
     let broker = Broker::nisshi();
     let topic = unique("loop");
@@ -185,6 +201,11 @@ async fn a_kill_loop_with_a_redis_flush_and_a_postgres_crash_loses_and_doubles_n
     .await
     .unwrap();
     assert!(again > 0, "no kill left a key in flight");
+    if partitioned {
+        assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+        let spread = crate::support::records_by_partition(&pool).await;
+        assert_eq!(spread.len(), 4, "{spread:?}");
+    }
 }
 
 /// One progress line of a consumer process: `tick <unix ms> <assigned> <settled> <executed>
