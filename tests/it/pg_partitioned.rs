@@ -392,6 +392,14 @@ async fn the_switch_in_place_keeps_every_record_where_its_lookups_find_it(pool: 
     }
     let held_key = v7(now + 3 * day, 4);
     let held = acquired(store.claim(&req(&key(&held_key), "before")).await.unwrap());
+    // What an operator gave the table and the functions: carried over.
+    for sql in [
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON dedup_records TO PUBLIC",
+        "ALTER TABLE dedup_records SET (fillfactor = 90)",
+        "REVOKE EXECUTE ON FUNCTION dedup_get_many(text[], bytea[]) FROM PUBLIC",
+    ] {
+        sqlx::query(sql).execute(&pool).await.unwrap();
+    }
 
     let switched = dedup_pg::partition_by_key_time(&pool).await.unwrap();
     let dedup_pg::KeyTimeLayout::Switched { t0_ms, moved } = switched else {
@@ -441,10 +449,45 @@ async fn the_switch_in_place_keeps_every_record_where_its_lookups_find_it(pool: 
     .await
     .unwrap();
     assert_eq!(index, 0, "the switch's own index is gone");
+    let carried: (bool, bool, bool, Option<Vec<String>>, String) = sqlx::query_as(
+        "SELECT has_table_privilege('public', 'dedup_records', 'INSERT'), \
+         has_table_privilege('public', 'dedup_records_future', 'UPDATE'), \
+         has_function_privilege('public', 'dedup_get_many(text[], bytea[])', 'EXECUTE'), \
+         (SELECT reloptions::text[] FROM pg_class WHERE relname = 'dedup_records_future'), \
+         (SELECT prorettype::regtype::text FROM pg_proc WHERE proname = 'dedup_get_many')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        carried,
+        (
+            true,
+            true,
+            false,
+            Some(vec!["fillfactor=90".to_owned()]),
+            "dedup_records".to_owned()
+        ),
+        "grants, settings and the functions' row type carried over"
+    );
+    // A run killed after its transaction left its index: the next run drops it.
+    sqlx::query(
+        "CREATE INDEX dedup_records_key_time_idx ON dedup_records_untimed (dedup_key_ms_v1(key))",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     assert_eq!(
         dedup_pg::partition_by_key_time(&pool).await.unwrap(),
         dedup_pg::KeyTimeLayout::AlreadyPartitioned
     );
+    let index: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_class WHERE relname = 'dedup_records_key_time_idx'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(index, 0, "a leftover index is dropped by the next run");
     // A writer that leaves kt out is refused, not misplaced.
     let err = sqlx::query(
         "INSERT INTO dedup_records (scope, key, state, token, attempts, created_at, updated_at, \
@@ -540,4 +583,61 @@ async fn writers_racing_through_the_switch_run_each_key_once(pool: PgPool) {
         vec![("dedup_records_future".to_owned(), 48)],
         "every key is after T0: {switched:?}"
     );
+}
+
+/// A transaction held open on the table (a caller's `claim_in`, not committed) holds the switch
+/// back, not the writers: each try for the lock waits 100 ms and gives way, so a claim queued
+/// behind one is answered within about that; once the transaction ends, the switch goes through.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_transaction_held_open_holds_back_the_switch_and_not_the_writers(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    // The steps before the lock done already (as by a run that failed on the lock), so that the
+    // switch goes straight to the lock.
+    for sql in [
+        "ALTER TABLE dedup_records ADD CONSTRAINT dedup_records_untimed_kt \
+         CHECK (kt < '1970-01-01')",
+        "CREATE INDEX dedup_records_key_time_idx ON dedup_records (dedup_key_ms_v1(key)) \
+         WHERE dedup_key_ms_v1(key) IS NOT NULL",
+    ] {
+        sqlx::query(sql).execute(&pool).await.unwrap();
+    }
+    let mut open = pool.begin().await.unwrap();
+    acquired(
+        PgStore::claim_in(&mut open, &req(&key("held-open"), "caller"))
+            .await
+            .unwrap(),
+    );
+    let switching = tokio::spawn({
+        let pool = pool.clone();
+        async move { dedup_pg::partition_by_key_time(&pool).await }
+    });
+    sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !switching.is_finished(),
+        "the switch waits for the open transaction"
+    );
+    let mut slowest = Duration::ZERO;
+    for i in 0..10 {
+        let started = std::time::Instant::now();
+        let lease = acquired(
+            store
+                .claim(&req(&key(format!("beside-{i}")), "writer"))
+                .await
+                .unwrap(),
+        );
+        store.complete(&lease, b"ok").await.unwrap();
+        slowest = slowest.max(started.elapsed());
+        sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        slowest < Duration::from_secs(1),
+        "a writer waited {slowest:?}"
+    );
+    open.commit().await.unwrap();
+    let switched = switching.await.unwrap().unwrap();
+    assert!(
+        matches!(switched, dedup_pg::KeyTimeLayout::Switched { .. }),
+        "{switched:?}"
+    );
+    assert!(store.get(&key("held-open")).await.unwrap().is_some());
 }

@@ -86,9 +86,10 @@ struct MigrateArgs {
     mode: dedup_pg::MigrationMode,
     /// After the migrations, partition dedup_records by the key's own time (UUIDv7 keys made
     /// from now on by their day; every other key, and every record stored before, in the untimed
-    /// partition). One-way; raises the compatibility floor to 7. The first step of the
-    /// partitioned window (docs/design/window-partitions.md): no partition is dropped yet, the
-    /// retention still deletes.
+    /// partition). One-way; raises the compatibility floor to 7: stop every dedup binary older
+    /// than generation 7 first. The first step of the partitioned window
+    /// (docs/design/window-partitions.md): no partition is dropped yet, the retention still
+    /// deletes, and the partitioned table costs 3 to 30% of the rate (docs/PERFORMANCE.md).
     #[arg(long)]
     partition_by_key_time: bool,
 }

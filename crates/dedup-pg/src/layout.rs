@@ -24,13 +24,21 @@
 //!   choice of `T0`), so a writer that leaves `kt` out fails instead of putting a key where no
 //!   lookup finds it.
 //! - The compatibility floor raised to 7: binaries older than generation 7 neither write nor ask
-//!   for `kt`, and their `ON CONFLICT (scope, key)` has no index to name on the parent.
+//!   for `kt`, and their `ON CONFLICT (scope, key)` has no index to name on the parent. The
+//!   floor stops one from starting; one already running must be stopped before the switch.
+//! - The parent and `dedup_records_future` get the old table's owner and grants (and `future`
+//!   its storage settings), and the functions that returned the old table's row type
+//!   (`RETURNS SETOF dedup_records`) are made again for the parent's, with their owner and
+//!   grants: a role without DDL rights keeps every right it had.
 //!
 //! The two scans of the old table the lock would otherwise cover (the check that every row is
 //! untimed, the search for keys at or after `T0`) are done before it, without blocking writers:
 //! the check is added `NOT VALID` and validated, and an index on the key's time is built
 //! concurrently (and dropped again after the switch). A killed build leaves an invalid index,
-//! which the next run drops and builds again.
+//! which the next run drops and builds again; an index a run killed after its transaction left
+//! is dropped by the next run. Every step that needs the table's lock waits for it 100 ms at a
+//! time, and gives way in between, so writers are not held behind a long transaction of someone
+//! else's for longer than that.
 
 use sqlx::Executor;
 use sqlx::postgres::PgPool;
@@ -40,8 +48,12 @@ use dedup_core::StoreError;
 
 use crate::classify::classify;
 
-/// How long the switch waits for the table's lock before it gives up (and may be run again).
-const LOCK_TIMEOUT: &str = "10s";
+/// How long each step that needs the table's lock waits for it before it gives way (and tries
+/// again): a writer queued behind the step waits about as long.
+const LOCK_TIMEOUT: &str = "100ms";
+
+/// How many times a step that needs the table's lock tries for it.
+const LOCK_TRIES: u32 = 200;
 
 /// The span of key times after `T0` that get a day: 20 years. A key whose time is past it (a
 /// random 16-byte key that happens to parse as a UUIDv7, most of which are centuries ahead)
@@ -110,19 +122,76 @@ const MOVE_SQL: &str = "WITH m AS (DELETE FROM dedup_records_untimed r \
      to_jsonb(m) || jsonb_build_object('kt', dedup_kt(m.key)))).* FROM m RETURNING 1) \
      SELECT count(*) FROM i";
 
+/// Gives the new parent and `dedup_records_future` what the old table had (its owner, every
+/// grant, and the future partition its storage settings), and makes the functions that return
+/// the old table's row type (`RETURNS SETOF dedup_records`, now the untimed partition's type)
+/// again, the same but for that type, with their owner and grants.
+const CARRY_OVER_SQL: &str = r#"DO $carry$
+DECLARE
+    owner_name text;
+    opts text[];
+    g record;
+    f record;
+    def text;
+BEGIN
+    SELECT c.relowner::regrole::text, c.reloptions INTO owner_name, opts
+        FROM pg_class c WHERE c.oid = 'dedup_records_untimed'::regclass;
+    EXECUTE format('ALTER TABLE dedup_records OWNER TO %s', owner_name);
+    EXECUTE format('ALTER TABLE dedup_records_future OWNER TO %s', owner_name);
+    IF opts IS NOT NULL THEN
+        EXECUTE format('ALTER TABLE dedup_records_future SET (%s)', array_to_string(opts, ', '));
+    END IF;
+    FOR g IN SELECT a.privilege_type, a.is_grantable, a.grantee
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = 'dedup_records_untimed'::regclass AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE format('GRANT %s ON dedup_records, dedup_records_future TO %s%s',
+            g.privilege_type,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    FOR f IN SELECT p.oid, p.oid::regprocedure::text AS sig, p.proowner::regrole::text AS fowner,
+            p.proacl
+        FROM pg_proc p WHERE p.prorettype = 'dedup_records_untimed'::regtype
+    LOOP
+        def := regexp_replace(pg_get_functiondef(f.oid),
+            'SETOF (\S*\.)?dedup_records_untimed', 'SETOF \1dedup_records');
+        EXECUTE format('DROP FUNCTION %s', f.sig);
+        EXECUTE def;
+        EXECUTE format('ALTER FUNCTION %s OWNER TO %s', f.sig, f.fowner);
+        IF f.proacl IS NOT NULL THEN
+            EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f.sig);
+            FOR g IN SELECT a.privilege_type, a.is_grantable, a.grantee FROM aclexplode(f.proacl) a
+            LOOP
+                EXECUTE format('GRANT %s ON FUNCTION %s TO %s%s', g.privilege_type, f.sig,
+                    CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+                    CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+            END LOOP;
+        END IF;
+    END LOOP;
+END
+$carry$"#;
+
 /// Partitions `dedup_records` by its key's time (module docs), or answers that it is already.
-/// Run it with nothing else changing dedup's schema (it is not a migration): claims and
-/// completions may run meanwhile and wait for its lock, at most its final transaction. Takes
-/// about a sequential read of the table (the check) and an index build over its UUIDv7 keys
+/// Run it with nothing else changing dedup's schema (it is not a migration), and with every
+/// binary older than generation 7 stopped: the floor keeps one from starting, but one already
+/// running would find its statements refused (its `ON CONFLICT (scope, key)` has no index to
+/// name on the parent, 42P10, final) and dead-letter. Claims and completions of generation 7 may
+/// run meanwhile: each step that needs the table's lock waits for it at most 100 ms at a time
+/// (then gives way and tries again, up to 200 times), so a writer queued behind it waits about
+/// as long, and the final transaction holds the lock for its own statements only. Takes about a
+/// sequential read of the table (the check) and an index build over its UUIDv7-shaped keys
 /// before that transaction; what the lock covers does not grow with the table.
 ///
 /// # Errors
 ///
-/// A [`StoreError`] as [`classify`] sorts it: a lock it could not get within 10 s
-/// (`lock_timeout`, retryable: run it again), a lost connection, a schema it does not know.
+/// A [`StoreError`] as [`classify`] sorts it: the table's lock not had in 200 tries (retryable:
+/// run it again once the long transaction holding it is gone), a lost connection, a schema it
+/// does not know.
 pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
     if partitioned(pool).await? {
+        drop_key_time_index(pool).await;
         return Ok(KeyTimeLayout::AlreadyPartitioned);
     }
     // Before the lock: the untimed check, validated without blocking writers.
@@ -131,10 +200,13 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
         .await
         .map_err(e)?;
     if check.is_none() {
-        let mut tx = pool.begin().await.map_err(e)?;
-        lock_timeout(&mut tx).await?;
-        tx.execute(UNTIMED_CHECK_SQL).await.map_err(e)?;
-        tx.commit().await.map_err(e)?;
+        with_lock_retries(|| async {
+            let mut tx = pool.begin().await?;
+            lock_timeout(&mut tx).await?;
+            tx.execute(UNTIMED_CHECK_SQL).await?;
+            tx.commit().await
+        })
+        .await?;
     }
     if check != Some(true) {
         sqlx::query("ALTER TABLE dedup_records VALIDATE CONSTRAINT dedup_records_untimed_kt")
@@ -159,27 +231,36 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
             .await
             .map_err(e)?;
     }
+    let switched = with_lock_retries(|| switch(pool)).await?;
+    // The index served the move; new keys with a day go to their own partitions.
+    drop_key_time_index(pool).await;
+    let Some((t0_ms, moved)) = switched else {
+        return Ok(KeyTimeLayout::AlreadyPartitioned);
+    };
+    info!(t0_ms, moved, "dedup_records partitioned by the key's time");
+    Ok(KeyTimeLayout::Switched { t0_ms, moved })
+}
 
-    let mut tx = pool.begin().await.map_err(e)?;
+/// The switch's transaction: `T0` and how many records it moved, or None where another run
+/// partitioned the table first.
+async fn switch(pool: &PgPool) -> Result<Option<(i64, u64)>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
     lock_timeout(&mut tx).await?;
     tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE")
-        .await
-        .map_err(e)?;
+        .await?;
     if sqlx::query_scalar::<_, bool>(PARTITIONED_SQL)
         .fetch_one(&mut *tx)
-        .await
-        .map_err(e)?
+        .await?
     {
-        return Ok(KeyTimeLayout::AlreadyPartitioned);
+        return Ok(None);
     }
     let t0_ms: i64 =
         sqlx::query_scalar("SELECT floor(extract(epoch FROM statement_timestamp()) * 1000)::int8")
             .fetch_one(&mut *tx)
-            .await
-            .map_err(e)?;
+            .await?;
     let end_ms = t0_ms + SPAN_MS;
     for step in SWITCH_SQL {
-        tx.execute(step).await.map_err(e)?;
+        tx.execute(step).await?;
     }
     let day = t0_ms.div_euclid(86_400_000);
     let steps = [
@@ -202,44 +283,73 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
         "ALTER TABLE dedup_records ADD CONSTRAINT dedup_records_kt \
          CHECK (kt = dedup_kt(key)) NOT VALID"
             .to_owned(),
+        CARRY_OVER_SQL.to_owned(),
     ];
     for step in steps {
         // Integers computed above, and fixed names: nothing from outside.
         sqlx::query(sqlx::AssertSqlSafe(step))
             .execute(&mut *tx)
-            .await
-            .map_err(e)?;
+            .await?;
     }
     let moved: i64 = sqlx::query_scalar(MOVE_SQL)
         .bind(t0_ms)
         .bind(end_ms)
         .fetch_one(&mut *tx)
-        .await
-        .map_err(e)?;
+        .await?;
     tx.execute("UPDATE dedup_schema SET compat_floor = greatest(compat_floor, 7)")
-        .await
-        .map_err(e)?;
-    tx.commit().await.map_err(e)?;
-    // The index served the move; new keys with a day go to their own partitions.
+        .await?;
+    tx.commit().await?;
+    Ok(Some((t0_ms, u64::try_from(moved).unwrap_or(0))))
+}
+
+/// Runs `step` again while it fails for want of a lock (55P03, its `lock_timeout`), after a
+/// pause of 20 to 120 ms, up to [`LOCK_TRIES`] times.
+async fn with_lock_retries<T, F, Fut>(mut step: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut tries = 0;
+    loop {
+        match step().await {
+            Err(err)
+                if tries + 1 < LOCK_TRIES
+                    && err
+                        .as_database_error()
+                        .and_then(|d| d.code())
+                        .is_some_and(|c| c == "55P03") =>
+            {
+                tries += 1;
+                let jitter = dedup_core::Timestamp::now().as_micros().rem_euclid(100);
+                tokio::time::sleep(std::time::Duration::from_millis(
+                    20 + u64::try_from(jitter).unwrap_or(0),
+                ))
+                .await;
+            }
+            other => return other.map_err(|e| classify(e, true)),
+        }
+    }
+}
+
+/// Drops the index the switch built to find the keys to move, if it is there (a switch killed
+/// after its transaction, or whose drop failed, leaves it: every insert into the untimed
+/// partition would keep paying for it).
+async fn drop_key_time_index(pool: &PgPool) {
     let dropped = sqlx::query("DROP INDEX CONCURRENTLY IF EXISTS dedup_records_key_time_idx")
         .execute(pool)
         .await;
     if let Err(err) = dropped {
         info!(error = %err, "dedup_records_key_time_idx left in place; drop it at leisure");
     }
-    let moved = u64::try_from(moved).unwrap_or(0);
-    info!(t0_ms, moved, "dedup_records partitioned by the key's time");
-    Ok(KeyTimeLayout::Switched { t0_ms, moved })
 }
 
 /// Bounds how long the transaction's statements wait for a lock ([`LOCK_TIMEOUT`]).
-async fn lock_timeout(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), StoreError> {
+async fn lock_timeout(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), sqlx::Error> {
     sqlx::query("SELECT set_config('lock_timeout', $1, true)")
         .bind(LOCK_TIMEOUT)
         .execute(&mut **tx)
         .await
         .map(drop)
-        .map_err(|e| classify(e, true))
 }
 
 async fn partitioned(pool: &PgPool) -> Result<bool, StoreError> {

@@ -734,8 +734,10 @@ async fn cleanup(pool: &PgPool, run_id: &str) -> Cleaned {
     let mut cleaned = Cleaned::default();
     for (sql, arg, what) in [
         (
-            "DELETE FROM dedup_records WHERE ctid IN (SELECT ctid FROM dedup_records \
-             WHERE scope = ANY($1::text[]) LIMIT $2)",
+            // A ctid is a row's place in its own table: on the partitioned table, with the
+            // partition's oid beside it.
+            "DELETE FROM dedup_records WHERE (tableoid, ctid) IN (SELECT tableoid, ctid \
+             FROM dedup_records WHERE scope = ANY($1::text[]) LIMIT $2)",
             scopes,
             "dedup_records",
         ),
