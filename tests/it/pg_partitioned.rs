@@ -143,6 +143,40 @@ impl Writer {
     }
 }
 
+/// Starts each of `writers` on `names` (every other one in reverse order), `chunk` keys a round,
+/// until every key is settled for it.
+fn spawn_writers(
+    pool: &PgPool,
+    writers: &[Writer],
+    names: &[String],
+    chunk: usize,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    writers
+        .iter()
+        .enumerate()
+        .map(|(i, &writer)| {
+            let store = PgStore::new(pool.clone());
+            let mut pending = names.to_vec();
+            if i % 2 == 1 {
+                pending.reverse();
+            }
+            tokio::spawn(async move {
+                for _ in 0..2000 {
+                    if pending.is_empty() {
+                        return;
+                    }
+                    let rest = pending.split_off(pending.len().min(chunk));
+                    let mut left = writer.round(&store, pending).await;
+                    left.extend(rest);
+                    pending = left;
+                    sleep(Duration::from_millis(2)).await;
+                }
+                panic!("{writer:?}: keys never settled: {pending:?}");
+            })
+        })
+        .collect()
+}
+
 /// Keys of three day partitions and the untimed one, run at once by every kind of writer, each
 /// of two of them going through the keys in the other order: one record and one effect per key,
 /// every record where `dedup_kt` puts it.
@@ -161,25 +195,7 @@ async fn every_writer_racing_across_partitions_runs_each_key_once(pool: PgPool) 
         Writer::InTx,
         Writer::InTx,
     ];
-    let mut tasks = Vec::new();
-    for (i, writer) in writers.into_iter().enumerate() {
-        let store = PgStore::new(pool.clone());
-        let mut pending = names.clone();
-        if i % 2 == 1 {
-            pending.reverse();
-        }
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..400 {
-                if pending.is_empty() {
-                    return;
-                }
-                pending = writer.round(&store, pending).await;
-                sleep(Duration::from_millis(2)).await;
-            }
-            panic!("{writer:?}: keys never settled: {pending:?}");
-        }));
-    }
-    for t in tasks {
+    for t in spawn_writers(&pool, &writers, &names, names.len()) {
         t.await.unwrap();
     }
     let effects = effect_rows(&pool).await;
@@ -529,28 +545,8 @@ async fn writers_racing_through_the_switch_run_each_key_once(pool: PgPool) {
         Writer::TxBatch,
         Writer::LeaseOne,
     ];
-    let mut tasks = Vec::new();
-    for (i, writer) in writers.into_iter().enumerate() {
-        let store = PgStore::new(pool.clone());
-        let mut pending = names.clone();
-        if i % 2 == 1 {
-            pending.reverse();
-        }
-        // Each writer takes a few keys at a time, so that the switch lands among them.
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..2000 {
-                if pending.is_empty() {
-                    return;
-                }
-                let rest = pending.split_off(pending.len().min(4));
-                let mut left = writer.round(&store, pending).await;
-                left.extend(rest);
-                pending = left;
-                sleep(Duration::from_millis(3)).await;
-            }
-            panic!("{writer:?}: keys never settled: {pending:?}");
-        }));
-    }
+    // Each writer takes a few keys at a time, so that the switch lands among them.
+    let tasks = spawn_writers(&pool, &writers, &names, 4);
     // The switch once the first effect is in (its key's record committed before it).
     while effect_rows(&pool).await.is_empty() {
         sleep(Duration::from_millis(2)).await;
