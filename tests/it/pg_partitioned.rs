@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{ClaimOutcome, ClaimRequest, Fingerprint, HandlerError, Lease, Store};
-use dedup_pg::{BatchRequest, ItemResult, PgStore};
-use sqlx::PgPool;
+use dedup_pg::{BatchBody, BatchRequest, ItemResult, PgStore};
 use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool};
 use tokio::time::sleep;
 
 use crate::support::{
@@ -26,6 +26,24 @@ fn request(name: &str) -> ClaimRequest {
 
 fn name_of(lease: &Lease) -> String {
     String::from_utf8(lease.key.key_bytes().to_vec()).unwrap()
+}
+
+/// Transaction mode's batch handler: each message's effect row, in the batch's transaction.
+fn effects() -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, Boom> + Send
+{
+    |tx, leases| {
+        Box::pin(async move {
+            for l in leases {
+                insert_effect(&mut *tx, &name_of(l), l.token, "tx-batch")
+                    .await
+                    .map_err(|_| HandlerError::Retryable(Boom("insert")))?;
+            }
+            Ok(leases
+                .iter()
+                .map(|_| -> ItemResult<Boom> { Ok(Bytes::from_static(b"ok")) })
+                .collect())
+        })
+    }
 }
 
 /// Whether `answer` settles its key for a writer: done by it or by another.
@@ -52,19 +70,7 @@ impl Writer {
             Writer::TxBatch => {
                 let reqs: Vec<ClaimRequest> = pending.iter().map(|n| request(n)).collect();
                 let answers = store
-                    .transact_batch(BatchRequest::new(&reqs), |tx, leases: &[Lease]| {
-                        Box::pin(async move {
-                            for l in leases {
-                                insert_effect(&mut *tx, &name_of(l), l.token, "tx-batch")
-                                    .await
-                                    .map_err(|_| HandlerError::Retryable(Boom("insert")))?;
-                            }
-                            Ok(leases
-                                .iter()
-                                .map(|_| -> ItemResult<Boom> { Ok(Bytes::from_static(b"ok")) })
-                                .collect())
-                        })
-                    })
+                    .transact_batch(BatchRequest::new(&reqs), effects())
                     .await;
                 match answers {
                     Ok(answers) => pending
@@ -302,19 +308,7 @@ async fn every_lookup_by_key_reads_only_that_keys_partition(pool: PgPool) {
     );
     // Transaction mode by the batch: new keys written completed, known ones answered.
     let answers = store
-        .transact_batch(BatchRequest::new(&reqs[6..]), |tx, leases: &[Lease]| {
-            Box::pin(async move {
-                for l in leases {
-                    insert_effect(&mut *tx, &name_of(l), l.token, "tx-batch")
-                        .await
-                        .map_err(|_| HandlerError::Retryable(Boom("insert")))?;
-                }
-                Ok(leases
-                    .iter()
-                    .map(|_| -> ItemResult<Boom> { Ok(Bytes::from_static(b"ok")) })
-                    .collect())
-            })
-        })
+        .transact_batch(BatchRequest::new(&reqs[6..]), effects())
         .await
         .unwrap();
     assert_eq!(answers.len(), 18);

@@ -104,8 +104,8 @@ pub use dedup_core::{
 #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
 pub use {
     dedup_pg::{
-        ConnectError, MigrationMode, PgStore, Retention, RetentionConfig, RetentionStats,
-        SchemaError,
+        ConnectError, KeyTimeLayout, MigrationMode, PgStore, Retention, RetentionConfig,
+        RetentionStats, SchemaError, partition_by_key_time,
     },
     engine::{Authority, BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, Tiers},
     health::{ConsumerHealth, EngineStats, Health},
