@@ -28,6 +28,7 @@ mod pg_migrate;
 mod pg_parked;
 mod pg_partitioned;
 mod pg_plans;
+mod pg_ranges;
 mod pg_retention;
 mod pg_tls;
 mod redis;

@@ -53,7 +53,7 @@ fn settled(answer: &ClaimOutcome) -> bool {
 
 /// One writer's way of running keys. Answers the keys it has not seen settled yet.
 #[derive(Clone, Copy, Debug)]
-enum Writer {
+pub(crate) enum Writer {
     /// `PgStore::transact_batch`: the claims, the effects and the completions in one transaction.
     TxBatch,
     /// Lease mode by the batch: `claim_batch`, the effects, `complete_batch`.
@@ -151,7 +151,7 @@ impl Writer {
 
 /// Starts each of `writers` on `names` (every other one in reverse order), `chunk` keys a round,
 /// until every key is settled for it.
-fn spawn_writers(
+pub(crate) fn spawn_writers(
     pool: &PgPool,
     writers: &[Writer],
     names: &[String],
@@ -353,7 +353,7 @@ async fn every_lookup_by_key_reads_only_that_keys_partition(pool: PgPool) {
 }
 
 /// A UUIDv7 key, as canonical text, made at `ms` milliseconds after the epoch.
-fn v7(ms: i64, n: u64) -> String {
+pub(crate) fn v7(ms: i64, n: u64) -> String {
     format!(
         "{:08x}-{:04x}-7abc-8def-{:012x}",
         ms >> 16,
@@ -362,7 +362,7 @@ fn v7(ms: i64, n: u64) -> String {
     )
 }
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     dedup_core::Timestamp::now().as_micros() / 1000
 }
 
@@ -425,26 +425,39 @@ async fn the_switch_in_place_keeps_every_record_where_its_lookups_find_it(pool: 
         }
     }
     store.complete(&held, b"held").await.unwrap();
-    for (k, partition) in [
-        (done[0].clone(), "dedup_records_untimed"),
-        (done[2].clone(), "dedup_records_untimed"),
-        (done[3].clone(), "dedup_records_future"),
-        (done[4].clone(), "dedup_records_untimed"),
-        (done[5].clone(), "dedup_records_future"),
-        (held_key.clone().into_bytes(), "dedup_records_future"),
+    // Moved to their day's partition: `future`, then the range the switch made of that day.
+    for (k, untimed) in [
+        (done[0].clone(), true),
+        (done[2].clone(), true),
+        (done[3].clone(), false),
+        (done[4].clone(), true),
+        (done[5].clone(), false),
+        (held_key.clone().into_bytes(), false),
     ] {
         assert_eq!(
-            partition_of(&pool, &k).await,
-            partition,
+            partition_of(&pool, &k).await == "dedup_records_untimed",
+            untimed,
             "{}",
             String::from_utf8_lossy(&k)
         );
     }
     let fresh = v7(now_ms() + 1000, 5);
     acquired(store.claim(&req(&key(&fresh), "after")).await.unwrap());
+    let today = partition_of(&pool, fresh.as_bytes()).await;
+    assert!(
+        today.starts_with("dedup_records_20"),
+        "a new key goes to the range of its day, made by the switch: {today}"
+    );
+    let range_options: Option<Vec<String>> =
+        sqlx::query_scalar("SELECT reloptions::text[] FROM pg_class WHERE relname = $1")
+            .bind(&today)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(
-        partition_of(&pool, fresh.as_bytes()).await,
-        "dedup_records_future"
+        range_options,
+        Some(vec!["fillfactor=90".to_owned()]),
+        "the ranges get the table's storage settings"
     );
     assert_eq!(misplaced_records(&pool).await, 0);
     let floor: i32 = sqlx::query_scalar("SELECT compat_floor FROM dedup_schema")
@@ -568,10 +581,12 @@ async fn writers_racing_through_the_switch_run_each_key_once(pool: PgPool) {
     );
     assert_eq!(misplaced_records(&pool).await, 0);
     let spread = records_by_partition(&pool).await;
-    assert_eq!(
-        spread,
-        vec![("dedup_records_future".to_owned(), 48)],
-        "every key is after T0: {switched:?}"
+    assert!(
+        spread
+            .iter()
+            .all(|(p, _)| p.starts_with("dedup_records_20"))
+            && spread.iter().map(|(_, n)| n).sum::<i64>() == 48,
+        "every key is after T0, in the range the switch made of its day: {spread:?}"
     );
 }
 

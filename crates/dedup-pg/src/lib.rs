@@ -108,13 +108,13 @@ use claim::claim_counted;
 pub use classify::{classify, is_passing, sqlstate};
 use complete::{complete_many, finish};
 pub use connect::{ConnectError, connect, redact_url};
-pub use layout::{KeyTimeLayout, partition_by_key_time};
+pub use layout::{KeyTimeLayout, RangePolicy, RangeReport, maintain_ranges, partition_by_key_time};
 pub use migrate::{
     MIGRATIONS_TABLE, MIGRATOR, MigrationMode, ParseMigrationModeError, SCHEMA_GENERATION,
     SchemaError, SchemaStatus, SchemaVersion, migrate, prepare,
 };
 pub use refused::RefusedDeadLetter;
-pub use retention::{Retention, RetentionConfig, RetentionState, RetentionStats};
+pub use retention::{Retention, RetentionConfig, RetentionRound, RetentionState, RetentionStats};
 use rows::record_from_row;
 use sql::GET_MANY_SQL;
 use store::Conn;

@@ -28,12 +28,16 @@ use tracing::{debug, info, warn};
 
 use crate::PgStore;
 use crate::classify::classify;
+use crate::layout::{RangePolicy, RangeReport, maintain_ranges};
 use crate::sql::{PURGE_SQL, RETENTION_LOCK_CLASS, RETENTION_LOCK_SQL};
 
 /// The longest `statement_timeout` Postgres takes (an `int4` of milliseconds).
 const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 /// What a call may take beyond the statement's own timeout before the client gives up on it.
 const CLIENT_MARGIN: Duration = Duration::from_secs(5);
+/// What keeping the ranges of days may take beyond a statement's limit: up to 200 waits of
+/// 100 ms for the table's lock, and the pauses between them.
+const RANGES_MARGIN: Duration = Duration::from_secs(60);
 /// How long [`Retention::stop`] waits for a statement in flight before it drops the session.
 const STOP_WAIT: Duration = Duration::from_secs(5);
 
@@ -50,6 +54,9 @@ pub struct RetentionConfig {
     /// The longest one statement may run (its `statement_timeout`; the client gives up a few
     /// seconds later); a round that hits it fails, and the next one goes on.
     pub statement_timeout: Duration,
+    /// How the ranges of days of the table partitioned by the key's time are made and dropped,
+    /// at the start of each round (nothing to do on the single table).
+    pub ranges: RangePolicy,
 }
 
 impl Default for RetentionConfig {
@@ -60,6 +67,7 @@ impl Default for RetentionConfig {
             batch: 1000,
             pause: Duration::ZERO,
             statement_timeout: Duration::from_secs(30),
+            ranges: RangePolicy::default(),
         }
     }
 }
@@ -80,6 +88,12 @@ impl RetentionConfig {
     /// Sets the pause between two statements of a round.
     pub fn with_pause(mut self, pause: Duration) -> Self {
         self.pause = pause;
+        self
+    }
+
+    /// Sets how the ranges of days of the partitioned table are kept.
+    pub fn with_ranges(mut self, ranges: RangePolicy) -> Self {
+        self.ranges = ranges;
         self
     }
 
@@ -120,6 +134,17 @@ pub struct RetentionStats {
     pub purged: u64,
     /// Its statements that deleted at least one record.
     pub statements: u64,
+    /// Ranges of days it made (the partitioned table).
+    pub ranges_made: u64,
+    /// Ranges of days it dropped whole.
+    pub ranges_dropped: u64,
+    /// Records it moved under the table's lock while making and dropping ranges.
+    pub moved: u64,
+    /// Days from its last round to the first day without a range of its own (the partitioned
+    /// table): under one, new keys are about to land in `dedup_records_future`.
+    pub margin_days: Option<i64>,
+    /// Why its last round held a range back, if it did.
+    pub held_back: Option<String>,
     /// When its last round as the leader ended.
     pub last_round: Option<SystemTime>,
     /// Rounds that failed.
@@ -199,6 +224,87 @@ impl PgStore {
             task: Some(task),
         }
     }
+}
+
+/// What [`PgStore::retention_round`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetentionRound {
+    /// The ranges of days made and dropped (the partitioned table).
+    pub ranges: RangeReport,
+    /// Records the bounded DELETE took.
+    pub purged: u64,
+}
+
+impl PgStore {
+    /// One round of retention, now, without the retention lock (a cron job's step, as
+    /// `dedup purge` runs it): the ranges of days of the partitioned table made and dropped
+    /// ([`maintain_ranges`]), then the records past their retention outside them deleted,
+    /// `batch` a statement, until a statement comes back short. Two at once are safe, only
+    /// wasteful.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] as [`classify`] sorts it; what was done before it stays done.
+    pub async fn retention_round(
+        &self,
+        config: &RetentionConfig,
+    ) -> Result<RetentionRound, StoreError> {
+        let limit = config.statement_timeout + CLIENT_MARGIN;
+        let mut conn = bounded(limit, self.pool().acquire()).await?;
+        let ranges = keep_ranges(&mut conn, config, limit).await?;
+        let ranged = ranges.ranged_days.unwrap_or((0, 0));
+        let mut purged = 0;
+        loop {
+            let n = purge_batch(&mut conn, config.batch, ranged, limit).await?;
+            purged += n;
+            if n < u64::from(config.batch) {
+                return Ok(RetentionRound { ranges, purged });
+            }
+        }
+    }
+}
+
+/// The ranges of days made and dropped as `config` says, the whole of it given up on after
+/// `limit` beyond the longest its waits for the table's lock can take.
+async fn keep_ranges(
+    conn: &mut PgConnection,
+    config: &RetentionConfig,
+    limit: Duration,
+) -> Result<RangeReport, StoreError> {
+    let deadline = limit + RANGES_MARGIN;
+    match tokio::time::timeout(
+        deadline,
+        maintain_ranges(conn, &config.ranges, SystemTime::now()),
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(_) => Err(StoreError::unavailable(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the ranges of days not kept within {deadline:?}"),
+        ))),
+    }
+}
+
+/// One statement of the bounded DELETE: up to `batch` records past their retention, outside
+/// the ranges of days `[ranged.0, ranged.1)`. Answers how many.
+async fn purge_batch(
+    conn: &mut PgConnection,
+    batch: u32,
+    ranged: (i32, i32),
+    limit: Duration,
+) -> Result<u64, StoreError> {
+    Ok(bounded(
+        limit,
+        sqlx::query(PURGE_SQL)
+            .bind(i64::from(batch))
+            .bind(ranged.0)
+            .bind(ranged.1)
+            .execute(&mut *conn),
+    )
+    .await?
+    .rows_affected())
 }
 
 /// Sleeps `d`, or less if the task is told to stop; true when it should stop.
@@ -294,15 +400,17 @@ impl Task {
             self.update(|s| s.state = RetentionState::Leading);
             info!("retention: this instance leads the purge");
         }
+        let ranges = keep_ranges(conn, &self.config, limit).await?;
+        self.update(|s| {
+            s.ranges_made += ranges.made.len() as u64;
+            s.ranges_dropped += ranges.dropped.len() as u64;
+            s.moved += ranges.moved;
+            s.margin_days = ranges.margin_days;
+            s.held_back.clone_from(&ranges.held_back);
+        });
+        let ranged = ranges.ranged_days.unwrap_or((0, 0));
         loop {
-            let n = bounded(
-                limit,
-                sqlx::query(PURGE_SQL)
-                    .bind(i64::from(self.config.batch))
-                    .execute(&mut *conn),
-            )
-            .await?
-            .rows_affected();
+            let n = purge_batch(conn, self.config.batch, ranged, limit).await?;
             self.update(|s| {
                 s.purged += n;
                 s.statements += u64::from(n > 0);

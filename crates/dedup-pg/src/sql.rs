@@ -190,6 +190,9 @@ pub(crate) const GET_SQL: &str = concat!(
 pub(crate) const PURGE_SQL: &str = concat!(
     "WITH doomed AS (SELECT scope, key, kt FROM dedup_records r",
     "  WHERE expires_at <= statement_timestamp()",
+    // The ranges of days of the partitioned table, [$2, $3) in days since the epoch, go whole
+    // (layout/ranges.rs); $2 = $3 leaves nothing out.
+    "  AND (r.kt < date '1970-01-01' + $2::int4 OR r.kt >= date '1970-01-01' + $3::int4)",
     // A parked message's record stays until the message ran or was dead-lettered.
     "  AND NOT EXISTS (SELECT 1 FROM dedup_parked p",
     "  WHERE p.dedup_scope = r.scope AND p.dedup_key = r.key)",

@@ -279,8 +279,12 @@ impl Store for PgStore {
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
         self.count(1);
         let mut conn = self.conn().await?;
+        // Every record past its retention, the ranges of days of the partitioned table
+        // included (the retention task drops those whole).
         let done = sqlx::query(PURGE_SQL)
             .bind(i64::from(limit))
+            .bind(0_i32)
+            .bind(0_i32)
             .execute(&mut **conn)
             .await
             .map_err(|e| classify(e, true));

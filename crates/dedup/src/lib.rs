@@ -104,8 +104,9 @@ pub use dedup_core::{
 #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
 pub use {
     dedup_pg::{
-        ConnectError, KeyTimeLayout, MigrationMode, PgStore, Retention, RetentionConfig,
-        RetentionStats, SchemaError, partition_by_key_time,
+        ConnectError, KeyTimeLayout, MigrationMode, PgStore, RangePolicy, RangeReport, Retention,
+        RetentionConfig, RetentionRound, RetentionStats, SchemaError, maintain_ranges,
+        partition_by_key_time,
     },
     engine::{Authority, BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, Tiers},
     health::{ConsumerHealth, EngineStats, Health},

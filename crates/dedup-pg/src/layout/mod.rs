@@ -1,9 +1,10 @@
 //! The switch of `dedup_records` to the table partitioned by its key's own time
 //! (docs/design/window-partitions.md; docs/ARCHITECTURE.md, invariant 36): [`partition_by_key_time`].
 //!
-//! Not run by the migrations: it is the layout's first step, without the partitions of weeks or
-//! the retention that drops them (both to come). What it makes, in one transaction under an
-//! ACCESS EXCLUSIVE lock on the table:
+//! Not run by the migrations (opt-in, one way). The ranges of days that `future` is cut into,
+//! and their retention by dropping, are [`maintain_ranges`]'s (`ranges.rs`), which the switch
+//! runs once right after it. What the switch makes, in one transaction under an ACCESS
+//! EXCLUSIVE lock on the table:
 //!
 //! - `T0`, the switch's own time (the server's clock, in milliseconds), chosen under the lock:
 //!   every key stored before it keeps `kt = '-infinity'`.
@@ -16,8 +17,8 @@
 //!   ('1970-01-01')`, with its rows, primary key and indexes as they are, under a partitioned
 //!   parent of the same name and columns, which has no primary key of its own: a key has one
 //!   partition, so each partition's primary key on `(scope, key)` holds it once in the table.
-//! - `dedup_records_future`, `FROM (T0's day) TO (MAXVALUE)`: every key with a day, until weeks
-//!   are carved out of it.
+//! - `dedup_records_future`, `FROM (T0's day) TO (MAXVALUE)`: every key with a day, until ranges
+//!   of days are carved out of it.
 //! - The stored keys whose time is at or after `T0` (made by clocks running ahead) moved to the
 //!   partition of their day, with their columns as they were.
 //! - `CHECK (kt = dedup_kt(key))` on the parent (not validated: every stored row meets it by the
@@ -40,9 +41,13 @@
 //! time, and gives way in between, so writers are not held behind a long transaction of someone
 //! else's for longer than that.
 
+mod ranges;
+
+pub use ranges::{RangePolicy, RangeReport, maintain_ranges};
+
 use sqlx::Executor;
 use sqlx::postgres::PgPool;
-use tracing::info;
+use tracing::{info, warn};
 
 use dedup_core::StoreError;
 
@@ -238,6 +243,20 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
         return Ok(KeyTimeLayout::AlreadyPartitioned);
     };
     info!(t0_ms, moved, "dedup_records partitioned by the key's time");
+    // The first ranges of days, so that new keys do not gather in `future` until the retention
+    // task's first round (which makes them too, if this fails).
+    let first = async {
+        let mut conn = pool.acquire().await.map_err(e)?;
+        maintain_ranges(
+            &mut conn,
+            &RangePolicy::default(),
+            std::time::SystemTime::now(),
+        )
+        .await
+    };
+    if let Err(err) = first.await {
+        warn!(error = %err, "the first ranges of days not made; the retention task makes them");
+    }
     Ok(KeyTimeLayout::Switched { t0_ms, moved })
 }
 
@@ -312,23 +331,29 @@ where
     let mut tries = 0;
     loop {
         match step().await {
-            Err(err)
-                if tries + 1 < LOCK_TRIES
-                    && err
-                        .as_database_error()
-                        .and_then(|d| d.code())
-                        .is_some_and(|c| c == "55P03") =>
-            {
+            Err(err) if tries + 1 < LOCK_TRIES && is_lock_timeout(&err) => {
                 tries += 1;
-                let jitter = dedup_core::Timestamp::now().as_micros().rem_euclid(100);
-                tokio::time::sleep(std::time::Duration::from_millis(
-                    20 + u64::try_from(jitter).unwrap_or(0),
-                ))
-                .await;
+                lock_pause().await;
             }
             other => return other.map_err(|e| classify(e, true)),
         }
     }
+}
+
+/// Whether `err` is a statement that gave up waiting for a lock (55P03).
+fn is_lock_timeout(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "55P03")
+}
+
+/// The pause before a step that gave way tries for its lock again: 20 to 120 ms.
+async fn lock_pause() {
+    let jitter = dedup_core::Timestamp::now().as_micros().rem_euclid(100);
+    tokio::time::sleep(std::time::Duration::from_millis(
+        20 + u64::try_from(jitter).unwrap_or(0),
+    ))
+    .await;
 }
 
 /// Drops the index the switch built to find the keys to move, if it is there (a switch killed

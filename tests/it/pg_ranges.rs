@@ -1,0 +1,417 @@
+//! The ranges of days of the table partitioned by the key's time (`dedup_pg::maintain_ranges`,
+//! docs/ARCHITECTURE.md invariant 37): made ahead out of `dedup_records_future`, dropped whole
+//! once their days are past `keep`, with the records still live, leased or named by a parked
+//! message moved to `dedup_records_late` in the same transaction; writers of every kind racing
+//! through it run each key once; and a maintainer SIGKILLed at any step leaves the partitions
+//! whole (the next run takes up a table it made and did not attach).
+
+use std::process::Stdio;
+use std::time::{Duration, SystemTime};
+
+use dedup_core::{ClaimOutcome, Store};
+use dedup_pg::{KeyTimeLayout, PgStore, RangePolicy, RetentionConfig};
+use sqlx::PgPool;
+use tokio::process::Command;
+use tokio::time::sleep;
+
+use crate::pg_partitioned::{Writer, spawn_writers, v7};
+use crate::support::{
+    acquired, effect_rows, effects_table, key, misplaced_records, records_by_partition, req, url_of,
+};
+
+const DAY: i64 = 86_400_000;
+
+/// The time `ms` milliseconds after the Unix epoch.
+fn at(ms: i64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap())
+}
+
+/// Switches the table to the partitioned layout (which makes the first ranges): `T0`.
+async fn switch(pool: &PgPool) -> i64 {
+    match dedup_pg::partition_by_key_time(pool).await.unwrap() {
+        KeyTimeLayout::Switched { t0_ms, .. } => t0_ms,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The partitions and their bounds in days since the epoch (None: MINVALUE, MAXVALUE), lowest
+/// first; and whether they cover every day from the lowest timed one on, each exactly once.
+async fn parts(pool: &PgPool) -> Vec<(String, Option<i32>, Option<i32>)> {
+    let parts: Vec<(String, Option<i32>, Option<i32>)> = sqlx::query_as(
+        "SELECT c.relname::text, \
+         (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''([^'']+)''\\)'))[1]::date \
+           - date '1970-01-01', \
+         (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \\(''([^'']+)''\\)'))[1]::date \
+           - date '1970-01-01' \
+         FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'dedup_records'::regclass ORDER BY 2 NULLS FIRST",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(parts[0].0, "dedup_records_untimed", "{parts:?}");
+    assert_eq!(parts.last().unwrap().0, "dedup_records_future", "{parts:?}");
+    assert_eq!(parts.last().unwrap().2, None, "{parts:?}");
+    for w in parts[1..].windows(2) {
+        assert_eq!(w[0].2, w[1].1, "the days are covered once each: {parts:?}");
+    }
+    parts
+}
+
+fn lo_of(parts: &[(String, Option<i32>, Option<i32>)], name: &str) -> (i32, i32) {
+    let p = parts.iter().find(|p| p.0 == name).unwrap();
+    (p.1.unwrap(), p.2.unwrap_or(i32::MAX))
+}
+
+/// The partition that holds `name`'s record.
+async fn partition_of(pool: &PgPool, name: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT tableoid::regclass::text FROM dedup_records WHERE key = $1")
+        .bind(name.as_bytes())
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+}
+
+/// Parks a message that names `name`'s record (as a parked Kafka message does).
+async fn park(pool: &PgPool, name: &str) {
+    sqlx::query(
+        "INSERT INTO dedup_parked (consumer_group, topic, partition, \"offset\", has_key, \
+         ordering_key, header_names, header_values, error, attempts, parked_at, due_at, \
+         dedup_scope, dedup_key) VALUES ('g', 't', 0, 1, true, 'k', '{}', '{}', 'boom', 1, \
+         now(), now() + interval '1 hour', 'test', $1)",
+    )
+    .bind(name.as_bytes())
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Expires the records of `names` now.
+async fn expire(pool: &PgPool, names: &[&String]) {
+    let keys: Vec<&[u8]> = names.iter().map(|n| n.as_bytes()).collect();
+    sqlx::query(
+        "UPDATE dedup_records SET expires_at = statement_timestamp() - interval '1 second' \
+         WHERE key = ANY($1) AND kt = ANY (SELECT dedup_kt(k) FROM unnest($1) k)",
+    )
+    .bind(&keys)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Ranges made ahead by the switch; 40 days of keys (one a day) later, the ranges of those
+/// days dropped whole: what was still live, the leased one and the one a parked message names
+/// are moved to `late`, where their lookups find them (a duplicate replays, the lease
+/// completes); what had expired is gone; a new key of a dropped day goes to `late`; the bounded
+/// DELETE purges `late` and leaves the ranges alone; a second run changes nothing.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let t0_day = i32::try_from(t0 / DAY).unwrap();
+    let p = parts(&pool).await;
+    assert_eq!(
+        p[1].1,
+        Some(t0_day),
+        "the first range starts on T0's day: {p:?}"
+    );
+    assert!(
+        lo_of(&p, "dedup_records_future").0 > t0_day + 3,
+        "ranges made 3 days ahead: {p:?}"
+    );
+
+    let names: Vec<String> = (0..40)
+        .map(|d| v7(t0 + d * DAY + 60_000, d as u64))
+        .collect();
+    for n in &names {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    let held_name = v7(t0 + 11 * DAY + 120_000, 100);
+    let held = acquired(store.claim(&req(&key(&held_name), "w")).await.unwrap());
+    let live = |d: usize| d.is_multiple_of(5);
+    let expired: Vec<&String> = (0..40).filter(|&d| !live(d)).map(|d| &names[d]).collect();
+    expire(&pool, &expired).await;
+    park(&pool, &names[7]).await;
+
+    // The keys of the days without a range yet went to `future`; making their ranges moves them.
+    let in_future: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_records_future")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(in_future > 30, "{in_future}");
+    let mut conn = pool.acquire().await.unwrap();
+    let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 60 * DAY))
+        .await
+        .unwrap();
+    assert!(report.partitioned);
+    assert_eq!(
+        report.moved,
+        u64::try_from(in_future).unwrap() + 10,
+        "those of future, then 8 live, 1 parked, 1 leased: {report:?}"
+    );
+    let p = parts(&pool).await;
+    let (late_lo, late_hi) = lo_of(&p, "dedup_records_late");
+    assert_eq!(late_lo, t0_day, "{p:?}");
+    assert!(
+        late_hi > t0_day + 40 && late_hi <= t0_day + 52,
+        "every range 8 days past its end dropped: {p:?}"
+    );
+    assert!(lo_of(&p, "dedup_records_future").0 > t0_day + 63, "{p:?}");
+    assert!(report.margin_days.unwrap() > 3, "{report:?}");
+    assert_eq!(
+        report.ranged_days,
+        Some((late_hi, lo_of(&p, "dedup_records_future").0))
+    );
+
+    for (d, n) in names.iter().enumerate() {
+        let found = partition_of(&pool, n).await;
+        if live(d) {
+            assert_eq!(found.as_deref(), Some("dedup_records_late"), "day {d}");
+            match store.claim(&req(&key(n), "again")).await.unwrap() {
+                ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
+                other => panic!("day {d}: a duplicate of a moved record replays: {other:?}"),
+            }
+        } else if d == 7 {
+            assert_eq!(found.as_deref(), Some("dedup_records_late"), "parked");
+            assert!(store.get(&key(n)).await.unwrap().is_some());
+        } else {
+            assert_eq!(found, None, "day {d}: dropped with its range");
+        }
+    }
+    assert_eq!(
+        partition_of(&pool, &held_name).await.as_deref(),
+        Some("dedup_records_late")
+    );
+    store.complete(&held, b"held").await.unwrap();
+    assert!(matches!(
+        store.claim(&req(&key(&held_name), "again")).await.unwrap(),
+        ClaimOutcome::Completed { .. }
+    ));
+
+    // A new key of a dropped day goes where a record of it would be.
+    let again = v7(t0 + 2 * DAY + 999, 500);
+    let lease = acquired(store.claim(&req(&key(&again), "w")).await.unwrap());
+    store.complete(&lease, b"again").await.unwrap();
+    assert_eq!(
+        partition_of(&pool, &again).await.as_deref(),
+        Some("dedup_records_late")
+    );
+
+    // The bounded DELETE purges late (not the parked record) and leaves the ranges alone.
+    let standing = v7(t0 + 55 * DAY, 55);
+    let lease = acquired(store.claim(&req(&key(&standing), "w")).await.unwrap());
+    store.complete(&lease, b"standing").await.unwrap();
+    expire(&pool, &[&again, &standing]).await;
+    let round = store
+        .retention_round(&RetentionConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(round.purged, 1, "{round:?}");
+    assert_eq!(partition_of(&pool, &again).await, None);
+    assert!(partition_of(&pool, &standing).await.is_some());
+    assert!(partition_of(&pool, &names[7]).await.is_some());
+
+    let second = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 60 * DAY))
+        .await
+        .unwrap();
+    assert_eq!(
+        (second.made.len(), second.dropped.len(), second.moved),
+        (0, 0, 0),
+        "{second:?}"
+    );
+    assert_eq!(misplaced_records(&pool).await, 0);
+}
+
+/// A drop that would move more live records than `max_move` under the lock is held back (and
+/// says why), and goes through once they have expired.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let names: Vec<String> = (0..5).map(|i| v7(t0 + 60_000 + i, i as u64)).collect();
+    for n in &names {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, b"ok").await.unwrap();
+    }
+    let policy = RangePolicy::default().with_max_move(3);
+    let mut conn = pool.acquire().await.unwrap();
+    let held = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert!(held.held_back.is_some(), "{held:?}");
+    assert!(held.dropped.is_empty(), "{held:?}");
+    assert!(!held.made.is_empty(), "ranges are still made: {held:?}");
+    let refs: Vec<&String> = names.iter().collect();
+    expire(&pool, &refs).await;
+    let dropped = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert!(!dropped.dropped.is_empty(), "{dropped:?}");
+    assert_eq!(dropped.held_back, None);
+    for n in &names {
+        assert_eq!(partition_of(&pool, n).await, None);
+    }
+}
+
+/// The keys of the racing tests: 48 UUIDv7s over 24 days from `t0`.
+fn racing_keys(t0: i64) -> Vec<String> {
+    (0..48)
+        .map(|i: i64| v7(t0 + (i % 24) * DAY + i * 1000, i as u64))
+        .collect()
+}
+
+/// One effect per key, one completed record per key, each where `dedup_kt` puts it.
+async fn each_key_ran_once(pool: &PgPool) {
+    let effects = effect_rows(pool).await;
+    let mut keys: Vec<&str> = effects.iter().map(|e| e.0.as_str()).collect();
+    keys.dedup();
+    assert_eq!(
+        (effects.len(), keys.len()),
+        (48, 48),
+        "one effect per key: {effects:?}"
+    );
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'completed'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(completed, 48);
+    assert_eq!(misplaced_records(pool).await, 0);
+}
+
+const WRITERS: [Writer; 6] = [
+    Writer::TxBatch,
+    Writer::LeaseBatch,
+    Writer::LeaseOne,
+    Writer::InTx,
+    Writer::TxBatch,
+    Writer::LeaseOne,
+];
+
+/// The policy of the racing tests: one-day ranges made a day ahead and dropped as they end, so
+/// that every key's range is made and then dropped (its live record moved) while they run.
+fn daily() -> RangePolicy {
+    RangePolicy::default()
+        .with_days(1)
+        .with_ahead(Duration::from_secs(86_400))
+        .with_keep(Duration::ZERO)
+}
+
+/// Every kind of writer racing for keys of 24 days while those days' ranges are made (their
+/// keys moved out of `future`) and dropped (their live records moved to `late`) by two
+/// maintainers at once: each key runs once and is found where its key puts it.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn writers_racing_through_ranges_made_and_dropped_run_each_key_once(pool: PgPool) {
+    effects_table(&pool).await;
+    let t0 = switch(&pool).await;
+    let tasks = spawn_writers(&pool, &WRITERS, &racing_keys(t0), 4);
+    while effect_rows(&pool).await.is_empty() {
+        sleep(Duration::from_millis(2)).await;
+    }
+    // Two maintainers at once, as the days go by: each change is made by one of them.
+    let maintainer = |pause: u64| {
+        let pool = pool.clone();
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            let (mut made, mut dropped, mut moved) = (0, 0, 0);
+            for d in 0..=30 {
+                let r = dedup_pg::maintain_ranges(&mut conn, &daily(), at(t0 + d * DAY))
+                    .await
+                    .unwrap();
+                made += r.made.len();
+                dropped += r.dropped.len();
+                moved += r.moved;
+                sleep(Duration::from_millis(pause)).await;
+            }
+            (made, dropped, moved)
+        }
+    };
+    let (a, b) = tokio::join!(maintainer(5), maintainer(3));
+    let (made, dropped, moved) = (a.0 + b.0, a.1 + b.1, a.2 + b.2);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    each_key_ran_once(&pool).await;
+    assert!(
+        made >= 20 && dropped >= 20,
+        "{made} made, {dropped} dropped"
+    );
+    assert!(moved > 0, "records were moved while the writers ran");
+    assert_eq!(
+        records_by_partition(&pool).await,
+        vec![("dedup_records_late".to_owned(), 48)],
+        "every key's range was dropped, its record moved"
+    );
+    parts(&pool).await;
+}
+
+/// dedup's tables that are not partitions of `dedup_records` (a range or `late` made by a run
+/// killed before it attached them).
+async fn unattached(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT relname::text FROM pg_class WHERE relname LIKE 'dedup\\_records\\_%' \
+         AND relkind = 'r' AND NOT relispartition",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// A maintainer SIGKILLed at random points while it makes and drops ranges (and writers race
+/// for the keys of those days): after a run to the end, the days are covered once each, no
+/// table it made is left unattached, and each key ran once.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_maintainer_killed_at_any_step_leaves_the_partitions_whole(pool: PgPool) {
+    effects_table(&pool).await;
+    let t0 = switch(&pool).await;
+    let tasks = spawn_writers(&pool, &WRITERS, &racing_keys(t0), 4);
+    let url = url_of(&pool);
+    let maintainer = || {
+        Command::new(env!("CARGO_BIN_EXE_dedup-keep-ranges"))
+            .args([url.as_str(), &t0.to_string(), "150"])
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    };
+    // Killed at least 12 times, and until two kills have left a table made and not attached
+    // (between its creation and the transaction that attaches it) for the next run to take up.
+    let (mut kills, mut killed_running, mut left_unattached) = (0, 0, 0);
+    while kills < 12 || (left_unattached < 2 && kills < 40) {
+        let mut child = maintainer();
+        let jitter = dedup_core::Timestamp::now().as_micros().rem_euclid(300);
+        sleep(Duration::from_millis(
+            40 + 20 * (kills % 12) + u64::try_from(jitter).unwrap(),
+        ))
+        .await;
+        if child.try_wait().unwrap().is_none() {
+            killed_running += 1;
+        }
+        child.kill().await.unwrap(); // SIGKILL
+        kills += 1;
+        left_unattached += usize::from(!unattached(&pool).await.is_empty());
+    }
+    assert!(
+        killed_running * 2 >= kills,
+        "most kills land while it works: {killed_running} of {kills}"
+    );
+    assert!(
+        left_unattached >= 1,
+        "some kill left a table made and not attached ({kills} kills)"
+    );
+    let status = maintainer().wait().await.unwrap();
+    assert!(status.success(), "{status:?}");
+    for t in tasks {
+        t.await.unwrap();
+    }
+    each_key_ran_once(&pool).await;
+    let p = parts(&pool).await;
+    let t0_day = i32::try_from(t0 / DAY).unwrap();
+    assert!(lo_of(&p, "dedup_records_future").0 > t0_day + 30, "{p:?}");
+    assert_eq!(
+        unattached(&pool).await,
+        Vec::<String>::new(),
+        "the next run took up every table a killed one left"
+    );
+}
