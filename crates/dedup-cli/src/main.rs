@@ -275,7 +275,7 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
         }
     }
     let pool = connect_pg(&args.pg.database_url, 2).await?;
-    let store = dedup_pg::PgStore::new(pool);
+    let store = dedup_pg::PgStore::new(pool.clone());
     let record = store
         .get(&key)
         .await
@@ -296,11 +296,45 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
         ),
         None => println!("L3 (Postgres): no record"),
     }
+    // On the table partitioned by the key's time: which partition, and how it goes.
+    let partition: Option<String> = if record.is_some() {
+        sqlx::query_scalar(
+            "SELECT tableoid::regclass::text FROM dedup_records \
+             WHERE scope = $1 AND key = $2 AND kt = dedup_kt($2)",
+        )
+        .bind(key.scope().as_str())
+        .bind(key.key_bytes())
+        .fetch_optional(&pool)
+        .await
+        .map_err(|e| CliError::Failed(format!("postgres: {e}")))?
+    } else {
+        None
+    };
+    let ranged = partition.as_deref().is_some_and(|p| {
+        p.starts_with("dedup_records_") && p[14..].starts_with(|c: char| c.is_ascii_digit())
+    });
+    if let Some(p) = partition.as_deref().filter(|p| *p != "dedup_records") {
+        println!(
+            "partition: {p}{}",
+            if ranged {
+                " (a range of days: dropped whole by the retention once its last day is \
+                 --keep-days past, what is live in it then moved to dedup_records_late; until \
+                 then its expired records count as absent and still take their space)"
+            } else {
+                ""
+            }
+        );
+    }
     if let Some(r) = &record
         && dedup_core::machine::purgeable(r, dedup_core::Timestamp::now())
     {
         println!(
-            "past its retention: it counts as absent (the key's next message runs again), and the next purge deletes it (`dedup purge`)"
+            "past its retention: it counts as absent (the key's next message runs again), and {}",
+            if ranged {
+                "it goes when the retention drops its range (`dedup purge`)"
+            } else {
+                "the next purge deletes it (`dedup purge`)"
+            }
         );
     }
     Ok(ExitCode::SUCCESS)

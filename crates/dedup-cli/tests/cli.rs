@@ -1523,6 +1523,9 @@ fn migrate_partitions_the_records_by_their_keys_time_once() {
             stdout.contains("L3 (Postgres): Completed"),
             "{key}: {stdout}"
         );
+        let ranged = stdout.contains(&format!("partition: {range} (a range of days"));
+        let untimed = stdout.contains("partition: dedup_records_untimed");
+        assert_eq!((ranged, untimed), (key == ahead, key != ahead), "{stdout}");
     }
     assert!(run().contains("partitioned by the key's time already"));
     // The purge keeps the ranges: made ahead already, nothing to drop, nothing expired.

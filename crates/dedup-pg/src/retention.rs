@@ -7,7 +7,9 @@
 //! session-level advisory lock on it, keyed on the schema that holds `dedup_records`: the task
 //! that holds it leads, and purges on that same session in bounded batches ([`PURGE_SQL`], as
 //! `dedup purge` does) until a batch comes back short; the others stand by and try again next
-//! round. The lock lives as long as the leader's session, so the server releases it when the
+//! round. On the table partitioned by the key's time, the leader first keeps the ranges of days
+//! ([`maintain_ranges`]: the ranges due made ahead, the expired ones dropped whole), and the
+//! bounded DELETE leaves the ranges alone. The lock lives as long as the leader's session, so the server releases it when the
 //! leader's process dies or closes its connection (a connection cut without a word is seen by the
 //! server's TCP keepalive, which the session sets to about a minute), and another task takes it
 //! at its next round (docs/ARCHITECTURE.md, invariant 35). Every call has a client-side deadline,
@@ -204,8 +206,9 @@ impl PgStore {
     /// Starts retention in the background on the current Tokio runtime: every
     /// [`every`](RetentionConfig::every), the one task of all that share this database and the
     /// schema of `dedup_records` which holds the retention lock deletes the records past their
-    /// retention, `batch` a statement, until none is left. Parked keys' records are kept, as by
-    /// `dedup purge`. Run it in every instance: only one purges at a time, and when it dies
+    /// retention, `batch` a statement, until none is left (on the table partitioned by the key's
+    /// time, after making the ranges of days due and dropping the expired ones whole, as
+    /// [`RetentionConfig::ranges`] says). Parked keys' records are kept, as by `dedup purge`. Run it in every instance: only one purges at a time, and when it dies
     /// another takes over at its next round. Its session comes from this store's pool (made by
     /// it, then detached), and needs a real session: behind PgBouncer, session pooling.
     #[must_use = "dropping the Retention stops the task at once"]
