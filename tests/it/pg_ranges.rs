@@ -86,11 +86,12 @@ async fn park(pool: &PgPool, name: &str) {
     .unwrap();
 }
 
-/// Expires the records of `names` now.
+/// Expires the records of `names` an hour ago (a drop still moves a record that expired in the
+/// last 5 minutes).
 async fn expire(pool: &PgPool, names: &[&String]) {
     let keys: Vec<&[u8]> = names.iter().map(|n| n.as_bytes()).collect();
     sqlx::query(
-        "UPDATE dedup_records SET expires_at = statement_timestamp() - interval '1 second' \
+        "UPDATE dedup_records SET expires_at = statement_timestamp() - interval '1 hour' \
          WHERE key = ANY($1) AND kt = ANY (SELECT dedup_kt(k) FROM unnest($1) k)",
     )
     .bind(&keys)
@@ -133,6 +134,15 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
     let expired: Vec<&String> = (0..40).filter(|&d| !live(d)).map(|d| &names[d]).collect();
     expire(&pool, &expired).await;
     park(&pool, &names[7]).await;
+    // Expired a minute ago: a claim that waited for the drop's lock may still see it live.
+    sqlx::query(
+        "UPDATE dedup_records SET expires_at = statement_timestamp() - interval '1 minute' \
+         WHERE key = $1 AND kt = dedup_kt($1)",
+    )
+    .bind(names[3].as_bytes())
+    .execute(&pool)
+    .await
+    .unwrap();
 
     // The keys of the days without a range yet went to `future`; making their ranges moves them.
     let in_future: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_records_future")
@@ -147,8 +157,8 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
     assert!(report.partitioned);
     assert_eq!(
         report.moved,
-        u64::try_from(in_future).unwrap() + 10,
-        "those of future, then 8 live, 1 parked, 1 leased: {report:?}"
+        u64::try_from(in_future).unwrap() + 11,
+        "those of future, then 8 live, 1 just expired, 1 parked, 1 leased: {report:?}"
     );
     let p = parts(&pool).await;
     let (late_lo, late_hi) = lo_of(&p, "dedup_records_late");
@@ -172,8 +182,12 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
                 ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
                 other => panic!("day {d}: a duplicate of a moved record replays: {other:?}"),
             }
-        } else if d == 7 {
-            assert_eq!(found.as_deref(), Some("dedup_records_late"), "parked");
+        } else if d == 7 || d == 3 {
+            assert_eq!(
+                found.as_deref(),
+                Some("dedup_records_late"),
+                "parked, just expired"
+            );
             assert!(store.get(&key(n)).await.unwrap().is_some());
         } else {
             assert_eq!(found, None, "day {d}: dropped with its range");
@@ -207,7 +221,10 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
         .retention_round(&RetentionConfig::default())
         .await
         .unwrap();
-    assert_eq!(round.purged, 1, "{round:?}");
+    assert_eq!(
+        round.purged, 2,
+        "the new key's and the one just expired: {round:?}"
+    );
     assert_eq!(partition_of(&pool, &again).await, None);
     assert!(partition_of(&pool, &standing).await.is_some());
     assert!(partition_of(&pool, &names[7]).await.is_some());
@@ -241,6 +258,10 @@ async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
         .unwrap();
     assert!(held.held_back.is_some(), "{held:?}");
     assert!(held.dropped.is_empty(), "{held:?}");
+    assert_eq!(
+        held.ranged_days, None,
+        "the bounded DELETE takes the ranges meanwhile"
+    );
     assert!(!held.made.is_empty(), "ranges are still made: {held:?}");
     let refs: Vec<&String> = names.iter().collect();
     expire(&pool, &refs).await;
@@ -251,6 +272,109 @@ async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
     assert_eq!(dropped.held_back, None);
     for n in &names {
         assert_eq!(partition_of(&pool, n).await, None);
+    }
+}
+
+/// A transaction held open on the table (a caller's `claim_in`) holds a change back for the
+/// round (20 tries of 100 ms), without an error; and a round whose change is held back still
+/// purges, the ranges' expired records included: retention never stops for the ranges.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_change_held_back_leaves_the_purge_going(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let today = v7(t0 + 60_000, 1);
+    let ahead = v7(t0 + 10 * DAY, 2);
+    for n in [&today, &ahead] {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, b"ok").await.unwrap();
+    }
+    expire(&pool, &[&today]).await;
+
+    let mut open = pool.begin().await.unwrap();
+    acquired(
+        PgStore::claim_in(&mut open, &req(&key("held-open"), "caller"))
+            .await
+            .unwrap(),
+    );
+    let mut conn = pool.acquire().await.unwrap();
+    let started = std::time::Instant::now();
+    let busy = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    assert!(
+        busy.held_back
+            .as_deref()
+            .is_some_and(|w| w.contains("lock not had")),
+        "{busy:?}"
+    );
+    assert_eq!(busy.ranged_days, None);
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    open.commit().await.unwrap();
+
+    // A carve held back (`ahead`'s record would be moved, and no move is allowed): the bounded
+    // DELETE of that round takes the expired record of today's range too.
+    let config = RetentionConfig::default().with_ranges(
+        RangePolicy::default()
+            .with_ahead(Duration::from_secs(31 * 86_400))
+            .with_max_move(0),
+    );
+    let round = store.retention_round(&config).await.unwrap();
+    assert!(round.ranges.held_back.is_some(), "{round:?}");
+    assert_eq!(round.purged, 1, "{round:?}");
+    assert_eq!(partition_of(&pool, &today).await, None);
+    assert!(partition_of(&pool, &ahead).await.is_some());
+}
+
+/// The tables a maintainer makes belong to the parent's owner, whoever runs it; and a role that
+/// owns the table and may create in its schema keeps the ranges without being a superuser.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn the_ranges_belong_to_the_tables_owner(pool: PgPool) {
+    let role = format!("dedup_ranges_owner_{}", std::process::id());
+    for sql in [
+        format!("DROP ROLE IF EXISTS {role}"),
+        format!("CREATE ROLE {role}"),
+        format!("GRANT CREATE ON SCHEMA public TO {role}"),
+        format!("ALTER TABLE dedup_records OWNER TO {role}"),
+        // The purge and the drop read the parked messages' keys.
+        format!("GRANT SELECT ON dedup_parked TO {role}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    // The switch run by a superuser: the ranges it makes are the owner's all the same.
+    let t0 = switch(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("SET ROLE {role}")))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let r = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert!(!r.made.is_empty() && !r.dropped.is_empty(), "{r:?}");
+    sqlx::query("RESET ROLE").execute(&mut *conn).await.unwrap();
+    let owners: Vec<(String, String)> = sqlx::query_as(
+        "SELECT c.relname::text, c.relowner::regrole::text FROM pg_inherits i \
+         JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'dedup_records'::regclass \
+         ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(owners.len() >= 5, "{owners:?}");
+    assert!(owners.iter().all(|(_, o)| *o == role), "{owners:?}");
+    for sql in [
+        format!("REASSIGN OWNED BY {role} TO CURRENT_USER"),
+        format!("DROP OWNED BY {role}"),
+        format!("DROP ROLE {role}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
     }
 }
 

@@ -35,8 +35,8 @@ pub(crate) struct PurgeArgs {
     /// per range of days (each range is dropped whole).
     #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=366))]
     range_days: u32,
-    /// The partitioned table: make the ranges this many days ahead of now.
-    #[arg(long, default_value_t = 3.0, value_parser = days)]
+    /// The partitioned table: make the ranges this many days ahead of now (at most 31).
+    #[arg(long, default_value_t = 3.0, value_parser = ahead)]
     ahead_days: f64,
     /// The partitioned table: drop a range this many days after its last day, its live and
     /// parked records moved out first (at least the longest retention, plus the longest a
@@ -50,6 +50,14 @@ fn days(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(n) if n.is_finite() && (0.0..=36_525.0).contains(&n) => Ok(n),
         _ => Err(format!("{s:?}: give a number of days from 0 to 36525")),
+    }
+}
+
+/// A number of days from 0 to 31.
+fn ahead(s: &str) -> Result<f64, String> {
+    match days(s) {
+        Ok(n) if n <= 31.0 => Ok(n),
+        _ => Err(format!("{s:?}: give a number of days from 0 to 31")),
     }
 }
 

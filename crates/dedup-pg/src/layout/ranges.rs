@@ -27,7 +27,7 @@ use tracing::{info, warn};
 
 use dedup_core::StoreError;
 
-use super::{LOCK_TRIES, is_lock_timeout, lock_pause, lock_timeout};
+use super::{is_lock_timeout, lock_pause, lock_timeout};
 use crate::classify::classify;
 
 /// Milliseconds in a day.
@@ -48,6 +48,19 @@ const PARTS_SQL: &str = "SELECT c.relname::text, \
      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
      CROSS JOIN LATERAL pg_get_expr(c.relpartbound, c.oid) AS b \
      WHERE i.inhparent = 'dedup_records'::regclass ORDER BY 2 NULLS FIRST";
+
+/// The schema of `dedup_records`, quoted: the partitions' tables are made and named in it.
+const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname) FROM pg_class c \
+     JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'dedup_records'::regclass";
+
+/// How many times a change of the partitions tries for the parent's lock (100 ms each, with a
+/// pause between) before it is held back until the next round: a claim queued behind one try
+/// waits about 100 ms, so a long transaction beside it costs the claims a few seconds at most.
+const RANGE_LOCK_TRIES: u32 = 20;
+
+/// The most days ahead ranges are made (each range ahead is one more partition for every
+/// statement to set up).
+const MOST_AHEAD: Duration = Duration::from_secs(31 * 86_400);
 
 /// The class of the advisory lock that lets one maintainer make a table at a time ("deds").
 const MAKER_LOCK_CLASS: i32 = 0x6465_6473;
@@ -96,9 +109,9 @@ impl RangePolicy {
         self
     }
 
-    /// Sets how far ahead of now ranges are made.
+    /// Sets how far ahead of now ranges are made (at most 31 days).
     pub fn with_ahead(mut self, ahead: Duration) -> Self {
-        self.ahead = ahead;
+        self.ahead = ahead.min(MOST_AHEAD);
         self
     }
 
@@ -134,7 +147,9 @@ pub struct RangeReport {
     /// Why a change was held back, if one was.
     pub held_back: Option<String>,
     /// The days the ranges cover, `[first, end)` in days since the Unix epoch: the bounded
-    /// DELETE leaves them alone (a range goes whole).
+    /// DELETE leaves them alone (a range goes whole). None where a change was held back (or
+    /// the table is not partitioned): the bounded DELETE then takes the ranges' expired
+    /// records too, so that retention never stops.
     pub ranged_days: Option<(i32, i32)>,
 }
 
@@ -146,19 +161,26 @@ struct Part {
     hi: Option<i32>,
 }
 
-/// The partitions as they stand.
+/// The partitions as they stand, and the parent's schema (quoted), which their tables are in.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Parts(Vec<Part>);
+struct Parts(Vec<Part>, String);
 
 impl Parts {
     async fn read(conn: &mut PgConnection) -> Result<Self, sqlx::Error> {
         let rows: Vec<(String, Option<i32>, Option<i32>)> =
             sqlx::query_as(PARTS_SQL).fetch_all(&mut *conn).await?;
+        let schema: String = sqlx::query_scalar(SCHEMA_SQL).fetch_one(&mut *conn).await?;
         Ok(Self(
             rows.into_iter()
                 .map(|(name, lo, hi)| Part { name, lo, hi })
                 .collect(),
+            schema,
         ))
+    }
+
+    /// `name` in the parent's schema.
+    fn q(&self, name: &str) -> String {
+        format!("{}.{name}", self.1)
     }
 
     fn named(&self, name: &str) -> Option<&Part> {
@@ -209,11 +231,16 @@ pub async fn maintain_ranges(
 ) -> Result<RangeReport, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
     let mut report = RangeReport::default();
+    // The partitions' bounds are read as text and cast back: in the style sqlx sets at connect.
+    sqlx::query("SELECT set_config('DateStyle', 'ISO, MDY', false)")
+        .execute(&mut *conn)
+        .await
+        .map_err(e)?;
     let now_ms = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
     let days = i32::try_from(policy.days.clamp(1, 366)).unwrap_or(7);
-    let ahead_ms = i64::try_from(policy.ahead.as_millis()).unwrap_or(i64::MAX);
+    let ahead_ms = i64::try_from(policy.ahead.min(MOST_AHEAD).as_millis()).unwrap_or(0);
     let keep_ms = i64::try_from(policy.keep.as_millis()).unwrap_or(i64::MAX);
     // The last day that must have a range of its own.
     let due = day_of(now_ms.saturating_add(ahead_ms));
@@ -288,7 +315,7 @@ pub async fn maintain_ranges(
              is the retention task running?"
         );
     }
-    report.ranged_days = parts.ranged_days();
+    report.ranged_days = parts.ranged_days().filter(|_| report.held_back.is_none());
     Ok(report)
 }
 
@@ -337,18 +364,21 @@ fn civil(day: i32) -> (i32, u32, u32) {
     )
 }
 
-/// Makes `table` (empty, the parent's columns, defaults and checks, its own primary key, and
-/// `future`'s storage settings) if it is not there: in a transaction of its own, so the table is
-/// there whole or not at all. Its owner is the role that runs this (which must own the parent
-/// to attach it); grants on it do not matter, since every statement goes through the parent.
-async fn make_table(conn: &mut PgConnection, table: &str) -> Result<(), StoreError> {
-    let table = table.to_owned();
-    let sql = format!(
-        "CREATE TABLE IF NOT EXISTS {table} (LIKE dedup_records INCLUDING DEFAULTS \
-         INCLUDING CONSTRAINTS, PRIMARY KEY (scope, key))"
-    );
+/// Makes `table` in the parent's schema (empty, the parent's columns, defaults and checks, its
+/// own primary key, `future`'s storage settings, the parent's owner) if it is not there: in a
+/// transaction of its own, so the table is there whole or not at all. The role that runs this
+/// must be able to give it to the parent's owner (be it, or a member of it) and to create in
+/// the schema; grants on the table do not matter, since every statement goes through the
+/// parent. None if the makers' lock was not had.
+async fn make_table(
+    conn: &mut PgConnection,
+    parts: &Parts,
+    table: &str,
+) -> Result<Option<()>, StoreError> {
+    let table = parts.q(table);
+    let future = parts.q("dedup_records_future");
     locked(conn, |tx| {
-        let (sql, table) = (sql.clone(), table.clone());
+        let (table, future) = (table.clone(), future.clone());
         Box::pin(async move {
             // Two `CREATE TABLE IF NOT EXISTS` of one name at once: one fails on the catalog's
             // unique index. One maker at a time; the second then finds the table there.
@@ -356,15 +386,21 @@ async fn make_table(conn: &mut PgConnection, table: &str) -> Result<(), StoreErr
                 .bind(MAKER_LOCK_CLASS)
                 .execute(&mut *tx)
                 .await?;
-            // A fixed prefix and a date: nothing from outside.
-            tx.execute(sqlx::AssertSqlSafe(sql)).await?;
+            // The schema's quoted name and a fixed prefix and a date: nothing from outside.
+            tx.execute(sqlx::AssertSqlSafe(format!(
+                "CREATE TABLE IF NOT EXISTS {table} (LIKE dedup_records INCLUDING DEFAULTS \
+                 INCLUDING CONSTRAINTS, PRIMARY KEY (scope, key))"
+            )))
+            .await?;
             // The storage settings the table had before the switch (a fillfactor that leaves
-            // room for the completion's update), which `future` carries.
+            // room for the completion's update), which `future` carries; the parent's owner.
             tx.execute(sqlx::AssertSqlSafe(format!(
                 "DO $s$ DECLARE o text[] := (SELECT reloptions FROM pg_class \
-                 WHERE oid = 'dedup_records_future'::regclass); BEGIN \
+                 WHERE oid = '{future}'::regclass); BEGIN \
                  IF o IS NOT NULL THEN EXECUTE format('ALTER TABLE {table} SET (%s)', \
-                 array_to_string(o, ', ')); END IF; END $s$"
+                 array_to_string(o, ', ')); END IF; \
+                 EXECUTE format('ALTER TABLE {table} OWNER TO %s', (SELECT relowner::regrole \
+                 FROM pg_class WHERE oid = 'dedup_records'::regclass)); END $s$"
             )))
             .await
             .map(drop)
@@ -373,32 +409,46 @@ async fn make_table(conn: &mut PgConnection, table: &str) -> Result<(), StoreErr
     .await
 }
 
-/// Runs `step` in a transaction with a 100 ms `lock_timeout`, again (after a pause) while it
-/// fails for want of a lock, up to [`LOCK_TRIES`] times; commits what it did.
+/// Runs `step` in a transaction that waits 100 ms at most for each lock, and is ended by the
+/// server if its client goes quiet in it for 5 s or a statement runs 30 s (so a maintainer
+/// whose host dies mid-change does not hold the parent's lock); again (after a pause) while it
+/// fails for want of a lock, up to [`RANGE_LOCK_TRIES`] times; commits what it did. None if the
+/// lock was not had.
 async fn locked<T>(
     conn: &mut PgConnection,
     mut step: impl for<'t> FnMut(
         &'t mut PgConnection,
     ) -> futures_util::future::BoxFuture<'t, Result<T, sqlx::Error>>,
-) -> Result<T, StoreError> {
-    let mut tries = 0;
-    loop {
+) -> Result<Option<T>, StoreError> {
+    for _ in 0..RANGE_LOCK_TRIES {
         let attempt = async {
             let mut tx = conn.begin().await?;
             lock_timeout(&mut tx).await?;
+            sqlx::query(
+                "SELECT set_config('idle_in_transaction_session_timeout', '5s', true), \
+                 set_config('statement_timeout', '30s', true)",
+            )
+            .execute(&mut *tx)
+            .await?;
             let out = step(&mut tx).await?;
             tx.commit().await?;
             Ok(out)
         }
         .await;
         match attempt {
-            Err(err) if tries + 1 < LOCK_TRIES && is_lock_timeout(&err) => {
-                tries += 1;
-                lock_pause().await;
-            }
-            other => return other.map_err(|e| classify(e, true)),
+            Err(err) if is_lock_timeout(&err) => lock_pause().await,
+            other => return other.map(Some).map_err(|e| classify(e, true)),
         }
     }
+    Ok(None)
+}
+
+/// Why a change was held back when the parent's lock was not had.
+fn lock_busy(what: &str) -> Step {
+    Step::HeldBack(format!(
+        "{what}: the table's lock not had in {RANGE_LOCK_TRIES} tries of 100 ms (a long \
+         transaction on dedup_records); next round"
+    ))
 }
 
 /// Takes the parent's lock and answers whether the partitions are still `seen`.
@@ -438,11 +488,12 @@ async fn carve(
 ) -> Result<Step, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
     let name = range_name(lo);
+    let (range, future) = (seen.q(&name), seen.q("dedup_records_future"));
     // Counted before the lock; under it the same condition moves whatever is there by then.
-    let due: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT 1 FROM dedup_records_future \
-         WHERE kt < date '1970-01-01' + $1 LIMIT $2) s",
-    )
+    let due: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT 1 FROM {future} \
+         WHERE kt < date '1970-01-01' + $1 LIMIT $2) s"
+    )))
     .bind(hi)
     .bind(
         i64::try_from(max_move)
@@ -455,43 +506,57 @@ async fn carve(
     if u64::try_from(due).unwrap_or(0) > max_move {
         return Ok(Step::HeldBack(format!(
             "dedup_records_future holds more than {max_move} records of the days of {name}: \
-             making it would move them under the table's lock (raise max_move, or make it at \
-             a quiet hour)"
+             making it would move them under the table's lock (the retention did not run for \
+             longer than `ahead`; raise max_move to make it at a quiet hour)"
         )));
     }
-    make_table(conn, &name).await?;
+    if make_table(conn, seen, &name).await?.is_none() {
+        return Ok(lock_busy(&name));
+    }
     let seen = seen.clone();
     let moved = locked(conn, |tx| {
-        let (seen, name) = (seen.clone(), name.clone());
+        let (seen, range, future) = (seen.clone(), range.clone(), future.clone());
         Box::pin(async move {
             if !lock_unchanged(tx, &seen).await? {
                 return Ok(None);
             }
-            tx.execute("ALTER TABLE dedup_records DETACH PARTITION dedup_records_future")
-                .await?;
-            // Day numbers and fixed names: nothing from outside.
-            let attach = format!(
-                "ALTER TABLE dedup_records ATTACH PARTITION {name} FOR VALUES \
-                 FROM (date '1970-01-01' + {lo}) TO (date '1970-01-01' + {hi})"
-            );
-            tx.execute(sqlx::AssertSqlSafe(attach)).await?;
+            // Day numbers and the schema's quoted name: nothing from outside.
+            for step in [
+                format!("ALTER TABLE dedup_records DETACH PARTITION {future}"),
+                format!(
+                    "ALTER TABLE dedup_records ATTACH PARTITION {range} FOR VALUES \
+                     FROM (date '1970-01-01' + {lo}) TO (date '1970-01-01' + {hi})"
+                ),
+            ] {
+                tx.execute(sqlx::AssertSqlSafe(step)).await?;
+            }
             let moved: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(
-                "dedup_records_future",
+                &future,
                 &format!("r.kt < date '1970-01-01' + {hi}"),
             )))
             .fetch_one(&mut *tx)
             .await?;
-            let future = format!(
-                "ALTER TABLE dedup_records ATTACH PARTITION dedup_records_future FOR VALUES \
+            tx.execute(sqlx::AssertSqlSafe(format!(
+                "ALTER TABLE dedup_records ATTACH PARTITION {future} FOR VALUES \
                  FROM (date '1970-01-01' + {hi}) TO (MAXVALUE)"
-            );
-            tx.execute(sqlx::AssertSqlSafe(future)).await?;
+            )))
+            .await?;
             Ok(Some(u64::try_from(moved).unwrap_or(0)))
         })
     })
     .await?;
-    Ok(moved.map_or(Step::Raced, |moved| Step::Done { name, moved }))
+    Ok(match moved {
+        None => lock_busy(&name),
+        Some(None) => Step::Raced,
+        Some(Some(moved)) => Step::Done { name, moved },
+    })
 }
+
+/// What a drop moves out of a range before it goes: the records live by the server's clock, or
+/// expired within the last 5 minutes (a claim that waited for the parent's lock measures expiry
+/// at its own statement's start, before the wait, so a record that expired during the wait is
+/// still live to it), found through the range's index on `expires_at`.
+const LIVE: &str = "r.expires_at > statement_timestamp() - interval '5 minutes'";
 
 /// Drops the range `name`, `[lo, hi)`: detach it, widen `late` over its days (or make `late`
 /// of them), move its live records and those a parked message names into `late`, drop it.
@@ -507,12 +572,13 @@ async fn drop_range(
     let limit = i64::try_from(max_move)
         .unwrap_or(i64::MAX)
         .saturating_add(1);
+    let (range, late) = (seen.q(name), seen.q("dedup_records_late"));
     // Counted before the lock, through the range's index on expires_at and its primary key.
     let live: Result<i64, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT (SELECT count(*) FROM (SELECT 1 FROM {name} \
-         WHERE expires_at > statement_timestamp() LIMIT $1) s) + \
-         (SELECT count(*) FROM dedup_parked p CROSS JOIN LATERAL (SELECT 1 FROM {name} q \
-         WHERE q.scope = p.dedup_scope AND q.key = p.dedup_key) x)"
+        "SELECT (SELECT count(*) FROM (SELECT 1 FROM {range} r WHERE {LIVE} LIMIT $1) s) + \
+         (SELECT count(*) FROM (SELECT 1 FROM dedup_parked p CROSS JOIN LATERAL \
+         (SELECT 1 FROM {range} q WHERE q.scope = p.dedup_scope AND q.key = p.dedup_key) x \
+         LIMIT $1) s)"
     )))
     .bind(limit)
     .fetch_one(&mut *conn)
@@ -527,65 +593,110 @@ async fn drop_range(
     if u64::try_from(live).unwrap_or(0) > max_move {
         return Ok(Step::HeldBack(format!(
             "{name} still holds more than {max_move} live or parked records: dropping it would \
-             move them under the table's lock (is `keep` shorter than the longest retention?)"
+             move them under the table's lock (is `keep` shorter than the longest retention, \
+             failed records' included?); the bounded DELETE takes the ranges meanwhile"
         )));
     }
     // `late` must start where the ranges do: it is made of the first range dropped.
     let late_lo = match seen.late() {
-        Some(late) if late.hi == Some(lo) => late.lo.unwrap_or(lo),
-        Some(late) => {
+        Some(l) if l.hi == Some(lo) => l.lo.unwrap_or(lo),
+        Some(l) => {
             return Err(classify(
                 sqlx::Error::Protocol(format!(
                     "dedup_records_late ends at day {:?}, not where {name} starts ({lo})",
-                    late.hi
+                    l.hi
                 )),
                 false,
             ));
         }
         None => lo,
     };
-    if seen.late().is_none() {
-        make_table(conn, "dedup_records_late").await?;
+    // `late` widened over the range's days: a check of its new bounds, validated before the
+    // lock without blocking writers, spares the attach under the lock its scan of `late`.
+    let bound = format!("dedup_records_late_to_{hi}");
+    if seen.late().is_some() {
+        let add = format!(
+            "DO $c$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_constraint \
+             WHERE conrelid = '{late}'::regclass AND conname = '{bound}') THEN \
+             ALTER TABLE {late} ADD CONSTRAINT {bound} CHECK (kt >= date '1970-01-01' + \
+             {late_lo} AND kt < date '1970-01-01' + {hi}) NOT VALID; END IF; END $c$"
+        );
+        let added = locked(conn, |tx| {
+            let add = add.clone();
+            Box::pin(async move {
+                // One maker at a time: two adding the same check at once, one would fail.
+                sqlx::query(MAKER_LOCK_SQL)
+                    .bind(MAKER_LOCK_CLASS)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.execute(sqlx::AssertSqlSafe(add)).await.map(drop)
+            })
+        })
+        .await?;
+        if added.is_none() {
+            return Ok(lock_busy(name));
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE {late} VALIDATE CONSTRAINT {bound}"
+        )))
+        .execute(&mut *conn)
+        .await
+        .map_err(e)?;
+    } else if make_table(conn, seen, "dedup_records_late")
+        .await?
+        .is_none()
+    {
+        return Ok(lock_busy(name));
     }
-    let (seen, name) = (seen.clone(), name.to_owned());
+    let seen = seen.clone();
     let moved = locked(conn, |tx| {
-        let (seen, name) = (seen.clone(), name.clone());
+        let (seen, range, late, bound) = (seen.clone(), range.clone(), late.clone(), bound.clone());
         Box::pin(async move {
             if !lock_unchanged(tx, &seen).await? {
                 return Ok(None);
             }
-            let widen = format!(
-                "ALTER TABLE dedup_records ATTACH PARTITION dedup_records_late FOR VALUES \
-                 FROM (date '1970-01-01' + {late_lo}) TO (date '1970-01-01' + {hi})"
-            );
-            tx.execute(sqlx::AssertSqlSafe(format!(
-                "ALTER TABLE dedup_records DETACH PARTITION {name}"
-            )))
-            .await?;
+            let mut steps = vec![format!("ALTER TABLE dedup_records DETACH PARTITION {range}")];
             if seen.late().is_some() {
-                tx.execute("ALTER TABLE dedup_records DETACH PARTITION dedup_records_late")
-                    .await?;
+                steps.push(format!("ALTER TABLE dedup_records DETACH PARTITION {late}"));
             }
-            tx.execute(sqlx::AssertSqlSafe(widen)).await?;
+            steps.push(format!(
+                "ALTER TABLE dedup_records ATTACH PARTITION {late} FOR VALUES \
+                 FROM (date '1970-01-01' + {late_lo}) TO (date '1970-01-01' + {hi})"
+            ));
+            // The checks of earlier bounds, which the partition's own bounds now imply.
+            steps.push(format!(
+                "DO $c$ DECLARE c text; BEGIN FOR c IN SELECT conname FROM pg_constraint \
+                 WHERE conrelid = '{late}'::regclass AND conname LIKE 'dedup\\_records\\_late\\_to\\_%' \
+                 AND conname <> '{bound}' LOOP \
+                 EXECUTE format('ALTER TABLE {late} DROP CONSTRAINT %I', c); END LOOP; END $c$"
+            ));
+            for step in steps {
+                // Day numbers and the schema's quoted name: nothing from outside.
+                tx.execute(sqlx::AssertSqlSafe(step)).await?;
+            }
             // The live records, through the range's index on expires_at; then the expired
             // ones a parked message names, through its primary key.
-            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(
-                &name,
-                "r.expires_at > statement_timestamp()",
-            )))
-            .fetch_one(&mut *tx)
-            .await?;
+            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(&range, LIVE)))
+                .fetch_one(&mut *tx)
+                .await?;
             let parked: i64 =
-                sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(&name, &parked_ctids(&name))))
+                sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(&range, &parked_ctids(&range))))
                     .fetch_one(&mut *tx)
                     .await?;
-            tx.execute(sqlx::AssertSqlSafe(format!("DROP TABLE {name}")))
+            tx.execute(sqlx::AssertSqlSafe(format!("DROP TABLE {range}")))
                 .await?;
             Ok(Some(u64::try_from(live + parked).unwrap_or(0)))
         })
     })
     .await?;
-    Ok(moved.map_or(Step::Raced, |moved| Step::Done { name, moved }))
+    Ok(match moved {
+        None => lock_busy(name),
+        Some(None) => Step::Raced,
+        Some(Some(moved)) => Step::Done {
+            name: name.to_owned(),
+            moved,
+        },
+    })
 }
 
 #[cfg(test)]
