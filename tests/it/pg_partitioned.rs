@@ -149,6 +149,25 @@ impl Writer {
     }
 }
 
+/// One effect per key, one completed record per key, each where `dedup_kt` puts it.
+pub(crate) async fn each_key_ran_once(pool: &PgPool) {
+    let effects = effect_rows(pool).await;
+    let mut keys: Vec<&str> = effects.iter().map(|e| e.0.as_str()).collect();
+    keys.dedup();
+    assert_eq!(
+        (effects.len(), keys.len()),
+        (48, 48),
+        "one effect per key: {effects:?}"
+    );
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'completed'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(completed, 48);
+    assert_eq!(misplaced_records(pool).await, 0);
+}
+
 /// Starts each of `writers` on `names` (every other one in reverse order), `chunk` keys a round,
 /// until every key is settled for it.
 pub(crate) fn spawn_writers(
@@ -204,21 +223,8 @@ async fn every_writer_racing_across_partitions_runs_each_key_once(pool: PgPool) 
     for t in spawn_writers(&pool, &writers, &names, names.len()) {
         t.await.unwrap();
     }
+    each_key_ran_once(&pool).await;
     let effects = effect_rows(&pool).await;
-    let mut keys: Vec<&str> = effects.iter().map(|e| e.0.as_str()).collect();
-    keys.dedup();
-    assert_eq!(
-        (effects.len(), keys.len()),
-        (48, 48),
-        "one effect per key: {effects:?}"
-    );
-    let completed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'completed'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(completed, 48);
-    assert_eq!(misplaced_records(&pool).await, 0);
     let spread = records_by_partition(&pool).await;
     assert_eq!(
         spread.len(),
@@ -571,15 +577,7 @@ async fn writers_racing_through_the_switch_run_each_key_once(pool: PgPool) {
     for t in tasks {
         t.await.unwrap();
     }
-    let effects = effect_rows(&pool).await;
-    let mut keys: Vec<&str> = effects.iter().map(|e| e.0.as_str()).collect();
-    keys.dedup();
-    assert_eq!(
-        (effects.len(), keys.len()),
-        (48, 48),
-        "one effect per key: {effects:?}"
-    );
-    assert_eq!(misplaced_records(&pool).await, 0);
+    each_key_ran_once(&pool).await;
     let spread = records_by_partition(&pool).await;
     assert!(
         spread

@@ -14,7 +14,7 @@ use sqlx::PgPool;
 use tokio::process::Command;
 use tokio::time::sleep;
 
-use crate::pg_partitioned::{Writer, spawn_writers, v7};
+use crate::pg_partitioned::{Writer, each_key_ran_once, spawn_writers, v7};
 use crate::support::{
     acquired, effect_rows, effects_table, key, misplaced_records, records_by_partition, req, url_of,
 };
@@ -383,25 +383,6 @@ fn racing_keys(t0: i64) -> Vec<String> {
     (0..48)
         .map(|i: i64| v7(t0 + (i % 24) * DAY + i * 1000, i as u64))
         .collect()
-}
-
-/// One effect per key, one completed record per key, each where `dedup_kt` puts it.
-async fn each_key_ran_once(pool: &PgPool) {
-    let effects = effect_rows(pool).await;
-    let mut keys: Vec<&str> = effects.iter().map(|e| e.0.as_str()).collect();
-    keys.dedup();
-    assert_eq!(
-        (effects.len(), keys.len()),
-        (48, 48),
-        "one effect per key: {effects:?}"
-    );
-    let completed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE state = 'completed'")
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    assert_eq!(completed, 48);
-    assert_eq!(misplaced_records(pool).await, 0);
 }
 
 const WRITERS: [Writer; 6] = [

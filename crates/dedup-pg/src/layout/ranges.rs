@@ -254,18 +254,9 @@ pub async fn maintain_ranges(
             break;
         }
         let hi = next_boundary(lo, days);
-        match carve(conn, &parts, lo, hi, policy.max_move).await? {
-            Step::Done { name, moved } => {
-                info!(range = %name, moved, "dedup_records: a range of days made");
-                report.made.push(name);
-                report.moved += moved;
-            }
-            Step::HeldBack(why) => {
-                warn!(reason = %why, "dedup_records: a range held back");
-                report.held_back = Some(why);
-                break;
-            }
-            Step::Raced => {}
+        let step = carve(conn, &parts, lo, hi, policy.max_move).await?;
+        if report.tally(step, Change::Made) {
+            break;
         }
     }
     for _ in 0..MOST_PER_CALL {
@@ -287,18 +278,9 @@ pub async fn maintain_ranges(
         {
             break;
         }
-        match drop_range(conn, &parts, &oldest.name, lo, hi, policy.max_move).await? {
-            Step::Done { name, moved } => {
-                info!(range = %name, moved, "dedup_records: a range of days dropped");
-                report.dropped.push(name);
-                report.moved += moved;
-            }
-            Step::HeldBack(why) => {
-                warn!(reason = %why, "dedup_records: a drop held back");
-                report.held_back = Some(why);
-                break;
-            }
-            Step::Raced => {}
+        let step = drop_range(conn, &parts, &oldest.name, lo, hi, policy.max_move).await?;
+        if report.tally(step, Change::Dropped) {
+            break;
         }
     }
     let parts = Parts::read(conn).await.map_err(e)?;
@@ -317,6 +299,36 @@ pub async fn maintain_ranges(
     }
     report.ranged_days = parts.ranged_days().filter(|_| report.held_back.is_none());
     Ok(report)
+}
+
+/// Which change of the partitions.
+#[derive(Clone, Copy, Debug)]
+enum Change {
+    Made,
+    Dropped,
+}
+
+impl RangeReport {
+    /// Counts what a change came to; true if it was held back (the loop stops).
+    fn tally(&mut self, step: Step, change: Change) -> bool {
+        match step {
+            Step::Done { name, moved } => {
+                info!(range = %name, moved, ?change, "dedup_records: a range of days");
+                self.moved += moved;
+                match change {
+                    Change::Made => self.made.push(name),
+                    Change::Dropped => self.dropped.push(name),
+                }
+                false
+            }
+            Step::HeldBack(why) => {
+                warn!(reason = %why, ?change, "dedup_records: a change held back");
+                self.held_back = Some(why);
+                true
+            }
+            Step::Raced => false,
+        }
+    }
 }
 
 /// What one change of the partitions came to.
