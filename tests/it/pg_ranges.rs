@@ -151,10 +151,20 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
         .unwrap();
     assert!(in_future > 30, "{in_future}");
     let mut conn = pool.acquire().await.unwrap();
+    // A session in another date style: the bounds are read right, and its style is kept.
+    sqlx::query("SET DateStyle = 'SQL, DMY'")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
     let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 60 * DAY))
         .await
         .unwrap();
     assert!(report.partitioned);
+    let style: String = sqlx::query_scalar("SHOW DateStyle")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(style, "SQL, DMY");
     assert_eq!(
         report.moved,
         u64::try_from(in_future).unwrap() + 11,

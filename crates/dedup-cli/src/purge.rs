@@ -108,6 +108,9 @@ async fn once(args: &PurgeArgs) -> Result<ExitCode, CliError> {
 
 /// What the round did to the ranges of days of the partitioned table (nothing on one table).
 fn print_ranges(r: &RangeReport) {
+    if let Some(why) = &r.held_back {
+        eprintln!("dedup purge: held back: {why}");
+    }
     if !r.partitioned {
         return;
     }
@@ -119,9 +122,6 @@ fn print_ranges(r: &RangeReport) {
     }
     if r.moved > 0 {
         println!("moved {} record(s) under the table's lock", r.moved);
-    }
-    if let Some(why) = &r.held_back {
-        eprintln!("dedup purge: held back: {why}");
     }
     if let Some(margin) = r.margin_days {
         println!("ranges made {margin} day(s) ahead");

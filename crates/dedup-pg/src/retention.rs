@@ -37,8 +37,8 @@ use crate::sql::{PURGE_SQL, RETENTION_LOCK_CLASS, RETENTION_LOCK_SQL};
 const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 /// What a call may take beyond the statement's own timeout before the client gives up on it.
 const CLIENT_MARGIN: Duration = Duration::from_secs(5);
-/// What keeping the ranges of days may take beyond a statement's limit: up to 200 waits of
-/// 100 ms for the table's lock, and the pauses between them.
+/// What keeping the ranges of days may take beyond a statement's limit: up to 20 waits of
+/// 100 ms for the table's lock per change, the pauses between them, a few changes.
 const RANGES_MARGIN: Duration = Duration::from_secs(60);
 /// How long [`Retention::stop`] waits for a statement in flight before it drops the session.
 const STOP_WAIT: Duration = Duration::from_secs(5);

@@ -247,12 +247,10 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
     // task's first round (which makes them too, if this fails).
     let first = async {
         let mut conn = pool.acquire().await.map_err(e)?;
-        maintain_ranges(
-            &mut conn,
-            &RangePolicy::default(),
-            std::time::SystemTime::now(),
-        )
-        .await
+        // The server's clock, as T0 is.
+        let now = std::time::SystemTime::UNIX_EPOCH
+            + std::time::Duration::from_millis(u64::try_from(t0_ms).unwrap_or(0));
+        maintain_ranges(&mut conn, &RangePolicy::default(), now).await
     };
     if let Err(err) = first.await {
         warn!(error = %err, "the first ranges of days not made; the retention task makes them");

@@ -50,7 +50,9 @@ const PARTS_SQL: &str = "SELECT c.relname::text, \
      WHERE i.inhparent = 'dedup_records'::regclass ORDER BY 2 NULLS FIRST";
 
 /// The schema of `dedup_records`, quoted: the partitions' tables are made and named in it.
-const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname) FROM pg_class c \
+const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname), (SELECT string_agg(quote_ident(a.attname), \
+     ',' ORDER BY a.attnum) FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 \
+     AND NOT a.attisdropped) FROM pg_class c \
      JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'dedup_records'::regclass";
 
 /// How many times a change of the partitions tries for the parent's lock (100 ms each, with a
@@ -161,21 +163,41 @@ struct Part {
     hi: Option<i32>,
 }
 
-/// The partitions as they stand, and the parent's schema (quoted), which their tables are in.
+/// The partitions as they stand, the parent's schema (quoted), which their tables are in, and
+/// the parent's columns (quoted, in order).
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Parts(Vec<Part>, String);
+struct Parts(Vec<Part>, String, String);
 
 impl Parts {
     async fn read(conn: &mut PgConnection) -> Result<Self, sqlx::Error> {
         let rows: Vec<(String, Option<i32>, Option<i32>)> =
             sqlx::query_as(PARTS_SQL).fetch_all(&mut *conn).await?;
-        let schema: String = sqlx::query_scalar(SCHEMA_SQL).fetch_one(&mut *conn).await?;
+        let (schema, cols): (String, String) =
+            sqlx::query_as(SCHEMA_SQL).fetch_one(&mut *conn).await?;
+        // Written into statements (and format() strings in DO blocks): a schema whose quoted
+        // name holds a quote, `%` or `$` would break them.
+        if schema.contains(['\'', '%', '$']) {
+            return Err(sqlx::Error::Protocol(format!(
+                "the schema of dedup_records ({schema}) has a quote, % or $ in its name: \
+                 ranges of days are not kept in it"
+            )));
+        }
         Ok(Self(
             rows.into_iter()
                 .map(|(name, lo, hi)| Part { name, lo, hi })
                 .collect(),
             schema,
+            cols,
         ))
+    }
+
+    /// The parent's columns, quoted, in order, each prefixed with `alias.`.
+    fn cols(&self, alias: &str) -> String {
+        self.2
+            .split(',')
+            .map(|c| format!("{alias}.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// `name` in the parent's schema.
@@ -222,20 +244,44 @@ impl Parts {
 ///
 /// # Errors
 ///
-/// A [`StoreError`] as [`classify`] sorts it: the parent's lock not had in 200 tries of 100 ms
-/// (retryable), a lost connection, a table in the way that is not dedup's.
+/// A [`StoreError`] as [`classify`] sorts it: a lost connection, a statement past the session's
+/// `statement_timeout`, a table in the way that is not dedup's. (The parent's lock not had in
+/// 20 tries of 100 ms is not an error: the change is held back, `held_back` says so.)
 pub async fn maintain_ranges(
+    conn: &mut PgConnection,
+    policy: &RangePolicy,
+    now: SystemTime,
+) -> Result<RangeReport, StoreError> {
+    // The partitions' bounds are read as text and cast back: in the style sqlx sets at connect,
+    // whatever the session's, which is put back after.
+    let style: String = sqlx::query_scalar("SELECT current_setting('DateStyle')")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| classify(e, false))?;
+    if style != "ISO, MDY" {
+        sqlx::query("SELECT set_config('DateStyle', 'ISO, MDY', false)")
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| classify(e, false))?;
+    }
+    let kept = keep(conn, policy, now).await;
+    if style != "ISO, MDY" {
+        let _ = sqlx::query("SELECT set_config('DateStyle', $1, false)")
+            .bind(&style)
+            .execute(&mut *conn)
+            .await;
+    }
+    kept
+}
+
+/// [`maintain_ranges`], in the date style it reads bounds in.
+async fn keep(
     conn: &mut PgConnection,
     policy: &RangePolicy,
     now: SystemTime,
 ) -> Result<RangeReport, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
     let mut report = RangeReport::default();
-    // The partitions' bounds are read as text and cast back: in the style sqlx sets at connect.
-    sqlx::query("SELECT set_config('DateStyle', 'ISO, MDY', false)")
-        .execute(&mut *conn)
-        .await
-        .map_err(e)?;
     let now_ms = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
@@ -422,8 +468,9 @@ async fn make_table(
 }
 
 /// Runs `step` in a transaction that waits 100 ms at most for each lock, and is ended by the
-/// server if its client goes quiet in it for 5 s or a statement runs 30 s (so a maintainer
-/// whose host dies mid-change does not hold the parent's lock); again (after a pause) while it
+/// server if its client goes quiet in it for 5 s (so a maintainer whose host dies mid-change
+/// does not hold the parent's lock; its statements are bounded by the session's
+/// `statement_timeout`, the retention task's own); again (after a pause) while it
 /// fails for want of a lock, up to [`RANGE_LOCK_TRIES`] times; commits what it did. None if the
 /// lock was not had.
 async fn locked<T>(
@@ -436,12 +483,9 @@ async fn locked<T>(
         let attempt = async {
             let mut tx = conn.begin().await?;
             lock_timeout(&mut tx).await?;
-            sqlx::query(
-                "SELECT set_config('idle_in_transaction_session_timeout', '5s', true), \
-                 set_config('statement_timeout', '30s', true)",
-            )
-            .execute(&mut *tx)
-            .await?;
+            sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', '5s', true)")
+                .execute(&mut *tx)
+                .await?;
             let out = step(&mut tx).await?;
             tx.commit().await?;
             Ok(out)
@@ -472,11 +516,14 @@ async fn lock_unchanged(tx: &mut PgConnection, seen: &Parts) -> Result<bool, sql
 
 /// Moves the rows of `from` that `filter` (a condition on `r`) picks into the parent, every
 /// column as it was: the parent routes them by their `kt`. Answers how many.
-fn move_sql(from: &str, filter: &str) -> String {
+fn move_sql(parts: &Parts, from: &str, filter: &str) -> String {
     format!(
-        "WITH m AS (DELETE FROM {from} r WHERE {filter} RETURNING r.*), \
-         i AS (INSERT INTO dedup_records SELECT (jsonb_populate_record(NULL::dedup_records, \
-         to_jsonb(m))).* FROM m RETURNING 1) SELECT count(*) FROM i"
+        "WITH m AS (DELETE FROM {from} r WHERE {filter} RETURNING {}), \
+         i AS (INSERT INTO dedup_records ({}) SELECT {} FROM m RETURNING 1) \
+         SELECT count(*) FROM i",
+        parts.cols("r"),
+        parts.2,
+        parts.cols("m"),
     )
 }
 
@@ -543,6 +590,7 @@ async fn carve(
                 tx.execute(sqlx::AssertSqlSafe(step)).await?;
             }
             let moved: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(
+                &seen,
                 &future,
                 &format!("r.kt < date '1970-01-01' + {hi}"),
             )))
@@ -568,7 +616,25 @@ async fn carve(
 /// expired within the last 5 minutes (a claim that waited for the parent's lock measures expiry
 /// at its own statement's start, before the wait, so a record that expired during the wait is
 /// still live to it), found through the range's index on `expires_at`.
-const LIVE: &str = "r.expires_at > statement_timestamp() - interval '5 minutes'";
+const LIVE: &str = "r.expires_at > transaction_timestamp() - interval '5 minutes'";
+
+/// Copies the rows of the range `from` that `filter` (a condition on `r`) picks into the
+/// parent, every column as it was (so into `late`, by their `kt`), and leaves them in the range,
+/// which is dropped next: no delete to write for a table about to go. Answers how many.
+fn copy_sql(parts: &Parts, from: &str, filter: &str) -> String {
+    format!(
+        "WITH i AS (INSERT INTO dedup_records ({}) SELECT {} FROM {from} r WHERE {filter} \
+         RETURNING 1) SELECT count(*) FROM i",
+        parts.2,
+        parts.cols("r"),
+    )
+}
+
+/// A day since the Unix epoch as a date literal.
+fn date_literal(day: i32) -> String {
+    let (y, m, d) = civil(day);
+    format!("DATE '{y:04}-{m:02}-{d:02}'")
+}
 
 /// Drops the range `name`, `[lo, hi)`: detach it, widen `late` over its days (or make `late`
 /// of them), move its live records and those a parked message names into `late`, drop it.
@@ -630,23 +696,32 @@ async fn drop_range(
         let add = format!(
             "DO $c$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_constraint \
              WHERE conrelid = '{late}'::regclass AND conname = '{bound}') THEN \
-             ALTER TABLE {late} ADD CONSTRAINT {bound} CHECK (kt >= date '1970-01-01' + \
-             {late_lo} AND kt < date '1970-01-01' + {hi}) NOT VALID; END IF; END $c$"
+             ALTER TABLE {late} ADD CONSTRAINT {bound} CHECK (kt >= {from} AND kt < {to}) \
+             NOT VALID; END IF; END $c$",
+            from = date_literal(late_lo),
+            to = date_literal(hi),
         );
         let added = locked(conn, |tx| {
             let add = add.clone();
             Box::pin(async move {
-                // One maker at a time: two adding the same check at once, one would fail.
+                // One maker at a time: two adding the same check at once, one would fail; and
+                // a maintainer that read the partitions before another dropped this range (and
+                // the next) must not put a narrower bound back on `late`: read again under it.
                 sqlx::query(MAKER_LOCK_SQL)
                     .bind(MAKER_LOCK_CLASS)
                     .execute(&mut *tx)
                     .await?;
-                tx.execute(sqlx::AssertSqlSafe(add)).await.map(drop)
+                if Parts::read(tx).await?.late().and_then(|l| l.hi) != Some(lo) {
+                    return Ok(false);
+                }
+                tx.execute(sqlx::AssertSqlSafe(add)).await.map(|_| true)
             })
         })
         .await?;
-        if added.is_none() {
-            return Ok(lock_busy(name));
+        match added {
+            None => return Ok(lock_busy(name)),
+            Some(false) => return Ok(Step::Raced),
+            Some(true) => {}
         }
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "ALTER TABLE {late} VALIDATE CONSTRAINT {bound}"
@@ -686,15 +761,19 @@ async fn drop_range(
                 // Day numbers and the schema's quoted name: nothing from outside.
                 tx.execute(sqlx::AssertSqlSafe(step)).await?;
             }
-            // The live records, through the range's index on expires_at; then the expired
-            // ones a parked message names, through its primary key.
-            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(&range, LIVE)))
+            // The live records, through the range's index on expires_at; then the others a
+            // parked message names, through its primary key (`transaction_timestamp()`: the
+            // same moment in both, so no record is copied twice).
+            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(copy_sql(&seen, &range, LIVE)))
                 .fetch_one(&mut *tx)
                 .await?;
-            let parked: i64 =
-                sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(&range, &parked_ctids(&range))))
-                    .fetch_one(&mut *tx)
-                    .await?;
+            let parked: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(copy_sql(
+                &seen,
+                &range,
+                &format!("{} AND NOT ({LIVE})", parked_ctids(&range)),
+            )))
+            .fetch_one(&mut *tx)
+            .await?;
             tx.execute(sqlx::AssertSqlSafe(format!("DROP TABLE {range}")))
                 .await?;
             Ok(Some(u64::try_from(live + parked).unwrap_or(0)))
