@@ -1,0 +1,2 @@
+\set n random(1, 1000000000)
+SELECT count(*) FROM dedup_claim_batch(array_fill('bench'::text, ARRAY[128]), (SELECT array_agg(convert_to(lpad(to_hex(m >> 16), 8, '0') || '-' || lpad(to_hex(m & 65535), 4, '0') || '-7abc-8def-' || lpad(to_hex(:n::int8 * 128 + i), 12, '0'), 'UTF8')) FROM (SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8 AS m) t, generate_series(1, 128) i), array_fill('pgb'::text, ARRAY[128]), array_fill(NULL::bytea, ARRAY[128]), array_fill(30000000::int8, ARRAY[128]), array_fill(604800000000::int8, ARRAY[128]), array_fill(5, ARRAY[128]));
