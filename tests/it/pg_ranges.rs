@@ -166,6 +166,11 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
         .unwrap();
     assert_eq!(style, "SQL, DMY");
     assert_eq!(
+        unattached(&pool).await,
+        Vec::<String>::new(),
+        "the dropped ranges' tables cleared"
+    );
+    assert_eq!(
         report.moved,
         u64::try_from(in_future).unwrap() + 11,
         "those of future, then 8 live, 1 just expired, 1 parked, 1 leased: {report:?}"

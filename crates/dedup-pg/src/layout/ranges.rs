@@ -282,6 +282,8 @@ async fn keep(
 ) -> Result<RangeReport, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
     let mut report = RangeReport::default();
+    // What a run killed before it cleared left.
+    clear_gone(conn).await.map_err(e)?;
     let now_ms = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
@@ -329,6 +331,9 @@ async fn keep(
             break;
         }
     }
+    if !report.dropped.is_empty() {
+        clear_gone(conn).await.map_err(e)?;
+    }
     let parts = Parts::read(conn).await.map_err(e)?;
     report.margin_days = parts
         .future()
@@ -345,6 +350,62 @@ async fn keep(
     }
     report.ranged_days = parts.ranged_days().filter(|_| report.held_back.is_none());
     Ok(report)
+}
+
+/// The ranges dropped and not cleared yet: tables out of the parent named
+/// `dedup_records_gone_...`, each with its indexes.
+const GONE_SQL: &str = "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), \
+     array(SELECT quote_ident(n.nspname) || '.' || quote_ident(ic.relname) FROM pg_index i \
+     JOIN pg_class ic ON ic.oid = i.indexrelid WHERE i.indrelid = c.oid ORDER BY ic.relname), \
+     (SELECT quote_ident(conname) FROM pg_constraint WHERE conrelid = c.oid AND contype = 'p') \
+     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+     WHERE c.relname LIKE 'dedup\\_records\\_gone\\_%' AND c.relkind = 'r' \
+     AND NOT c.relispartition AND n.oid = (SELECT relnamespace FROM pg_class \
+     WHERE oid = 'dedup_records'::regclass)";
+
+/// The pause after a piece of a dropped range is cleared, where the piece was large (its unlink
+/// is what slows the claims' WAL flushes beside it).
+const GONE_PAUSE: Duration = Duration::from_millis(200);
+
+/// A piece larger than this (bytes) is followed by [`GONE_PAUSE`].
+const GONE_LARGE: i64 = 64 << 20;
+
+/// Clears the ranges dropped: each index of each, then its heap, one statement and one unlink at
+/// a time with a pause after each large one, outside any lock of the parent's (no one reads
+/// them).
+async fn clear_gone(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let gone: Vec<(String, Vec<String>, Option<String>)> =
+        sqlx::query_as(GONE_SQL).fetch_all(&mut *conn).await?;
+    for (table, indexes, pkey) in gone {
+        // (the statement, the relation whose files it unlinks)
+        let mut steps: Vec<(String, String)> = Vec::new();
+        for index in &indexes {
+            let is_pkey = pkey
+                .as_deref()
+                .is_some_and(|k| index.ends_with(&format!(".{k}")));
+            let step = match pkey.as_deref() {
+                Some(k) if is_pkey => {
+                    format!("ALTER TABLE IF EXISTS {table} DROP CONSTRAINT IF EXISTS {k}")
+                }
+                _ => format!("DROP INDEX IF EXISTS {index}"),
+            };
+            steps.push((step, index.clone()));
+        }
+        steps.push((format!("DROP TABLE IF EXISTS {table}"), table.clone()));
+        for (step, piece) in steps {
+            // Names from the catalog, quoted: nothing from outside.
+            let size: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT coalesce(pg_total_relation_size(to_regclass('{piece}')), 0)"
+            )))
+            .fetch_one(&mut *conn)
+            .await?;
+            conn.execute(sqlx::AssertSqlSafe(step)).await?;
+            if size > GONE_LARGE {
+                tokio::time::sleep(GONE_PAUSE).await;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Which change of the partitions.
@@ -735,9 +796,17 @@ async fn drop_range(
     {
         return Ok(lock_busy(name));
     }
+    // RENAME TO takes a name without its schema: the table stays in its own.
+    let gone = name.replacen("dedup_records_", "dedup_records_gone_", 1);
     let seen = seen.clone();
     let moved = locked(conn, |tx| {
-        let (seen, range, late, bound) = (seen.clone(), range.clone(), late.clone(), bound.clone());
+        let (seen, range, late, bound, gone) = (
+            seen.clone(),
+            range.clone(),
+            late.clone(),
+            bound.clone(),
+            gone.clone(),
+        );
         Box::pin(async move {
             if !lock_unchanged(tx, &seen).await? {
                 return Ok(None);
@@ -774,8 +843,12 @@ async fn drop_range(
             )))
             .fetch_one(&mut *tx)
             .await?;
-            tx.execute(sqlx::AssertSqlSafe(format!("DROP TABLE {range}")))
-                .await?;
+            // Out of the table, its files are unlinked later, a piece at a time (`clear_gone`):
+            // unlinking gigabytes at the commit slows the claims' WAL flushes beside it.
+            tx.execute(sqlx::AssertSqlSafe(format!(
+                "ALTER TABLE {range} RENAME TO {gone}"
+            )))
+            .await?;
             Ok(Some(u64::try_from(live + parked).unwrap_or(0)))
         })
     })
