@@ -223,18 +223,14 @@ async fn every_writer_racing_across_partitions_runs_each_key_once(pool: PgPool) 
     for t in spawn_writers(&pool, &writers, &names, names.len()) {
         t.await.unwrap();
     }
+    // Which writer wins is the scheduler's: on a loaded machine one batch of all 48 keys may
+    // win them all (a clean-clone CI run saw it), so only the outcome is asserted.
     each_key_ran_once(&pool).await;
-    let effects = effect_rows(&pool).await;
     let spread = records_by_partition(&pool).await;
     assert_eq!(
         spread.len(),
         4,
         "the keys spread over every partition: {spread:?}"
-    );
-    let workers: std::collections::BTreeSet<&str> = effects.iter().map(|e| e.2.as_str()).collect();
-    assert!(
-        workers.len() >= 2,
-        "more than one writer won keys: {workers:?}"
     );
 }
 
