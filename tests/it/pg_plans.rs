@@ -7,8 +7,10 @@
 //! its rate (the batch completion, migration 20261127000001); a batch heartbeat planned that way
 //! reads the whole table at every beat (migration 20261128000001); transaction mode's fresh check
 //! ran at a third of its rate (migration 20261129000001).
-//! Those functions are planned at each call, so no plan made while the table looked empty is kept;
-//! the fresh check's plan is kept, and has no path but a probe per key.
+//! Those functions keep one generic plan per connection (migration 20261202000001), made on the
+//! first call, and each has no path but a probe per key: the completion, heartbeat, read and
+//! re-grant allow only bitmap probes (without that, the plan kept from empty statistics reads the
+//! whole primary key at every call), the fresh check and the batch claim a `LATERAL` probe.
 //! Each test empties the table's statistics (autovacuum off, so they stay), runs the statements
 //! on one connection past the five custom plans a prepared statement gets before its generic one,
 //! grows the table, runs them again on the same connection, and counts the table's sequential

@@ -1,9 +1,10 @@
 //! Completions and every other fenced end of a lease, one at a time or many in one statement.
 //!
 //! `COMPLETE_BATCH_SQL` completes many leases in one fenced `UPDATE ... FROM unnest`, inside the
-//! function `dedup_complete_batch` (migration `20261127000001`). That function is planned at each
-//! call with sequential scans and merge joins ruled out, so its only plans probe the primary key
-//! once per key, whatever the table's statistics say (docs/ARCHITECTURE.md, invariant 31).
+//! function `dedup_complete_batch` (PL/pgSQL since migration `20261202000001`). Its plan is kept
+//! per connection with sequential scans, plain index scans and hash and merge joins ruled out, so
+//! its only plan probes the primary key once per key by a bitmap scan, whatever the table's
+//! statistics said when it was made (docs/ARCHITECTURE.md, invariant 31).
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -28,11 +28,12 @@
 //! indexed by the ordering key's digest and offset, and by the dedup record they carry) and
 //! `dedup_parked_owners` (each partition's parking epoch); `dedup_dead_letters` (dead letters the
 //! dead-letter topic refused for good); `dedup_schema` (one row: the generation and the floor);
-//! and the SQL functions, planned at each call, that the pooled statements joining
-//! `dedup_records` to a batch's arrays go through, so that no kept plan depends on the table's
-//! statistics: `dedup_complete_batch` (batch completions), `dedup_get_many`,
-//! `dedup_extend_batch` (batch heartbeats) and `dedup_regrant_batch`; `dedup_claim_batch` and
-//! `dedup_fresh_batch` (PL/pgSQL, plans kept per connection, safe by their shape). Beside them,
+//! and the PL/pgSQL functions that the pooled statements joining `dedup_records` to a batch's
+//! arrays go through, each keeping one generic plan per connection that is safe by its shape
+//! whatever the table's statistics said when it was made: `dedup_complete_batch` (batch
+//! completions), `dedup_get_many`, `dedup_extend_batch` (batch heartbeats) and
+//! `dedup_regrant_batch` (bitmap probes only), `dedup_claim_batch` and `dedup_fresh_batch` (a
+//! `LATERAL` probe per key). Beside them,
 //! `dedup_uuid7_ms_v1` (the time of a UUIDv7 key, the same function of the bytes as
 //! `IdempotencyKey::uuid7_millis`, inlined where it is called; no statement calls it yet: it is
 //! the first piece of the window partitioned by the key's time,
@@ -54,7 +55,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 7;
+pub const SCHEMA_GENERATION: i32 = 8;
 
 /// The table [`MIGRATOR`] records dedup's applied migrations in.
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";

@@ -123,17 +123,17 @@ pub(crate) const CLAIM_BATCH_SQL: &str = concat!(
 /// [`FINISH_SQL`] completing many leases at once (each key at most once); answers the keys it
 /// completed. $1 scopes, $2 keys, $3 tokens, $4 results, $5 retentions (µs).
 ///
-/// Through `dedup_complete_batch` (migration 20261127000001): the same UPDATE, planned at each
-/// call with sequential scans and hash and merge joins ruled out, so that each key is found
-/// through the primary key even when the table's statistics say it is empty (a prepared join
-/// planned then kept a sequential scan of the whole table while the table grew).
+/// Through `dedup_complete_batch` (PL/pgSQL since migration 20261202000001): the same UPDATE,
+/// its plan kept per connection, with sequential scans, plain index scans and hash and merge
+/// joins ruled out, so that each key is found by a bitmap probe of the primary key even when the
+/// plan was made on statistics that say the table is empty (a prepared join planned then kept a
+/// sequential scan of the whole table while the table grew; invariant 31).
 pub(crate) const COMPLETE_BATCH_SQL: &str = "SELECT s AS scope, k AS key \
      FROM dedup_complete_batch($1::text[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[]) \
      AS f(s, k)";
 
 /// Reads many records. $1 scopes, $2 keys. Through `dedup_get_many` (migration
-/// 20261128000001), planned at each call with sequential scans and hash and merge joins ruled
-/// out, so that no plan made while the table looked empty is kept.
+/// 20261202000001), whose kept plan can only probe each key (as [`COMPLETE_BATCH_SQL`]'s).
 pub(crate) const GET_MANY_SQL: &str = concat!(
     "SELECT ",
     record_cols!("r"),
@@ -205,8 +205,8 @@ pub(crate) const PURGE_SQL: &str = concat!(
 /// Re-grants leases from now, after a claim that waited: each lease runs its full length from
 /// when the claim took effect, not from when its statement arrived. Fenced on the token, like
 /// every change to a claimed record. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
-/// $5 retentions (µs). Through `dedup_regrant_batch` (migration 20261128000001), planned at each
-/// call as [`COMPLETE_BATCH_SQL`] is.
+/// $5 retentions (µs). Through `dedup_regrant_batch` (migration 20261202000001), whose kept plan
+/// can only probe each key, as [`COMPLETE_BATCH_SQL`]'s.
 pub(crate) const REGRANT_SQL: &str = concat!(
     "SELECT r.scope, r.key, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us",
     " FROM dedup_regrant_batch($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[]) AS r"
@@ -306,9 +306,9 @@ pub(crate) const STORED_OFFSETS_SQL: &str = concat!(
 
 /// [`EXTEND_SQL`] for many leases at once (a heartbeat for a whole batch); answers the keys it
 /// extended, with their new lease end. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
-/// $5 retentions (µs). Through `dedup_extend_batch` (migration 20261128000001): a heartbeat
-/// planned on statistics that say the table is empty would otherwise read the whole table at
-/// every beat.
+/// $5 retentions (µs). Through `dedup_extend_batch` (migration 20261202000001), whose kept plan
+/// can only probe each key (as [`COMPLETE_BATCH_SQL`]'s): a heartbeat planned on statistics that
+/// say the table is empty would otherwise read the whole table at every beat.
 pub(crate) const EXTEND_BATCH_SQL: &str = concat!(
     "SELECT r.scope, r.key, r.token, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS until_us",
     " FROM dedup_extend_batch($1::text[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[]) AS r"
