@@ -597,6 +597,13 @@ fn parked_ctids(table: &str) -> String {
     )
 }
 
+/// The `LIMIT` of a count that only needs to know whether more than `max_move` rows are there.
+fn count_limit(max_move: u64) -> i64 {
+    i64::try_from(max_move)
+        .unwrap_or(i64::MAX)
+        .saturating_add(1)
+}
+
 /// Makes the range `[lo, hi)` out of `dedup_records_future`: detach `future`, attach the range,
 /// move `future`'s records of those days into it, attach `future` again from `hi`.
 async fn carve(
@@ -615,11 +622,7 @@ async fn carve(
          WHERE kt < date '1970-01-01' + $1 LIMIT $2) s"
     )))
     .bind(hi)
-    .bind(
-        i64::try_from(max_move)
-            .unwrap_or(i64::MAX)
-            .saturating_add(1),
-    )
+    .bind(count_limit(max_move))
     .fetch_one(&mut *conn)
     .await
     .map_err(e)?;
@@ -698,7 +701,9 @@ fn date_literal(day: i32) -> String {
 }
 
 /// Drops the range `name`, `[lo, hi)`: detach it, widen `late` over its days (or make `late`
-/// of them), move its live records and those a parked message names into `late`, drop it.
+/// of them), move its live records and those a parked message names into `late`, and rename it
+/// out of the way (`dedup_records_gone_...`), all in one transaction; after the commit
+/// [`clear_gone`] drops its indexes and heap one at a time.
 async fn drop_range(
     conn: &mut PgConnection,
     seen: &Parts,
@@ -708,9 +713,7 @@ async fn drop_range(
     max_move: u64,
 ) -> Result<Step, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
-    let limit = i64::try_from(max_move)
-        .unwrap_or(i64::MAX)
-        .saturating_add(1);
+    let limit = count_limit(max_move);
     let (range, late) = (seen.q(name), seen.q("dedup_records_late"));
     // Counted before the lock, through the range's index on expires_at and its primary key.
     let live: Result<i64, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
