@@ -17,7 +17,10 @@
 -- bitmap scan needs an index condition, so it cannot read a whole index; a kept join that
 -- allows plain index scans, made on empty statistics, reads the whole primary key at every
 -- call). Over the partitioned table each probe is pruned to its key's partition at run time.
--- The fresh check and the batch claim keep their shape (a LATERAL probe per key). The plans
+-- The fresh check and the batch claim keep their shape (a LATERAL probe per key). Each of the
+-- five but the claim (which already did) computes every key's partition day once, in a subquery
+-- the planner keeps apart (OFFSET 0), instead of in each partition's filter and its pruning:
+-- 0.39 ms against 0.51 for a fresh check of 128 keys over eight partitions. The plans
 -- are made again when the table's statistics or partitions change. tests/it/pg_plans.rs counts
 -- the index entries each reads, after plans made on empty statistics.
 --
@@ -42,9 +45,10 @@ BEGIN
             ELSE statement_timestamp() + q.ret_us::float8 * interval '1 microsecond' END,
         pinned_ttl = CASE WHEN r.expires_at = 'infinity'
             THEN q.ret_us::float8 * interval '1 microsecond' ELSE r.pinned_ttl END
-    FROM unnest(p_scopes, p_keys, p_tokens, p_results, p_rets)
-        AS q(scope, key, token, result, ret_us)
-    WHERE r.scope = q.scope AND r.key = q.key AND r.kt = dedup_kt(q.key) AND r.token = q.token
+    FROM (SELECT q.*, dedup_kt(q.key) AS kt
+        FROM unnest(p_scopes, p_keys, p_tokens, p_results, p_rets)
+        AS q(scope, key, token, result, ret_us) OFFSET 0) AS q
+    WHERE r.scope = q.scope AND r.key = q.key AND r.kt = q.kt AND r.token = q.token
         AND r.state = (SELECT 'in_progress'::text)
     RETURNING r.scope, r.key;
 END
@@ -61,8 +65,9 @@ SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     RETURN QUERY
-    SELECT r.* FROM unnest(p_scopes, p_keys) AS q(scope, key)
-    JOIN dedup_records r ON r.scope = q.scope AND r.key = q.key AND r.kt = dedup_kt(q.key);
+    SELECT r.* FROM (SELECT q.*, dedup_kt(q.key) AS kt
+        FROM unnest(p_scopes, p_keys) AS q(scope, key) OFFSET 0) AS q
+    JOIN dedup_records r ON r.scope = q.scope AND r.key = q.key AND r.kt = q.kt;
 END
 $$;
 
@@ -82,9 +87,10 @@ BEGIN
         lease_until = statement_timestamp() + q.lease_us::float8 * interval '1 microsecond',
         expires_at = greatest(r.expires_at,
             statement_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond')
-    FROM unnest(p_scopes, p_keys, p_tokens, p_leases, p_rets)
-        AS q(scope, key, token, lease_us, ret_us)
-    WHERE r.scope = q.scope AND r.key = q.key AND r.kt = dedup_kt(q.key) AND r.token = q.token
+    FROM (SELECT q.*, dedup_kt(q.key) AS kt
+        FROM unnest(p_scopes, p_keys, p_tokens, p_leases, p_rets)
+        AS q(scope, key, token, lease_us, ret_us) OFFSET 0) AS q
+    WHERE r.scope = q.scope AND r.key = q.key AND r.kt = q.kt AND r.token = q.token
         AND r.state = (SELECT 'in_progress'::text)
     RETURNING r.*;
 END
@@ -107,15 +113,34 @@ BEGIN
         updated_at = clock_timestamp(),
         expires_at = greatest(r.expires_at,
             clock_timestamp() + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond')
-    FROM unnest(p_scopes, p_keys, p_tokens, p_leases, p_rets)
-        AS q(scope, key, token, lease_us, ret_us)
-    WHERE r.scope = q.scope AND r.key = q.key AND r.kt = dedup_kt(q.key) AND r.token = q.token
+    FROM (SELECT q.*, dedup_kt(q.key) AS kt
+        FROM unnest(p_scopes, p_keys, p_tokens, p_leases, p_rets)
+        AS q(scope, key, token, lease_us, ret_us) OFFSET 0) AS q
+    WHERE r.scope = q.scope AND r.key = q.key AND r.kt = q.kt AND r.token = q.token
         AND r.state = (SELECT 'in_progress'::text)
     RETURNING r.*;
 END
 $$;
 
-ALTER FUNCTION dedup_fresh_batch(text[], bytea[]) SET plan_cache_mode = force_generic_plan;
+CREATE OR REPLACE FUNCTION dedup_fresh_batch(p_scopes text[], p_keys bytea[])
+RETURNS TABLE (n int8, fresh boolean, token int8, now_us int8)
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT q.n, x.state IS NULL,
+        CASE WHEN x.state IS NULL THEN nextval('dedup_token_seq') END,
+        (extract(epoch FROM statement_timestamp()) * 1000000)::int8
+    FROM (SELECT q.*, dedup_kt(q.key) AS kt
+        FROM unnest(p_scopes, p_keys) WITH ORDINALITY AS q(scope, key, n) OFFSET 0) AS q
+    LEFT JOIN LATERAL (SELECT r.state FROM dedup_records r
+        WHERE r.scope = q.scope AND r.key = q.key AND r.kt = q.kt OFFSET 0) x ON true
+    ORDER BY q.n;
+END
+$$;
+
 ALTER FUNCTION dedup_claim_batch(text[], bytea[], text[], bytea[], int8[], int8[], int4[])
     SET plan_cache_mode = force_generic_plan;
 
