@@ -24,6 +24,17 @@
 -- are made again when the table's statistics or partitions change. tests/it/pg_plans.rs counts
 -- the index entries each reads, after plans made on empty statistics.
 --
+-- A kept plan also keeps the planner settings of the call that made it, so each function pins
+-- every setting its shape relies on (bitmap scans, nested loops, pruning on, JIT off; the probes'
+-- index and TID scans on): a session that turned one off at a connection's first call would
+-- otherwise leave that connection a plan of full index scans for good.
+--
+-- Two more changes, found by a review of this migration: dedup_get_many is VOLATILE (it was
+-- STABLE, so it read with its caller's snapshot, taken before a wait for a partition change's
+-- lock: a record the change moved to another partition was missing from the answer); and the
+-- batch claim's takeover names the key's partition day, so its TID scan is pruned to one
+-- partition instead of run in every one.
+--
 -- Same signatures, same answers: the floor stays 1, and binaries of generation 7 use them as
 -- they are. Generation 8.
 
@@ -35,6 +46,10 @@ SET enable_seqscan = off
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_indexscan = off
+SET enable_bitmapscan = on
+SET enable_nestloop = on
+SET enable_partition_pruning = on
+SET jit = off
 SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
@@ -56,11 +71,15 @@ $$;
 
 CREATE OR REPLACE FUNCTION dedup_get_many(p_scopes text[], p_keys bytea[])
 RETURNS SETOF dedup_records
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_indexscan = off
+SET enable_bitmapscan = on
+SET enable_nestloop = on
+SET enable_partition_pruning = on
+SET jit = off
 SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
@@ -79,6 +98,10 @@ SET enable_seqscan = off
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_indexscan = off
+SET enable_bitmapscan = on
+SET enable_nestloop = on
+SET enable_partition_pruning = on
+SET jit = off
 SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
@@ -104,6 +127,10 @@ SET enable_seqscan = off
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_indexscan = off
+SET enable_bitmapscan = on
+SET enable_nestloop = on
+SET enable_partition_pruning = on
+SET jit = off
 SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
@@ -126,6 +153,12 @@ CREATE OR REPLACE FUNCTION dedup_fresh_batch(p_scopes text[], p_keys bytea[])
 RETURNS TABLE (n int8, fresh boolean, token int8, now_us int8)
 LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off
+SET enable_indexscan = on
+SET enable_bitmapscan = on
+SET enable_tidscan = on
+SET enable_nestloop = on
+SET enable_partition_pruning = on
+SET jit = off
 SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
@@ -141,7 +174,98 @@ BEGIN
 END
 $$;
 
-ALTER FUNCTION dedup_claim_batch(text[], bytea[], text[], bytea[], int8[], int8[], int4[])
-    SET plan_cache_mode = force_generic_plan;
+CREATE OR REPLACE FUNCTION dedup_claim_batch(
+    p_scopes text[], p_keys bytea[], p_owners text[], p_fps bytea[], p_leases int8[],
+    p_rets int8[], p_maxes int4[]
+) RETURNS TABLE (src text, now_us int8, done_us int8, scope text, key bytea, state text,
+    owner text, token int8, lease_until timestamptz, attempts int4, fingerprint bytea,
+    result bytea, failure text, created_at timestamptz, updated_at timestamptz,
+    expires_at timestamptz, pinned_ttl interval)
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
+SET enable_indexscan = on
+SET enable_bitmapscan = on
+SET enable_tidscan = on
+SET enable_nestloop = on
+SET enable_partition_pruning = on
+SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH clock AS (SELECT statement_timestamp() AS t),
+    q AS (SELECT *, dedup_kt(q.key) AS kt
+        FROM unnest(p_scopes, p_keys, p_owners, p_fps, p_leases, p_rets, p_maxes)
+        AS q(scope, key, owner, fp, lease_us, ret_us, max_attempts)),
+    -- New keys first, with no read before: a key that has a row is a conflict, which DO NOTHING
+    -- skips without a lock or a write. One lock order for every batch.
+    ins AS (
+        INSERT INTO dedup_records AS r (scope, key, kt, state, owner, token, lease_until,
+            attempts, fingerprint, created_at, updated_at, expires_at)
+        SELECT q.scope, q.key, q.kt, 'in_progress', q.owner, nextval('dedup_token_seq'),
+            c.t + q.lease_us::float8 * interval '1 microsecond', 1, q.fp, c.t, c.t,
+            c.t + (q.lease_us + q.ret_us)::float8 * interval '1 microsecond'
+        FROM q, clock c
+        ORDER BY q.scope, q.key
+        ON CONFLICT DO NOTHING
+        RETURNING r.scope, r.key, r.state, r.owner, r.token, r.lease_until, r.attempts,
+            r.fingerprint, r.result, r.failure, r.created_at, r.updated_at, r.expires_at,
+            r.pinned_ttl),
+    -- The keys the insert left out (computed first: only they are probed).
+    qc AS MATERIALIZED (SELECT q.* FROM q WHERE NOT EXISTS
+        (SELECT 1 FROM ins WHERE ins.scope = q.scope AND ins.key = q.key)),
+    -- Each read from the statement's snapshot by a probe of its key's partition, with its row
+    -- version's table and ctid. A key whose row was committed after the snapshot is in neither:
+    -- it lost a race, and is claimed on its own.
+    cur AS (SELECT qc.owner AS q_owner, qc.fp AS q_fp, qc.lease_us AS q_lease_us,
+            qc.ret_us AS q_ret_us, qc.max_attempts AS q_max, qc.kt AS q_kt, x.*
+        FROM qc CROSS JOIN LATERAL (SELECT r.tableoid AS rel, r.ctid AS tid, r.scope, r.key,
+                r.state, r.owner, r.token, r.lease_until, r.attempts, r.fingerprint, r.result,
+                r.failure, r.created_at, r.updated_at, r.expires_at, r.pinned_ttl
+            FROM dedup_records r WHERE r.scope = qc.scope AND r.key = qc.key AND r.kt = qc.kt
+            OFFSET 0) x
+        ORDER BY qc.scope, qc.key),
+    upd AS (
+        UPDATE dedup_records AS r SET state = 'in_progress', owner = q.q_owner,
+            token = nextval('dedup_token_seq'),
+            lease_until = c.t + q.q_lease_us::float8 * interval '1 microsecond',
+            attempts = CASE WHEN r.expires_at <= c.t THEN 1 ELSE r.attempts + 1 END,
+            fingerprint = CASE WHEN r.expires_at <= c.t THEN q.q_fp
+                ELSE coalesce(r.fingerprint, q.q_fp) END,
+            result = NULL,
+            failure = CASE WHEN r.expires_at <= c.t THEN NULL ELSE r.failure END,
+            created_at = CASE WHEN r.expires_at <= c.t THEN c.t ELSE r.created_at END,
+            updated_at = c.t,
+            expires_at = CASE WHEN r.expires_at = 'infinity' THEN r.expires_at
+                ELSE c.t + (q.q_lease_us + q.q_ret_us)::float8 * interval '1 microsecond' END
+        FROM clock c, cur q
+        WHERE r.ctid = q.tid
+            AND r.kt = q.q_kt
+            AND r.tableoid IS NOT DISTINCT FROM q.rel
+            AND r.scope IS NOT DISTINCT FROM q.scope
+            AND r.key IS NOT DISTINCT FROM q.key
+            AND (r.expires_at <= c.t
+                OR (r.attempts < q.q_max
+                    AND (q.q_fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = q.q_fp)
+                    AND (r.state = 'released'
+                        OR (r.state = 'in_progress' AND r.lease_until <= c.t))))
+        RETURNING r.scope, r.key, r.state, r.owner, r.token, r.lease_until, r.attempts,
+            r.fingerprint, r.result, r.failure, r.created_at, r.updated_at, r.expires_at,
+            r.pinned_ttl)
+    SELECT 'ins'::text, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8,
+        (extract(epoch FROM clock_timestamp()) * 1000000)::int8, ins.*
+    FROM ins
+    UNION ALL SELECT 'upd'::text, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8,
+        (extract(epoch FROM clock_timestamp()) * 1000000)::int8, upd.*
+    FROM upd
+    UNION ALL SELECT 'cur'::text, (extract(epoch FROM (SELECT t FROM clock)) * 1000000)::int8,
+        (extract(epoch FROM clock_timestamp()) * 1000000)::int8, cur.scope, cur.key, cur.state,
+        cur.owner, cur.token, cur.lease_until, cur.attempts, cur.fingerprint, cur.result,
+        cur.failure, cur.created_at, cur.updated_at, cur.expires_at, cur.pinned_ttl
+    FROM cur
+    WHERE NOT EXISTS (SELECT 1 FROM upd WHERE upd.scope = cur.scope AND upd.key = cur.key);
+END
+$$;
 
 UPDATE dedup_schema SET generation = 8;

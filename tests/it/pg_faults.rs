@@ -3,7 +3,8 @@
 //!
 //! A claim (single and batch) that waited on an uncommitted claim past its lease still gets a
 //! live lease; callers cancelled in `Batched` (queued, and in flight) leave no lease behind;
-//! a batch takeover that met a row changed after its snapshot grants it once;
+//! a batch takeover that met a row changed after its snapshot grants it once; a read of many
+//! records that waited for the table's lock sees what the lock's holder committed;
 //! `statement_timeout`, `pg_cancel_backend` and a read-only database raise passing errors and the
 //! read-only connection is not reused; a Postgres of the test's own (`support::PgServer`) crashed
 //! with `pg_ctl stop -m immediate` between a handler and its completion, and started again: the
@@ -483,4 +484,49 @@ async fn an_identity_lock_is_taken_again_after_a_postgres_restart() {
         in_flight(&again),
         "the live instance's lease stands: {again:?}"
     );
+}
+
+/// A read of many records that waited for a writer holding the table's lock (the ranges'
+/// maintenance moves records between partitions under it) answers what that writer committed:
+/// the read takes its snapshot after the wait (migration 20261202000001). Declared STABLE, it
+/// read with the snapshot its caller's statement took before the wait, and the record was missing.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_read_of_many_that_waited_for_the_tables_lock_sees_what_the_holder_committed(
+    pool: PgPool,
+) {
+    let reads = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let store = PgStore::new(reads.clone());
+    let k = key("moved-under-the-lock");
+    // The connection's plan made first, as a pooled connection's is.
+    assert!(store.get_many([&k]).await.unwrap().is_empty());
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO dedup_records (scope, key, kt, state, token, attempts, result, created_at, \
+         updated_at, expires_at) VALUES ($1, $2, dedup_kt($2), 'completed', \
+         nextval('dedup_token_seq'), 1, '\\x6f6b', now(), now(), now() + interval '1 day')",
+    )
+    .bind(k.scope().as_str())
+    .bind(k.key_bytes())
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let read = {
+        let k = k.clone();
+        tokio::spawn(async move { store.get_many([&k]).await })
+    };
+    sleep(ms(300)).await;
+    assert!(!read.is_finished(), "the read waits for the table's lock");
+    holder.commit().await.unwrap();
+    let got = read.await.unwrap().unwrap();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[&k].result.as_deref(), Some(&b"ok"[..]));
+    reads.close().await;
 }

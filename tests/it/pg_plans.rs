@@ -97,8 +97,23 @@ async fn completed(pool: &PgPool) -> i64 {
 
 /// A pool of one connection: every statement's cached plan is reused.
 async fn one_connection(pool: &PgPool) -> PgPool {
+    one_connection_under(pool, "").await
+}
+
+/// [`one_connection`], its session under `settings` (statements run when it connects).
+async fn one_connection_under(pool: &PgPool, settings: &'static str) -> PgPool {
     PgPoolOptions::new()
         .max_connections(1)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                if !settings.is_empty() {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
+                        .execute(conn)
+                        .await?;
+                }
+                Ok(())
+            })
+        })
         .connect_with((*pool.connect_options()).clone())
         .await
         .unwrap()
@@ -151,9 +166,26 @@ async fn leases(pool: &PgPool, from: i32, to: i32) -> Vec<Lease> {
 /// them in batches of 500.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_batch_completion_never_scans_the_table_whatever_its_statistics_say(pool: PgPool) {
+    completions_probe(pool, "").await;
+}
+
+/// The same, on a connection whose session rules out the plan the completion's shape relies on
+/// (a bitmap probe in a nested loop) and turns JIT on: the function's own settings decide the
+/// plan it keeps (migration 20261202000001), not the session's at its first call. Without them
+/// the kept plan is a whole scan of the primary key at every call.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_sessions_planner_settings_do_not_shape_the_completions_kept_plan(pool: PgPool) {
+    completions_probe(
+        pool,
+        "SET enable_bitmapscan = off; SET enable_nestloop = off; SET jit_above_cost = 0",
+    )
+    .await;
+}
+
+async fn completions_probe(pool: PgPool, settings: &'static str) {
     empty_statistics(&pool).await;
     let before = scans(&pool).await;
-    let completions = one_connection(&pool).await;
+    let completions = one_connection_under(&pool, settings).await;
     let store = PgStore::new(completions.clone());
     let done = |ls: Vec<Lease>| {
         ls.into_iter()
