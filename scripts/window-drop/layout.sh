@@ -1,7 +1,8 @@
 #!/bin/bash
 # A fresh database $1 with dedup's schema: the single table ($2 = single), or the table
 # partitioned by the key's time as `maintain_ranges` leaves it four weeks after a switch on
-# 2026-11-01 (ranges 2026-11-01 to 2026-12-07, then `future`). `dedup_kt`'s T0 is set to
+# 2026-11-01 (ranges 2026-11-01 to 2026-12-07, each with its BRIN index on expires_at, then
+# `future`). `dedup_kt`'s T0 is set to
 # 2026-11-01 by hand: the only thing here the product does not make.
 # The dates are those of the sitting of 2026-11-28 (the 10M range is due for dropping from
 # 2026-11-24, and the ranges reach 2026-12-07): shift them to measure on another day.
@@ -31,10 +32,16 @@ DO $x$ DECLARE r record; BEGIN
   ALTER TABLE dedup_records ATTACH PARTITION dedup_records_future FOR VALUES FROM ('2026-12-07') TO (MAXVALUE);
 END $x$;
 CREATE TABLE dedup_records_20261101 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-01') TO ('2026-11-02');
+CREATE INDEX dedup_records_20261101_expires_at_brin ON dedup_records_20261101 USING brin (expires_at);
 CREATE TABLE dedup_records_20261102 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-02') TO ('2026-11-09');
+CREATE INDEX dedup_records_20261102_expires_at_brin ON dedup_records_20261102 USING brin (expires_at);
 CREATE TABLE dedup_records_20261109 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-09') TO ('2026-11-16');
+CREATE INDEX dedup_records_20261109_expires_at_brin ON dedup_records_20261109 USING brin (expires_at);
 CREATE TABLE dedup_records_20261116 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-16') TO ('2026-11-23');
+CREATE INDEX dedup_records_20261116_expires_at_brin ON dedup_records_20261116 USING brin (expires_at);
 CREATE TABLE dedup_records_20261123 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-23') TO ('2026-11-30');
+CREATE INDEX dedup_records_20261123_expires_at_brin ON dedup_records_20261123 USING brin (expires_at);
 CREATE TABLE dedup_records_20261130 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-30') TO ('2026-12-07');
+CREATE INDEX dedup_records_20261130_expires_at_brin ON dedup_records_20261130 USING brin (expires_at);
 SQL
 psql -Atc "SELECT pg_get_functiondef('dedup_kt(bytea)'::regprocedure)" "$U" | grep -o "GREATEST([^)]*)[^)]*)"

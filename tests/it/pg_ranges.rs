@@ -3,7 +3,9 @@
 //! once their days are past `keep`, with the records still live, leased or named by a parked
 //! message moved to `dedup_records_late` in the same transaction; writers of every kind racing
 //! through it run each key once; and a maintainer SIGKILLed at any step leaves the partitions
-//! whole (the next run takes up a table it made and did not attach).
+//! whole (the next run takes up a table it made and did not attach). Each partition has its own
+//! index on `expires_at`, a BRIN in each range (and a table switched with the parent's btree
+//! gets them, killed or not).
 
 use std::process::Stdio;
 use std::time::{Duration, SystemTime};
@@ -98,6 +100,214 @@ async fn expire(pool: &PgPool, names: &[&String]) {
     .execute(pool)
     .await
     .unwrap();
+}
+
+/// The indexes on `expires_at` alone of dedup's tables: (table, index, access method, valid),
+/// by table.
+async fn expiry_indexes(pool: &PgPool) -> Vec<(String, String, String, bool)> {
+    sqlx::query_as(
+        "SELECT c.relname::text, ic.relname::text, am.amname::text, i.indisvalid \
+         FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid \
+         JOIN pg_class ic ON ic.oid = i.indexrelid JOIN pg_am am ON am.oid = ic.relam \
+         JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'expires_at' \
+         WHERE c.relname LIKE 'dedup\\_records%' AND i.indnatts = 1 AND i.indkey[0] = a.attnum \
+         ORDER BY 1, 2",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Each partition has its own index on `expires_at`, and the parent none: one valid BRIN in each
+/// range of days, one valid btree in `untimed`, `late` and `future`.
+async fn assert_own_expiry_indexes(pool: &PgPool) {
+    let indexes = expiry_indexes(pool).await;
+    let p = parts(pool).await;
+    assert!(
+        indexes
+            .iter()
+            .all(|i| p.iter().any(|(name, ..)| *name == i.0)),
+        "no index on expires_at but a partition's own (the parent has none): {indexes:?}"
+    );
+    for (name, ..) in &p {
+        let own: Vec<_> = indexes.iter().filter(|i| i.0 == *name).collect();
+        let want = if name
+            .trim_start_matches("dedup_records_")
+            .parse::<u32>()
+            .is_ok()
+        {
+            "brin"
+        } else {
+            "btree"
+        };
+        assert!(
+            own.len() == 1 && own[0].2 == want && own[0].3,
+            "{name}: one valid {want} on expires_at: {indexes:?}"
+        );
+    }
+}
+
+/// Puts the table in the shape a switch of generation 8 left it: the parent's btree on
+/// `expires_at` in every partition, no partition's own.
+async fn parents_btree(pool: &PgPool) {
+    for (_, index, ..) in expiry_indexes(pool).await {
+        // Index names from the catalog.
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP INDEX \"{index}\"")))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query("CREATE INDEX dedup_records_expires_at_idx ON dedup_records (expires_at)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let indexes = expiry_indexes(pool).await;
+    assert!(
+        indexes.iter().any(|i| i.0 == "dedup_records") && indexes.iter().all(|i| i.2 == "btree"),
+        "{indexes:?}"
+    );
+}
+
+/// A table switched by a binary of generation 8 (the parent's btree on `expires_at` in every
+/// partition): the next round gives each range a BRIN of its own (building again one a killed
+/// build left invalid) and the others their btree, the parent none; every record stays where
+/// it was and is found; a drop goes through the BRIN, moving what is live; and a range or
+/// `late` without an index on `expires_at` (an older binary made it) gets its own.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_table_switched_with_the_parents_btree_gets_each_partitions_own(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let mut names: Vec<String> = (0..12)
+        .map(|d| v7(t0 + d * DAY + 60_000, d as u64))
+        .collect();
+    names.push("no-time".to_owned());
+    for n in &names {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    parents_btree(&pool).await;
+    // What a concurrent build killed halfway leaves: an index marked invalid.
+    let first = parts(&pool).await[1].0.clone();
+    for step in [
+        format!("CREATE INDEX {first}_expires_at_brin ON {first} USING brin (expires_at)"),
+        format!(
+            "UPDATE pg_index SET indisvalid = false \
+             WHERE indexrelid = '{first}_expires_at_brin'::regclass"
+        ),
+    ] {
+        // A range's name from the catalog.
+        sqlx::query(sqlx::AssertSqlSafe(step))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let before = records_by_partition(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0))
+        .await
+        .unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    assert_own_expiry_indexes(&pool).await;
+    assert_eq!(records_by_partition(&pool).await, before);
+    for n in &names {
+        match store.claim(&req(&key(n), "again")).await.unwrap() {
+            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
+            other => panic!("{n}: {other:?}"),
+        }
+    }
+
+    let expired: Vec<&String> = names[1..12].iter().collect();
+    expire(&pool, &expired).await;
+    let dropped = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 40 * DAY))
+        .await
+        .unwrap();
+    assert!(!dropped.dropped.is_empty(), "{dropped:?}");
+    assert_eq!(dropped.held_back, None, "{dropped:?}");
+    assert_eq!(
+        partition_of(&pool, &names[0]).await.as_deref(),
+        Some("dedup_records_late"),
+        "the live record of the first range moved"
+    );
+    assert_eq!(partition_of(&pool, &names[1]).await, None);
+    assert_own_expiry_indexes(&pool).await;
+    assert_eq!(misplaced_records(&pool).await, 0);
+
+    // A range and `late` as a binary of generation 8 makes them once the parent's btree is
+    // gone (no index on expires_at at all): the next round builds theirs.
+    let newest = parts(&pool).await.iter().rev().nth(1).unwrap().0.clone();
+    for index in [
+        format!("{newest}_expires_at_brin"),
+        "dedup_records_late_expires_at_idx".to_owned(),
+    ] {
+        // Names from the catalog.
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP INDEX {index}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 40 * DAY))
+        .await
+        .unwrap();
+    assert_own_expiry_indexes(&pool).await;
+}
+
+/// A range without an index on `expires_at` (an older binary made it) whose build cannot finish
+/// in the round (a transaction with an older snapshot is open, and the session's statement
+/// timeout is 2 s): the round goes on, holds the range's drop back instead of reading it whole
+/// under the lock, and says why; the next round builds the index and drops the range.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_range_whose_index_is_not_built_is_not_dropped(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let name = v7(t0 + 60_000, 1);
+    let lease = acquired(store.claim(&req(&key(&name), "w")).await.unwrap());
+    store.complete(&lease, b"ok").await.unwrap();
+    expire(&pool, &[&name]).await;
+    let first = partition_of(&pool, &name).await.unwrap();
+    // The range's name, from the catalog.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP INDEX {first}_expires_at_brin"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let mut older = pool.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *older)
+        .await
+        .unwrap();
+    sqlx::query("SELECT 1").execute(&mut *older).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET statement_timeout = '2s'")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let held = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert!(
+        held.held_back
+            .as_deref()
+            .is_some_and(|w| w.contains("no valid index on expires_at")),
+        "{held:?}"
+    );
+    assert!(!held.made.is_empty(), "the round went on: {held:?}");
+    assert!(held.dropped.is_empty(), "{held:?}");
+    assert_eq!(partition_of(&pool, &name).await, Some(first.clone()));
+
+    older.commit().await.unwrap();
+    sqlx::query("RESET statement_timeout")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let dropped = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert_eq!(dropped.held_back, None, "{dropped:?}");
+    assert!(dropped.dropped.contains(&first), "{dropped:?}");
+    assert_eq!(partition_of(&pool, &name).await, None);
+    assert_own_expiry_indexes(&pool).await;
 }
 
 /// Ranges made ahead by the switch; 40 days of keys (one a day) later, the ranges of those
@@ -253,6 +463,7 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
         "{second:?}"
     );
     assert_eq!(misplaced_records(&pool).await, 0);
+    assert_own_expiry_indexes(&pool).await;
 }
 
 /// A drop that would move more live records than `max_move` under the lock is held back (and
@@ -273,9 +484,9 @@ async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
         .unwrap();
     assert!(held.held_back.is_some(), "{held:?}");
     assert!(held.dropped.is_empty(), "{held:?}");
-    assert_eq!(
-        held.ranged_days, None,
-        "the bounded DELETE takes the ranges meanwhile"
+    assert!(
+        held.ranged_days.is_some(),
+        "the bounded DELETE leaves the ranges alone meanwhile: {held:?}"
     );
     assert!(!held.made.is_empty(), "ranges are still made: {held:?}");
     let refs: Vec<&String> = names.iter().collect();
@@ -292,7 +503,8 @@ async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
 
 /// A transaction held open on the table (a caller's `claim_in`) holds a change back for the
 /// round (20 tries of 100 ms), without an error; and a round whose change is held back still
-/// purges, the ranges' expired records included: retention never stops for the ranges.
+/// purges the partitions the bounded DELETE keeps (the untimed one here), and leaves the ranges
+/// whole: an expired record in one is absent to a claim all the same.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_change_held_back_leaves_the_purge_going(pool: PgPool) {
     let store = PgStore::new(pool.clone());
@@ -323,12 +535,16 @@ async fn a_change_held_back_leaves_the_purge_going(pool: PgPool) {
             .is_some_and(|w| w.contains("lock not had")),
         "{busy:?}"
     );
-    assert_eq!(busy.ranged_days, None);
+    assert!(busy.ranged_days.is_some(), "{busy:?}");
     assert!(waited < Duration::from_secs(10), "{waited:?}");
     open.commit().await.unwrap();
 
     // A carve held back (`ahead`'s record would be moved, and no move is allowed): the bounded
-    // DELETE of that round takes the expired record of today's range too.
+    // DELETE of that round purges the untimed partition's expired record, not today's range's.
+    let untimed = "untimed-expired".to_owned();
+    let lease = acquired(store.claim(&req(&key(&untimed), "w")).await.unwrap());
+    store.complete(&lease, b"ok").await.unwrap();
+    expire(&pool, &[&untimed]).await;
     let config = RetentionConfig::default().with_ranges(
         RangePolicy::default()
             .with_ahead(Duration::from_secs(31 * 86_400))
@@ -337,8 +553,11 @@ async fn a_change_held_back_leaves_the_purge_going(pool: PgPool) {
     let round = store.retention_round(&config).await.unwrap();
     assert!(round.ranges.held_back.is_some(), "{round:?}");
     assert_eq!(round.purged, 1, "{round:?}");
-    assert_eq!(partition_of(&pool, &today).await, None);
+    assert_eq!(partition_of(&pool, &untimed).await, None);
+    assert!(partition_of(&pool, &today).await.is_some());
     assert!(partition_of(&pool, &ahead).await.is_some());
+    // Expired, so absent: its claim is a first one, the record taken over in its range.
+    acquired(store.claim(&req(&key(&today), "again")).await.unwrap());
 }
 
 /// The tables a maintainer makes belong to the parent's owner, whoever runs it; and a role that
@@ -485,6 +704,8 @@ async fn unattached(pool: &PgPool) -> Vec<String> {
 async fn a_maintainer_killed_at_any_step_leaves_the_partitions_whole(pool: PgPool) {
     effects_table(&pool).await;
     let t0 = switch(&pool).await;
+    // As a switch of generation 8 left it: the kills land in the move to each range's BRIN too.
+    parents_btree(&pool).await;
     let tasks = spawn_writers(&pool, &WRITERS, &racing_keys(t0), 4);
     let url = url_of(&pool);
     let maintainer = || {
@@ -534,4 +755,5 @@ async fn a_maintainer_killed_at_any_step_leaves_the_partitions_whole(pool: PgPoo
         Vec::<String>::new(),
         "the next run took up every table a killed one left"
     );
+    assert_own_expiry_indexes(&pool).await;
 }

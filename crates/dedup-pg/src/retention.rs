@@ -270,8 +270,10 @@ impl PgStore {
 
 /// The ranges of days made and dropped as `config` says, by the server's clock, the whole of it
 /// given up on after `limit` beyond the longest its waits for the table's lock can take. A
-/// failure is reported (`held_back`) and leaves `ranged_days` None, so the bounded DELETE after
-/// it takes the ranges' expired records too: an error here never stops retention.
+/// failure is reported (`held_back`) and does not stop retention: the bounded DELETE after it
+/// purges the other partitions as ever, and leaves the ranges (read again from the catalog)
+/// alone, as it always does (a range goes whole; walking one in the order of `expires_at` has
+/// no index to follow).
 async fn keep_ranges(
     conn: &mut PgConnection,
     config: &RetentionConfig,
@@ -296,10 +298,12 @@ async fn keep_ranges(
         Ok(Err(e)) => e.to_string(),
         Err(_) => format!("not done within {deadline:?}"),
     };
-    // The bounded DELETE goes on, over the ranges too: retention never stops for them.
     warn!(error = %failed, "retention: the ranges of days not kept this round");
+    let ranged_days = crate::layout::ranged_days(conn).await?;
     Ok(RangeReport {
+        partitioned: ranged_days.is_some(),
         held_back: Some(format!("the ranges of days not kept: {failed}")),
+        ranged_days,
         ..RangeReport::default()
     })
 }

@@ -110,7 +110,8 @@ pub(super) struct Filled {
 /// go in in random order; time-ordered ones in the order of their time, one share of the span per
 /// statement, as a stream of them would. Each scope's rows are counted through
 /// the primary key, and its expired ones through the `expires_at` index (which reads the heap for
-/// the expired rows alone).
+/// the expired rows alone; in the ranges of the partitioned table a BRIN, which reads the pages
+/// whose summary says they may hold one).
 pub(super) async fn fill(
     pool: &PgPool,
     tags: &[&str],

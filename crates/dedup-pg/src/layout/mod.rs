@@ -41,8 +41,10 @@
 //! time, and gives way in between, so writers are not held behind a long transaction of someone
 //! else's for longer than that.
 
+mod expiry;
 mod ranges;
 
+pub(crate) use ranges::ranged_days;
 pub use ranges::{RangePolicy, RangeReport, maintain_ranges};
 
 use sqlx::Executor;
@@ -115,8 +117,9 @@ const SWITCH_SQL: [&str; 10] = [
      INCLUDING CONSTRAINTS)",
     "ALTER TABLE dedup_records_future ADD CONSTRAINT dedup_records_future_pkey \
      PRIMARY KEY (scope, key)",
-    // The parent's indexes take over the untimed partition's (no build) and build the future's.
-    "CREATE INDEX dedup_records_expires_at_idx ON dedup_records (expires_at)",
+    // The future's own btree on expires_at (each partition has its own: a BRIN in the ranges of
+    // days, expiry.rs); the untimed partition keeps the one it had.
+    "CREATE INDEX dedup_records_future_expires_at_idx ON dedup_records_future (expires_at)",
 ];
 
 /// Moves the stored records whose key now has a day out of the untimed partition, every column

@@ -27,6 +27,7 @@ use tracing::{info, warn};
 
 use dedup_core::StoreError;
 
+use super::expiry::{self, Expiry};
 use super::{is_lock_timeout, lock_pause, lock_timeout};
 use crate::classify::classify;
 
@@ -149,16 +150,16 @@ pub struct RangeReport {
     /// Why a change was held back, if one was.
     pub held_back: Option<String>,
     /// The days the ranges cover, `[first, end)` in days since the Unix epoch: the bounded
-    /// DELETE leaves them alone (a range goes whole). None where a change was held back (or
-    /// the table is not partitioned): the bounded DELETE then takes the ranges' expired
-    /// records too, so that retention never stops.
+    /// DELETE leaves them alone, a change held back or not (a range goes whole; until it goes,
+    /// its expired records count as absent and only take disk). None where the table is not
+    /// partitioned by the key's time.
     pub ranged_days: Option<(i32, i32)>,
 }
 
 /// A partition and its bounds in days since the Unix epoch.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Part {
-    name: String,
+pub(super) struct Part {
+    pub(super) name: String,
     lo: Option<i32>,
     hi: Option<i32>,
 }
@@ -166,10 +167,10 @@ struct Part {
 /// The partitions as they stand, the parent's schema (quoted), which their tables are in, and
 /// the parent's columns (quoted, in order).
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Parts(Vec<Part>, String, String);
+pub(super) struct Parts(Vec<Part>, String, String);
 
 impl Parts {
-    async fn read(conn: &mut PgConnection) -> Result<Self, sqlx::Error> {
+    pub(super) async fn read(conn: &mut PgConnection) -> Result<Self, sqlx::Error> {
         let rows: Vec<(String, Option<i32>, Option<i32>)> =
             sqlx::query_as(PARTS_SQL).fetch_all(&mut *conn).await?;
         let (schema, cols): (String, String) =
@@ -201,15 +202,15 @@ impl Parts {
     }
 
     /// `name` in the parent's schema.
-    fn q(&self, name: &str) -> String {
+    pub(super) fn q(&self, name: &str) -> String {
         format!("{}.{name}", self.1)
     }
 
-    fn named(&self, name: &str) -> Option<&Part> {
+    pub(super) fn named(&self, name: &str) -> Option<&Part> {
         self.0.iter().find(|p| p.name == name)
     }
 
-    fn future(&self) -> Option<&Part> {
+    pub(super) fn future(&self) -> Option<&Part> {
         self.named("dedup_records_future")
     }
 
@@ -217,14 +218,23 @@ impl Parts {
         self.named("dedup_records_late")
     }
 
+    /// Every partition, lowest first.
+    pub(super) fn all(&self) -> impl Iterator<Item = &Part> {
+        self.0.iter()
+    }
+
+    /// Whether `p` is a range of days (not `untimed`, `late` or `future`, whose upper bound is
+    /// MAXVALUE).
+    pub(super) fn is_range(&self, p: &Part) -> bool {
+        p.lo.is_some()
+            && p.hi.is_some()
+            && p.name != "dedup_records_late"
+            && p.name != "dedup_records_untimed"
+    }
+
     /// The ranges of days, oldest first.
-    fn ranges(&self) -> impl Iterator<Item = &Part> {
-        self.0.iter().filter(|p| {
-            p.lo.is_some()
-                && p.hi.is_some()
-                && p.name != "dedup_records_late"
-                && p.name != "dedup_records_untimed"
-        })
+    pub(super) fn ranges(&self) -> impl Iterator<Item = &Part> {
+        self.0.iter().filter(|p| self.is_range(p))
     }
 
     fn ranged_days(&self) -> Option<(i32, i32)> {
@@ -284,6 +294,23 @@ async fn keep(
     let mut report = RangeReport::default();
     // What a run killed before it cleared left.
     clear_gone(conn).await.map_err(e)?;
+    // Each partition's own index on expires_at (a table switched or kept by an older binary
+    // lacks some). Not had this round (a build past the statement timeout, the lock busy): the
+    // ranges are made and dropped all the same, through whichever index is there.
+    let parts = Parts::read(conn).await.map_err(e)?;
+    if parts.future().is_some() {
+        report.partitioned = true;
+        let why = match expiry::own_indexes(conn, &parts).await {
+            Ok(why) => why,
+            Err(err) => Some(format!(
+                "each partition's own index on expires_at not made: {err}; next round"
+            )),
+        };
+        if let Some(why) = why {
+            warn!(reason = %why, "dedup_records: a change held back");
+            report.held_back = Some(why);
+        }
+    }
     let now_ms = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
@@ -348,8 +375,21 @@ async fn keep(
              is the retention task running?"
         );
     }
-    report.ranged_days = parts.ranged_days().filter(|_| report.held_back.is_none());
+    report.ranged_days = parts.ranged_days();
     Ok(report)
+}
+
+/// The days the ranges cover, `[first, end)` in days since the Unix epoch (None on a table not
+/// partitioned by the key's time, or without ranges): what the bounded DELETE leaves alone.
+///
+/// # Errors
+///
+/// The catalog not read (a lost connection).
+pub(crate) async fn ranged_days(conn: &mut PgConnection) -> Result<Option<(i32, i32)>, StoreError> {
+    Ok(Parts::read(conn)
+        .await
+        .map_err(|e| classify(e, true))?
+        .ranged_days())
 }
 
 /// The ranges dropped and not cleared yet: tables out of the parent named
@@ -484,7 +524,8 @@ fn civil(day: i32) -> (i32, u32, u32) {
 }
 
 /// Makes `table` in the parent's schema (empty, the parent's columns, defaults and checks, its
-/// own primary key, `future`'s storage settings, the parent's owner) if it is not there: in a
+/// own primary key and index on `expires_at` of the `kind` given, `future`'s storage settings,
+/// the parent's owner) if it is not there: in a
 /// transaction of its own, so the table is there whole or not at all. The role that runs this
 /// must be able to give it to the parent's owner (be it, or a member of it) and to create in
 /// the schema; grants on the table do not matter, since every statement goes through the
@@ -492,25 +533,39 @@ fn civil(day: i32) -> (i32, u32, u32) {
 async fn make_table(
     conn: &mut PgConnection,
     parts: &Parts,
-    table: &str,
+    name: &str,
+    kind: Expiry,
 ) -> Result<Option<()>, StoreError> {
-    let table = parts.q(table);
+    let table = parts.q(name);
     let future = parts.q("dedup_records_future");
+    let index = expiry::index_sql(&table, name, kind);
     locked(conn, |tx| {
-        let (table, future) = (table.clone(), future.clone());
+        let (table, future, index) = (table.clone(), future.clone(), index.clone());
         Box::pin(async move {
-            // Two `CREATE TABLE IF NOT EXISTS` of one name at once: one fails on the catalog's
-            // unique index. One maker at a time; the second then finds the table there.
+            // Two `CREATE TABLE` of one name at once: one fails on the catalog's unique index.
+            // One maker at a time; the second then finds the table there.
             sqlx::query(MAKER_LOCK_SQL)
                 .bind(MAKER_LOCK_CLASS)
                 .execute(&mut *tx)
                 .await?;
+            // Made already (by a maintainer that read the partitions after this one did, or a
+            // run killed before its attach): whole, since it is made in one transaction. Left
+            // alone: an index or owner change on it now would take its lock in steps, and
+            // writers may be using it.
+            let there: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(&table)
+                .fetch_one(&mut *tx)
+                .await?;
+            if there {
+                return Ok(());
+            }
             // The schema's quoted name and a fixed prefix and a date: nothing from outside.
             tx.execute(sqlx::AssertSqlSafe(format!(
-                "CREATE TABLE IF NOT EXISTS {table} (LIKE dedup_records INCLUDING DEFAULTS \
+                "CREATE TABLE {table} (LIKE dedup_records INCLUDING DEFAULTS \
                  INCLUDING CONSTRAINTS, PRIMARY KEY (scope, key))"
             )))
             .await?;
+            tx.execute(sqlx::AssertSqlSafe(index)).await?;
             // The storage settings the table had before the switch (a fillfactor that leaves
             // room for the completion's update), which `future` carries; the parent's owner.
             tx.execute(sqlx::AssertSqlSafe(format!(
@@ -534,7 +589,7 @@ async fn make_table(
 /// `statement_timeout`, the retention task's own); again (after a pause) while it
 /// fails for want of a lock, up to [`RANGE_LOCK_TRIES`] times; commits what it did. None if the
 /// lock was not had.
-async fn locked<T>(
+pub(super) async fn locked<T>(
     conn: &mut PgConnection,
     mut step: impl for<'t> FnMut(
         &'t mut PgConnection,
@@ -562,14 +617,22 @@ async fn locked<T>(
 
 /// Why a change was held back when the parent's lock was not had.
 fn lock_busy(what: &str) -> Step {
-    Step::HeldBack(format!(
+    Step::HeldBack(lock_busy_why(what))
+}
+
+/// Why `what` was held back when the parent's lock was not had.
+pub(super) fn lock_busy_why(what: &str) -> String {
+    format!(
         "{what}: the table's lock not had in {RANGE_LOCK_TRIES} tries of 100 ms (a long \
          transaction on dedup_records); next round"
-    ))
+    )
 }
 
 /// Takes the parent's lock and answers whether the partitions are still `seen`.
-async fn lock_unchanged(tx: &mut PgConnection, seen: &Parts) -> Result<bool, sqlx::Error> {
+pub(super) async fn lock_unchanged(
+    tx: &mut PgConnection,
+    seen: &Parts,
+) -> Result<bool, sqlx::Error> {
     tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE")
         .await?;
     Ok(Parts::read(tx).await? == *seen)
@@ -633,7 +696,7 @@ async fn carve(
              longer than `ahead`; raise max_move to make it at a quiet hour)"
         )));
     }
-    if make_table(conn, seen, &name).await?.is_none() {
+    if make_table(conn, seen, &name, Expiry::Brin).await?.is_none() {
         return Ok(lock_busy(&name));
     }
     let seen = seen.clone();
@@ -676,10 +739,15 @@ async fn carve(
     })
 }
 
+/// For the rest of the transaction: a range's live records are found through its indexes, never
+/// by reading the whole range (a range never analysed looks to the planner as if a third of it
+/// were live).
+const NO_SEQSCAN_SQL: &str = "SET LOCAL enable_seqscan = off";
+
 /// What a drop moves out of a range before it goes: the records live by the server's clock, or
 /// expired within the last 5 minutes (a claim that waited for the parent's lock measures expiry
 /// at its own statement's start, before the wait, so a record that expired during the wait is
-/// still live to it), found through the range's index on `expires_at`.
+/// still live to it), found through the range's BRIN index on `expires_at` (`expiry.rs`).
 const LIVE: &str = "r.expires_at > transaction_timestamp() - interval '5 minutes'";
 
 /// Copies the rows of the range `from` that `filter` (a condition on `r`) picks into the
@@ -715,17 +783,36 @@ async fn drop_range(
     let e = |e: sqlx::Error| classify(e, true);
     let limit = count_limit(max_move);
     let (range, late) = (seen.q(name), seen.q("dedup_records_late"));
-    // Counted before the lock, through the range's index on expires_at and its primary key.
-    let live: Result<i64, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT (SELECT count(*) FROM (SELECT 1 FROM {range} r WHERE {LIVE} LIMIT $1) s) + \
-         (SELECT count(*) FROM (SELECT 1 FROM dedup_parked p CROSS JOIN LATERAL \
-         (SELECT 1 FROM {range} q WHERE q.scope = p.dedup_scope AND q.key = p.dedup_key) x \
-         LIMIT $1) s)"
-    )))
-    .bind(limit)
-    .fetch_one(&mut *conn)
+    match expiry::indexed(conn, seen, name).await.map_err(e)? {
+        None => return Ok(Step::Raced),
+        Some(false) => {
+            return Ok(Step::HeldBack(format!(
+                "{name} has no valid index on expires_at (its build failed this round): \
+                 dropping it would read it whole under the table's lock; next round"
+            )));
+        }
+        Some(true) => {}
+    }
+    // Counted before the lock, through the range's BRIN index on expires_at (its summary
+    // brought up to date first) and its primary key.
+    let counted = async {
+        expiry::summarize(conn, seen, name).await?;
+        let mut tx = conn.begin().await?;
+        tx.execute(NO_SEQSCAN_SQL).await?;
+        let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT (SELECT count(*) FROM (SELECT 1 FROM {range} r WHERE {LIVE} LIMIT $1) s) + \
+             (SELECT count(*) FROM (SELECT 1 FROM dedup_parked p CROSS JOIN LATERAL \
+             (SELECT 1 FROM {range} q WHERE q.scope = p.dedup_scope AND q.key = p.dedup_key) x \
+             LIMIT $1) s)"
+        )))
+        .bind(limit)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(live)
+    }
     .await;
-    let live = match live {
+    let live = match counted {
         // Another maintainer dropped it since the partitions were read.
         Err(err) if err.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P01") => {
             return Ok(Step::Raced);
@@ -736,7 +823,8 @@ async fn drop_range(
         return Ok(Step::HeldBack(format!(
             "{name} still holds more than {max_move} live or parked records: dropping it would \
              move them under the table's lock (is `keep` shorter than the longest retention, \
-             failed records' included?); the bounded DELETE takes the ranges meanwhile"
+             failed records' included?); it stays whole until they expire (or max_move is \
+             raised), its expired records absent to every lookup meanwhile"
         )));
     }
     // `late` must start where the ranges do: it is made of the first range dropped.
@@ -793,7 +881,7 @@ async fn drop_range(
         .execute(&mut *conn)
         .await
         .map_err(e)?;
-    } else if make_table(conn, seen, "dedup_records_late")
+    } else if make_table(conn, seen, "dedup_records_late", Expiry::Btree)
         .await?
         .is_none()
     {
@@ -833,9 +921,11 @@ async fn drop_range(
                 // Day numbers and the schema's quoted name: nothing from outside.
                 tx.execute(sqlx::AssertSqlSafe(step)).await?;
             }
-            // The live records, through the range's index on expires_at; then the others a
-            // parked message names, through its primary key (`transaction_timestamp()`: the
-            // same moment in both, so no record is copied twice).
+            // The live records, through the range's BRIN index on expires_at (never a scan of
+            // the range under the lock, whatever its statistics say); then the others a parked
+            // message names, through its primary key (`transaction_timestamp()`: the same
+            // moment in both, so no record is copied twice).
+            tx.execute(NO_SEQSCAN_SQL).await?;
             let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(copy_sql(&seen, &range, LIVE)))
                 .fetch_one(&mut *tx)
                 .await?;
