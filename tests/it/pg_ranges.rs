@@ -310,6 +310,93 @@ async fn a_range_whose_index_is_not_built_is_not_dropped(pool: PgPool) {
     assert_own_expiry_indexes(&pool).await;
 }
 
+/// Whether every row of `table` is frozen: its `relfrozenxid` newer than every row's `xmin`
+/// (a vacuum sets it no later than the oldest row it left unfrozen); and its comment.
+async fn frozen(pool: &PgPool, table: &str) -> (bool, Option<String>) {
+    // A range's name, from the catalog.
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT (SELECT age(c.relfrozenxid) FROM pg_class c WHERE c.oid = '{table}'::regclass) \
+         < (SELECT min(age(xmin)) FROM {table}), obj_description('{table}'::regclass, 'pg_class')"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A cold range (a day past its last day, not due for dropping) is frozen once an
+/// anti-wraparound vacuum nears (half its `autovacuum_freeze_max_age` spent), not before and
+/// not twice; its records stay and are found.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let names: Vec<String> = (0..3).map(|i| v7(t0 + 60_000 + i, i as u64)).collect();
+    for n in &names {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    let range = partition_of(&pool, &names[0]).await.unwrap();
+    let p = parts(&pool).await;
+    let (_, hi) = lo_of(&p, &range);
+    let cold = at(i64::from(hi) * DAY + DAY + 3_600_000);
+    let mut conn = pool.acquire().await.unwrap();
+    let young = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
+        .await
+        .unwrap();
+    assert!(young.frozen.is_empty(), "far from its vacuum: {young:?}");
+    assert_eq!(frozen(&pool, &range).await, (false, None));
+
+    // 100,000 is the least autovacuum_freeze_max_age; then 60,000 transactions (each a
+    // subtransaction that writes, so each takes an id).
+    for step in [
+        format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
+        "CREATE TEMP TABLE burn (x int)".to_owned(),
+        "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
+         RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$"
+            .to_owned(),
+    ] {
+        // A range's name, from the catalog.
+        sqlx::query(sqlx::AssertSqlSafe(step))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    let early = dedup_pg::maintain_ranges(
+        &mut conn,
+        &RangePolicy::default(),
+        at(i64::from(hi) * DAY + 3_600_000),
+    )
+    .await
+    .unwrap();
+    assert!(early.frozen.is_empty(), "not cold yet: {early:?}");
+    let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
+        .await
+        .unwrap();
+    assert_eq!(report.frozen, vec![range.clone()], "{report:?}");
+    assert_eq!(
+        frozen(&pool, &range).await,
+        (true, Some("dedup: frozen".to_owned()))
+    );
+    let again = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
+        .await
+        .unwrap();
+    assert!(again.frozen.is_empty(), "once: {again:?}");
+    let never = RangePolicy::default().with_freeze_after(None);
+    assert!(
+        dedup_pg::maintain_ranges(&mut conn, &never, cold)
+            .await
+            .unwrap()
+            .frozen
+            .is_empty()
+    );
+    for n in &names {
+        match store.claim(&req(&key(n), "again")).await.unwrap() {
+            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
+            other => panic!("{n}: {other:?}"),
+        }
+    }
+}
+
 /// Ranges made ahead by the switch; 40 days of keys (one a day) later, the ranges of those
 /// days dropped whole: what was still live, the leased one and the one a parked message names
 /// are moved to `late`, where their lookups find them (a duplicate replays, the lease
@@ -504,7 +591,7 @@ async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
 /// A transaction held open on the table (a caller's `claim_in`) holds a change back for the
 /// round (20 tries of 100 ms), without an error; and a round whose change is held back still
 /// purges the partitions the bounded DELETE keeps (the untimed one here), and leaves the ranges
-/// whole: an expired record in one is absent to a claim all the same.
+/// whole (as `Store::purge` does): an expired record in one is absent to a claim all the same.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_change_held_back_leaves_the_purge_going(pool: PgPool) {
     let store = PgStore::new(pool.clone());
@@ -541,9 +628,16 @@ async fn a_change_held_back_leaves_the_purge_going(pool: PgPool) {
 
     // A carve held back (`ahead`'s record would be moved, and no move is allowed): the bounded
     // DELETE of that round purges the untimed partition's expired record, not today's range's.
-    let untimed = "untimed-expired".to_owned();
-    let lease = acquired(store.claim(&req(&key(&untimed), "w")).await.unwrap());
-    store.complete(&lease, b"ok").await.unwrap();
+    let (first, untimed) = ("untimed-first".to_owned(), "untimed-expired".to_owned());
+    for n in [&first, &untimed] {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, b"ok").await.unwrap();
+    }
+    // `Store::purge` alone (no ranges kept): the same, it leaves the ranges whole.
+    expire(&pool, &[&first]).await;
+    assert_eq!(store.purge(100).await.unwrap(), 1);
+    assert_eq!(partition_of(&pool, &first).await, None);
+    assert!(partition_of(&pool, &today).await.is_some());
     expire(&pool, &[&untimed]).await;
     let config = RetentionConfig::default().with_ranges(
         RangePolicy::default()

@@ -43,6 +43,14 @@ pub(crate) struct PurgeArgs {
     /// key's first delivery lags its time).
     #[arg(long, default_value_t = 8.0, value_parser = days)]
     keep_days: f64,
+    /// The partitioned table: freeze a range once (`VACUUM (FREEZE)`), from this many days after
+    /// its last day, if half its `autovacuum_freeze_max_age` has passed before its drop (the
+    /// anti-wraparound vacuum would come anyway); one range a round.
+    #[arg(long, default_value_t = 1.0, value_parser = days)]
+    freeze_after_days: f64,
+    /// The partitioned table: never freeze a range.
+    #[arg(long, conflicts_with = "freeze_after_days")]
+    no_freeze: bool,
 }
 
 /// A finite, non-negative number of days.
@@ -71,7 +79,8 @@ impl PurgeArgs {
                 RangePolicy::default()
                     .with_days(self.range_days)
                     .with_ahead(day(self.ahead_days))
-                    .with_keep(day(self.keep_days)),
+                    .with_keep(day(self.keep_days))
+                    .with_freeze_after((!self.no_freeze).then(|| day(self.freeze_after_days))),
             )
     }
 }
@@ -120,6 +129,9 @@ fn print_ranges(r: &RangeReport) {
     for name in &r.dropped {
         println!("dropped {name}");
     }
+    for name in &r.frozen {
+        println!("froze {name}");
+    }
     if r.moved > 0 {
         println!("moved {} record(s) under the table's lock", r.moved);
     }
@@ -165,10 +177,13 @@ async fn watch(args: &PurgeArgs, every: Duration) -> Result<ExitCode, CliError> 
                 _ => {}
             }
         }
-        if now.ranges_made > seen.ranges_made || now.ranges_dropped > seen.ranges_dropped {
+        if now.ranges_made > seen.ranges_made
+            || now.ranges_dropped > seen.ranges_dropped
+            || now.ranges_frozen > seen.ranges_frozen
+        {
             println!(
-                "ranges of days: {} made, {} dropped, {} record(s) moved (in all)",
-                now.ranges_made, now.ranges_dropped, now.moved
+                "ranges of days: {} made, {} dropped, {} frozen, {} record(s) moved (in all)",
+                now.ranges_made, now.ranges_dropped, now.ranges_frozen, now.moved
             );
         }
         if now.held_back.is_some() && now.held_back != seen.held_back {

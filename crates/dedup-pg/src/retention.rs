@@ -140,6 +140,8 @@ pub struct RetentionStats {
     pub ranges_made: u64,
     /// Ranges of days it dropped whole.
     pub ranges_dropped: u64,
+    /// Ranges of days frozen (`RangeReport::frozen`).
+    pub ranges_frozen: u64,
     /// Records it moved under the table's lock while making and dropping ranges.
     pub moved: u64,
     /// Days from its last round to the first day without a range of its own (the partitioned
@@ -425,6 +427,7 @@ impl Task {
         self.update(|s| {
             s.ranges_made += ranges.made.len() as u64;
             s.ranges_dropped += ranges.dropped.len() as u64;
+            s.ranges_frozen += ranges.frozen.len() as u64;
             s.moved += ranges.moved;
             s.margin_days = ranges.margin_days;
             s.held_back.clone_from(&ranges.held_back);

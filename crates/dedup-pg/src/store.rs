@@ -279,12 +279,15 @@ impl Store for PgStore {
     async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
         self.count(1);
         let mut conn = self.conn().await?;
-        // Every record past its retention, the ranges of days of the partitioned table
-        // included (the retention task drops those whole).
+        // Every record past its retention but those in the ranges of days of the partitioned
+        // table, which go whole (`maintain_ranges`, run by the retention) and have no index to
+        // walk in the order of expiry (a BRIN: each statement would read every expired row).
+        let ranged = crate::layout::ranged_days(&mut conn).await;
+        let ranged = conn.checked(ranged)?.unwrap_or((0, 0));
         let done = sqlx::query(PURGE_SQL)
             .bind(i64::from(limit))
-            .bind(0_i32)
-            .bind(0_i32)
+            .bind(ranged.0)
+            .bind(ranged.1)
             .execute(&mut **conn)
             .await
             .map_err(|e| classify(e, true));

@@ -293,10 +293,20 @@ impl<'a> Report<'a> {
         for (i, p) in w.purges.iter().enumerate() {
             #[allow(clippy::cast_precision_loss)]
             let rate = p.records as f64 / p.elapsed.as_secs_f64().max(1e-9);
+            let ranges = if p.dropped.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "ranges of days dropped whole: {} ({} records moved), in {:.1} s; then ",
+                    p.dropped.join(", "),
+                    p.moved,
+                    p.ranges.as_secs_f64()
+                )
+            };
             println!(
-                "retention {}: {} records in {} statements of up to {} ({} ms apart) in {:.1} s \
-                 ({rate:.0}/s), other sessions waiting on its locks for {:.2} s; the VACUUM after \
-                 it {:.1} s{}",
+                "retention {}: {ranges}{} records in {} statements of up to {} ({} ms apart) in \
+                 {:.1} s ({rate:.0}/s), other sessions waiting on its locks for {:.2} s; the \
+                 VACUUM after it {:.1} s{}",
                 i + 1,
                 p.records,
                 p.statements,

@@ -388,6 +388,11 @@ pub(super) async fn wal_since(
 /// What the retention did while a pass ran.
 #[derive(Debug, Default)]
 pub(super) struct Purged {
+    /// The ranges of days of the partitioned table dropped first (`maintain_ranges`), the
+    /// records their drops moved, and how long that took.
+    pub(super) dropped: Vec<String>,
+    pub(super) moved: u64,
+    pub(super) ranges: Duration,
     pub(super) records: u64,
     pub(super) statements: u64,
     /// From its start until a statement found less than a full batch.
@@ -403,6 +408,9 @@ pub(super) struct Purged {
 impl Purged {
     pub(super) fn json(&self) -> serde_json::Value {
         serde_json::json!({
+            "ranges_dropped": self.dropped,
+            "ranges_moved": self.moved,
+            "ranges_s": self.ranges.as_secs_f64(),
             "records": self.records,
             "statements": self.statements,
             "elapsed_s": self.elapsed.as_secs_f64(),
@@ -413,9 +421,11 @@ impl Purged {
     }
 }
 
-/// The retention, started beside a pass: [`Store::purge`] in statements of `batch` records, on
-/// a connection of its own, until a statement finds less than a full batch; and a sampler of the sessions
-/// it blocks. [`Purge::finish`] waits for it and VACUUMs.
+/// The retention, started beside a pass, as the table's retention runs it: on a connection of
+/// its own, the ranges of days of the partitioned table made and dropped
+/// ([`dedup_pg::maintain_ranges`], by the server's clock; nothing on the single table), then
+/// [`Store::purge`] in statements of `batch` records until a statement finds less than a full
+/// batch; and a sampler of the sessions it blocks. [`Purge::finish`] waits for it and VACUUMs.
 pub(super) struct Purge {
     task: tokio::task::JoinHandle<Purged>,
 }
@@ -464,6 +474,28 @@ impl Purge {
             });
             let mut purged = Purged::default();
             let started = Instant::now();
+            let ranges = async {
+                let mut conn = store.pool().acquire().await?;
+                let now_ms: i64 = sqlx::query_scalar(
+                    "SELECT floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                let now = std::time::SystemTime::UNIX_EPOCH
+                    + Duration::from_millis(u64::try_from(now_ms).unwrap_or(0));
+                dedup_pg::maintain_ranges(&mut conn, &dedup_pg::RangePolicy::default(), now)
+                    .await
+                    .map_err(|e| sqlx::Error::Protocol(e.to_string()))
+            }
+            .await;
+            match ranges {
+                Ok(r) => {
+                    purged.dropped = r.dropped;
+                    purged.moved = r.moved;
+                }
+                Err(e) => purged.error = Some(format!("the ranges of days: {e}")),
+            }
+            purged.ranges = started.elapsed();
             loop {
                 match store.purge(batch).await {
                     Ok(n) => {

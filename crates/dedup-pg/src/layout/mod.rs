@@ -42,6 +42,7 @@
 //! else's for longer than that.
 
 mod expiry;
+mod freeze;
 mod ranges;
 
 pub(crate) use ranges::ranged_days;

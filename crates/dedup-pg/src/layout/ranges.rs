@@ -28,11 +28,12 @@ use tracing::{info, warn};
 use dedup_core::StoreError;
 
 use super::expiry::{self, Expiry};
+use super::freeze;
 use super::{is_lock_timeout, lock_pause, lock_timeout};
 use crate::classify::classify;
 
 /// Milliseconds in a day.
-const DAY_MS: i64 = 86_400_000;
+pub(super) const DAY_MS: i64 = 86_400_000;
 
 /// Days from the Unix epoch to Monday 1970-01-05, where ranges count their boundaries from.
 const MONDAY: i32 = 4;
@@ -90,17 +91,23 @@ pub struct RangePolicy {
     /// The most records one change may move under the lock; a change that would move more is
     /// held back (and reported) instead of holding every claim that long.
     pub max_move: u64,
+    /// How long after a range's last day it may be frozen, once (`VACUUM (FREEZE)`, one range a
+    /// round, and only once half its `autovacuum_freeze_max_age` has passed: `freeze.rs`);
+    /// None never.
+    pub freeze_after: Option<Duration>,
 }
 
 impl Default for RangePolicy {
     /// Weeks, made 3 days ahead, dropped 8 days after their end (a 7-day retention and a day of
-    /// lag), up to 100,000 records moved under the lock.
+    /// lag), frozen from a day after it if they near their anti-wraparound vacuum, up to
+    /// 100,000 records moved under the lock.
     fn default() -> Self {
         Self {
             days: 7,
             ahead: Duration::from_secs(3 * 86_400),
             keep: Duration::from_secs(8 * 86_400),
             max_move: 100_000,
+            freeze_after: Some(Duration::from_secs(86_400)),
         }
     }
 }
@@ -129,6 +136,12 @@ impl RangePolicy {
         self.max_move = max_move;
         self
     }
+
+    /// Sets how long after its last day a range is frozen (None: never).
+    pub fn with_freeze_after(mut self, after: Option<Duration>) -> Self {
+        self.freeze_after = after;
+        self
+    }
 }
 
 /// What [`maintain_ranges`] did.
@@ -141,6 +154,8 @@ pub struct RangeReport {
     pub made: Vec<String>,
     /// Ranges dropped, by name.
     pub dropped: Vec<String>,
+    /// Ranges frozen, by name (at most one a call).
+    pub frozen: Vec<String>,
     /// Records moved under the lock (out of `future` into a range made, or out of a range
     /// dropped into `late`).
     pub moved: u64,
@@ -161,7 +176,7 @@ pub struct RangeReport {
 pub(super) struct Part {
     pub(super) name: String,
     lo: Option<i32>,
-    hi: Option<i32>,
+    pub(super) hi: Option<i32>,
 }
 
 /// The partitions as they stand, the parent's schema (quoted), which their tables are in, and
@@ -362,6 +377,9 @@ async fn keep(
         clear_gone(conn).await.map_err(e)?;
     }
     let parts = Parts::read(conn).await.map_err(e)?;
+    report
+        .frozen
+        .extend(freeze::freeze_cold(conn, &parts, now_ms, policy.freeze_after, policy.keep).await);
     report.margin_days = parts
         .future()
         .and_then(|f| f.lo)

@@ -1,0 +1,124 @@
+//! Cold ranges of days frozen once (docs/ARCHITECTURE.md, invariant 37).
+//!
+//! A range gets its keys' first claims while its days last, and few writes after (a late key, a
+//! completion of a lease taken then). Postgres must freeze every row it keeps for longer than
+//! `autovacuum_freeze_max_age` transactions (200 million by default): an anti-wraparound
+//! autovacuum then reads the whole table and writes every page, at a moment of its choosing.
+//! Whether a range lives that long depends on the mode: a claim and a completion per message
+//! spend two transactions a key (5,000 keys a second: the age in under 6 hours), the batch modes
+//! one or two a batch of up to 128 (the age in weeks: a range is dropped first). Freezing costs
+//! a full read and write of the range (10 million records: 13.5 s and 1.6 GB of WAL, measured),
+//! so it is done only where that vacuum would come anyway.
+//!
+//! [`freeze_cold`] freezes a range once, in the retention's own round, when it is cold
+//! (`freeze_after` past its last day), not yet due for dropping, and half its
+//! `autovacuum_freeze_max_age` (the table's, or the server's) has passed since it was last
+//! frozen or made: `VACUUM (FREEZE)`, then a comment on the table (`dedup: frozen`), so no later
+//! round does it again. Its pages are then all-frozen in the visibility map, which the
+//! anti-wraparound vacuums that still come skip.
+//!
+//! One range a round. The VACUUM is bounded by the session's `statement_timeout` (the retention
+//! task's, 30 s by default) and waits for the range's lock 1 s at most; one cut short keeps
+//! what it froze (the visibility map's bits are set page by page) and the next round goes on
+//! from there, since a freezing vacuum skips the pages already all-frozen. Its reads and writes
+//! go as fast as the disk allows unless the role's `vacuum_cost_delay` says otherwise.
+
+use std::time::Duration;
+
+use sqlx::Executor;
+use sqlx::postgres::PgConnection;
+use tracing::{info, warn};
+
+use super::ranges::{DAY_MS, Parts};
+
+/// The comment a frozen range carries.
+const MARK: &str = "dedup: frozen";
+
+/// How long the VACUUM waits for the range's lock (a change of the partitions holds it).
+const FREEZE_LOCK_TIMEOUT: &str = "1s";
+
+/// Freezes the oldest range that is cold (`after` past its last day), not due for dropping
+/// (`keep` past it), not frozen yet and half-way to its anti-wraparound vacuum (module docs).
+/// Answers its name if one was frozen now. A failure is logged and left to the next round (it
+/// never stops the retention).
+pub(super) async fn freeze_cold(
+    conn: &mut PgConnection,
+    parts: &Parts,
+    now_ms: i64,
+    after: Option<Duration>,
+    keep: Duration,
+) -> Option<String> {
+    let after_ms = i64::try_from(after?.as_millis()).unwrap_or(i64::MAX);
+    let keep_ms = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX);
+    for range in parts.ranges() {
+        let end = i64::from(range.hi?).saturating_mul(DAY_MS);
+        if end.saturating_add(keep_ms) <= now_ms {
+            // Due for dropping (held back this round): not worth a full write.
+            continue;
+        }
+        if end.saturating_add(after_ms) > now_ms {
+            // Oldest first: no later range is colder.
+            return None;
+        }
+        match freeze(conn, parts, &range.name).await {
+            Ok(false) => {}
+            Ok(true) => {
+                info!(range = %range.name, "dedup_records: a cold range of days frozen");
+                return Some(range.name.clone());
+            }
+            Err(err) => {
+                warn!(range = %range.name, error = %err,
+                    "dedup_records: a cold range of days not frozen this round");
+                return None;
+            }
+        }
+    }
+    None
+}
+
+/// Whether the range `$1` (qualified) is to be frozen: not marked, and half its
+/// `autovacuum_freeze_max_age` (its own setting, or the server's) past since its rows were last
+/// frozen. No row: the table is gone.
+const DUE_SQL: &str = "SELECT coalesce(obj_description(c.oid, 'pg_class') <> $2, true) \
+     AND age(c.relfrozenxid) >= coalesce((SELECT o.option_value::int8 \
+     FROM pg_options_to_table(c.reloptions) o WHERE o.option_name = 'autovacuum_freeze_max_age'), \
+     current_setting('autovacuum_freeze_max_age')::int8) / 2 \
+     FROM pg_class c WHERE c.oid = to_regclass($1)";
+
+/// Freezes the range `name` if it is due (`DUE_SQL`); true if it froze it now.
+async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bool, sqlx::Error> {
+    let table = parts.q(name);
+    let due: Option<bool> = sqlx::query_scalar(DUE_SQL)
+        .bind(&table)
+        .bind(MARK)
+        .fetch_optional(&mut *conn)
+        .await?;
+    // Gone (dropped by another maintainer since the partitions were read), frozen already, or
+    // far from its anti-wraparound vacuum.
+    if due != Some(true) {
+        return Ok(false);
+    }
+    // VACUUM runs outside a transaction: the session's lock_timeout, put back after.
+    let before: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(&mut *conn)
+        .await?;
+    sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+        .bind(FREEZE_LOCK_TIMEOUT)
+        .execute(&mut *conn)
+        .await?;
+    // The schema's quoted name, a fixed prefix and a date: nothing from outside.
+    let vacuumed = conn
+        .execute(sqlx::AssertSqlSafe(format!("VACUUM (FREEZE) {table}")))
+        .await;
+    let restored = sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+        .bind(&before)
+        .execute(&mut *conn)
+        .await;
+    vacuumed?;
+    restored?;
+    conn.execute(sqlx::AssertSqlSafe(format!(
+        "COMMENT ON TABLE {table} IS '{MARK}'"
+    )))
+    .await?;
+    Ok(true)
+}
