@@ -404,10 +404,16 @@ async fn keep(
 ///
 /// The catalog not read (a lost connection).
 pub(crate) async fn ranged_days(conn: &mut PgConnection) -> Result<Option<(i32, i32)>, StoreError> {
-    Ok(Parts::read(conn)
+    // One read of the catalog (no rows on the single table); the schema is not needed here.
+    let rows: Vec<(String, Option<i32>, Option<i32>)> = sqlx::query_as(PARTS_SQL)
+        .fetch_all(&mut *conn)
         .await
-        .map_err(|e| classify(e, true))?
-        .ranged_days())
+        .map_err(|e| classify(e, true))?;
+    let parts = rows
+        .into_iter()
+        .map(|(name, lo, hi)| Part { name, lo, hi })
+        .collect();
+    Ok(Parts(parts, String::new(), String::new()).ranged_days())
 }
 
 /// The ranges dropped and not cleared yet: tables out of the parent named
