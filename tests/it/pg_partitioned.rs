@@ -466,7 +466,7 @@ async fn the_switch_in_place_keeps_every_record_where_its_lookups_find_it(pool: 
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(floor, 7);
+    assert_eq!(floor, 9);
     let index: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_class WHERE relname = 'dedup_records_key_time_idx'",
     )

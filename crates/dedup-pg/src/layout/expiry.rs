@@ -93,6 +93,17 @@ async fn own_index(
     if state == Some(true) {
         return Ok(());
     }
+    // Another maintainer building it now: left to it (a drop checks the index under its lock).
+    let building: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_stat_progress_create_index p \
+         WHERE p.relid = to_regclass($1))",
+    )
+    .bind(&table)
+    .fetch_one(&mut *conn)
+    .await?;
+    if building {
+        return Ok(());
+    }
     // The schema's quoted name, a fixed prefix and a date: nothing from outside.
     if state == Some(false) {
         conn.execute(sqlx::AssertSqlSafe(format!(
@@ -119,6 +130,7 @@ async fn own_index(
 pub(super) async fn own_indexes(
     conn: &mut PgConnection,
     seen: &Parts,
+    max_move: u64,
 ) -> Result<Option<String>, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
     for part in seen.all() {
@@ -135,6 +147,26 @@ pub(super) async fn own_indexes(
         .map_err(e)?;
     if !parent {
         return Ok(None);
+    }
+    // `future`'s attach under the lock reads it to check its bound: held back while it holds
+    // more than a change may move (the carve that empties it is held back the same way).
+    let future = seen.q("dedup_records_future");
+    let held: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT 1 FROM {future} LIMIT $1) s"
+    )))
+    .bind(
+        i64::try_from(max_move)
+            .unwrap_or(i64::MAX)
+            .saturating_add(1),
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(e)?;
+    if u64::try_from(held).unwrap_or(0) > max_move {
+        return Ok(Some(format!(
+            "the ranges' BRIN indexes on expires_at: dedup_records_future holds more than \
+             {max_move} records, which its attach under the lock would read; next round"
+        )));
     }
     let others: Vec<String> = ["dedup_records_untimed", "dedup_records_late"]
         .into_iter()
@@ -175,6 +207,9 @@ pub(super) async fn own_indexes(
                 )))
                 .await?;
             }
+            // A binary of generation 8 would make ranges without an index on expires_at now.
+            tx.execute("UPDATE dedup_schema SET compat_floor = greatest(compat_floor, 9)")
+                .await?;
             Ok(true)
         })
     })

@@ -18,7 +18,8 @@
 //! anti-wraparound vacuums that still come skip.
 //!
 //! One range a round. The VACUUM is bounded by the session's `statement_timeout` (the retention
-//! task's, 30 s by default) and waits for the range's lock 1 s at most; one cut short keeps
+//! task's, 30 s by default) and skips a range whose lock it cannot have at once (`SKIP_LOCKED`:
+//! the range is marked only if its `relfrozenxid` did move); one cut short keeps
 //! what it froze (the visibility map's bits are set page by page) and the next round goes on
 //! from there, since a freezing vacuum skips the pages already all-frozen. Its reads and writes
 //! go as fast as the disk allows unless the role's `vacuum_cost_delay` says otherwise.
@@ -33,9 +34,6 @@ use super::ranges::{DAY_MS, Parts};
 
 /// The comment a frozen range carries.
 const MARK: &str = "dedup: frozen";
-
-/// How long the VACUUM waits for the range's lock (a change of the partitions holds it).
-const FREEZE_LOCK_TIMEOUT: &str = "1s";
 
 /// Freezes the oldest range that is cold (`after` past its last day), not due for dropping
 /// (`keep` past it), not frozen yet and half-way to its anti-wraparound vacuum (module docs).
@@ -77,11 +75,12 @@ pub(super) async fn freeze_cold(
 }
 
 /// Whether the range `$1` (qualified) is to be frozen: not marked, and half its
-/// `autovacuum_freeze_max_age` (its own setting, or the server's) past since its rows were last
-/// frozen. No row: the table is gone.
+/// `autovacuum_freeze_max_age` past since its rows were last frozen (the table's setting where
+/// it is lower than the server's, which autovacuum caps it at). No row: the table is gone.
 const DUE_SQL: &str = "SELECT coalesce(obj_description(c.oid, 'pg_class') <> $2, true) \
-     AND age(c.relfrozenxid) >= coalesce((SELECT o.option_value::int8 \
+     AND age(c.relfrozenxid) >= least(coalesce((SELECT o.option_value::int8 \
      FROM pg_options_to_table(c.reloptions) o WHERE o.option_name = 'autovacuum_freeze_max_age'), \
+     current_setting('autovacuum_freeze_max_age')::int8), \
      current_setting('autovacuum_freeze_max_age')::int8) / 2 \
      FROM pg_class c WHERE c.oid = to_regclass($1)";
 
@@ -98,24 +97,23 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bo
     if due != Some(true) {
         return Ok(false);
     }
-    // VACUUM runs outside a transaction: the session's lock_timeout, put back after.
-    let before: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
-        .fetch_one(&mut *conn)
-        .await?;
-    sqlx::query("SELECT set_config('lock_timeout', $1, false)")
-        .bind(FREEZE_LOCK_TIMEOUT)
-        .execute(&mut *conn)
-        .await?;
+    // Never waits for the range's lock (a change of the partitions, another vacuum): skipped
+    // then, with a warning only, which the check after it sees (no session setting to put back
+    // if this future is dropped midway).
     // The schema's quoted name, a fixed prefix and a date: nothing from outside.
-    let vacuumed = conn
-        .execute(sqlx::AssertSqlSafe(format!("VACUUM (FREEZE) {table}")))
-        .await;
-    let restored = sqlx::query("SELECT set_config('lock_timeout', $1, false)")
-        .bind(&before)
-        .execute(&mut *conn)
-        .await;
-    vacuumed?;
-    restored?;
+    conn.execute(sqlx::AssertSqlSafe(format!(
+        "VACUUM (FREEZE, SKIP_LOCKED) {table}"
+    )))
+    .await?;
+    let still: Option<bool> = sqlx::query_scalar(DUE_SQL)
+        .bind(&table)
+        .bind(MARK)
+        .fetch_optional(&mut *conn)
+        .await?;
+    if still != Some(false) {
+        // Skipped (or gone): the next round tries again.
+        return Ok(false);
+    }
     conn.execute(sqlx::AssertSqlSafe(format!(
         "COMMENT ON TABLE {table} IS '{MARK}'"
     )))

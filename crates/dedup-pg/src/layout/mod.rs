@@ -24,8 +24,10 @@
 //! - `CHECK (kt = dedup_kt(key))` on the parent (not validated: every stored row meets it by the
 //!   choice of `T0`), so a writer that leaves `kt` out fails instead of putting a key where no
 //!   lookup finds it.
-//! - The compatibility floor raised to 7: binaries older than generation 7 neither write nor ask
-//!   for `kt`, and their `ON CONFLICT (scope, key)` has no index to name on the parent. The
+//! - The compatibility floor raised to 9: binaries older than generation 7 neither write nor ask
+//!   for `kt`, and their `ON CONFLICT (scope, key)` has no index to name on the parent; those of
+//!   generations 7 and 8 would make ranges of days without an index on `expires_at` (the parent
+//!   has none) and delete in them in its order. The
 //!   floor stops one from starting; one already running must be stopped before the switch.
 //! - The parent and `dedup_records_future` get the old table's owner and grants (and `future`
 //!   its storage settings), and the functions that returned the old table's row type
@@ -317,7 +319,7 @@ async fn switch(pool: &PgPool) -> Result<Option<(i64, u64)>, sqlx::Error> {
         .bind(end_ms)
         .fetch_one(&mut *tx)
         .await?;
-    tx.execute("UPDATE dedup_schema SET compat_floor = greatest(compat_floor, 7)")
+    tx.execute("UPDATE dedup_schema SET compat_floor = greatest(compat_floor, 9)")
         .await?;
     tx.commit().await?;
     Ok(Some((t0_ms, u64::try_from(moved).unwrap_or(0))))

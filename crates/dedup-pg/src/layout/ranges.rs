@@ -315,7 +315,7 @@ async fn keep(
     let parts = Parts::read(conn).await.map_err(e)?;
     if parts.future().is_some() {
         report.partitioned = true;
-        let why = match expiry::own_indexes(conn, &parts).await {
+        let why = match expiry::own_indexes(conn, &parts, policy.max_move).await {
             Ok(why) => why,
             Err(err) => Some(format!(
                 "each partition's own index on expires_at not made: {err}; next round"
@@ -768,6 +768,10 @@ async fn carve(
 /// were live).
 const NO_SEQSCAN_SQL: &str = "SET LOCAL enable_seqscan = off";
 
+/// The most heap pages of a range a drop may read under the lock to find its live records
+/// (128 MB: about 0.1 s from memory); a drop that would read more is held back.
+const MOST_LIVE_PAGES: i64 = 16_384;
+
 /// What a drop moves out of a range before it goes: the records live by the server's clock, or
 /// expired within the last 5 minutes (a claim that waited for the parent's lock measures expiry
 /// at its own statement's start, before the wait, so a record that expired during the wait is
@@ -823,6 +827,11 @@ async fn drop_range(
         expiry::summarize(conn, seen, name).await?;
         let mut tx = conn.begin().await?;
         tx.execute(NO_SEQSCAN_SQL).await?;
+        // The range's heap pages the lookup reads, counted by the server for this transaction.
+        let pages_sql = format!("SELECT pg_stat_get_xact_blocks_fetched('{range}'::regclass)");
+        let before: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pages_sql.clone()))
+            .fetch_one(&mut *tx)
+            .await?;
         let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT (SELECT count(*) FROM (SELECT 1 FROM {range} r WHERE {LIVE} LIMIT $1) s) + \
              (SELECT count(*) FROM (SELECT 1 FROM dedup_parked p CROSS JOIN LATERAL \
@@ -832,11 +841,14 @@ async fn drop_range(
         .bind(limit)
         .fetch_one(&mut *tx)
         .await?;
+        let after: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pages_sql))
+            .fetch_one(&mut *tx)
+            .await?;
         tx.commit().await?;
-        Ok::<_, sqlx::Error>(live)
+        Ok::<_, sqlx::Error>((live, after - before))
     }
     .await;
-    let live = match counted {
+    let (live, pages) = match counted {
         // Another maintainer dropped it since the partitions were read.
         Err(err) if err.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P01") => {
             return Ok(Step::Raced);
@@ -849,6 +861,14 @@ async fn drop_range(
              move them under the table's lock (is `keep` shorter than the longest retention, \
              failed records' included?); it stays whole until they expire (or max_move is \
              raised), its expired records absent to every lookup meanwhile"
+        )));
+    }
+    if pages > MOST_LIVE_PAGES {
+        return Ok(Step::HeldBack(format!(
+            "{name}: finding its live or parked records reads {pages} of its pages (they are \
+             spread through it, and its BRIN index narrows a lookup to blocks of 128 pages): \
+             more than {MOST_LIVE_PAGES} under the table's lock; it stays whole until they \
+             expire (is `keep` shorter than the longest retention, failed records' included?)"
         )));
     }
     // `late` must start where the ranges do: it is made of the first range dropped.
@@ -915,15 +935,21 @@ async fn drop_range(
     let gone = name.replacen("dedup_records_", "dedup_records_gone_", 1);
     let seen = seen.clone();
     let moved = locked(conn, |tx| {
-        let (seen, range, late, bound, gone) = (
+        let (seen, range, late, bound, gone, name) = (
             seen.clone(),
             range.clone(),
             late.clone(),
             bound.clone(),
             gone.clone(),
+            name.to_owned(),
         );
         Box::pin(async move {
-            if !lock_unchanged(tx, &seen).await? {
+            // Its index again, under the lock: another maintainer's rebuild of an invalid one
+            // may have dropped it since (then the partitions are read again, and the drop held
+            // back until the index is there).
+            if !lock_unchanged(tx, &seen).await?
+                || expiry::indexed(tx, &seen, &name).await? != Some(true)
+            {
                 return Ok(None);
             }
             let mut steps = vec![format!("ALTER TABLE dedup_records DETACH PARTITION {range}")];
