@@ -84,17 +84,21 @@ const DUE_SQL: &str = "SELECT coalesce(obj_description(c.oid, 'pg_class') <> $2,
      current_setting('autovacuum_freeze_max_age')::int8) / 2 \
      FROM pg_class c WHERE c.oid = to_regclass($1)";
 
-/// Freezes the range `name` if it is due (`DUE_SQL`); true if it froze it now.
-async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bool, sqlx::Error> {
-    let table = parts.q(name);
-    let due: Option<bool> = sqlx::query_scalar(DUE_SQL)
-        .bind(&table)
+/// Whether the range `table` (qualified) is due for freezing (`DUE_SQL`); None if it is gone.
+async fn due(conn: &mut PgConnection, table: &str) -> Result<Option<bool>, sqlx::Error> {
+    sqlx::query_scalar(DUE_SQL)
+        .bind(table)
         .bind(MARK)
         .fetch_optional(&mut *conn)
-        .await?;
+        .await
+}
+
+/// Freezes the range `name` if it is due; true if it froze it now.
+async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bool, sqlx::Error> {
+    let table = parts.q(name);
     // Gone (dropped by another maintainer since the partitions were read), frozen already, or
     // far from its anti-wraparound vacuum.
-    if due != Some(true) {
+    if due(conn, &table).await? != Some(true) {
         return Ok(false);
     }
     // Never waits for the range's lock (a change of the partitions, another vacuum): skipped
@@ -105,12 +109,7 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bo
         "VACUUM (FREEZE, SKIP_LOCKED) {table}"
     )))
     .await?;
-    let still: Option<bool> = sqlx::query_scalar(DUE_SQL)
-        .bind(&table)
-        .bind(MARK)
-        .fetch_optional(&mut *conn)
-        .await?;
-    if still != Some(false) {
+    if due(conn, &table).await? != Some(false) {
         // Skipped (or gone): the next round tries again.
         return Ok(false);
     }
