@@ -325,7 +325,7 @@ async fn frozen(pool: &PgPool, table: &str) -> (bool, Option<String>) {
 
 /// A cold range (a day past its last day, not due for dropping) is frozen once an
 /// anti-wraparound vacuum nears (half its `autovacuum_freeze_max_age` spent), not before and
-/// not twice; its records stay and are found.
+/// not twice; an operator's comment on it is kept; its records stay and are found.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool: PgPool) {
     let store = PgStore::new(pool.clone());
@@ -348,12 +348,13 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
 
     // 100,000 is the least autovacuum_freeze_max_age; then 60,000 transactions (each a
     // subtransaction that writes, so each takes an id).
+    let burn = "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
+         RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$"
+        .to_owned();
     for step in [
         format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
         "CREATE TEMP TABLE burn (x int)".to_owned(),
-        "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
-         RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$"
-            .to_owned(),
+        burn.clone(),
     ] {
         // A range's name, from the catalog.
         sqlx::query(sqlx::AssertSqlSafe(step))
@@ -381,6 +382,26 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
         .await
         .unwrap();
     assert!(again.frozen.is_empty(), "once: {again:?}");
+    // An operator's comment on the range (which takes the mark's place) is never overwritten;
+    // such a range is frozen again when its vacuum nears again (only what changed since).
+    for step in [
+        format!("COMMENT ON TABLE {range} IS 'ops: keep until the audit'"),
+        burn.clone(),
+    ] {
+        // A range's name, from the catalog.
+        sqlx::query(sqlx::AssertSqlSafe(step))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    let refrozen = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
+        .await
+        .unwrap();
+    assert_eq!(refrozen.frozen, vec![range.clone()], "{refrozen:?}");
+    assert_eq!(
+        frozen(&pool, &range).await,
+        (true, Some("ops: keep until the audit".to_owned()))
+    );
     let never = RangePolicy::default().with_freeze_after(None);
     assert!(
         dedup_pg::maintain_ranges(&mut conn, &never, cold)

@@ -15,7 +15,10 @@
 //! `autovacuum_freeze_max_age` (the table's, or the server's) has passed since it was last
 //! frozen or made: `VACUUM (FREEZE)`, then a comment on the table (`dedup: frozen`), so no later
 //! round does it again. Its pages are then all-frozen in the visibility map, which the
-//! anti-wraparound vacuums that still come skip.
+//! anti-wraparound vacuums that still come skip. A comment an operator put on the range is left
+//! as it is (never overwritten): such a range is not marked, and is frozen again each time half
+//! its `autovacuum_freeze_max_age` passes, which reads and writes only the pages changed since
+//! (a freezing vacuum skips the all-frozen ones).
 //!
 //! One range a round. The VACUUM is bounded by the session's `statement_timeout` (the retention
 //! task's, 30 s by default) and skips a range whose lock it cannot have at once (`SKIP_LOCKED`:
@@ -74,10 +77,10 @@ pub(super) async fn freeze_cold(
     None
 }
 
-/// Whether the range `$1` (qualified) is to be frozen: not marked, and half its
+/// Whether the range `$1` (qualified) is to be frozen: not marked (`$2`), and half its
 /// `autovacuum_freeze_max_age` past since its rows were last frozen (the table's setting where
 /// it is lower than the server's, which autovacuum caps it at). No row: the table is gone.
-const DUE_SQL: &str = "SELECT coalesce(obj_description(c.oid, 'pg_class') <> $2, true) \
+const DUE_SQL: &str = "SELECT obj_description(c.oid, 'pg_class') IS DISTINCT FROM $2 \
      AND age(c.relfrozenxid) >= least(coalesce((SELECT o.option_value::int8 \
      FROM pg_options_to_table(c.reloptions) o WHERE o.option_name = 'autovacuum_freeze_max_age'), \
      current_setting('autovacuum_freeze_max_age')::int8), \
@@ -113,8 +116,12 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bo
         // Skipped (or gone): the next round tries again.
         return Ok(false);
     }
+    // Marked only where the range has no comment: an operator's stays. (The name as a literal
+    // too: its quotes doubled.)
+    let literal = table.replace('\'', "''");
     conn.execute(sqlx::AssertSqlSafe(format!(
-        "COMMENT ON TABLE {table} IS '{MARK}'"
+        "DO $m$ BEGIN IF obj_description('{literal}'::regclass, 'pg_class') IS NULL THEN \
+         COMMENT ON TABLE {table} IS '{MARK}'; END IF; END $m$"
     )))
     .await?;
     Ok(true)
