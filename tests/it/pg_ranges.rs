@@ -609,6 +609,76 @@ async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
     }
 }
 
+/// A drop that would read more than `max_read_pages` of its range under the lock to find what
+/// is still live there (live records among thousands of expired ones: the range's BRIN index
+/// narrows a lookup to blocks of 128 pages) is held back and says why; with the default it goes,
+/// the live records moved to `late` and found there.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_drop_that_would_read_too_much_of_its_range_is_held_back(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let live: Vec<String> = (0..2).map(|i| v7(t0 + 60_000 + i, i as u64)).collect();
+    for n in &live {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    // 3,000 expired records of the same day (UUIDv7-shaped keys of its first hour), then a
+    // live one after them: the live records sit at both ends of the range's heap.
+    sqlx::query(
+        "INSERT INTO dedup_records (scope, key, kt, state, owner, token, attempts, result, \
+         created_at, updated_at, expires_at) \
+         SELECT 'test', g.k, dedup_kt(g.k), 'completed', 'fill', nextval('dedup_token_seq'), 1, \
+         '\\x00'::bytea, now(), now(), now() - interval '1 hour' \
+         FROM (SELECT convert_to(lpad(to_hex(m >> 16), 8, '0') || '-' || \
+         lpad(to_hex(m & 65535), 4, '0') || '-7' || substr(u, 16, 3) || substr(u, 19), 'UTF8') \
+         AS k FROM (SELECT $1::int8 + i AS m, gen_random_uuid()::text AS u \
+         FROM generate_series(1000, 3999) i) s) g",
+    )
+    .bind(t0 + 60_000)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let last = v7(t0 + 70_000, 9);
+    let lease = acquired(store.claim(&req(&key(&last), "w")).await.unwrap());
+    store.complete(&lease, last.as_bytes()).await.unwrap();
+    let range = partition_of(&pool, &last).await.unwrap();
+    assert_eq!(
+        partition_of(&pool, &live[0]).await.as_deref(),
+        Some(range.as_str())
+    );
+    let mut conn = pool.acquire().await.unwrap();
+    let narrow = RangePolicy::default().with_max_read_pages(8);
+    let held = dedup_pg::maintain_ranges(&mut conn, &narrow, at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert!(
+        held.held_back
+            .as_deref()
+            .is_some_and(|w| w.contains(&range) && w.contains("max_read_pages (8)")),
+        "{held:?}"
+    );
+    assert!(!held.dropped.contains(&range), "{held:?}");
+    assert_eq!(
+        partition_of(&pool, &last).await.as_deref(),
+        Some(range.as_str())
+    );
+
+    let dropped = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert!(dropped.dropped.contains(&range), "{dropped:?}");
+    for n in live.iter().chain([&last]) {
+        assert_eq!(
+            partition_of(&pool, n).await.as_deref(),
+            Some("dedup_records_late")
+        );
+        match store.claim(&req(&key(n), "again")).await.unwrap() {
+            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
+            other => panic!("{n}: {other:?}"),
+        }
+    }
+}
+
 /// A transaction held open on the table (a caller's `claim_in`) holds a change back for the
 /// round (20 tries of 100 ms), without an error; and a round whose change is held back still
 /// purges the partitions the bounded DELETE keeps (the untimed one here), and leaves the ranges

@@ -91,6 +91,12 @@ pub struct RangePolicy {
     /// The most records one change may move under the lock; a change that would move more is
     /// held back (and reported) instead of holding every claim that long.
     pub max_move: u64,
+    /// The most heap pages of a range its drop may read under the lock to find what is still
+    /// live in it (through its BRIN index on `expires_at`, whose summaries cover 128 pages
+    /// each): a drop that would read more (live records spread through the range) is held back
+    /// (and reported) until they expire. 8 kB each: 16,384 by default, 128 MB, about 0.1 s from
+    /// memory.
+    pub max_read_pages: u64,
     /// How long after a range's last day it may be frozen, once (`VACUUM (FREEZE)`, one range a
     /// round, and only once half its `autovacuum_freeze_max_age` has passed: `freeze.rs`);
     /// None never.
@@ -100,13 +106,14 @@ pub struct RangePolicy {
 impl Default for RangePolicy {
     /// Weeks, made 3 days ahead, dropped 8 days after their end (a 7-day retention and a day of
     /// lag), frozen from a day after it if they near their anti-wraparound vacuum, up to
-    /// 100,000 records moved under the lock.
+    /// 100,000 records moved and 16,384 pages read under the lock.
     fn default() -> Self {
         Self {
             days: 7,
             ahead: Duration::from_secs(3 * 86_400),
             keep: Duration::from_secs(8 * 86_400),
             max_move: 100_000,
+            max_read_pages: 16_384,
             freeze_after: Some(Duration::from_secs(86_400)),
         }
     }
@@ -134,6 +141,12 @@ impl RangePolicy {
     /// Sets the most records one change may move under the lock.
     pub fn with_max_move(mut self, max_move: u64) -> Self {
         self.max_move = max_move;
+        self
+    }
+
+    /// Sets the most heap pages of a range its drop may read under the lock.
+    pub fn with_max_read_pages(mut self, pages: u64) -> Self {
+        self.max_read_pages = pages;
         self
     }
 
@@ -368,7 +381,7 @@ async fn keep(
         {
             break;
         }
-        let step = drop_range(conn, &parts, &oldest.name, lo, hi, policy.max_move).await?;
+        let step = drop_range(conn, &parts, &oldest.name, (lo, hi), policy).await?;
         if report.tally(step, Change::Dropped) {
             break;
         }
@@ -768,10 +781,6 @@ async fn carve(
 /// were live).
 const NO_SEQSCAN_SQL: &str = "SET LOCAL enable_seqscan = off";
 
-/// The most heap pages of a range a drop may read under the lock to find its live records
-/// (128 MB: about 0.1 s from memory); a drop that would read more is held back.
-const MOST_LIVE_PAGES: i64 = 16_384;
-
 /// What a drop moves out of a range before it goes: the records live by the server's clock, or
 /// expired within the last 5 minutes (a claim that waited for the parent's lock measures expiry
 /// at its own statement's start, before the wait, so a record that expired during the wait is
@@ -804,11 +813,11 @@ async fn drop_range(
     conn: &mut PgConnection,
     seen: &Parts,
     name: &str,
-    lo: i32,
-    hi: i32,
-    max_move: u64,
+    (lo, hi): (i32, i32),
+    policy: &RangePolicy,
 ) -> Result<Step, StoreError> {
     let e = |e: sqlx::Error| classify(e, true);
+    let (max_move, max_pages) = (policy.max_move, policy.max_read_pages);
     let limit = count_limit(max_move);
     let (range, late) = (seen.q(name), seen.q("dedup_records_late"));
     match expiry::indexed(conn, seen, name).await.map_err(e)? {
@@ -863,12 +872,13 @@ async fn drop_range(
              raised), its expired records absent to every lookup meanwhile"
         )));
     }
-    if pages > MOST_LIVE_PAGES {
+    if u64::try_from(pages).unwrap_or(0) > max_pages {
         return Ok(Step::HeldBack(format!(
             "{name}: finding its live or parked records reads {pages} of its pages (they are \
              spread through it, and its BRIN index narrows a lookup to blocks of 128 pages): \
-             more than {MOST_LIVE_PAGES} under the table's lock; it stays whole until they \
-             expire (is `keep` shorter than the longest retention, failed records' included?)"
+             more than max_read_pages ({max_pages}) under the table's lock; it stays whole until \
+             they expire (is `keep` shorter than the longest retention, failed records' \
+             included?)"
         )));
     }
     // `late` must start where the ranges do: it is made of the first range dropped.
