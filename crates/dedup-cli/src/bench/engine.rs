@@ -12,7 +12,7 @@ use dedup_core::{
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 
-use super::{Ctx, EventKeys, Outcome, drive, result_of};
+use super::{Ctx, EventKeys, Latencies, Outcome, drive, result_of, window};
 use crate::connect::{CliError, connect_redis};
 
 /// (c) and (d): `Dedup::process` on the tiered store (L1, Redis, Postgres), one call per
@@ -44,7 +44,7 @@ pub(super) async fn tiered(
     let scope =
         Scope::new(ctx.scope(which)).map_err(|e| CliError::Config(format!("scope: {e}")))?;
     let effects = Arc::new(AtomicU64::new(0));
-    let (elapsed, latencies_us, errors, stats, batches) = if batched {
+    let (elapsed, latencies, errors, stats, batches) = if batched {
         let dedup = Arc::new(Dedup::new(Batched::new(store, ctx.batch)));
         let (elapsed, latencies, errors) =
             drive(ctx, process_one(&dedup, &scope, &effects, ctx.keys)).await;
@@ -67,7 +67,7 @@ pub(super) async fn tiered(
         },
         durable: true,
         elapsed,
-        latencies_us,
+        latencies,
         effects: effects.load(Ordering::Relaxed),
         errors,
         pg_trips: Some(trips),
@@ -146,7 +146,7 @@ pub(super) async fn lease_batches(
         let (effects, errors) = (Arc::clone(&effects), Arc::clone(&errors));
         let keys = ctx.keys;
         tasks.spawn(async move {
-            let mut latencies = Vec::new();
+            let mut latencies = Latencies::default();
             let mut again: Vec<u64> = Vec::new();
             let mut failures = 0u32;
             loop {
@@ -166,7 +166,7 @@ pub(super) async fn lease_batches(
                             .map(|k| BatchItem::new(k, None))
                     })
                     .collect();
-                let t = std::time::Instant::now();
+                let (t, phase) = (std::time::Instant::now(), window::drop_phase());
                 let answers = dedup
                     .process_batch(&items, |i, _lease| {
                         let (effects, id) = (&effects, ids[i]);
@@ -179,7 +179,7 @@ pub(super) async fn lease_batches(
                 let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
                 for (id, a) in ids.iter().zip(answers) {
                     match a {
-                        Ok(_) => latencies.push(us),
+                        Ok(_) => latencies.record(us, 1, phase),
                         Err(e) if e.is_retryable() && failures < 10_000 => {
                             failures += 1;
                             again.push(*id);
@@ -199,23 +199,22 @@ pub(super) async fn lease_batches(
             latencies
         });
     }
-    let mut latencies_us = Vec::with_capacity(ctx.stream.len());
+    let mut latencies = Latencies::default();
     while let Some(done) = tasks.join_next().await {
         match done {
-            Ok(l) => latencies_us.extend(l),
+            Ok(l) => latencies.merge(l),
             Err(_) => {
                 errors.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
     let elapsed = started.elapsed();
-    latencies_us.sort_unstable();
     Ok(Outcome {
         name: "(f)",
         label: "dedup: lease mode by the batch",
         durable: true,
         elapsed,
-        latencies_us,
+        latencies: latencies.sorted(),
         effects: effects.load(Ordering::Relaxed),
         errors: errors.load(Ordering::Relaxed),
         pg_trips: Some(pg.statements()),

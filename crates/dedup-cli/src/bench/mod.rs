@@ -211,7 +211,7 @@ struct Outcome {
     label: &'static str,
     durable: bool,
     elapsed: Duration,
-    latencies_us: Vec<u64>,
+    latencies: Latencies,
     effects: u64,
     errors: u64,
     /// Postgres round trips, where Postgres is used.
@@ -242,18 +242,13 @@ impl Outcome {
 
     /// The `p` percentile of the events' latencies; `None` where none were taken.
     fn percentile_ms(&self, p: f64) -> Option<f64> {
-        if self.latencies_us.is_empty() {
-            return None;
-        }
-        #[allow(
-            clippy::cast_possible_truncation,
-            clippy::cast_sign_loss,
-            clippy::cast_precision_loss
-        )]
-        let i = (((self.latencies_us.len() - 1) as f64) * p).round() as usize;
-        #[allow(clippy::cast_precision_loss)]
-        let ms = self.latencies_us[i] as f64 / 1000.0;
-        Some(ms)
+        percentile_ms(&self.latencies.all, p)
+    }
+
+    /// The `p` percentile of the latencies of the events that overlapped the drop of the ranges
+    /// of days (`--purge-during`), and how many they were; `None` where none did.
+    fn dropping_ms(&self, p: f64) -> Option<(f64, usize)> {
+        percentile_ms(&self.latencies.dropping, p).map(|ms| (ms, self.latencies.dropping.len()))
     }
 
     fn trips_per_unique(&self, unique: u64) -> Option<f64> {
@@ -636,9 +631,56 @@ impl Ctx {
     }
 }
 
+/// The `p` percentile of `sorted` (µs) in milliseconds; `None` where it is empty.
+fn percentile_ms(sorted: &[u64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let i = (((sorted.len() - 1) as f64) * p).round() as usize;
+    #[allow(clippy::cast_precision_loss)]
+    let ms = sorted[i] as f64 / 1000.0;
+    Some(ms)
+}
+
+/// The events' latencies (µs): all of them, and those of the events that overlapped the drop of
+/// the ranges of days in a `--purge-during` pass ([`window::drop_phase`]); sorted once the
+/// contender is done.
+#[derive(Debug, Default)]
+struct Latencies {
+    all: Vec<u64>,
+    dropping: Vec<u64>,
+}
+
+impl Latencies {
+    /// `n` events that took `us` each, started when the drop stood at `phase`.
+    fn record(&mut self, us: u64, n: usize, phase: u64) {
+        self.all.extend(std::iter::repeat_n(us, n));
+        if window::overlapped(phase) {
+            self.dropping.extend(std::iter::repeat_n(us, n));
+        }
+    }
+
+    /// Another task's.
+    fn merge(&mut self, other: Self) {
+        self.all.extend(other.all);
+        self.dropping.extend(other.dropping);
+    }
+
+    fn sorted(mut self) -> Self {
+        self.all.sort_unstable();
+        self.dropping.sort_unstable();
+        self
+    }
+}
+
 /// Runs `one` on every event of the stream from `concurrency` tasks; answers the time taken, each
-/// event's latency (sorted, µs) and the number of errors.
-async fn drive<F, Fut>(ctx: &Ctx, one: F) -> (Duration, Vec<u64>, u64)
+/// event's latency and the number of errors.
+async fn drive<F, Fut>(ctx: &Ctx, one: F) -> (Duration, Latencies, u64)
 where
     F: Fn(u64) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<(), String>> + Send,
@@ -655,33 +697,33 @@ where
             one.clone(),
         );
         tasks.spawn(async move {
-            let mut latencies = Vec::new();
+            let mut latencies = Latencies::default();
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&id) = stream.get(i) else { break };
-                let t = Instant::now();
+                let (t, phase) = (Instant::now(), window::drop_phase());
                 if let Err(e) = one(id).await
                     && errors.fetch_add(1, Ordering::Relaxed) < 5
                 {
                     eprintln!("[bench] event {id}: {e}");
                 }
-                latencies.push(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));
+                let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
+                latencies.record(us, 1, phase);
             }
             latencies
         });
     }
-    let mut latencies = Vec::with_capacity(ctx.stream.len());
+    let mut latencies = Latencies::default();
     while let Some(done) = tasks.join_next().await {
         match done {
-            Ok(l) => latencies.extend(l),
+            Ok(l) => latencies.merge(l),
             Err(_) => {
                 errors.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
     let elapsed = started.elapsed();
-    latencies.sort_unstable();
-    (elapsed, latencies, errors.load(Ordering::Relaxed))
+    (elapsed, latencies.sorted(), errors.load(Ordering::Relaxed))
 }
 
 fn result_of(id: u64) -> String {

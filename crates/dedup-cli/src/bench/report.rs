@@ -241,8 +241,8 @@ impl<'a> Report<'a> {
         );
         if purging {
             print!(
-                " {:>12} {:>11} {:>10}",
-                "purging ev/s", "purging p99", "p99/window"
+                " {:>12} {:>11} {:>10} {:>9} {:>8} {:>10}",
+                "purging ev/s", "purging p99", "p99/window", "drop p99", "/window", "drop evts"
             );
         }
         println!();
@@ -277,11 +277,15 @@ impl<'a> Report<'a> {
             );
             if let Some(p) = purge.median_run(name) {
                 let pp = p.percentile_ms(0.99);
+                let dropping = p.dropping_ms(0.99);
                 print!(
-                    " {:>12.0} {:>11} {:>10}",
+                    " {:>12.0} {:>11} {:>10} {:>9} {:>8} {:>10}",
                     p.rate(events),
                     ms(pp),
-                    ratio(pp, po)
+                    ratio(pp, po),
+                    ms(dropping.map(|d| d.0)),
+                    ratio(dropping.map(|d| d.0), po),
+                    dropping.map_or("-".to_owned(), |d| d.1.to_string()),
                 );
             }
             println!();
@@ -290,6 +294,13 @@ impl<'a> Report<'a> {
             "ratio: over the window / on an empty one (events/s), and the window's p99 / the empty \
              one's; WAL B/u, FPI/u: over the window, per unique key (pg_stat_wal)"
         );
+        if purging {
+            println!(
+                "purging: the run with the retention beside it (p99/window: its p99 / the window's); \
+                 drop p99: the p99 of the events that overlapped the drop of the ranges of days, \
+                 from its start until its files were cleared (drop evts of them), / the window's p99"
+            );
+        }
         for (i, p) in w.purges.iter().enumerate() {
             #[allow(clippy::cast_precision_loss)]
             let rate = p.records as f64 / p.elapsed.as_secs_f64().max(1e-9);
@@ -553,6 +564,10 @@ impl<'a> Report<'a> {
             "events_per_s": o.rate(self.args.events),
             "p50_ms": o.percentile_ms(0.5),
             "p99_ms": o.percentile_ms(0.99),
+            "during_range_drop": o.dropping_ms(0.99).map(|(ms, n)| serde_json::json!({
+                "p99_ms": ms,
+                "events": n,
+            })),
             "pg_round_trips_per_unique_key": o.trips_per_unique(self.unique),
             "server_statements_per_unique_key": self.statements_per_unique(o).map(|(engine, handler, complete)| serde_json::json!({
                 "engine": engine, "handler": handler, "complete": complete,

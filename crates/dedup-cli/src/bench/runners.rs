@@ -151,7 +151,7 @@ pub(super) async fn through_kafka(
         label,
         durable: true,
         elapsed: ended.saturating_duration_since(started),
-        latencies_us: Vec::new(),
+        latencies: super::Latencies::default(),
         effects,
         errors: s.dead_lettered + s.consumer_errors + s.store_errors,
         pg_trips: Some(pg.statements()),

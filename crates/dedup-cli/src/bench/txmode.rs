@@ -14,7 +14,7 @@ use dedup_core::{ClaimRequest, IdempotencyKey, Lease, OwnerId, Scope};
 use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore};
 use sqlx::{PgConnection, PgPool};
 
-use super::{Ctx, Outcome, result_of};
+use super::{Ctx, Latencies, Outcome, result_of, window};
 use crate::connect::CliError;
 
 /// (e) with `ledger` false: the effect is outside the database (counted once the batch commits,
@@ -59,7 +59,7 @@ pub(super) async fn transaction_mode(
         );
         let keys = ctx.keys;
         tasks.spawn(async move {
-            let mut latencies = Vec::new();
+            let mut latencies = Latencies::default();
             // Messages answered InFlight (a concurrent batch holds their key) come again.
             let mut again: Vec<u64> = Vec::new();
             let mut n = 0u64;
@@ -82,7 +82,7 @@ pub(super) async fn transaction_mode(
                         ClaimRequest::new(key, OwnerId::new(format!("w{w}:{n}")))
                     })
                     .collect();
-                let t = Instant::now();
+                let (t, phase) = (Instant::now(), window::drop_phase());
                 let handler = handler(ledger, Arc::clone(&contender), Arc::clone(&run));
                 match store
                     .transact_batch(BatchRequest::new(&reqs), handler)
@@ -115,22 +115,22 @@ pub(super) async fn transaction_mode(
                     }
                 }
                 let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
-                latencies.extend(std::iter::repeat_n(us, reqs.len() - again.len()));
+                latencies.record(us, reqs.len() - again.len(), phase);
             }
             latencies
         });
     }
-    let mut latencies_us = Vec::with_capacity(ctx.stream.len());
+    let mut latencies = Latencies::default();
     while let Some(done) = tasks.join_next().await {
         match done {
-            Ok(l) => latencies_us.extend(l),
+            Ok(l) => latencies.merge(l),
             Err(_) => {
                 errors.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
     let elapsed = started.elapsed();
-    latencies_us.sort_unstable();
+    let latencies = latencies.sorted();
     let effects = if ledger {
         ledger_rows(pool, &ctx.run_id, name).await?
     } else {
@@ -141,7 +141,7 @@ pub(super) async fn transaction_mode(
         label,
         durable: true,
         elapsed,
-        latencies_us,
+        latencies,
         effects,
         errors: errors.load(Ordering::Relaxed),
         pg_trips: Some(store.statements()),

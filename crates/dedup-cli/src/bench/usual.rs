@@ -111,7 +111,7 @@ pub(super) async fn usual_postgres(
             }
         }
     };
-    let (elapsed, latencies_us, errors) = drive(ctx, one).await;
+    let (elapsed, latencies, errors) = drive(ctx, one).await;
     let unique_calls = trips.load(Ordering::Relaxed);
     let effects = if ledger {
         ledger_rows(pool, &ctx.run_id, name).await?
@@ -127,7 +127,7 @@ pub(super) async fn usual_postgres(
         },
         durable: true,
         elapsed,
-        latencies_us,
+        latencies,
         effects,
         errors,
         pg_trips: Some(unique_calls),
@@ -230,7 +230,7 @@ pub(super) async fn usual_redis(
             }
         }
     };
-    let (elapsed, latencies_us, errors) = drive(ctx, one).await;
+    let (elapsed, latencies, errors) = drive(ctx, one).await;
     let effects = match ledger {
         Some(pool) => ledger_rows(pool, &ctx.run_id, name).await?,
         None => effects.load(Ordering::Relaxed),
@@ -244,7 +244,7 @@ pub(super) async fn usual_redis(
         },
         durable: false,
         elapsed,
-        latencies_us,
+        latencies,
         effects,
         errors,
         pg_trips: None,

@@ -14,6 +14,7 @@
 //! removes the expired records of both windows, and each run after the first tops up only the
 //! window of its own keys' shape.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::Keys;
@@ -385,6 +386,21 @@ pub(super) async fn wal_since(
     }
 }
 
+/// The drop of the ranges of days in a `--purge-during` pass, as the events see it: bumped when
+/// it starts and when it ends (its files cleared), so odd while it runs.
+static DROPPING: AtomicU64 = AtomicU64::new(0);
+
+/// Where the drop of the ranges stands, taken when an event starts (for [`overlapped`]).
+pub(super) fn drop_phase() -> u64 {
+    DROPPING.load(Ordering::Acquire)
+}
+
+/// Whether an event that started at the drop's phase `start` and ends now overlapped the drop:
+/// it started while the drop ran, or the drop started or ended while it ran.
+pub(super) fn overlapped(start: u64) -> bool {
+    start % 2 == 1 || drop_phase() != start
+}
+
 /// What the retention did while a pass ran.
 #[derive(Debug, Default)]
 pub(super) struct Purged {
@@ -474,6 +490,7 @@ impl Purge {
             });
             let mut purged = Purged::default();
             let started = Instant::now();
+            DROPPING.fetch_add(1, Ordering::AcqRel);
             let ranges = async {
                 let mut conn = store.pool().acquire().await?;
                 let now_ms: i64 = sqlx::query_scalar(
@@ -488,6 +505,7 @@ impl Purge {
                     .map_err(|e| sqlx::Error::Protocol(e.to_string()))
             }
             .await;
+            DROPPING.fetch_add(1, Ordering::AcqRel);
             match ranges {
                 Ok(r) => {
                     purged.dropped = r.dropped;
