@@ -398,7 +398,12 @@ pub(super) fn drop_phase() -> u64 {
 /// Whether an event that started at the drop's phase `start` and ends now overlapped the drop:
 /// it started while the drop ran, or the drop started or ended while it ran.
 pub(super) fn overlapped(start: u64) -> bool {
-    start % 2 == 1 || drop_phase() != start
+    spans_drop(start, drop_phase())
+}
+
+/// Whether an event that started at the drop's phase `start` and ended at `end` overlapped it.
+fn spans_drop(start: u64, end: u64) -> bool {
+    start % 2 == 1 || end != start
 }
 
 /// What the retention did while a pass ran.
@@ -572,5 +577,17 @@ mod tests {
         // The last ends the span.
         let last = slice(Keys::Uuidv7, 400, 350, 50);
         assert!((last.0 + last.1 - 1.0).abs() < f64::EPSILON);
+    }
+
+    #[test]
+    fn an_event_overlaps_the_drop_if_it_started_during_it_or_saw_it_start_or_end() {
+        // Before any drop, and between two.
+        assert!(!spans_drop(0, 0));
+        assert!(!spans_drop(2, 2));
+        // Started during it (it ended then or not), saw it start, saw it start and end.
+        assert!(spans_drop(1, 1));
+        assert!(spans_drop(1, 2));
+        assert!(spans_drop(0, 1));
+        assert!(spans_drop(0, 2));
     }
 }
