@@ -148,6 +148,8 @@ pub(super) async fn lease_batches(
         tasks.spawn(async move {
             let mut latencies = Latencies::default();
             let mut again: Vec<u64> = Vec::new();
+            // The drop's phase when an event that comes again was first tried.
+            let mut first: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
             let mut failures = 0u32;
             loop {
                 let take = size.saturating_sub(again.len());
@@ -179,9 +181,10 @@ pub(super) async fn lease_batches(
                 let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
                 for (id, a) in ids.iter().zip(answers) {
                     match a {
-                        Ok(_) => latencies.record(us, 1, phase),
+                        Ok(_) => latencies.record(us, 1, first.remove(id).unwrap_or(phase)),
                         Err(e) if e.is_retryable() && failures < 10_000 => {
                             failures += 1;
+                            first.entry(*id).or_insert(phase);
                             again.push(*id);
                         }
                         Err(e) => {

@@ -62,6 +62,8 @@ pub(super) async fn transaction_mode(
             let mut latencies = Latencies::default();
             // Messages answered InFlight (a concurrent batch holds their key) come again.
             let mut again: Vec<u64> = Vec::new();
+            // The drop's phase when an event that comes again was first tried.
+            let mut first: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
             let mut n = 0u64;
             let mut failures = 0u32;
             loop {
@@ -83,6 +85,8 @@ pub(super) async fn transaction_mode(
                     })
                     .collect();
                 let (t, phase) = (Instant::now(), window::drop_phase());
+                // The drop's phase at the first try of each event answered now.
+                let mut answered: Vec<u64> = Vec::with_capacity(ids.len());
                 let handler = handler(ledger, Arc::clone(&contender), Arc::clone(&run));
                 match store
                     .transact_batch(BatchRequest::new(&reqs), handler)
@@ -90,12 +94,17 @@ pub(super) async fn transaction_mode(
                 {
                     Ok(answers) => {
                         for (id, a) in ids.iter().zip(answers) {
+                            if a.is_retryable() {
+                                first.entry(*id).or_insert(phase);
+                                again.push(*id);
+                                continue;
+                            }
+                            answered.push(first.remove(id).unwrap_or(phase));
                             match a {
                                 BatchAnswer::Executed { .. } => {
                                     executed.fetch_add(1, Ordering::Relaxed);
                                 }
                                 BatchAnswer::Replayed { .. } => {}
-                                a if a.is_retryable() => again.push(*id),
                                 a => {
                                     if errors.fetch_add(1, Ordering::Relaxed) < 5 {
                                         eprintln!("[bench] {contender} event {id}: {a:?}");
@@ -106,6 +115,9 @@ pub(super) async fn transaction_mode(
                     }
                     Err(e) if e.is_retryable() && failures < 100 => {
                         failures += 1;
+                        for id in &ids {
+                            first.entry(*id).or_insert(phase);
+                        }
                         again = ids;
                     }
                     Err(e) => {
@@ -115,7 +127,9 @@ pub(super) async fn transaction_mode(
                     }
                 }
                 let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
-                latencies.record(us, reqs.len() - again.len(), phase);
+                for p in answered {
+                    latencies.record(us, 1, p);
+                }
             }
             latencies
         });

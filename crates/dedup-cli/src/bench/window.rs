@@ -395,6 +395,23 @@ pub(super) fn drop_phase() -> u64 {
     DROPPING.load(Ordering::Acquire)
 }
 
+/// Opens the drop's span ([`DROPPING`]) and closes it when dropped, so that a panic of the
+/// retention's task cannot leave it open for the rest of the bench.
+struct DropSpan;
+
+impl DropSpan {
+    fn open() -> Self {
+        DROPPING.fetch_add(1, Ordering::AcqRel);
+        Self
+    }
+}
+
+impl Drop for DropSpan {
+    fn drop(&mut self) {
+        DROPPING.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
 /// Whether an event that started at the drop's phase `start` and ends now overlapped the drop:
 /// it started while the drop ran, or the drop started or ended while it ran.
 pub(super) fn overlapped(start: u64) -> bool {
@@ -495,7 +512,7 @@ impl Purge {
             });
             let mut purged = Purged::default();
             let started = Instant::now();
-            DROPPING.fetch_add(1, Ordering::AcqRel);
+            let span = DropSpan::open();
             let ranges = async {
                 let mut conn = store.pool().acquire().await?;
                 let now_ms: i64 = sqlx::query_scalar(
@@ -510,7 +527,7 @@ impl Purge {
                     .map_err(|e| sqlx::Error::Protocol(e.to_string()))
             }
             .await;
-            DROPPING.fetch_add(1, Ordering::AcqRel);
+            drop(span);
             match ranges {
                 Ok(r) => {
                     purged.dropped = r.dropped;
