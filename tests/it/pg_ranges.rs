@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use dedup_core::{ClaimOutcome, Store};
 use dedup_pg::{KeyTimeLayout, PgStore, RangePolicy, RetentionConfig};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio::process::Command;
 use tokio::time::sleep;
 
@@ -323,6 +323,16 @@ async fn frozen(pool: &PgPool, table: &str) -> (bool, Option<String>) {
     .unwrap()
 }
 
+/// Runs each statement on `conn` (made here of ranges' names from the catalog).
+async fn run_all(conn: &mut PgConnection, steps: impl IntoIterator<Item = String>) {
+    for step in steps {
+        sqlx::query(sqlx::AssertSqlSafe(step))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+}
+
 /// A cold range (a day past its last day, not due for dropping) is frozen once an
 /// anti-wraparound vacuum nears (half its `autovacuum_freeze_max_age` spent), not before and
 /// not twice; an operator's comment on it is kept; its records stay and are found.
@@ -351,17 +361,15 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
     let burn = "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
          RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$"
         .to_owned();
-    for step in [
-        format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
-        "CREATE TEMP TABLE burn (x int)".to_owned(),
-        burn.clone(),
-    ] {
-        // A range's name, from the catalog.
-        sqlx::query(sqlx::AssertSqlSafe(step))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-    }
+    run_all(
+        &mut conn,
+        [
+            format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
+            "CREATE TEMP TABLE burn (x int)".to_owned(),
+            burn.clone(),
+        ],
+    )
+    .await;
     let early = dedup_pg::maintain_ranges(
         &mut conn,
         &RangePolicy::default(),
@@ -384,16 +392,14 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
     assert!(again.frozen.is_empty(), "once: {again:?}");
     // An operator's comment on the range (which takes the mark's place) is never overwritten;
     // such a range is frozen again when its vacuum nears again (only what changed since).
-    for step in [
-        format!("COMMENT ON TABLE {range} IS 'ops: keep until the audit'"),
-        burn.clone(),
-    ] {
-        // A range's name, from the catalog.
-        sqlx::query(sqlx::AssertSqlSafe(step))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-    }
+    run_all(
+        &mut conn,
+        [
+            format!("COMMENT ON TABLE {range} IS 'ops: keep until the audit'"),
+            burn,
+        ],
+    )
+    .await;
     // (What says it was frozen again is the report: its rows' xmins were frozen the first time.)
     let refrozen = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
         .await

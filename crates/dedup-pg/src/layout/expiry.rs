@@ -28,7 +28,7 @@ use tracing::info;
 
 use dedup_core::StoreError;
 
-use super::ranges::{Parts, lock_busy_why, lock_unchanged, locked};
+use super::ranges::{Parts, count_limit, lock_busy_why, lock_unchanged, locked};
 use crate::classify::classify;
 
 /// Which index on `expires_at` a partition gets.
@@ -154,11 +154,7 @@ pub(super) async fn own_indexes(
     let held: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM (SELECT 1 FROM {future} LIMIT $1) s"
     )))
-    .bind(
-        i64::try_from(max_move)
-            .unwrap_or(i64::MAX)
-            .saturating_add(1),
-    )
+    .bind(count_limit(max_move))
     .fetch_one(&mut *conn)
     .await
     .map_err(e)?;

@@ -698,7 +698,7 @@ fn parked_ctids(table: &str) -> String {
 }
 
 /// The `LIMIT` of a count that only needs to know whether more than `max_move` rows are there.
-fn count_limit(max_move: u64) -> i64 {
+pub(super) fn count_limit(max_move: u64) -> i64 {
     i64::try_from(max_move)
         .unwrap_or(i64::MAX)
         .saturating_add(1)
