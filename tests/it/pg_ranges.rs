@@ -504,6 +504,16 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
         u64::try_from(in_future).unwrap() + 11,
         "those of future, then 8 live, 1 just expired, 1 parked, 1 leased: {report:?}"
     );
+    // Every range due went in one change: what was copied out of them into `late` was written
+    // by one transaction. `late` small, its attach read it, and no check of its bounds was added.
+    assert!(report.dropped.len() >= 5, "{report:?}");
+    let writers: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT xmin::text) FROM dedup_records_late")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(writers, 1, "the ranges dropped in one transaction");
+    assert_eq!(late_checks(&pool).await, Vec::<(String, bool)>::new());
     let p = parts(&pool).await;
     let (late_lo, late_hi) = lo_of(&p, "dedup_records_late");
     assert_eq!(late_lo, t0_day, "{p:?}");
@@ -585,6 +595,96 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
     assert_own_expiry_indexes(&pool).await;
 }
 
+/// The checks of `late`'s bounds dedup adds (`dedup_records_late_to_<day>`), and whether each
+/// is validated.
+async fn late_checks(pool: &PgPool) -> Vec<(String, bool)> {
+    sqlx::query_as(
+        "SELECT conname::text, convalidated FROM pg_constraint \
+         WHERE conrelid = 'dedup_records_late'::regclass \
+         AND conname LIKE 'dedup\\_records\\_late\\_to\\_%' ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// A `late` too large for its attach to read under the lock (more than 256 pages) gets a
+/// check of its new bounds, validated before the lock, that spares the attach its read: the
+/// drop goes all the same, the check is left valid, and what it moved is found in `late`.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_large_late_is_widened_through_a_check_validated_before_the_lock(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let first = v7(t0 + 60_000, 1);
+    let second = v7(t0 + 20 * DAY + 60_000, 2);
+    for n in [&first, &second] {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    let policy = RangePolicy::default();
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 17 * DAY))
+        .await
+        .unwrap();
+    assert!(!report.dropped.is_empty(), "{report:?}");
+    assert_eq!(
+        partition_of(&pool, &first).await.as_deref(),
+        Some("dedup_records_late")
+    );
+    assert_eq!(late_checks(&pool).await, Vec::<(String, bool)>::new());
+    // 20,000 live records of T0's day in `late` (as a drop that moved many would leave it).
+    sqlx::query(
+        "INSERT INTO dedup_records (scope, key, kt, state, owner, token, attempts, result, \
+         created_at, updated_at, expires_at) \
+         SELECT 'test', g.k, dedup_kt(g.k), 'completed', 'fill', nextval('dedup_token_seq'), 1, \
+         '\\x00'::bytea, now(), now(), now() + interval '1 day' \
+         FROM (SELECT convert_to(lpad(to_hex(m >> 16), 8, '0') || '-' || \
+         lpad(to_hex(m & 65535), 4, '0') || '-7' || substr(u, 16, 3) || substr(u, 19), 'UTF8') \
+         AS k FROM (SELECT $1::int8 + i AS m, gen_random_uuid()::text AS u \
+         FROM generate_series(1, 20000) i) s) g",
+    )
+    .bind(t0 + 120_000)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let pages: i64 = sqlx::query_scalar(
+        "SELECT pg_relation_size('dedup_records_late') / current_setting('block_size')::int8",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(pages > 256, "{pages}");
+
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 40 * DAY))
+        .await
+        .unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    let range = report.dropped.last().cloned().unwrap();
+    let p = parts(&pool).await;
+    let (_, late_hi) = lo_of(&p, "dedup_records_late");
+    assert_eq!(
+        late_checks(&pool).await,
+        vec![(format!("dedup_records_late_to_{late_hi}"), true)],
+        "dropped {range}"
+    );
+    for n in [&first, &second] {
+        assert_eq!(
+            partition_of(&pool, n).await.as_deref(),
+            Some("dedup_records_late")
+        );
+        match store.claim(&req(&key(n), "again")).await.unwrap() {
+            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
+            other => panic!("{n}: {other:?}"),
+        }
+    }
+    let in_late: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_records_late")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(in_late, 20_002);
+    assert_eq!(misplaced_records(&pool).await, 0);
+}
+
 /// A drop that would move more live records than `max_move` under the lock is held back (and
 /// says why), and goes through once they have expired.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
@@ -617,6 +717,50 @@ async fn a_drop_that_would_move_too_much_is_held_back(pool: PgPool) {
     assert_eq!(dropped.held_back, None);
     for n in &names {
         assert_eq!(partition_of(&pool, n).await, None);
+    }
+}
+
+/// Ranges due together go in one change only as far as their live records fit `max_move`
+/// together: two ranges of 2 live records each under a `max_move` of 3 go in two changes,
+/// nothing held back.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn ranges_due_together_past_max_move_go_in_changes_of_their_own(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let names: Vec<String> = [0, 1, 10, 11]
+        .iter()
+        .map(|&i| v7(t0 + 60_000 + (i / 10) * 8 * DAY + i, i as u64))
+        .collect();
+    for n in &names {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    let ranges = [
+        partition_of(&pool, &names[0]).await.unwrap(),
+        partition_of(&pool, &names[2]).await.unwrap(),
+    ];
+    assert_ne!(ranges[0], ranges[1]);
+    let policy = RangePolicy::default().with_max_move(3);
+    let mut conn = pool.acquire().await.unwrap();
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    assert!(
+        ranges.iter().all(|r| report.dropped.contains(r)),
+        "{report:?}"
+    );
+    let writers: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT xmin::text) FROM dedup_records_late")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(writers, 2, "two changes");
+    for n in &names {
+        assert_eq!(
+            partition_of(&pool, n).await.as_deref(),
+            Some("dedup_records_late")
+        );
     }
 }
 

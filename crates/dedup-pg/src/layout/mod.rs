@@ -43,6 +43,7 @@
 //! time, and gives way in between, so writers are not held behind a long transaction of someone
 //! else's for longer than that.
 
+mod drop;
 mod expiry;
 mod freeze;
 mod ranges;

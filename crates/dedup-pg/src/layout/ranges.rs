@@ -27,6 +27,7 @@ use tracing::{info, warn};
 
 use dedup_core::StoreError;
 
+use super::drop::{self, Due};
 use super::expiry::{self, Expiry};
 use super::freeze;
 use super::{is_lock_timeout, lock_pause, lock_timeout};
@@ -67,10 +68,10 @@ const RANGE_LOCK_TRIES: u32 = 20;
 const MOST_AHEAD: Duration = Duration::from_secs(31 * 86_400);
 
 /// The class of the advisory lock that lets one maintainer make a table at a time ("deds").
-const MAKER_LOCK_CLASS: i32 = 0x6465_6473;
+pub(super) const MAKER_LOCK_CLASS: i32 = 0x6465_6473;
 
 /// Takes the makers' lock for the transaction, keyed on the schema of `dedup_records`.
-const MAKER_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock($1::int4, hashtext(n.nspname)) \
+pub(super) const MAKER_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock($1::int4, hashtext(n.nspname)) \
      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
      WHERE c.oid = 'dedup_records'::regclass";
 
@@ -188,14 +189,14 @@ pub struct RangeReport {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Part {
     pub(super) name: String,
-    lo: Option<i32>,
+    pub(super) lo: Option<i32>,
     pub(super) hi: Option<i32>,
 }
 
 /// The partitions as they stand, the parent's schema (quoted), which their tables are in, and
 /// the parent's columns (quoted, in order).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Parts(Vec<Part>, String, String);
+pub(super) struct Parts(Vec<Part>, String, pub(super) String);
 
 impl Parts {
     pub(super) async fn read(conn: &mut PgConnection) -> Result<Self, sqlx::Error> {
@@ -221,7 +222,7 @@ impl Parts {
     }
 
     /// The parent's columns, quoted, in order, each prefixed with `alias.`.
-    fn cols(&self, alias: &str) -> String {
+    pub(super) fn cols(&self, alias: &str) -> String {
         self.2
             .split(',')
             .map(|c| format!("{alias}.{c}"))
@@ -242,7 +243,7 @@ impl Parts {
         self.named("dedup_records_future")
     }
 
-    fn late(&self) -> Option<&Part> {
+    pub(super) fn late(&self) -> Option<&Part> {
         self.named("dedup_records_late")
     }
 
@@ -364,25 +365,33 @@ async fn keep(
     }
     for _ in 0..MOST_PER_CALL {
         let parts = Parts::read(conn).await.map_err(e)?;
-        if parts.future().is_none() {
+        let Some(future_lo) = parts.future().map(|f| f.lo) else {
             return Ok(report);
-        }
+        };
         report.partitioned = true;
-        let Some(oldest) = parts.ranges().next().cloned() else {
-            break;
-        };
-        let (Some(lo), Some(hi)) = (oldest.lo, oldest.hi) else {
-            break;
-        };
-        // Never the range that ends where `future` starts (the newest), and only once `keep`
-        // has passed since its last day.
-        if parts.future().and_then(|f| f.lo) == Some(hi)
-            || i64::from(hi).saturating_mul(DAY_MS).saturating_add(keep_ms) > now_ms
-        {
+        // The ranges due, oldest first: never the one that ends where `future` starts (the
+        // newest), and only once `keep` has passed since its last day.
+        let due: Vec<Due> = parts
+            .ranges()
+            .map_while(|p| {
+                let (lo, hi) = (p.lo?, p.hi?);
+                let kept_until = i64::from(hi).saturating_mul(DAY_MS).saturating_add(keep_ms);
+                (future_lo != Some(hi) && kept_until <= now_ms).then(|| Due {
+                    name: p.name.clone(),
+                    lo,
+                    hi,
+                })
+            })
+            .take(MOST_PER_CALL)
+            .collect();
+        if due.is_empty() {
             break;
         }
-        let step = drop_range(conn, &parts, &oldest.name, (lo, hi), policy).await?;
-        if report.tally(step, Change::Dropped) {
+        let mut held = false;
+        for step in drop::drop_ranges(conn, &parts, &due, policy).await? {
+            held |= report.tally(step, Change::Dropped);
+        }
+        if held {
             break;
         }
     }
@@ -516,7 +525,7 @@ impl RangeReport {
 }
 
 /// What one change of the partitions came to.
-enum Step {
+pub(super) enum Step {
     Done {
         name: String,
         moved: u64,
@@ -543,7 +552,7 @@ fn range_name(day: i32) -> String {
 }
 
 /// The proleptic Gregorian date of a day since the Unix epoch (H. Hinnant's `civil_from_days`).
-fn civil(day: i32) -> (i32, u32, u32) {
+pub(super) fn civil(day: i32) -> (i32, u32, u32) {
     let z = day + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);
@@ -567,7 +576,7 @@ fn civil(day: i32) -> (i32, u32, u32) {
 /// must be able to give it to the parent's owner (be it, or a member of it) and to create in
 /// the schema; grants on the table do not matter, since every statement goes through the
 /// parent. None if the makers' lock was not had.
-async fn make_table(
+pub(super) async fn make_table(
     conn: &mut PgConnection,
     parts: &Parts,
     name: &str,
@@ -653,7 +662,7 @@ pub(super) async fn locked<T>(
 }
 
 /// Why a change was held back when the parent's lock was not had.
-fn lock_busy(what: &str) -> Step {
+pub(super) fn lock_busy(what: &str) -> Step {
     Step::HeldBack(lock_busy_why(what))
 }
 
@@ -685,15 +694,6 @@ fn move_sql(parts: &Parts, from: &str, filter: &str) -> String {
         parts.cols("r"),
         parts.2,
         parts.cols("m"),
-    )
-}
-
-/// The condition on `r` that picks the records of `table` a parked message names, found
-/// through its primary key, one probe per parked message (never a scan of the range).
-fn parked_ctids(table: &str) -> String {
-    format!(
-        "r.ctid = ANY (ARRAY(SELECT x.ctid FROM dedup_parked p CROSS JOIN LATERAL \
-         (SELECT q.ctid FROM {table} q WHERE q.scope = p.dedup_scope AND q.key = p.dedup_key) x))"
     )
 }
 
@@ -773,246 +773,6 @@ async fn carve(
         None => lock_busy(&name),
         Some(None) => Step::Raced,
         Some(Some(moved)) => Step::Done { name, moved },
-    })
-}
-
-/// For the rest of the transaction: a range's live records are found through its indexes, never
-/// by reading the whole range (a range never analysed looks to the planner as if a third of it
-/// were live).
-const NO_SEQSCAN_SQL: &str = "SET LOCAL enable_seqscan = off";
-
-/// What a drop moves out of a range before it goes: the records live by the server's clock, or
-/// expired within the last 5 minutes (a claim that waited for the parent's lock measures expiry
-/// at its own statement's start, before the wait, so a record that expired during the wait is
-/// still live to it), found through the range's BRIN index on `expires_at` (`expiry.rs`).
-const LIVE: &str = "r.expires_at > transaction_timestamp() - interval '5 minutes'";
-
-/// Copies the rows of the range `from` that `filter` (a condition on `r`) picks into the
-/// parent, every column as it was (so into `late`, by their `kt`), and leaves them in the range,
-/// which is dropped next: no delete to write for a table about to go. Answers how many.
-fn copy_sql(parts: &Parts, from: &str, filter: &str) -> String {
-    format!(
-        "WITH i AS (INSERT INTO dedup_records ({}) SELECT {} FROM {from} r WHERE {filter} \
-         RETURNING 1) SELECT count(*) FROM i",
-        parts.2,
-        parts.cols("r"),
-    )
-}
-
-/// A day since the Unix epoch as a date literal.
-fn date_literal(day: i32) -> String {
-    let (y, m, d) = civil(day);
-    format!("DATE '{y:04}-{m:02}-{d:02}'")
-}
-
-/// Drops the range `name`, `[lo, hi)`: detach it, widen `late` over its days (or make `late`
-/// of them), move its live records and those a parked message names into `late`, and rename it
-/// out of the way (`dedup_records_gone_...`), all in one transaction; after the commit
-/// [`clear_gone`] drops its indexes and heap one at a time.
-async fn drop_range(
-    conn: &mut PgConnection,
-    seen: &Parts,
-    name: &str,
-    (lo, hi): (i32, i32),
-    policy: &RangePolicy,
-) -> Result<Step, StoreError> {
-    let e = |e: sqlx::Error| classify(e, true);
-    let (max_move, max_pages) = (policy.max_move, policy.max_read_pages);
-    let limit = count_limit(max_move);
-    let (range, late) = (seen.q(name), seen.q("dedup_records_late"));
-    match expiry::indexed(conn, seen, name).await.map_err(e)? {
-        None => return Ok(Step::Raced),
-        Some(false) => {
-            return Ok(Step::HeldBack(format!(
-                "{name} has no valid index on expires_at (its build failed this round): \
-                 dropping it would read it whole under the table's lock; next round"
-            )));
-        }
-        Some(true) => {}
-    }
-    // Counted before the lock, through the range's BRIN index on expires_at (its summary
-    // brought up to date first) and its primary key.
-    let counted = async {
-        expiry::summarize(conn, seen, name).await?;
-        let mut tx = conn.begin().await?;
-        tx.execute(NO_SEQSCAN_SQL).await?;
-        // The range's heap pages the lookup reads, counted by the server for this transaction.
-        let pages_sql = format!("SELECT pg_stat_get_xact_blocks_fetched('{range}'::regclass)");
-        let before: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pages_sql.clone()))
-            .fetch_one(&mut *tx)
-            .await?;
-        let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT (SELECT count(*) FROM (SELECT 1 FROM {range} r WHERE {LIVE} LIMIT $1) s) + \
-             (SELECT count(*) FROM (SELECT 1 FROM dedup_parked p CROSS JOIN LATERAL \
-             (SELECT 1 FROM {range} q WHERE q.scope = p.dedup_scope AND q.key = p.dedup_key) x \
-             LIMIT $1) s)"
-        )))
-        .bind(limit)
-        .fetch_one(&mut *tx)
-        .await?;
-        let after: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pages_sql))
-            .fetch_one(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok::<_, sqlx::Error>((live, after - before))
-    }
-    .await;
-    let (live, pages) = match counted {
-        // Another maintainer dropped it since the partitions were read.
-        Err(err) if err.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P01") => {
-            return Ok(Step::Raced);
-        }
-        other => other.map_err(e)?,
-    };
-    if u64::try_from(live).unwrap_or(0) > max_move {
-        return Ok(Step::HeldBack(format!(
-            "{name} still holds more than {max_move} live or parked records: dropping it would \
-             move them under the table's lock (is `keep` shorter than the longest retention, \
-             failed records' included?); it stays whole until they expire (or max_move is \
-             raised), its expired records absent to every lookup meanwhile"
-        )));
-    }
-    if u64::try_from(pages).unwrap_or(0) > max_pages {
-        return Ok(Step::HeldBack(format!(
-            "{name}: finding its live or parked records reads {pages} of its pages (they are \
-             spread through it, and its BRIN index narrows a lookup to blocks of 128 pages): \
-             more than max_read_pages ({max_pages}) under the table's lock; it stays whole until \
-             they expire (is `keep` shorter than the longest retention, failed records' \
-             included?)"
-        )));
-    }
-    // `late` must start where the ranges do: it is made of the first range dropped.
-    let late_lo = match seen.late() {
-        Some(l) if l.hi == Some(lo) => l.lo.unwrap_or(lo),
-        Some(l) => {
-            return Err(classify(
-                sqlx::Error::Protocol(format!(
-                    "dedup_records_late ends at day {:?}, not where {name} starts ({lo})",
-                    l.hi
-                )),
-                false,
-            ));
-        }
-        None => lo,
-    };
-    // `late` widened over the range's days: a check of its new bounds, validated before the
-    // lock without blocking writers, spares the attach under the lock its scan of `late`.
-    let bound = format!("dedup_records_late_to_{hi}");
-    if seen.late().is_some() {
-        let add = format!(
-            "DO $c$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_constraint \
-             WHERE conrelid = '{late}'::regclass AND conname = '{bound}') THEN \
-             ALTER TABLE {late} ADD CONSTRAINT {bound} CHECK (kt >= {from} AND kt < {to}) \
-             NOT VALID; END IF; END $c$",
-            from = date_literal(late_lo),
-            to = date_literal(hi),
-        );
-        let added = locked(conn, |tx| {
-            let add = add.clone();
-            Box::pin(async move {
-                // One maker at a time: two adding the same check at once, one would fail; and
-                // a maintainer that read the partitions before another dropped this range (and
-                // the next) must not put a narrower bound back on `late`: read again under it.
-                sqlx::query(MAKER_LOCK_SQL)
-                    .bind(MAKER_LOCK_CLASS)
-                    .execute(&mut *tx)
-                    .await?;
-                if Parts::read(tx).await?.late().and_then(|l| l.hi) != Some(lo) {
-                    return Ok(false);
-                }
-                tx.execute(sqlx::AssertSqlSafe(add)).await.map(|_| true)
-            })
-        })
-        .await?;
-        match added {
-            None => return Ok(lock_busy(name)),
-            Some(false) => return Ok(Step::Raced),
-            Some(true) => {}
-        }
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "ALTER TABLE {late} VALIDATE CONSTRAINT {bound}"
-        )))
-        .execute(&mut *conn)
-        .await
-        .map_err(e)?;
-    } else if make_table(conn, seen, "dedup_records_late", Expiry::Btree)
-        .await?
-        .is_none()
-    {
-        return Ok(lock_busy(name));
-    }
-    // RENAME TO takes a name without its schema: the table stays in its own.
-    let gone = name.replacen("dedup_records_", "dedup_records_gone_", 1);
-    let seen = seen.clone();
-    let moved = locked(conn, |tx| {
-        let (seen, range, late, bound, gone, name) = (
-            seen.clone(),
-            range.clone(),
-            late.clone(),
-            bound.clone(),
-            gone.clone(),
-            name.to_owned(),
-        );
-        Box::pin(async move {
-            // Its index again, under the lock: another maintainer's rebuild of an invalid one
-            // may have dropped it since (then the partitions are read again, and the drop held
-            // back until the index is there).
-            if !lock_unchanged(tx, &seen).await?
-                || expiry::indexed(tx, &seen, &name).await? != Some(true)
-            {
-                return Ok(None);
-            }
-            let mut steps = vec![format!("ALTER TABLE dedup_records DETACH PARTITION {range}")];
-            if seen.late().is_some() {
-                steps.push(format!("ALTER TABLE dedup_records DETACH PARTITION {late}"));
-            }
-            steps.push(format!(
-                "ALTER TABLE dedup_records ATTACH PARTITION {late} FOR VALUES \
-                 FROM (date '1970-01-01' + {late_lo}) TO (date '1970-01-01' + {hi})"
-            ));
-            // The checks of earlier bounds, which the partition's own bounds now imply.
-            steps.push(format!(
-                "DO $c$ DECLARE c text; BEGIN FOR c IN SELECT conname FROM pg_constraint \
-                 WHERE conrelid = '{late}'::regclass AND conname LIKE 'dedup\\_records\\_late\\_to\\_%' \
-                 AND conname <> '{bound}' LOOP \
-                 EXECUTE format('ALTER TABLE {late} DROP CONSTRAINT %I', c); END LOOP; END $c$"
-            ));
-            for step in steps {
-                // Day numbers and the schema's quoted name: nothing from outside.
-                tx.execute(sqlx::AssertSqlSafe(step)).await?;
-            }
-            // The live records, through the range's BRIN index on expires_at (never a scan of
-            // the range under the lock, whatever its statistics say); then the others a parked
-            // message names, through its primary key (`transaction_timestamp()`: the same
-            // moment in both, so no record is copied twice).
-            tx.execute(NO_SEQSCAN_SQL).await?;
-            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(copy_sql(&seen, &range, LIVE)))
-                .fetch_one(&mut *tx)
-                .await?;
-            let parked: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(copy_sql(
-                &seen,
-                &range,
-                &format!("{} AND NOT ({LIVE})", parked_ctids(&range)),
-            )))
-            .fetch_one(&mut *tx)
-            .await?;
-            // Out of the table, its files are unlinked later, a piece at a time (`clear_gone`):
-            // unlinking gigabytes at the commit slows the claims' WAL flushes beside it.
-            tx.execute(sqlx::AssertSqlSafe(format!(
-                "ALTER TABLE {range} RENAME TO {gone}"
-            )))
-            .await?;
-            Ok(Some(u64::try_from(live + parked).unwrap_or(0)))
-        })
-    })
-    .await?;
-    Ok(match moved {
-        None => lock_busy(name),
-        Some(None) => Step::Raced,
-        Some(Some(moved)) => Step::Done {
-            name: name.to_owned(),
-            moved,
-        },
     })
 }
 
