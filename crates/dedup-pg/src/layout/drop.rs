@@ -2,12 +2,14 @@
 //! due at once detached in one transaction under the parent's lock, `dedup_records_late`
 //! attached again over their days, the records still live in them (and those a parked message
 //! names) copied into it, the ranges renamed out of the way; their files are freed after the
-//! commit, a piece at a time (`ranges::clear_gone`).
+//! commit, a piece at a time ([`clear_gone`]).
 //!
 //! What a drop costs the claims beside it, whatever the ranges' size, is the wait for the
 //! parent's lock and, after each change of the partitions, every session planning its
 //! statements again: one lock window and one change for all the ranges due, and none before it
 //! where `late` is small (docs/PERFORMANCE.md, "The drop's fixed part").
+
+use std::time::Duration;
 
 use sqlx::postgres::PgConnection;
 use sqlx::{Connection, Executor};
@@ -16,9 +18,10 @@ use dedup_core::StoreError;
 
 use super::expiry;
 use super::expiry::Expiry;
+use super::policy::RangePolicy;
 use super::ranges::{
-    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Parts, RangePolicy, Step, civil, count_limit, lock_busy,
-    lock_unchanged, locked, make_table,
+    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Parts, Step, civil, count_limit, lock_busy, lock_unchanged,
+    locked, make_table,
 };
 use crate::classify::classify;
 
@@ -364,4 +367,60 @@ async fn late_pages(conn: &mut PgConnection, late: &str) -> Result<i64, sqlx::Er
     )))
     .fetch_one(&mut *conn)
     .await
+}
+
+/// The ranges dropped and not cleared yet: tables out of the parent named
+/// `dedup_records_gone_...`, each with its indexes.
+const GONE_SQL: &str = "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), \
+     array(SELECT quote_ident(n.nspname) || '.' || quote_ident(ic.relname) FROM pg_index i \
+     JOIN pg_class ic ON ic.oid = i.indexrelid WHERE i.indrelid = c.oid ORDER BY ic.relname), \
+     (SELECT quote_ident(conname) FROM pg_constraint WHERE conrelid = c.oid AND contype = 'p') \
+     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+     WHERE c.relname LIKE 'dedup\\_records\\_gone\\_%' AND c.relkind = 'r' \
+     AND NOT c.relispartition AND n.oid = (SELECT relnamespace FROM pg_class \
+     WHERE oid = 'dedup_records'::regclass)";
+
+/// The pause after a piece of a dropped range is cleared, where the piece was large (its unlink
+/// is what slows the claims' WAL flushes beside it).
+const GONE_PAUSE: Duration = Duration::from_millis(200);
+
+/// A piece larger than this (bytes) is followed by [`GONE_PAUSE`].
+const GONE_LARGE: i64 = 64 << 20;
+
+/// Clears the ranges dropped: each index of each, then its heap, one statement and one unlink at
+/// a time with a pause after each large one, outside any lock of the parent's (no one reads
+/// them).
+pub(super) async fn clear_gone(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let gone: Vec<(String, Vec<String>, Option<String>)> =
+        sqlx::query_as(GONE_SQL).fetch_all(&mut *conn).await?;
+    for (table, indexes, pkey) in gone {
+        // (the statement, the relation whose files it unlinks)
+        let mut steps: Vec<(String, String)> = Vec::new();
+        for index in &indexes {
+            let is_pkey = pkey
+                .as_deref()
+                .is_some_and(|k| index.ends_with(&format!(".{k}")));
+            let step = match pkey.as_deref() {
+                Some(k) if is_pkey => {
+                    format!("ALTER TABLE IF EXISTS {table} DROP CONSTRAINT IF EXISTS {k}")
+                }
+                _ => format!("DROP INDEX IF EXISTS {index}"),
+            };
+            steps.push((step, index.clone()));
+        }
+        steps.push((format!("DROP TABLE IF EXISTS {table}"), table.clone()));
+        for (step, piece) in steps {
+            // Names from the catalog, quoted: nothing from outside.
+            let size: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT coalesce(pg_total_relation_size(to_regclass('{piece}')), 0)"
+            )))
+            .fetch_one(&mut *conn)
+            .await?;
+            conn.execute(sqlx::AssertSqlSafe(step)).await?;
+            if size > GONE_LARGE {
+                tokio::time::sleep(GONE_PAUSE).await;
+            }
+        }
+    }
+    Ok(())
 }

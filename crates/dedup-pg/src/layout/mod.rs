@@ -46,10 +46,12 @@
 mod drop;
 mod expiry;
 mod freeze;
+mod policy;
 mod ranges;
 
+pub use policy::{RangePolicy, RangeReport};
+pub use ranges::maintain_ranges;
 pub(crate) use ranges::ranged_days;
-pub use ranges::{RangePolicy, RangeReport, maintain_ranges};
 
 use sqlx::Executor;
 use sqlx::postgres::PgPool;

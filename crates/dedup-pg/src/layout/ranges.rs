@@ -19,7 +19,7 @@
 //! own before it; a run killed between the two leaves that table unattached, and the next run
 //! takes it up. Killed anywhere else, the transaction rolls back whole.
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use sqlx::postgres::PgConnection;
 use sqlx::{Connection, Executor};
@@ -27,9 +27,10 @@ use tracing::{info, warn};
 
 use dedup_core::StoreError;
 
-use super::drop::{self, Due};
+use super::drop::{self, Due, clear_gone};
 use super::expiry::{self, Expiry};
 use super::freeze;
+use super::policy::{MOST_AHEAD, RangePolicy, RangeReport};
 use super::{is_lock_timeout, lock_pause, lock_timeout};
 use crate::classify::classify;
 
@@ -63,10 +64,6 @@ const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname), (SELECT string_agg(quot
 /// waits about 100 ms, so a long transaction beside it costs the claims a few seconds at most.
 const RANGE_LOCK_TRIES: u32 = 20;
 
-/// The most days ahead ranges are made (each range ahead is one more partition for every
-/// statement to set up).
-const MOST_AHEAD: Duration = Duration::from_secs(31 * 86_400);
-
 /// The class of the advisory lock that lets one maintainer make a table at a time ("deds").
 pub(super) const MAKER_LOCK_CLASS: i32 = 0x6465_6473;
 
@@ -74,116 +71,6 @@ pub(super) const MAKER_LOCK_CLASS: i32 = 0x6465_6473;
 pub(super) const MAKER_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock($1::int4, hashtext(n.nspname)) \
      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
      WHERE c.oid = 'dedup_records'::regclass";
-
-/// How the ranges of the partitioned table are kept ([`maintain_ranges`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RangePolicy {
-    /// Days per range. Longer ranges mean fewer partitions (each costs every statement a little
-    /// planning and executor set-up), shorter ones give the disk back sooner.
-    pub days: u32,
-    /// How far ahead of now the ranges are made: new keys land in `future` (and are moved, under
-    /// the lock, when their range is made) only once maintenance has not run for this long.
-    pub ahead: Duration,
-    /// How long after a range's last day it is dropped: at least the longest retention of any
-    /// policy, plus the longest a key's first delivery may lag its time. A record still live at
-    /// the drop is moved, not lost, so a short `keep` costs moves, never correctness.
-    pub keep: Duration,
-    /// The most records one change may move under the lock; a change that would move more is
-    /// held back (and reported) instead of holding every claim that long.
-    pub max_move: u64,
-    /// The most heap pages of a range its drop may read under the lock to find what is still
-    /// live in it (through its BRIN index on `expires_at`, whose summaries cover 128 pages
-    /// each): a drop that would read more (live records spread through the range) is held back
-    /// (and reported) until they expire. 8 kB each: 16,384 by default, 128 MB, about 0.1 s from
-    /// memory.
-    pub max_read_pages: u64,
-    /// How long after a range's last day it may be frozen, once (`VACUUM (FREEZE)`, one range a
-    /// round, and only once half its `autovacuum_freeze_max_age` has passed: `freeze.rs`);
-    /// None never.
-    pub freeze_after: Option<Duration>,
-}
-
-impl Default for RangePolicy {
-    /// Weeks, made 3 days ahead, dropped 8 days after their end (a 7-day retention and a day of
-    /// lag), frozen from a day after it if they near their anti-wraparound vacuum, up to
-    /// 100,000 records moved and 16,384 pages read under the lock.
-    fn default() -> Self {
-        Self {
-            days: 7,
-            ahead: Duration::from_secs(3 * 86_400),
-            keep: Duration::from_secs(8 * 86_400),
-            max_move: 100_000,
-            max_read_pages: 16_384,
-            freeze_after: Some(Duration::from_secs(86_400)),
-        }
-    }
-}
-
-impl RangePolicy {
-    /// Sets the days per range (1 to 366).
-    pub fn with_days(mut self, days: u32) -> Self {
-        self.days = days.clamp(1, 366);
-        self
-    }
-
-    /// Sets how far ahead of now ranges are made (at most 31 days).
-    pub fn with_ahead(mut self, ahead: Duration) -> Self {
-        self.ahead = ahead.min(MOST_AHEAD);
-        self
-    }
-
-    /// Sets how long after its last day a range is dropped.
-    pub fn with_keep(mut self, keep: Duration) -> Self {
-        self.keep = keep;
-        self
-    }
-
-    /// Sets the most records one change may move under the lock.
-    pub fn with_max_move(mut self, max_move: u64) -> Self {
-        self.max_move = max_move;
-        self
-    }
-
-    /// Sets the most heap pages of a range its drop may read under the lock.
-    pub fn with_max_read_pages(mut self, pages: u64) -> Self {
-        self.max_read_pages = pages;
-        self
-    }
-
-    /// Sets how long after its last day a range is frozen (None: never).
-    pub fn with_freeze_after(mut self, after: Option<Duration>) -> Self {
-        self.freeze_after = after;
-        self
-    }
-}
-
-/// What [`maintain_ranges`] did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RangeReport {
-    /// Whether `dedup_records` is partitioned by the key's time (if not, nothing was done).
-    pub partitioned: bool,
-    /// Ranges made, by name.
-    pub made: Vec<String>,
-    /// Ranges dropped, by name.
-    pub dropped: Vec<String>,
-    /// Ranges frozen, by name (at most one a call).
-    pub frozen: Vec<String>,
-    /// Records moved under the lock (out of `future` into a range made, or out of a range
-    /// dropped into `late`).
-    pub moved: u64,
-    /// Days from now to the first day without a range of its own (`future`'s first day): under
-    /// a day, new keys are about to land in `future`.
-    pub margin_days: Option<i64>,
-    /// Why a change was held back, if one was.
-    pub held_back: Option<String>,
-    /// The days the ranges cover, `[first, end)` in days since the Unix epoch: the bounded
-    /// DELETE leaves them alone, a change held back or not (a range goes whole; until it goes,
-    /// its expired records count as absent and only take disk). None where the table is not
-    /// partitioned by the key's time.
-    pub ranged_days: Option<(i32, i32)>,
-}
 
 /// A partition and its bounds in days since the Unix epoch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -436,62 +323,6 @@ pub(crate) async fn ranged_days(conn: &mut PgConnection) -> Result<Option<(i32, 
         .map(|(name, lo, hi)| Part { name, lo, hi })
         .collect();
     Ok(Parts(parts, String::new(), String::new()).ranged_days())
-}
-
-/// The ranges dropped and not cleared yet: tables out of the parent named
-/// `dedup_records_gone_...`, each with its indexes.
-const GONE_SQL: &str = "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), \
-     array(SELECT quote_ident(n.nspname) || '.' || quote_ident(ic.relname) FROM pg_index i \
-     JOIN pg_class ic ON ic.oid = i.indexrelid WHERE i.indrelid = c.oid ORDER BY ic.relname), \
-     (SELECT quote_ident(conname) FROM pg_constraint WHERE conrelid = c.oid AND contype = 'p') \
-     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-     WHERE c.relname LIKE 'dedup\\_records\\_gone\\_%' AND c.relkind = 'r' \
-     AND NOT c.relispartition AND n.oid = (SELECT relnamespace FROM pg_class \
-     WHERE oid = 'dedup_records'::regclass)";
-
-/// The pause after a piece of a dropped range is cleared, where the piece was large (its unlink
-/// is what slows the claims' WAL flushes beside it).
-const GONE_PAUSE: Duration = Duration::from_millis(200);
-
-/// A piece larger than this (bytes) is followed by [`GONE_PAUSE`].
-const GONE_LARGE: i64 = 64 << 20;
-
-/// Clears the ranges dropped: each index of each, then its heap, one statement and one unlink at
-/// a time with a pause after each large one, outside any lock of the parent's (no one reads
-/// them).
-async fn clear_gone(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    let gone: Vec<(String, Vec<String>, Option<String>)> =
-        sqlx::query_as(GONE_SQL).fetch_all(&mut *conn).await?;
-    for (table, indexes, pkey) in gone {
-        // (the statement, the relation whose files it unlinks)
-        let mut steps: Vec<(String, String)> = Vec::new();
-        for index in &indexes {
-            let is_pkey = pkey
-                .as_deref()
-                .is_some_and(|k| index.ends_with(&format!(".{k}")));
-            let step = match pkey.as_deref() {
-                Some(k) if is_pkey => {
-                    format!("ALTER TABLE IF EXISTS {table} DROP CONSTRAINT IF EXISTS {k}")
-                }
-                _ => format!("DROP INDEX IF EXISTS {index}"),
-            };
-            steps.push((step, index.clone()));
-        }
-        steps.push((format!("DROP TABLE IF EXISTS {table}"), table.clone()));
-        for (step, piece) in steps {
-            // Names from the catalog, quoted: nothing from outside.
-            let size: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "SELECT coalesce(pg_total_relation_size(to_regclass('{piece}')), 0)"
-            )))
-            .fetch_one(&mut *conn)
-            .await?;
-            conn.execute(sqlx::AssertSqlSafe(step)).await?;
-            if size > GONE_LARGE {
-                tokio::time::sleep(GONE_PAUSE).await;
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Which change of the partitions.
