@@ -1110,7 +1110,19 @@ async fn per_key_concurrency_with_a_small_in_flight_bound_keeps_the_ledger_exact
         .config(&group, &topic)
         .with_ordering(dedup_kafka::Ordering::PerKey)
         .with_max_in_flight(16);
-    let run = Running::spawn(config, setup(&pool, &redis), "a").await;
+    // Each execution takes a few milliseconds, so both partitions' shares of the bound fill
+    // while their backlogs last (with instant handlers a loaded machine may drain one
+    // partition's share as fast as it fills, and the bound is never reached).
+    let setup = setup(&pool, &redis);
+    let inner = ledger_handler(setup.pg(), "a");
+    let handler = move |d: Arc<Delivery>, lease: Option<LeaseContext>| -> HandlerFuture {
+        let effect = inner(d, lease);
+        Box::pin(async move {
+            sleep(Duration::from_millis(5)).await;
+            effect.await
+        })
+    };
+    let run = Running::spawn_with(config, setup, handler).await;
     let stats = run.stats.clone();
     eventually(60, "600 settled", || {
         let s = stats.snapshot();
