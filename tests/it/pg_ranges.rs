@@ -685,6 +685,77 @@ async fn a_large_late_is_widened_through_a_check_validated_before_the_lock(pool:
     assert_eq!(misplaced_records(&pool).await, 0);
 }
 
+/// A maintainer between its read of `late`'s bounds and its add of a check of them (holding the
+/// makers' lock, as a binary of the last generation adds one for the oldest range's bounds
+/// alone) keeps a drop of several ranges out of its window until it commits; the drop then
+/// removes that narrower check, so `late` refuses none of the records of the days it was
+/// widened over. (A window that committed between the read and the add would leave `late` a
+/// check narrower than its bounds: new keys of those days refused until the next drop.)
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_drop_waits_for_a_check_being_added_and_leaves_no_narrower_one(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    for d in [0_i64, 10, 20] {
+        let n = v7(t0 + d * DAY + 60_000, d as u64);
+        let lease = acquired(store.claim(&req(&key(&n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    // Every range made to 43 days, and those that end within 8 days of T0 dropped: `late` is
+    // there, and several ranges are due at 40 days with the default `keep`.
+    let mut conn = pool.acquire().await.unwrap();
+    let first = RangePolicy::default().with_keep(Duration::from_secs(32 * 86_400));
+    let report = dedup_pg::maintain_ranges(&mut conn, &first, at(t0 + 40 * DAY))
+        .await
+        .unwrap();
+    assert!(!report.dropped.is_empty(), "{report:?}");
+    let p = parts(&pool).await;
+    let (late_lo, lo) = lo_of(&p, "dedup_records_late");
+    let next_hi = p.iter().find(|x| x.1 == Some(lo)).unwrap().2.unwrap();
+
+    // The other maintainer: the makers' lock, and `late` read to end at `lo`.
+    let mut adder = pool.begin().await.unwrap();
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(1684366451, hashtext(n.nspname)) FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'dedup_records'::regclass",
+    )
+    .execute(&mut *adder)
+    .await
+    .unwrap();
+    let drop = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut conn = pool.acquire().await.unwrap();
+            dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), at(t0 + 40 * DAY))
+                .await
+                .unwrap()
+        })
+    };
+    sleep(Duration::from_millis(500)).await;
+    // Its add, for the next range's bounds alone.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE dedup_records_late ADD CONSTRAINT dedup_records_late_to_{next_hi} \
+         CHECK (kt >= date '1970-01-01' + {late_lo} AND kt < date '1970-01-01' + {next_hi}) \
+         NOT VALID"
+    )))
+    .execute(&mut *adder)
+    .await
+    .unwrap();
+    adder.commit().await.unwrap();
+    let report = drop.await.unwrap();
+    assert!(report.dropped.len() >= 2, "{report:?}");
+    assert_eq!(report.held_back, None, "{report:?}");
+    assert_eq!(late_checks(&pool).await, Vec::<(String, bool)>::new());
+    // A new key of day 20, past the narrower bound, goes to `late`.
+    let n = v7(t0 + 20 * DAY + 120_000, 99);
+    let lease = acquired(store.claim(&req(&key(&n), "w")).await.unwrap());
+    store.complete(&lease, b"ok").await.unwrap();
+    assert_eq!(
+        partition_of(&pool, &n).await.as_deref(),
+        Some("dedup_records_late")
+    );
+    assert_eq!(misplaced_records(&pool).await, 0);
+}
+
 /// A drop that would move more live records than `max_move` under the lock is held back (and
 /// says why), and goes through once they have expired.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]

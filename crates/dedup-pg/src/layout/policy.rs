@@ -1,5 +1,5 @@
 //! How the ranges of the partitioned table are kept ([`RangePolicy`]) and what a round of
-//! [`maintain_ranges`](super::maintain_ranges) did ([`RangeReport`]).
+//! [`maintain_ranges`](super::maintain_ranges)(super::maintain_ranges) did ([`RangeReport`]).
 
 use std::time::Duration;
 
@@ -7,7 +7,7 @@ use std::time::Duration;
 /// statement to set up).
 pub(super) const MOST_AHEAD: Duration = Duration::from_secs(31 * 86_400);
 
-/// How the ranges of the partitioned table are kept ([`maintain_ranges`]).
+/// How the ranges of the partitioned table are kept ([`maintain_ranges`](super::maintain_ranges)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RangePolicy {
@@ -21,13 +21,15 @@ pub struct RangePolicy {
     /// policy, plus the longest a key's first delivery may lag its time. A record still live at
     /// the drop is moved, not lost, so a short `keep` costs moves, never correctness.
     pub keep: Duration,
-    /// The most records one change may move under the lock; a change that would move more is
-    /// held back (and reported) instead of holding every claim that long.
+    /// The most records one change may move under the lock; a range that would take a drop
+    /// past it goes in a drop of its own, and a change that alone would move more is held back
+    /// (and reported) instead of holding every claim that long.
     pub max_move: u64,
-    /// The most heap pages of a range its drop may read under the lock to find what is still
-    /// live in it (through its BRIN index on `expires_at`, whose summaries cover 128 pages
-    /// each): a drop that would read more (live records spread through the range) is held back
-    /// (and reported) until they expire. 8 kB each: 16,384 by default, 128 MB, about 0.1 s from
+    /// The most heap pages of the ranges one drop may read under the lock to find what is still
+    /// live in them (through each one's BRIN index on `expires_at`, whose summaries cover 128
+    /// pages each): a range that would take a drop past it goes in a drop of its own, and one
+    /// that alone would read more (live records spread through it) is held back (and reported)
+    /// until they expire. 8 kB each: 16,384 by default, 128 MB, about 0.1 s from
     /// memory.
     pub max_read_pages: u64,
     /// How long after a range's last day it may be frozen, once (`VACUUM (FREEZE)`, one range a
@@ -77,7 +79,7 @@ impl RangePolicy {
         self
     }
 
-    /// Sets the most heap pages of a range its drop may read under the lock.
+    /// Sets the most heap pages of the ranges one drop may read under the lock.
     pub fn with_max_read_pages(mut self, pages: u64) -> Self {
         self.max_read_pages = pages;
         self
@@ -90,7 +92,7 @@ impl RangePolicy {
     }
 }
 
-/// What [`maintain_ranges`] did.
+/// What [`maintain_ranges`](super::maintain_ranges) did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RangeReport {

@@ -40,8 +40,8 @@ pub(super) const DAY_MS: i64 = 86_400_000;
 /// Days from the Unix epoch to Monday 1970-01-05, where ranges count their boundaries from.
 const MONDAY: i32 = 4;
 
-/// The most ranges one call makes or drops (a clock that jumped years would otherwise make a
-/// partition for every week between).
+/// The most ranges one call makes, and the most it drops (a clock that jumped years would
+/// otherwise make a partition for every week between).
 const MOST_PER_CALL: usize = 16;
 
 /// The partitions of `dedup_records` and their bounds in days since the Unix epoch (None for
@@ -64,7 +64,8 @@ const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname), (SELECT string_agg(quot
 /// waits about 100 ms, so a long transaction beside it costs the claims a few seconds at most.
 const RANGE_LOCK_TRIES: u32 = 20;
 
-/// The class of the advisory lock that lets one maintainer make a table at a time ("deds").
+/// The class of the advisory lock that lets one maintainer make a table, add a check or change
+/// the partitions at a time ("deds"): taken first in each of those transactions.
 pub(super) const MAKER_LOCK_CLASS: i32 = 0x6465_6473;
 
 /// Takes the makers' lock for the transaction, keyed on the schema of `dedup_records`.
@@ -269,7 +270,7 @@ async fn keep(
                     hi,
                 })
             })
-            .take(MOST_PER_CALL)
+            .take(MOST_PER_CALL.saturating_sub(report.dropped.len()))
             .collect();
         if due.is_empty() {
             break;
@@ -505,11 +506,19 @@ pub(super) fn lock_busy_why(what: &str) -> String {
     )
 }
 
-/// Takes the parent's lock and answers whether the partitions are still `seen`.
+/// Takes the makers' lock, then the parent's, and answers whether the partitions are still
+/// `seen`. The makers' lock first: a maintainer adding a check of `late`'s bounds reads the
+/// partitions under it, so no change can commit between its read and its add (one that did
+/// could leave `late` a check narrower than its new bounds, refusing the records of the days
+/// it was widened over).
 pub(super) async fn lock_unchanged(
     tx: &mut PgConnection,
     seen: &Parts,
 ) -> Result<bool, sqlx::Error> {
+    sqlx::query(MAKER_LOCK_SQL)
+        .bind(MAKER_LOCK_CLASS)
+        .execute(&mut *tx)
+        .await?;
     tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE")
         .await?;
     Ok(Parts::read(tx).await? == *seen)
