@@ -595,6 +595,32 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
     assert_own_expiry_indexes(&pool).await;
 }
 
+/// Completed records inserted by SQL, one for each `i` of `millis` with a UUIDv7-shaped key of
+/// the time `from_ms + i` (the rest random), expiring at `expires_at` (an SQL expression).
+async fn fill(
+    pool: &PgPool,
+    from_ms: i64,
+    millis: std::ops::RangeInclusive<i64>,
+    expires_at: &str,
+) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO dedup_records (scope, key, kt, state, owner, token, attempts, result, \
+         created_at, updated_at, expires_at) \
+         SELECT 'test', g.k, dedup_kt(g.k), 'completed', 'fill', nextval('dedup_token_seq'), 1, \
+         '\\x00'::bytea, now(), now(), {expires_at} \
+         FROM (SELECT convert_to(lpad(to_hex(m >> 16), 8, '0') || '-' || \
+         lpad(to_hex(m & 65535), 4, '0') || '-7' || substr(u, 16, 3) || substr(u, 19), 'UTF8') \
+         AS k FROM (SELECT $1::int8 + i AS m, gen_random_uuid()::text AS u \
+         FROM generate_series($2::int8, $3::int8) i) s) g"
+    )))
+    .bind(from_ms)
+    .bind(*millis.start())
+    .bind(*millis.end())
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// The checks of `late`'s bounds dedup adds (`dedup_records_late_to_<day>`), and whether each
 /// is validated.
 async fn late_checks(pool: &PgPool) -> Vec<(String, bool)> {
@@ -633,20 +659,7 @@ async fn a_large_late_is_widened_through_a_check_validated_before_the_lock(pool:
     );
     assert_eq!(late_checks(&pool).await, Vec::<(String, bool)>::new());
     // 20,000 live records of T0's day in `late` (as a drop that moved many would leave it).
-    sqlx::query(
-        "INSERT INTO dedup_records (scope, key, kt, state, owner, token, attempts, result, \
-         created_at, updated_at, expires_at) \
-         SELECT 'test', g.k, dedup_kt(g.k), 'completed', 'fill', nextval('dedup_token_seq'), 1, \
-         '\\x00'::bytea, now(), now(), now() + interval '1 day' \
-         FROM (SELECT convert_to(lpad(to_hex(m >> 16), 8, '0') || '-' || \
-         lpad(to_hex(m & 65535), 4, '0') || '-7' || substr(u, 16, 3) || substr(u, 19), 'UTF8') \
-         AS k FROM (SELECT $1::int8 + i AS m, gen_random_uuid()::text AS u \
-         FROM generate_series(1, 20000) i) s) g",
-    )
-    .bind(t0 + 120_000)
-    .execute(&pool)
-    .await
-    .unwrap();
+    fill(&pool, t0 + 120_000, 1..=20_000, "now() + interval '1 day'").await;
     let pages: i64 = sqlx::query_scalar(
         "SELECT pg_relation_size('dedup_records_late') / current_setting('block_size')::int8",
     )
@@ -850,20 +863,7 @@ async fn a_drop_that_would_read_too_much_of_its_range_is_held_back(pool: PgPool)
     }
     // 3,000 expired records of the same day (UUIDv7-shaped keys of the 3 s after the live
     // ones), then a live one after them: the live records sit at both ends of the range's heap.
-    sqlx::query(
-        "INSERT INTO dedup_records (scope, key, kt, state, owner, token, attempts, result, \
-         created_at, updated_at, expires_at) \
-         SELECT 'test', g.k, dedup_kt(g.k), 'completed', 'fill', nextval('dedup_token_seq'), 1, \
-         '\\x00'::bytea, now(), now(), now() - interval '1 hour' \
-         FROM (SELECT convert_to(lpad(to_hex(m >> 16), 8, '0') || '-' || \
-         lpad(to_hex(m & 65535), 4, '0') || '-7' || substr(u, 16, 3) || substr(u, 19), 'UTF8') \
-         AS k FROM (SELECT $1::int8 + i AS m, gen_random_uuid()::text AS u \
-         FROM generate_series(10, 3009) i) s) g",
-    )
-    .bind(t0 + 60_000)
-    .execute(&pool)
-    .await
-    .unwrap();
+    fill(&pool, t0 + 60_000, 10..=3_009, "now() - interval '1 hour'").await;
     let last = v7(t0 + 63_100, 9);
     let lease = acquired(store.claim(&req(&key(&last), "w")).await.unwrap());
     store.complete(&lease, last.as_bytes()).await.unwrap();
