@@ -24,6 +24,7 @@ mod pg;
 mod pg_batch;
 mod pg_faults;
 mod pg_key_time;
+mod pg_kt_guard;
 mod pg_migrate;
 mod pg_parked;
 mod pg_partitioned;

@@ -21,9 +21,11 @@
 //!   of days are carved out of it.
 //! - The stored keys whose time is at or after `T0` (made by clocks running ahead) moved to the
 //!   partition of their day, with their columns as they were.
-//! - `CHECK (kt = dedup_kt(key))` on the parent (not validated: every stored row meets it by the
-//!   choice of `T0`), so a writer that leaves `kt` out fails instead of putting a key where no
-//!   lookup finds it.
+//! - `kt` without a default on the parent and every partition, so a writer that leaves `kt` out
+//!   writes NULL, which no partition takes (23514), instead of `-infinity`, which would put a key
+//!   with a day where no lookup finds it. (Generations 7 to 9 checked `kt = dedup_kt(key)` on the
+//!   parent instead, compiled again by every statement that wrote: migration `20261204000001`
+//!   drops it.)
 //! - The compatibility floor raised to 9: binaries older than generation 7 neither write nor ask
 //!   for `kt`, and their `ON CONFLICT (scope, key)` has no index to name on the parent; those of
 //!   generations 7 and 8 would make ranges of days without an index on `expires_at` (the parent
@@ -306,9 +308,8 @@ async fn switch(pool: &PgPool) -> Result<Option<(i64, u64)>, sqlx::Error> {
              {end_ms}::int8) / 86400000)::int4, '-infinity'::date)",
             before = t0_ms - 1
         ),
-        "ALTER TABLE dedup_records ADD CONSTRAINT dedup_records_kt \
-         CHECK (kt = dedup_kt(key)) NOT VALID"
-            .to_owned(),
+        // No default: a writer that leaves kt out writes NULL, which no partition takes.
+        "ALTER TABLE dedup_records ALTER COLUMN kt DROP DEFAULT".to_owned(),
         CARRY_OVER_SQL.to_owned(),
     ];
     for step in steps {
