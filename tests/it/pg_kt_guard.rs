@@ -1,37 +1,33 @@
 //! What refuses a writer that leaves `kt` out of a record on the table partitioned by the key's
 //! time (docs/ARCHITECTURE.md, invariant 36): since generation 10, `kt` has no default there, so
 //! such a writer's `kt` is NULL, which no partition takes. Generations 7 to 9 checked
-//! `kt = dedup_kt(key)` on the parent instead, compiled again by every statement that wrote;
-//! migration `20261204000001` drops that check and the default from a table they switched,
-//! asking for the table's lock 100 ms at a time so claims are not held behind it.
+//! `kt = dedup_kt(key)` on the parent instead, compiled again by every statement that wrote,
+//! and kept the default; the retention's round drops both from a table they switched and from a
+//! table they made and did not attach, as a change of the partitions (held back while the
+//! table's lock is not had).
 
-use std::time::{Duration, Instant};
+use std::time::SystemTime;
 
 use dedup_core::Store;
-use dedup_pg::PgStore;
+use dedup_pg::{PgStore, RangePolicy};
 use sqlx::PgPool;
-use tokio::time::sleep;
 
 use crate::pg_partitioned::{now_ms, v7};
 use crate::support::{acquired, key, misplaced_records, req};
 
-/// The migration, as sqlx runs it: its whole text in one transaction.
-const MIGRATION: &str = include_str!("../../migrations/20261204000001_dedup_kt_no_default.sql");
-
-/// Tables of the record tree (the parent and its partitions) whose `kt` has a default.
+/// Tables of the records' family (`dedup_records%`, attached or not) whose `kt` has a default.
 async fn kt_defaults(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar(
         "SELECT c.relname::text FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
-         WHERE a.attname = 'kt' AND a.atthasdef \
-         AND (c.oid = 'dedup_records'::regclass \
-         OR c.oid IN (SELECT relid FROM pg_partition_tree('dedup_records'))) ORDER BY 1",
+         WHERE a.attname = 'kt' AND a.atthasdef AND c.relkind IN ('r', 'p') \
+         AND c.relname LIKE 'dedup\\_records%' ORDER BY 1",
     )
     .fetch_all(pool)
     .await
     .unwrap()
 }
 
-/// The tables of the record tree that carry a check named `dedup_records_kt`.
+/// The tables that carry a check named `dedup_records_kt`.
 async fn kt_checks(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar(
         "SELECT conrelid::regclass::text FROM pg_constraint WHERE conname = 'dedup_records_kt' \
@@ -60,13 +56,6 @@ async fn insert_without_kt(pool: &PgPool, name: &str) -> Option<String> {
     })
 }
 
-async fn generation(pool: &PgPool) -> i32 {
-    sqlx::query_scalar("SELECT generation FROM dedup_schema")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
 /// A key with a day, claimed and completed by the store, lands in its day's partition.
 async fn claim_and_complete(store: &PgStore, name: &str) {
     let lease = acquired(store.claim(&req(&key(name), "guard")).await.unwrap());
@@ -79,7 +68,6 @@ async fn a_switched_table_refuses_a_writer_that_leaves_kt_out_and_checks_nothing
 ) {
     // The single table keeps its default: older binaries that never name kt still write there.
     assert_eq!(kt_defaults(&pool).await, ["dedup_records"]);
-    assert_eq!(generation(&pool).await, 10);
     assert_eq!(insert_without_kt(&pool, "untimed-by-hand").await, None);
 
     dedup_pg::partition_by_key_time(&pool).await.unwrap();
@@ -102,81 +90,61 @@ async fn a_switched_table_refuses_a_writer_that_leaves_kt_out_and_checks_nothing
 }
 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn the_migration_takes_a_generation_9_switch_to_no_default_without_holding_claims(
+async fn the_retention_takes_generation_9s_check_and_default_off_once_it_has_the_lock(
     pool: PgPool,
 ) {
     dedup_pg::partition_by_key_time(&pool).await.unwrap();
-    // The table as a binary of generation 9 switched it.
+    // The table as a binary of generation 9 switched it, and a range it made and did not attach.
     for sql in [
         "ALTER TABLE dedup_records ALTER COLUMN kt SET DEFAULT '-infinity'",
         "ALTER TABLE dedup_records ADD CONSTRAINT dedup_records_kt \
          CHECK (kt = dedup_kt(key)) NOT VALID",
-        "UPDATE dedup_schema SET generation = 9",
+        "CREATE TABLE dedup_records_20991228 \
+         (LIKE dedup_records INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
     ] {
         sqlx::query(sql).execute(&pool).await.unwrap();
     }
-    assert!(!kt_checks(&pool).await.is_empty());
+    let before = kt_checks(&pool).await;
+    assert!(before.contains(&"dedup_records".to_owned()), "{before:?}");
+    assert!(
+        before.contains(&"dedup_records_20991228".to_owned()),
+        "{before:?}"
+    );
     assert!(
         kt_defaults(&pool)
             .await
-            .contains(&"dedup_records".to_owned())
+            .contains(&"dedup_records_20991228".to_owned())
     );
 
-    // A reader holds the table for 1.5 s; the migration waits for it, and claims go on meanwhile.
+    // A transaction on the table holds the round's change back; claims go on.
     let mut reader = pool.begin().await.unwrap();
     sqlx::query("LOCK TABLE dedup_records IN ACCESS SHARE MODE")
         .execute(&mut *reader)
         .await
         .unwrap();
-    let migration = tokio::spawn({
-        let pool = pool.clone();
-        async move {
-            let mut tx = pool.begin().await?;
-            sqlx::raw_sql(sqlx::AssertSqlSafe(MIGRATION))
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await
-        }
-    });
+    let mut conn = pool.acquire().await.unwrap();
+    let held = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), SystemTime::now())
+        .await
+        .unwrap();
+    let why = held.held_back.unwrap_or_default();
+    assert!(why.contains("kt's check"), "{why}");
+    assert_eq!(kt_checks(&pool).await, before);
     let store = PgStore::new(pool.clone());
-    let started = Instant::now();
-    let mut slowest = Duration::ZERO;
-    let mut n = 0;
-    while started.elapsed() < Duration::from_millis(1500) {
-        let t = Instant::now();
-        let claimed = tokio::time::timeout(
-            Duration::from_secs(3),
-            claim_and_complete(&store, &v7(now_ms() + 1000, 100 + n)),
-        )
-        .await;
-        slowest = slowest.max(t.elapsed());
-        if claimed.is_err() {
-            break;
-        }
-        n += 1;
-        sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        slowest < Duration::from_millis(1000),
-        "a claim waited {slowest:?} behind the migration's lock"
-    );
-    assert!(
-        !migration.is_finished(),
-        "the migration waits for the reader"
-    );
+    claim_and_complete(&store, &v7(now_ms() + 1000, 1)).await;
     reader.commit().await.unwrap();
-    migration.await.unwrap().unwrap();
-    assert!(n >= 10, "{n} claims while the migration waited");
 
+    let done = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), SystemTime::now())
+        .await
+        .unwrap();
+    assert_eq!(done.held_back, None);
     assert_eq!(kt_checks(&pool).await, Vec::<String>::new());
     assert_eq!(kt_defaults(&pool).await, Vec::<String>::new());
-    assert_eq!(generation(&pool).await, 10);
     assert_eq!(
-        insert_without_kt(&pool, &v7(now_ms() + 1000, 1))
+        insert_without_kt(&pool, &v7(now_ms() + 1000, 2))
             .await
             .as_deref(),
         Some("23514")
     );
-    claim_and_complete(&store, &v7(now_ms() + 1000, 2)).await;
+    claim_and_complete(&store, &v7(now_ms() + 1000, 3)).await;
     assert_eq!(misplaced_records(&pool).await, 0);
 }

@@ -21,11 +21,11 @@
 //!   of days are carved out of it.
 //! - The stored keys whose time is at or after `T0` (made by clocks running ahead) moved to the
 //!   partition of their day, with their columns as they were.
-//! - `kt` without a default on the parent and every partition, so a writer that leaves `kt` out
-//!   writes NULL, which no partition takes (23514), instead of `-infinity`, which would put a key
-//!   with a day where no lookup finds it. (Generations 7 to 9 checked `kt = dedup_kt(key)` on the
-//!   parent instead, compiled again by every statement that wrote: migration `20261204000001`
-//!   drops it.)
+//! - `kt` without a default on the parent and every attached partition, so a writer that leaves
+//!   `kt` out writes NULL, which no partition takes (23514), instead of `-infinity`, which would
+//!   put a key with a day where no lookup finds it. (Binaries of generations 7 to 9 checked
+//!   `kt = dedup_kt(key)` on the parent instead and kept the default; the check was compiled
+//!   again by every statement that wrote. The retention's next round drops both, `guards.rs`.)
 //! - The compatibility floor raised to 9: binaries older than generation 7 neither write nor ask
 //!   for `kt`, and their `ON CONFLICT (scope, key)` has no index to name on the parent; those of
 //!   generations 7 and 8 would make ranges of days without an index on `expires_at` (the parent
@@ -48,6 +48,7 @@
 mod drop;
 mod expiry;
 mod freeze;
+mod guards;
 mod policy;
 mod ranges;
 

@@ -30,6 +30,7 @@ use dedup_core::StoreError;
 use super::drop::{self, Due, clear_gone};
 use super::expiry::{self, Expiry};
 use super::freeze;
+use super::guards;
 use super::policy::{MOST_AHEAD, RangePolicy, RangeReport};
 use super::{is_lock_timeout, lock_pause, lock_timeout};
 use crate::classify::classify;
@@ -224,6 +225,11 @@ async fn keep(
             )),
         };
         if let Some(why) = why {
+            warn!(reason = %why, "dedup_records: a change held back");
+            report.held_back = Some(why);
+        }
+        // kt's check and default, where a binary of generation 9 or older left them.
+        if let Some(why) = guards::drop_left(conn, &parts).await? {
             warn!(reason = %why, "dedup_records: a change held back");
             report.held_back = Some(why);
         }
