@@ -74,6 +74,19 @@ async fn partition_of(pool: &PgPool, name: &str) -> Option<String> {
         .unwrap()
 }
 
+/// `name`'s record was moved to `late`, and a duplicate of it replays its result (its name).
+async fn moved_to_late_and_replays(pool: &PgPool, store: &PgStore, name: &str, what: &str) {
+    assert_eq!(
+        partition_of(pool, name).await.as_deref(),
+        Some("dedup_records_late"),
+        "{what}"
+    );
+    match store.claim(&req(&key(name), "again")).await.unwrap() {
+        ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], name.as_bytes()),
+        other => panic!("{what}: a duplicate of a moved record replays: {other:?}"),
+    }
+}
+
 /// Parks a message that names `name`'s record (as a parked Kafka message does).
 async fn park(pool: &PgPool, name: &str) {
     sqlx::query(
@@ -531,11 +544,7 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
     for (d, n) in names.iter().enumerate() {
         let found = partition_of(&pool, n).await;
         if live(d) {
-            assert_eq!(found.as_deref(), Some("dedup_records_late"), "day {d}");
-            match store.claim(&req(&key(n), "again")).await.unwrap() {
-                ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
-                other => panic!("day {d}: a duplicate of a moved record replays: {other:?}"),
-            }
+            moved_to_late_and_replays(&pool, &store, n, &format!("day {d}")).await;
         } else if d == 7 || d == 3 {
             assert_eq!(
                 found.as_deref(),
@@ -681,14 +690,7 @@ async fn a_large_late_is_widened_through_a_check_validated_before_the_lock(pool:
         "dropped {range}"
     );
     for n in [&first, &second] {
-        assert_eq!(
-            partition_of(&pool, n).await.as_deref(),
-            Some("dedup_records_late")
-        );
-        match store.claim(&req(&key(n), "again")).await.unwrap() {
-            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
-            other => panic!("{n}: {other:?}"),
-        }
+        moved_to_late_and_replays(&pool, &store, n, n).await;
     }
     let in_late: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_records_late")
         .fetch_one(&pool)
@@ -894,14 +896,7 @@ async fn a_drop_that_would_read_too_much_of_its_range_is_held_back(pool: PgPool)
         .unwrap();
     assert!(dropped.dropped.contains(&range), "{dropped:?}");
     for n in live.iter().chain([&last]) {
-        assert_eq!(
-            partition_of(&pool, n).await.as_deref(),
-            Some("dedup_records_late")
-        );
-        match store.claim(&req(&key(n), "again")).await.unwrap() {
-            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
-            other => panic!("{n}: {other:?}"),
-        }
+        moved_to_late_and_replays(&pool, &store, n, n).await;
     }
 }
 
