@@ -23,6 +23,7 @@ mod kill;
 mod pg;
 mod pg_batch;
 mod pg_faults;
+mod pg_freeze;
 mod pg_key_time;
 mod pg_kt_guard;
 mod pg_migrate;

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use dedup_core::{ClaimOutcome, Store};
 use dedup_pg::{KeyTimeLayout, PgStore, RangePolicy, RetentionConfig};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 use tokio::process::Command;
 use tokio::time::sleep;
 
@@ -21,15 +21,15 @@ use crate::support::{
     acquired, effect_rows, effects_table, key, misplaced_records, records_by_partition, req, url_of,
 };
 
-const DAY: i64 = 86_400_000;
+pub(crate) const DAY: i64 = 86_400_000;
 
 /// The time `ms` milliseconds after the Unix epoch.
-fn at(ms: i64) -> SystemTime {
+pub(crate) fn at(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap())
 }
 
 /// Switches the table to the partitioned layout (which makes the first ranges): `T0`.
-async fn switch(pool: &PgPool) -> i64 {
+pub(crate) async fn switch(pool: &PgPool) -> i64 {
     match dedup_pg::partition_by_key_time(pool).await.unwrap() {
         KeyTimeLayout::Switched { t0_ms, .. } => t0_ms,
         other => panic!("{other:?}"),
@@ -38,7 +38,7 @@ async fn switch(pool: &PgPool) -> i64 {
 
 /// The partitions and their bounds in days since the epoch (None: MINVALUE, MAXVALUE), lowest
 /// first; and whether they cover every day from the lowest timed one on, each exactly once.
-async fn parts(pool: &PgPool) -> Vec<(String, Option<i32>, Option<i32>)> {
+pub(crate) async fn parts(pool: &PgPool) -> Vec<(String, Option<i32>, Option<i32>)> {
     let parts: Vec<(String, Option<i32>, Option<i32>)> = sqlx::query_as(
         "SELECT c.relname::text, \
          (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''([^'']+)''\\)'))[1]::date \
@@ -60,13 +60,13 @@ async fn parts(pool: &PgPool) -> Vec<(String, Option<i32>, Option<i32>)> {
     parts
 }
 
-fn lo_of(parts: &[(String, Option<i32>, Option<i32>)], name: &str) -> (i32, i32) {
+pub(crate) fn lo_of(parts: &[(String, Option<i32>, Option<i32>)], name: &str) -> (i32, i32) {
     let p = parts.iter().find(|p| p.0 == name).unwrap();
     (p.1.unwrap(), p.2.unwrap_or(i32::MAX))
 }
 
 /// The partition that holds `name`'s record.
-async fn partition_of(pool: &PgPool, name: &str) -> Option<String> {
+pub(crate) async fn partition_of(pool: &PgPool, name: &str) -> Option<String> {
     sqlx::query_scalar("SELECT tableoid::regclass::text FROM dedup_records WHERE key = $1")
         .bind(name.as_bytes())
         .fetch_optional(pool)
@@ -321,125 +321,6 @@ async fn a_range_whose_index_is_not_built_is_not_dropped(pool: PgPool) {
     assert!(dropped.dropped.contains(&first), "{dropped:?}");
     assert_eq!(partition_of(&pool, &name).await, None);
     assert_own_expiry_indexes(&pool).await;
-}
-
-/// Whether every row of `table` is frozen: its `relfrozenxid` newer than every row's `xmin`
-/// (a vacuum sets it no later than the oldest row it left unfrozen); and its comment.
-async fn frozen(pool: &PgPool, table: &str) -> (bool, Option<String>) {
-    // A range's name, from the catalog.
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT (SELECT age(c.relfrozenxid) FROM pg_class c WHERE c.oid = '{table}'::regclass) \
-         < (SELECT min(age(xmin)) FROM {table}), obj_description('{table}'::regclass, 'pg_class')"
-    )))
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
-
-/// Runs each statement on `conn` (made here of ranges' names from the catalog).
-async fn run_all(conn: &mut PgConnection, steps: impl IntoIterator<Item = String>) {
-    for step in steps {
-        sqlx::query(sqlx::AssertSqlSafe(step))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-    }
-}
-
-/// A cold range (a day past its last day, not due for dropping) is frozen once an
-/// anti-wraparound vacuum nears (half its `autovacuum_freeze_max_age` spent), not before and
-/// not twice; an operator's comment on it is kept; its records stay and are found.
-#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool: PgPool) {
-    let store = PgStore::new(pool.clone());
-    let t0 = switch(&pool).await;
-    let names: Vec<String> = (0..3).map(|i| v7(t0 + 60_000 + i, i as u64)).collect();
-    for n in &names {
-        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
-        store.complete(&lease, n.as_bytes()).await.unwrap();
-    }
-    let range = partition_of(&pool, &names[0]).await.unwrap();
-    let p = parts(&pool).await;
-    let (_, hi) = lo_of(&p, &range);
-    let cold = at(i64::from(hi) * DAY + DAY + 3_600_000);
-    let mut conn = pool.acquire().await.unwrap();
-    let young = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
-        .await
-        .unwrap();
-    assert!(young.frozen.is_empty(), "far from its vacuum: {young:?}");
-    assert_eq!(frozen(&pool, &range).await, (false, None));
-
-    // 100,000 is the least autovacuum_freeze_max_age; then 60,000 transactions (each a
-    // subtransaction that writes, so each takes an id).
-    let burn = "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
-         RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$"
-        .to_owned();
-    run_all(
-        &mut conn,
-        [
-            format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
-            "CREATE TEMP TABLE burn (x int)".to_owned(),
-            burn.clone(),
-        ],
-    )
-    .await;
-    let early = dedup_pg::maintain_ranges(
-        &mut conn,
-        &RangePolicy::default(),
-        at(i64::from(hi) * DAY + 3_600_000),
-    )
-    .await
-    .unwrap();
-    assert!(early.frozen.is_empty(), "not cold yet: {early:?}");
-    let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
-        .await
-        .unwrap();
-    assert_eq!(report.frozen, vec![range.clone()], "{report:?}");
-    assert_eq!(
-        frozen(&pool, &range).await,
-        (true, Some("dedup: frozen".to_owned()))
-    );
-    let again = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
-        .await
-        .unwrap();
-    assert!(again.frozen.is_empty(), "once: {again:?}");
-    // An operator's comment on the range (which takes the mark's place) is never overwritten;
-    // such a range is frozen again when its vacuum nears again (only what changed since).
-    run_all(
-        &mut conn,
-        [
-            format!("COMMENT ON TABLE {range} IS 'ops: keep until the audit'"),
-            burn,
-        ],
-    )
-    .await;
-    // (What says it was frozen again is the report: its rows' xmins were frozen the first time.)
-    let refrozen = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
-        .await
-        .unwrap();
-    assert_eq!(refrozen.frozen, vec![range.clone()], "{refrozen:?}");
-    assert_eq!(
-        frozen(&pool, &range).await,
-        (true, Some("ops: keep until the audit".to_owned()))
-    );
-    let unmarked = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
-        .await
-        .unwrap();
-    assert!(unmarked.frozen.is_empty(), "not every round: {unmarked:?}");
-    let never = RangePolicy::default().with_freeze_after(None);
-    assert!(
-        dedup_pg::maintain_ranges(&mut conn, &never, cold)
-            .await
-            .unwrap()
-            .frozen
-            .is_empty()
-    );
-    for n in &names {
-        match store.claim(&req(&key(n), "again")).await.unwrap() {
-            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
-            other => panic!("{n}: {other:?}"),
-        }
-    }
 }
 
 /// Ranges made ahead by the switch; 40 days of keys (one a day) later, the ranges of those

@@ -20,6 +20,16 @@
 //! its `autovacuum_freeze_max_age` passes, which reads and writes only the pages changed since
 //! (a freezing vacuum skips the all-frozen ones).
 //!
+//! A freeze cannot go past the oldest transaction the database's vacuums must keep (a long or
+//! idle-in-transaction session, a prepared transaction, a replication slot or a standby's
+//! feedback): where that transaction is itself half an `autovacuum_freeze_max_age` old, the
+//! range would still be due after its VACUUM, and every round would read it again for nothing
+//! (all of it where its rows are newer than that transaction). The freeze is then held back,
+//! and the round's report says what holds it and how old it is (`RangeReport::held_back`, a
+//! warning in the log): the anti-wraparound vacuum is stuck behind it too, so it is the
+//! operator's to end. Other roles' sessions are seen only by a role with `pg_read_all_stats`
+//! (or a superuser); one not seen costs what it did before, a VACUUM each round.
+//!
 //! One range a round. The VACUUM is bounded by the session's `statement_timeout` (the retention
 //! task's, 30 s by default) and skips a range whose lock it cannot have at once (`SKIP_LOCKED`:
 //! the range is marked only if its `relfrozenxid` did move); one cut short keeps
@@ -38,71 +48,125 @@ use super::ranges::{DAY_MS, Parts};
 /// The comment a frozen range carries.
 const MARK: &str = "dedup: frozen";
 
+/// What [`freeze_cold`] came to.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Freeze {
+    /// No range was due, or one was skipped (its lock busy) or failed (logged): next round.
+    Nothing,
+    /// This range was frozen now.
+    Frozen(String),
+    /// A range was due, and the oldest transaction the vacuums must keep is too old for its
+    /// freeze to bring it back from half its anti-wraparound age: why, for the report.
+    HeldBack(String),
+}
+
 /// Freezes the oldest range that is cold (`after` past its last day), not due for dropping
 /// (`keep` past it), not frozen yet and half-way to its anti-wraparound vacuum (module docs).
-/// Answers its name if one was frozen now. A failure is logged and left to the next round (it
-/// never stops the retention).
+/// A failure is logged and left to the next round (it never stops the retention).
 pub(super) async fn freeze_cold(
     conn: &mut PgConnection,
     parts: &Parts,
     now_ms: i64,
     after: Option<Duration>,
     keep: Duration,
-) -> Option<String> {
-    let after_ms = i64::try_from(after?.as_millis()).unwrap_or(i64::MAX);
+) -> Freeze {
+    let Some(after) = after else {
+        return Freeze::Nothing;
+    };
+    let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
     let keep_ms = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX);
     for range in parts.ranges() {
-        let end = i64::from(range.hi?).saturating_mul(DAY_MS);
+        let Some(hi) = range.hi else {
+            return Freeze::Nothing;
+        };
+        let end = i64::from(hi).saturating_mul(DAY_MS);
         if end.saturating_add(keep_ms) <= now_ms {
             // Due for dropping (held back this round): not worth a full write.
             continue;
         }
         if end.saturating_add(after_ms) > now_ms {
             // Oldest first: no later range is colder.
-            return None;
+            return Freeze::Nothing;
         }
         match freeze(conn, parts, &range.name).await {
-            Ok(false) => {}
-            Ok(true) => {
-                info!(range = %range.name, "dedup_records: a cold range of days frozen");
-                return Some(range.name.clone());
+            Ok(Freeze::Nothing) => {}
+            Ok(Freeze::Frozen(name)) => {
+                info!(range = %name, "dedup_records: a cold range of days frozen");
+                return Freeze::Frozen(name);
+            }
+            Ok(Freeze::HeldBack(why)) => {
+                warn!(range = %range.name, reason = %why,
+                    "dedup_records: a cold range of days not frozen this round");
+                return Freeze::HeldBack(why);
             }
             Err(err) => {
                 warn!(range = %range.name, error = %err,
                     "dedup_records: a cold range of days not frozen this round");
-                return None;
+                return Freeze::Nothing;
             }
         }
     }
-    None
+    Freeze::Nothing
 }
 
 /// Whether the range `$1` (qualified) is to be frozen: not marked (`$2`), and half its
 /// `autovacuum_freeze_max_age` past since its rows were last frozen (the table's setting where
-/// it is lower than the server's, which autovacuum caps it at). No row: the table is gone.
+/// it is lower than the server's, which autovacuum caps it at); and that half. No row: the
+/// table is gone.
 const DUE_SQL: &str = "SELECT obj_description(c.oid, 'pg_class') IS DISTINCT FROM $2 \
-     AND age(c.relfrozenxid) >= least(coalesce((SELECT o.option_value::int8 \
+     AND age(c.relfrozenxid) >= h.half, h.half::int8 \
+     FROM pg_class c CROSS JOIN LATERAL (SELECT least(coalesce((SELECT o.option_value::int8 \
      FROM pg_options_to_table(c.reloptions) o WHERE o.option_name = 'autovacuum_freeze_max_age'), \
      current_setting('autovacuum_freeze_max_age')::int8), \
-     current_setting('autovacuum_freeze_max_age')::int8) / 2 \
-     FROM pg_class c WHERE c.oid = to_regclass($1)";
+     current_setting('autovacuum_freeze_max_age')::int8) / 2 AS half) h \
+     WHERE c.oid = to_regclass($1)";
 
-/// Whether the range `table` (qualified) is due for freezing (`DUE_SQL`); None if it is gone.
-async fn due(conn: &mut PgConnection, table: &str) -> Result<Option<bool>, sqlx::Error> {
-    sqlx::query_scalar(DUE_SQL)
+/// The oldest transaction this database's vacuums must keep, as far as this role can see: its
+/// age and what holds it. A session of this database (its transaction id or its snapshot's
+/// xmin; not this one, not an autovacuum worker, which other vacuums do not wait for), one of
+/// no database (a standby's feedback through its walsender), a replication slot's `xmin`, a
+/// prepared transaction of this database. No row: none seen.
+const HORIZON_SQL: &str = "SELECT h.age::int8, h.what FROM ( \
+     SELECT greatest(age(a.backend_xid), age(a.backend_xmin)) AS age, \
+         format('session %s (%s, %s)', a.pid, a.backend_type, a.state) AS what \
+     FROM pg_stat_activity a \
+     WHERE (a.datname = current_database() OR a.datid IS NULL) \
+         AND a.pid <> pg_backend_pid() AND a.backend_type <> 'autovacuum worker' \
+     UNION ALL SELECT age(s.xmin), format('replication slot %s', s.slot_name) \
+     FROM pg_replication_slots s \
+     UNION ALL SELECT age(p.transaction), format('prepared transaction %s', p.gid) \
+     FROM pg_prepared_xacts p WHERE p.database = current_database()) h \
+     WHERE h.age IS NOT NULL ORDER BY h.age DESC LIMIT 1";
+
+/// Whether the range `table` (qualified) is due for freezing, and half its anti-wraparound age
+/// (`DUE_SQL`); None if it is gone.
+async fn due(conn: &mut PgConnection, table: &str) -> Result<Option<(bool, i64)>, sqlx::Error> {
+    sqlx::query_as(DUE_SQL)
         .bind(table)
         .bind(MARK)
         .fetch_optional(&mut *conn)
         .await
 }
 
-/// Freezes the range `name` if it is due; true if it froze it now.
-async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bool, sqlx::Error> {
+/// Freezes the range `name` if it is due and its freeze can take it back from due.
+async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<Freeze, sqlx::Error> {
     let table = parts.q(name);
     // Gone (dropped by another maintainer since the partitions were read), frozen already, or
     // far from its anti-wraparound vacuum.
-    if due(conn, &table).await? != Some(true) {
-        return Ok(false);
+    let Some((true, half)) = due(conn, &table).await? else {
+        return Ok(Freeze::Nothing);
+    };
+    // A freeze cannot take the range's relfrozenxid past the oldest transaction kept: where
+    // that one is as old as half, the range would be due again right after.
+    let oldest: Option<(i64, String)> = sqlx::query_as(HORIZON_SQL)
+        .fetch_optional(&mut *conn)
+        .await?;
+    if let Some((age, what)) = oldest.filter(|(age, _)| *age >= half) {
+        return Ok(Freeze::HeldBack(format!(
+            "{name} not frozen: the oldest transaction the vacuums must keep is {age} \
+             transaction ids old (half the range's autovacuum_freeze_max_age is {half}), held by \
+             {what}; neither this freeze nor the anti-wraparound vacuum can pass it until it ends"
+        )));
     }
     // Never waits for the range's lock (a change of the partitions, another vacuum): skipped
     // then, with a warning only, which the check after it sees (no session setting to put back
@@ -112,9 +176,9 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bo
         "VACUUM (FREEZE, SKIP_LOCKED) {table}"
     )))
     .await?;
-    if due(conn, &table).await? != Some(false) {
+    if !matches!(due(conn, &table).await?, Some((false, _))) {
         // Skipped (or gone): the next round tries again.
-        return Ok(false);
+        return Ok(Freeze::Nothing);
     }
     // Marked only where the range has no comment: an operator's stays. (The name as a literal
     // too: its quotes doubled.)
@@ -124,5 +188,5 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<bo
          COMMENT ON TABLE {table} IS '{MARK}'; END IF; END $m$"
     )))
     .await?;
-    Ok(true)
+    Ok(Freeze::Frozen(name.to_owned()))
 }

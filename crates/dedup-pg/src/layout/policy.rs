@@ -110,7 +110,8 @@ pub struct RangeReport {
     /// Days from now to the first day without a range of its own (`future`'s first day): under
     /// a day, new keys are about to land in `future`.
     pub margin_days: Option<i64>,
-    /// Why a change was held back, if one was.
+    /// Why a change, or the freeze of a cold range, was held back this round, if one was (every
+    /// reason, in the order met, joined by `; `).
     pub held_back: Option<String>,
     /// The days the ranges cover, `[first, end)` in days since the Unix epoch: the bounded
     /// DELETE leaves them alone, a change held back or not (a range goes whole; until it goes,

@@ -226,12 +226,12 @@ async fn keep(
         };
         if let Some(why) = why {
             warn!(reason = %why, "dedup_records: a change held back");
-            report.held_back = Some(why);
+            report.hold_back(why);
         }
         // kt's check and default, where a binary of generation 9 or older left them.
         if let Some(why) = guards::drop_left(conn, &parts).await? {
             warn!(reason = %why, "dedup_records: a change held back");
-            report.held_back = Some(why);
+            report.hold_back(why);
         }
     }
     let now_ms = now
@@ -293,9 +293,11 @@ async fn keep(
         clear_gone(conn).await.map_err(e)?;
     }
     let parts = Parts::read(conn).await.map_err(e)?;
-    report
-        .frozen
-        .extend(freeze::freeze_cold(conn, &parts, now_ms, policy.freeze_after, policy.keep).await);
+    match freeze::freeze_cold(conn, &parts, now_ms, policy.freeze_after, policy.keep).await {
+        freeze::Freeze::Nothing => {}
+        freeze::Freeze::Frozen(name) => report.frozen.push(name),
+        freeze::Freeze::HeldBack(why) => report.hold_back(why),
+    }
     report.margin_days = parts
         .future()
         .and_then(|f| f.lo)
@@ -340,6 +342,17 @@ enum Change {
 }
 
 impl RangeReport {
+    /// Notes why something was held back, after what already was this round.
+    fn hold_back(&mut self, why: String) {
+        match &mut self.held_back {
+            Some(all) => {
+                all.push_str("; ");
+                all.push_str(&why);
+            }
+            None => self.held_back = Some(why),
+        }
+    }
+
     /// Counts what a change came to; true if it was held back (the loop stops).
     fn tally(&mut self, step: Step, change: Change) -> bool {
         match step {
@@ -354,7 +367,7 @@ impl RangeReport {
             }
             Step::HeldBack(why) => {
                 warn!(reason = %why, ?change, "dedup_records: a change held back");
-                self.held_back = Some(why);
+                self.hold_back(why);
                 true
             }
             Step::Raced => false,
