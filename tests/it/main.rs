@@ -30,6 +30,7 @@ mod pg_migrate;
 mod pg_parked;
 mod pg_partitioned;
 mod pg_plans;
+mod pg_range_locks;
 mod pg_ranges;
 mod pg_retention;
 mod pg_tls;

@@ -487,7 +487,7 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
 
 /// Completed records inserted by SQL, one for each `i` of `millis` with a UUIDv7-shaped key of
 /// the time `from_ms + i` (the rest random), expiring at `expires_at` (an SQL expression).
-async fn fill(
+pub(crate) async fn fill(
     pool: &PgPool,
     from_ms: i64,
     millis: std::ops::RangeInclusive<i64>,

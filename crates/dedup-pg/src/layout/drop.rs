@@ -20,8 +20,8 @@ use super::expiry;
 use super::expiry::Expiry;
 use super::policy::RangePolicy;
 use super::ranges::{
-    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Parts, Step, civil, count_limit, lock_busy, lock_unchanged,
-    locked, make_table,
+    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Parts, Step, civil, count_limit, holders_check, lock_busy,
+    lock_unchanged, locked, make_table,
 };
 use crate::classify::classify;
 
@@ -131,6 +131,18 @@ pub(super) async fn drop_ranges(
                     None => break,
                 }
             }
+            // Its BRIN summary not had: the range is held (an autovacuum, an index build).
+            Err(ref err) if super::is_lock_timeout(err) => {
+                let why = format!(
+                    "{name}: its BRIN summary not brought up to date before the drop (the \
+                     range's lock not had in 100 ms: a vacuum or an index build on it); next \
+                     round"
+                );
+                match stop(Step::HeldBack(why), &taken) {
+                    Some(s) => return Ok(s),
+                    None => break,
+                }
+            }
             other => other.map_err(e)?,
         };
         let live = live_sum.saturating_add(live);
@@ -211,7 +223,14 @@ pub(super) async fn drop_ranges(
                     .execute(&mut *tx)
                     .await?;
                 // `late`'s lock before the read: a change by a binary that does not take the
-                // makers' lock commits before it, and the read sees it.
+                // makers' lock commits before it, and the read sees it. Not asked for while
+                // something other than a claim holds `late` (an autovacuum after the purge's
+                // deletes): every claim would queue behind the request.
+                tx.execute(sqlx::AssertSqlSafe(holders_check(&format!(
+                    "SELECT '{}'::regclass::oid",
+                    late.replace('\'', "''")
+                ))))
+                .await?;
                 tx.execute(sqlx::AssertSqlSafe(format!(
                     "LOCK TABLE {late} IN ACCESS EXCLUSIVE MODE"
                 )))

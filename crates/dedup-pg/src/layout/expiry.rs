@@ -225,11 +225,16 @@ pub(super) async fn own_indexes(
 /// one; a page range without a summary is read whole by every lookup), so that the lookup of its
 /// live records under the lock reads only the pages that hold them. None where the range has
 /// no BRIN index (a table whose [`own_indexes`] is held back: the parent's btree serves).
+/// It takes the range's `SHARE UPDATE EXCLUSIVE` lock, which an autovacuum of the range holds
+/// for as long as it runs: waited for up to the lock timeout only, then 55P03 (the drop is
+/// held back for the round). Claims never wait for that request: their lock does not conflict.
 pub(super) async fn summarize(
     conn: &mut PgConnection,
     parts: &Parts,
     name: &str,
 ) -> Result<(), sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    super::lock_timeout(&mut tx).await?;
     sqlx::query(
         "SELECT brin_summarize_new_values(i.indexrelid) FROM pg_index i \
          JOIN pg_class c ON c.oid = i.indexrelid \
@@ -237,9 +242,9 @@ pub(super) async fn summarize(
     )
     .bind(parts.q(name))
     .bind(index_name(name, Expiry::Brin))
-    .execute(&mut *conn)
-    .await
-    .map(drop)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
 }
 
 /// Whether the range `name` has a valid index led by `expires_at` (None: the table is gone,

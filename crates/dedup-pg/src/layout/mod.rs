@@ -275,7 +275,9 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
 async fn switch(pool: &PgPool) -> Result<Option<(i64, u64)>, sqlx::Error> {
     let mut tx = pool.begin().await?;
     lock_timeout(&mut tx).await?;
-    tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE")
+    // The table alone: one partitioned already is left as it is, and waiting for one of its
+    // partitions' locks (an autovacuum's) would hold every claim behind this one.
+    tx.execute("LOCK TABLE ONLY dedup_records IN ACCESS EXCLUSIVE MODE")
         .await?;
     if sqlx::query_scalar::<_, bool>(PARTITIONED_SQL)
         .fetch_one(&mut *tx)

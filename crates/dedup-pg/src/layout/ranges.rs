@@ -63,7 +63,37 @@ const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname), (SELECT string_agg(quot
 /// How many times a change of the partitions tries for the parent's lock (100 ms each, with a
 /// pause between) before it is held back until the next round: a claim queued behind one try
 /// waits about 100 ms, so a long transaction beside it costs the claims a few seconds at most.
+/// (A partition's lock held by something other than a claim, an autovacuum say, is never
+/// waited for: [`lock_unchanged`].)
 const RANGE_LOCK_TRIES: u32 = 20;
+
+/// The oids of the partitions, for [`holders_check`].
+pub(super) const PARTITION_OIDS: &str =
+    "SELECT i.inhrelid FROM pg_inherits i WHERE i.inhparent = 'dedup_records'::regclass";
+
+/// A statement that fails at once with 55P03, as a lock timeout does (the try is given up, and
+/// made again after a pause), naming the holder, where a session other than this one holds one
+/// of the tables `oids` (SQL that yields their oids) in a mode stronger than a claim's
+/// (`ROW EXCLUSIVE`): an autovacuum (`SHARE UPDATE EXCLUSIVE`, for minutes on a large range),
+/// an index build, an `ALTER TABLE` or a `LOCK` on a partition by its name. A lock request of a
+/// change would queue behind it, and every claim behind the request: for the whole lock
+/// timeout, try after try. One that takes its lock between this check and the request is
+/// waited for up to the lock timeout, as before it. (Prepared transactions hold their locks
+/// with no pid, and count.)
+pub(super) fn holders_check(oids: &str) -> String {
+    format!(
+        "DO $h$ DECLARE h text; BEGIN \
+         SELECT format('%s holds %s on %s', coalesce(a.backend_type || ' ' || l.pid, \
+         'a prepared transaction'), l.mode, l.relation::regclass) INTO h \
+         FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'relation' AND l.granted \
+         AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()) \
+         AND l.relation IN ({oids}) AND l.pid IS DISTINCT FROM pg_backend_pid() \
+         AND l.mode NOT IN ('AccessShareLock', 'RowShareLock', 'RowExclusiveLock') LIMIT 1; \
+         IF h IS NOT NULL THEN \
+         RAISE EXCEPTION USING ERRCODE = 'lock_not_available', MESSAGE = h; END IF; END $h$"
+    )
+}
 
 /// The class of the advisory lock that lets one maintainer make a table, add a check or change
 /// the partitions at a time ("deds"): taken first in each of those transactions.
@@ -492,6 +522,7 @@ pub(super) async fn locked<T>(
         &'t mut PgConnection,
     ) -> futures_util::future::BoxFuture<'t, Result<T, sqlx::Error>>,
 ) -> Result<Option<T>, StoreError> {
+    let mut last = None;
     for _ in 0..RANGE_LOCK_TRIES {
         let attempt = async {
             let mut tx = conn.begin().await?;
@@ -505,9 +536,15 @@ pub(super) async fn locked<T>(
         }
         .await;
         match attempt {
-            Err(err) if is_lock_timeout(&err) => lock_pause().await,
+            Err(err) if is_lock_timeout(&err) => {
+                last = Some(err);
+                lock_pause().await;
+            }
             other => return other.map(Some).map_err(|e| classify(e, true)),
         }
+    }
+    if let Some(err) = last {
+        warn!(error = %err, "dedup_records: a change's lock not had, its last try");
     }
     Ok(None)
 }
@@ -521,24 +558,37 @@ pub(super) fn lock_busy(what: &str) -> Step {
 pub(super) fn lock_busy_why(what: &str) -> String {
     format!(
         "{what}: the table's lock not had in {RANGE_LOCK_TRIES} tries of 100 ms (a long \
-         transaction on dedup_records); next round"
+         transaction on dedup_records, or a vacuum, an index build or a lock on one of its \
+         partitions: the log has the last holder); next round"
     )
 }
 
-/// Takes the makers' lock, then the parent's, and answers whether the partitions are still
-/// `seen`. The makers' lock first: a maintainer adding a check of `late`'s bounds reads the
-/// partitions under it, so no change can commit between its read and its add (one that did
-/// could leave `late` a check narrower than its new bounds, refusing the records of the days
-/// it was widened over).
+/// Takes the makers' lock, then the parent's and every partition's, and answers whether the
+/// partitions are still `seen`. The makers' lock first: a maintainer adding a check of
+/// `late`'s bounds reads the partitions under it, so no change can commit between its read and
+/// its add (one that did could leave `late` a check narrower than its new bounds, refusing the
+/// records of the days it was widened over).
+///
+/// The parent alone is waited for (the claims in flight hold it; new ones queue behind the
+/// request). Its partitions are then locked without a wait: every claim goes through the
+/// parent, so once it is had, whatever still holds a partition is something else (an
+/// autovacuum, an index build, a statement on the partition by name) that may hold it for
+/// minutes, and waiting for it would hold every claim behind the parent's lock for the whole
+/// timeout. A busy partition fails the try at once (55P03), before the parent's lock is asked
+/// for where [`holders_check`] sees it.
 pub(super) async fn lock_unchanged(
     tx: &mut PgConnection,
     seen: &Parts,
 ) -> Result<bool, sqlx::Error> {
+    tx.execute(sqlx::AssertSqlSafe(holders_check(PARTITION_OIDS)))
+        .await?;
     sqlx::query(MAKER_LOCK_SQL)
         .bind(MAKER_LOCK_CLASS)
         .execute(&mut *tx)
         .await?;
-    tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE")
+    tx.execute("LOCK TABLE ONLY dedup_records IN ACCESS EXCLUSIVE MODE")
+        .await?;
+    tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE NOWAIT")
         .await?;
     Ok(Parts::read(tx).await? == *seen)
 }

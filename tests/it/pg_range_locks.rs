@@ -1,0 +1,198 @@
+//! The locks a change of the partitions takes, against what else holds a partition (an
+//! autovacuum's `SHARE UPDATE EXCLUSIVE`, a statement on a partition by its name): such a
+//! holder holds the change back for the round, and never the claims. A change waits only for
+//! the parent's lock (the claims in flight); a request that waited for a partition's lock while
+//! holding the parent's, or that queued on a partition every claim locks, would hold every
+//! claim for the whole lock timeout, try after try (`crates/dedup-pg/src/layout/ranges.rs`,
+//! `lock_unchanged` and `holders_check`; docs/ARCHITECTURE.md invariant 37).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use dedup_core::Store;
+use dedup_pg::{PgStore, RangePolicy};
+use sqlx::{PgConnection, PgPool};
+use tokio::task::JoinHandle;
+
+use crate::pg_partitioned::v7;
+use crate::pg_ranges::{DAY, at, fill, partition_of, switch};
+use crate::support::{acquired, key, misplaced_records, req};
+
+/// What runs beside a round: a watch of the maintainer's lock requests and a claimer.
+struct Beside {
+    stop: Arc<AtomicBool>,
+    waits: JoinHandle<Vec<String>>,
+    claims: JoinHandle<u64>,
+}
+
+impl Beside {
+    /// Watches the session `pid` for a lock request of a table other than the parent that it
+    /// is waiting for in a mode a claim's `ROW EXCLUSIVE` conflicts with (claims would queue
+    /// behind it), every 2 ms; and claims new keys one after another. (The BRIN summary's
+    /// `SHARE UPDATE EXCLUSIVE` may wait: claims do not queue behind it.)
+    fn start(pool: &PgPool, pid: i32, t0: i64, salt: u64) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let waits = {
+            let (pool, stop) = (pool.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let now: Vec<String> = sqlx::query_scalar(
+                        "SELECT format('%s %s', l.relation::regclass, l.mode) FROM pg_locks l \
+                         WHERE l.pid = $1 AND NOT l.granted AND l.locktype = 'relation' \
+                         AND l.relation <> 'dedup_records'::regclass AND l.mode IN \
+                         ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', \
+                         'AccessExclusiveLock')",
+                    )
+                    .bind(pid)
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+                    seen.extend(now);
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                seen
+            })
+        };
+        let claims = {
+            let (pool, stop) = (pool.clone(), stop.clone());
+            tokio::spawn(async move {
+                let store = PgStore::new(pool);
+                let mut n = 0_u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let name = v7(t0 + 120_000 + i64::try_from(n).unwrap(), salt << 32 | n);
+                    let lease = acquired(store.claim(&req(&key(&name), "beside")).await.unwrap());
+                    store.complete(&lease, b"ok").await.unwrap();
+                    n += 1;
+                }
+                n
+            })
+        };
+        Self {
+            stop,
+            waits,
+            claims,
+        }
+    }
+
+    /// Stops both: the lock requests the maintainer waited for, and the claims made.
+    async fn stop(self) -> (Vec<String>, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        (self.waits.await.unwrap(), self.claims.await.unwrap())
+    }
+}
+
+/// The session's pid.
+async fn pid_of(conn: &mut PgConnection) -> i32 {
+    sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap()
+}
+
+/// A round run while `lock` (taken on a partition by another session, in a transaction left
+/// open) holds it: held back for the lock, the maintainer never waiting for a partition's lock,
+/// the claims beside it all through. Answers the report's reason.
+async fn held_back_beside(
+    pool: &PgPool,
+    lock: &str,
+    policy: &RangePolicy,
+    now: std::time::SystemTime,
+    (t0, salt): (i64, u64),
+) -> String {
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(lock.to_owned()))
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let beside = Beside::start(pool, pid_of(&mut conn).await, t0, salt);
+    let report = dedup_pg::maintain_ranges(&mut conn, policy, now)
+        .await
+        .unwrap();
+    let (waits, claims) = beside.stop().await;
+    holder.rollback().await.unwrap();
+    assert!(
+        waits.is_empty(),
+        "{lock}: the maintainer waited for a partition's lock: {waits:?}"
+    );
+    assert!(claims > 0, "{lock}: claims went on beside the round");
+    let why = report.held_back.clone().unwrap_or_default();
+    assert!(why.contains("lock not had"), "{lock}: {report:?}");
+    why
+}
+
+/// A range held by an autovacuum's lock, then by a statement that names it (a lock a claim
+/// takes too, had without the parent's): each holds the round's change back, and the
+/// maintainer never waits for it (so never holds the claims behind the parent's lock while it
+/// does); once it is gone, the change goes through.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_partition_held_by_a_vacuum_or_by_name_holds_a_change_back_and_not_the_claims(
+    pool: PgPool,
+) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let today = v7(t0 + 60_000, 1);
+    let lease = acquired(store.claim(&req(&key(&today), "w")).await.unwrap());
+    store.complete(&lease, b"ok").await.unwrap();
+    let range = partition_of(&pool, &today).await.unwrap();
+    let (policy, later) = (RangePolicy::default(), at(t0 + 30 * DAY));
+    // The drop of `range` is held back at its BRIN summary (which waits 100 ms for the
+    // vacuum's lock, not a statement timeout), then at the lock of every partition.
+    for (salt, mode, drop) in [
+        (
+            1,
+            "SHARE UPDATE EXCLUSIVE",
+            "its BRIN summary not brought up to date",
+        ),
+        (2, "ROW EXCLUSIVE", "the table's lock not had"),
+    ] {
+        let lock = format!("LOCK TABLE {range} IN {mode} MODE");
+        let why = held_back_beside(&pool, &lock, &policy, later, (t0, salt)).await;
+        assert!(why.contains(&format!("{range}: {drop}")), "{lock}: {why}");
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, later)
+        .await
+        .unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    assert!(
+        !report.made.is_empty() && report.dropped.contains(&range),
+        "{report:?}"
+    );
+    assert_eq!(misplaced_records(&pool).await, 0);
+}
+
+/// A `late` too large for its attach to read under the lock gets a check of its new bounds
+/// under a lock of its own first; while an autovacuum's lock holds `late`, that lock is not
+/// asked for (every claim locks `late`, and would queue behind the request): the drop is held
+/// back, the claims go on; once the vacuum is gone, the drop goes through.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_large_late_held_by_a_vacuum_holds_the_drop_back_and_not_the_claims(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let first = v7(t0 + 60_000, 1);
+    let lease = acquired(store.claim(&req(&key(&first), "w")).await.unwrap());
+    store.complete(&lease, b"ok").await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let policy = RangePolicy::default();
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 17 * DAY))
+        .await
+        .unwrap();
+    assert!(!report.dropped.is_empty(), "{report:?}");
+    // More than 256 pages of live records of T0's day in `late`.
+    fill(&pool, t0 + 120_000, 1..=20_000, "now() + interval '1 day'").await;
+    let lock = "LOCK TABLE dedup_records_late IN SHARE UPDATE EXCLUSIVE MODE";
+    let why = held_back_beside(&pool, lock, &policy, at(t0 + 40 * DAY), (t0, 1)).await;
+    assert!(
+        why.contains("dedup_records_2"),
+        "the drop was held back: {why}"
+    );
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 40 * DAY))
+        .await
+        .unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    assert!(!report.dropped.is_empty(), "{report:?}");
+    assert_eq!(misplaced_records(&pool).await, 0);
+}
