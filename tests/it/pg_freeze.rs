@@ -35,6 +35,47 @@ async fn run_all(conn: &mut PgConnection, steps: impl IntoIterator<Item = String
     }
 }
 
+/// Three keys of T0's day claimed and completed, their names as results: the names, their
+/// range and the range's end (a day since the epoch).
+async fn written_range(pool: &PgPool, store: &PgStore, t0: i64) -> (Vec<String>, String, i32) {
+    let names: Vec<String> = (0..3).map(|i| v7(t0 + 60_000 + i, i as u64)).collect();
+    for n in &names {
+        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
+        store.complete(&lease, n.as_bytes()).await.unwrap();
+    }
+    let range = partition_of(pool, &names[0]).await.unwrap();
+    let (_, hi) = lo_of(&parts(pool).await, &range);
+    (names, range, hi)
+}
+
+/// 60,000 transaction ids, each a subtransaction that writes (in a temp table `burn`).
+const BURN: &str = "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
+     RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$";
+
+/// The range half-way to its anti-wraparound vacuum and past: its `autovacuum_freeze_max_age`
+/// set to 100,000 (the least there is), then 60,000 transaction ids spent.
+async fn half_way(conn: &mut PgConnection, range: &str) {
+    run_all(
+        conn,
+        [
+            format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
+            "CREATE TEMP TABLE IF NOT EXISTS burn (x int)".to_owned(),
+            BURN.to_owned(),
+        ],
+    )
+    .await;
+}
+
+/// Each of `names` replays its own name.
+async fn replays(store: &PgStore, names: &[String]) {
+    for n in names {
+        match store.claim(&req(&key(n), "again")).await.unwrap() {
+            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
+            other => panic!("{n}: {other:?}"),
+        }
+    }
+}
+
 /// A cold range (a day past its last day, not due for dropping) is frozen once an
 /// anti-wraparound vacuum nears (half its `autovacuum_freeze_max_age` spent), not before and
 /// not twice; an operator's comment on it is kept; its records stay and are found.
@@ -42,14 +83,7 @@ async fn run_all(conn: &mut PgConnection, steps: impl IntoIterator<Item = String
 async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool: PgPool) {
     let store = PgStore::new(pool.clone());
     let t0 = switch(&pool).await;
-    let names: Vec<String> = (0..3).map(|i| v7(t0 + 60_000 + i, i as u64)).collect();
-    for n in &names {
-        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
-        store.complete(&lease, n.as_bytes()).await.unwrap();
-    }
-    let range = partition_of(&pool, &names[0]).await.unwrap();
-    let p = parts(&pool).await;
-    let (_, hi) = lo_of(&p, &range);
+    let (names, range, hi) = written_range(&pool, &store, t0).await;
     let cold = at(i64::from(hi) * DAY + DAY + 3_600_000);
     let mut conn = pool.acquire().await.unwrap();
     let young = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
@@ -58,20 +92,7 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
     assert!(young.frozen.is_empty(), "far from its vacuum: {young:?}");
     assert_eq!(frozen(&pool, &range).await, (false, None));
 
-    // 100,000 is the least autovacuum_freeze_max_age; then 60,000 transactions (each a
-    // subtransaction that writes, so each takes an id).
-    let burn = "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
-         RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$"
-        .to_owned();
-    run_all(
-        &mut conn,
-        [
-            format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
-            "CREATE TEMP TABLE burn (x int)".to_owned(),
-            burn.clone(),
-        ],
-    )
-    .await;
+    half_way(&mut conn, &range).await;
     let early = dedup_pg::maintain_ranges(
         &mut conn,
         &RangePolicy::default(),
@@ -98,7 +119,7 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
         &mut conn,
         [
             format!("COMMENT ON TABLE {range} IS 'ops: keep until the audit'"),
-            burn,
+            BURN.to_owned(),
         ],
     )
     .await;
@@ -123,12 +144,7 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
             .frozen
             .is_empty()
     );
-    for n in &names {
-        match store.claim(&req(&key(n), "again")).await.unwrap() {
-            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
-            other => panic!("{n}: {other:?}"),
-        }
-    }
+    replays(&store, &names).await;
 }
 
 /// The manual vacuums the range `table` has had.
@@ -154,27 +170,10 @@ async fn a_cold_range_is_not_vacuumed_for_nothing_behind_a_transaction_too_old(p
         .fetch_one(&mut *holder)
         .await
         .unwrap();
-    let names: Vec<String> = (0..3).map(|i| v7(t0 + 60_000 + i, i as u64)).collect();
-    for n in &names {
-        let lease = acquired(store.claim(&req(&key(n), "w")).await.unwrap());
-        store.complete(&lease, n.as_bytes()).await.unwrap();
-    }
-    let range = partition_of(&pool, &names[0]).await.unwrap();
-    let (_, hi) = lo_of(&parts(&pool).await, &range);
+    let (names, range, hi) = written_range(&pool, &store, t0).await;
     let cold = at(i64::from(hi) * DAY + DAY + 3_600_000);
     let mut conn = pool.acquire().await.unwrap();
-    run_all(
-        &mut conn,
-        [
-            format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
-            "CREATE TEMP TABLE burn (x int)".to_owned(),
-            "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
-             RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; \
-             END $b$"
-                .to_owned(),
-        ],
-    )
-    .await;
+    half_way(&mut conn, &range).await;
     let before = vacuums(&pool, &range).await;
     for round in 0..2 {
         let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
@@ -207,10 +206,5 @@ async fn a_cold_range_is_not_vacuumed_for_nothing_behind_a_transaction_too_old(p
         frozen(&pool, &range).await,
         (true, Some("dedup: frozen".to_owned()))
     );
-    for n in &names {
-        match store.claim(&req(&key(n), "again")).await.unwrap() {
-            ClaimOutcome::Completed { result, .. } => assert_eq!(&result[..], n.as_bytes()),
-            other => panic!("{n}: {other:?}"),
-        }
-    }
+    replays(&store, &names).await;
 }
