@@ -48,22 +48,60 @@ async fn written_range(pool: &PgPool, store: &PgStore, t0: i64) -> (Vec<String>,
     (names, range, hi)
 }
 
-/// 60,000 transaction ids, each a subtransaction that writes (in a temp table `burn`).
-const BURN: &str = "DO $b$ BEGIN FOR i IN 1..60000 LOOP BEGIN INSERT INTO burn VALUES (i); \
-     RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $b$";
-
-/// The range half-way to its anti-wraparound vacuum and past: its `autovacuum_freeze_max_age`
-/// set to 100,000 (the least there is), then 60,000 transaction ids spent.
-async fn half_way(conn: &mut PgConnection, range: &str) {
+/// `n` transaction ids spent, each a subtransaction that writes (in a temp table `burn`).
+async fn burn(conn: &mut PgConnection, n: u32) {
     run_all(
         conn,
         [
-            format!("ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"),
             "CREATE TEMP TABLE IF NOT EXISTS burn (x int)".to_owned(),
-            BURN.to_owned(),
+            format!(
+                "DO $b$ BEGIN FOR i IN 1..{n} LOOP BEGIN INSERT INTO burn VALUES (i); \
+                 RAISE EXCEPTION 'next'; EXCEPTION WHEN raise_exception THEN NULL; END; \
+                 END LOOP; END $b$"
+            ),
         ],
     )
     .await;
+}
+
+/// The range's `autovacuum_freeze_max_age` set to 100,000, the least there is (its half,
+/// 50,000, is when it is due).
+async fn least_max_age(conn: &mut PgConnection, range: &str) {
+    run_all(
+        conn,
+        [format!(
+            "ALTER TABLE {range} SET (autovacuum_freeze_max_age = 100000)"
+        )],
+    )
+    .await;
+}
+
+/// The range half-way to its anti-wraparound vacuum and past: its least
+/// `autovacuum_freeze_max_age`, then 60,000 transaction ids spent.
+async fn half_way(conn: &mut PgConnection, range: &str) {
+    least_max_age(conn, range).await;
+    burn(conn, 60_000).await;
+}
+
+/// A transaction opened and left idle, with an id: its pid.
+async fn idle_holder(pool: &PgPool) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
+    let mut holder = pool.begin().await.unwrap();
+    let (_, pid): (i64, i32) = sqlx::query_as("SELECT txid_current(), pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    (holder, pid)
+}
+
+/// The round's reason names the range, the session and the half.
+fn names_the_holder(why: &str, range: &str, pid: i32) {
+    assert!(
+        why.contains(&format!("{range} not frozen"))
+            && why.contains(&format!("session {pid} "))
+            && why.contains("idle in transaction")
+            && why.contains("(half the range's autovacuum_freeze_max_age is 50000)"),
+        "{why}"
+    );
 }
 
 /// Each of `names` replays its own name.
@@ -117,12 +155,12 @@ async fn a_cold_range_is_frozen_once_when_its_anti_wraparound_vacuum_nears(pool:
     // such a range is frozen again when its vacuum nears again (only what changed since).
     run_all(
         &mut conn,
-        [
-            format!("COMMENT ON TABLE {range} IS 'ops: keep until the audit'"),
-            BURN.to_owned(),
-        ],
+        [format!(
+            "COMMENT ON TABLE {range} IS 'ops: keep until the audit'"
+        )],
     )
     .await;
+    burn(&mut conn, 60_000).await;
     // (What says it was frozen again is the report: its rows' xmins were frozen the first time.)
     let refrozen = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
         .await
@@ -165,11 +203,7 @@ async fn a_cold_range_is_not_vacuumed_for_nothing_behind_a_transaction_too_old(p
     let store = PgStore::new(pool.clone());
     let t0 = switch(&pool).await;
     // Opened before the records are written, so that no freeze can touch them while it lasts.
-    let mut holder = pool.begin().await.unwrap();
-    let (_, pid): (i64, i32) = sqlx::query_as("SELECT txid_current(), pg_backend_pid()")
-        .fetch_one(&mut *holder)
-        .await
-        .unwrap();
+    let (holder, pid) = idle_holder(&pool).await;
     let (names, range, hi) = written_range(&pool, &store, t0).await;
     let cold = at(i64::from(hi) * DAY + DAY + 3_600_000);
     let mut conn = pool.acquire().await.unwrap();
@@ -180,14 +214,7 @@ async fn a_cold_range_is_not_vacuumed_for_nothing_behind_a_transaction_too_old(p
             .await
             .unwrap();
         assert!(report.frozen.is_empty(), "round {round}: {report:?}");
-        let why = report.held_back.unwrap_or_default();
-        assert!(
-            why.contains(&range)
-                && why.contains(&format!("session {pid} "))
-                && why.contains("idle in transaction")
-                && why.contains("(half the range's autovacuum_freeze_max_age is 50000)"),
-            "round {round}: {why}"
-        );
+        names_the_holder(&report.held_back.unwrap_or_default(), &range, pid);
         assert_eq!(
             vacuums(&pool, &range).await,
             before,
@@ -206,5 +233,47 @@ async fn a_cold_range_is_not_vacuumed_for_nothing_behind_a_transaction_too_old(p
         frozen(&pool, &range).await,
         (true, Some("dedup: frozen".to_owned()))
     );
+    replays(&store, &names).await;
+}
+
+/// Rows older than a transaction that then stays open past half the range's
+/// `autovacuum_freeze_max_age`: the first round still freezes them (its VACUUM takes the
+/// range's `relfrozenxid` up to that transaction, and the range stays due), the rounds after it
+/// hold back without a VACUUM, and once the transaction ends, the range is frozen and marked.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_cold_range_is_frozen_as_far_as_a_transaction_too_old_allows_then_held_back(
+    pool: PgPool,
+) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let (names, range, hi) = written_range(&pool, &store, t0).await;
+    let cold = at(i64::from(hi) * DAY + DAY + 3_600_000);
+    let mut conn = pool.acquire().await.unwrap();
+    least_max_age(&mut conn, &range).await;
+    burn(&mut conn, 20_000).await;
+    let (holder, pid) = idle_holder(&pool).await;
+    burn(&mut conn, 60_000).await;
+    let before = vacuums(&pool, &range).await;
+    let first = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
+        .await
+        .unwrap();
+    assert!(first.frozen.is_empty(), "still due after it: {first:?}");
+    assert_eq!(first.held_back, None, "worth its read: {first:?}");
+    assert_eq!(vacuums(&pool, &range).await, before + 1);
+    assert_eq!(frozen(&pool, &range).await, (true, None), "its rows frozen");
+    for round in 0..2 {
+        let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
+            .await
+            .unwrap();
+        assert!(report.frozen.is_empty(), "round {round}: {report:?}");
+        names_the_holder(&report.held_back.unwrap_or_default(), &range, pid);
+        assert_eq!(vacuums(&pool, &range).await, before + 1, "round {round}");
+    }
+    holder.commit().await.unwrap();
+    let report = dedup_pg::maintain_ranges(&mut conn, &RangePolicy::default(), cold)
+        .await
+        .unwrap();
+    assert_eq!(report.frozen, vec![range.clone()], "{report:?}");
+    assert_eq!(vacuums(&pool, &range).await, before + 2);
     replays(&store, &names).await;
 }

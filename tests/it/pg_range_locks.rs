@@ -16,7 +16,7 @@ use sqlx::{PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 use crate::pg_partitioned::v7;
-use crate::pg_ranges::{DAY, at, fill, partition_of, switch};
+use crate::pg_ranges::{DAY, at, fill, partition_of, parts, switch};
 use crate::support::{acquired, key, misplaced_records, req};
 
 /// What runs beside a round: a watch of the maintainer's lock requests and a claimer.
@@ -183,12 +183,21 @@ async fn a_large_late_held_by_a_vacuum_holds_the_drop_back_and_not_the_claims(po
     assert!(!report.dropped.is_empty(), "{report:?}");
     // More than 256 pages of live records of T0's day in `late`.
     fill(&pool, t0 + 120_000, 1..=20_000, "now() + interval '1 day'").await;
+    drop(conn);
     let lock = "LOCK TABLE dedup_records_late IN SHARE UPDATE EXCLUSIVE MODE";
+    // The first range due for the drop: the oldest.
+    let due = parts(&pool)
+        .await
+        .into_iter()
+        .find(|p| p.0.starts_with("dedup_records_2"))
+        .unwrap()
+        .0;
     let why = held_back_beside(&pool, lock, &policy, at(t0 + 40 * DAY), (t0, 1)).await;
     assert!(
-        why.contains("dedup_records_2"),
-        "the drop was held back: {why}"
+        why.contains(&format!("{due}: the table's lock not had")),
+        "the drop of {due} was held back: {why}"
     );
+    let mut conn = pool.acquire().await.unwrap();
     let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 40 * DAY))
         .await
         .unwrap();

@@ -135,8 +135,8 @@ pub(super) async fn drop_ranges(
             Err(ref err) if super::is_lock_timeout(err) => {
                 let why = format!(
                     "{name}: its BRIN summary not brought up to date before the drop (the \
-                     range's lock not had in 100 ms: a vacuum or an index build on it); next \
-                     round"
+                     range's lock not had in 100 ms: a vacuum, an index build or another \
+                     maintainer on it); next round"
                 );
                 match stop(Step::HeldBack(why), &taken) {
                     Some(s) => return Ok(s),

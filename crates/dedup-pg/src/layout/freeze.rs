@@ -20,15 +20,16 @@
 //! its `autovacuum_freeze_max_age` passes, which reads and writes only the pages changed since
 //! (a freezing vacuum skips the all-frozen ones).
 //!
-//! A freeze cannot go past the oldest transaction the database's vacuums must keep (a long or
-//! idle-in-transaction session, a prepared transaction, a replication slot or a standby's
-//! feedback): where that transaction is itself half an `autovacuum_freeze_max_age` old, the
-//! range would still be due after its VACUUM, and every round would read it again for nothing
-//! (all of it where its rows are newer than that transaction). The freeze is then held back,
-//! and the round's report says what holds it and how old it is (`RangeReport::held_back`, a
-//! warning in the log): the anti-wraparound vacuum is stuck behind it too, so it is the
-//! operator's to end. Other roles' sessions are seen only by a role with `pg_read_all_stats`
-//! (or a superuser); one not seen costs what it did before, a VACUUM each round.
+//! A freeze cannot take a range's `relfrozenxid` past the oldest transaction the database's
+//! vacuums must keep (a long or idle-in-transaction session, a prepared transaction, a
+//! replication slot, a standby's feedback). Where that transaction is itself half an
+//! `autovacuum_freeze_max_age` old, the range is still due after its VACUUM: the first one
+//! still freezes every row older than that transaction, but each round after it would read the
+//! range again for nothing (all of it where its rows are newer). So a due range already frozen
+//! about as far as that transaction allows (its `relfrozenxid` within a tenth of the half of
+//! it) is held back, and the round's report says what holds it and how old it is
+//! (`RangeReport::held_back`, a warning in the log): the anti-wraparound vacuum can get no
+//! further either, so it is the operator's to end.
 //!
 //! One range a round. The VACUUM is bounded by the session's `statement_timeout` (the retention
 //! task's, 30 s by default) and skips a range whose lock it cannot have at once (`SKIP_LOCKED`:
@@ -111,36 +112,53 @@ pub(super) async fn freeze_cold(
 
 /// Whether the range `$1` (qualified) is to be frozen: not marked (`$2`), and half its
 /// `autovacuum_freeze_max_age` past since its rows were last frozen (the table's setting where
-/// it is lower than the server's, which autovacuum caps it at); and that half. No row: the
-/// table is gone.
+/// it is lower than the server's, which autovacuum caps it at); that half; and the age of its
+/// `relfrozenxid`. No row: the table is gone.
 const DUE_SQL: &str = "SELECT obj_description(c.oid, 'pg_class') IS DISTINCT FROM $2 \
-     AND age(c.relfrozenxid) >= h.half, h.half::int8 \
+     AND age(c.relfrozenxid) >= h.half, h.half::int8, age(c.relfrozenxid)::int8 \
      FROM pg_class c CROSS JOIN LATERAL (SELECT least(coalesce((SELECT o.option_value::int8 \
      FROM pg_options_to_table(c.reloptions) o WHERE o.option_name = 'autovacuum_freeze_max_age'), \
      current_setting('autovacuum_freeze_max_age')::int8), \
      current_setting('autovacuum_freeze_max_age')::int8) / 2 AS half) h \
      WHERE c.oid = to_regclass($1)";
 
-/// The oldest transaction this database's vacuums must keep, as far as this role can see: its
-/// age and what holds it. A session of this database (its transaction id or its snapshot's
-/// xmin; not this one, not an autovacuum worker, which other vacuums do not wait for), one of
-/// no database (a standby's feedback through its walsender), a replication slot's `xmin`, a
-/// prepared transaction of this database. No row: none seen.
-const HORIZON_SQL: &str = "SELECT h.age::int8, h.what FROM ( \
+/// The oldest transaction this database's vacuums must keep, as Postgres 15 counts it for a
+/// table that is not shared: its age and what holds it. A session of this database (its
+/// transaction id or its snapshot's xmin; not this one, not an autovacuum worker, which other
+/// vacuums do not wait for: the one process without a role), one of no database (a standby's
+/// feedback through its walsender), a replication slot's `xmin` (not its `catalog_xmin`, which
+/// holds only the catalogs), a prepared transaction of this database; each older by
+/// `vacuum_defer_cleanup_age` where the server has it. (Every role sees these ids; a manual
+/// VACUUM elsewhere, which vacuums do not wait for, is counted: a freeze held back one round
+/// more.) No row: none.
+const HORIZON_SQL: &str = "SELECT h.age::int8 + d.defer, h.what FROM ( \
      SELECT greatest(age(a.backend_xid), age(a.backend_xmin)) AS age, \
-         format('session %s (%s, %s)', a.pid, a.backend_type, a.state) AS what \
+         format('session %s (%s, %s)', a.pid, coalesce(a.backend_type, '?'), \
+         coalesce(a.state, '?')) AS what \
      FROM pg_stat_activity a \
      WHERE (a.datname = current_database() OR a.datid IS NULL) \
-         AND a.pid <> pg_backend_pid() AND a.backend_type <> 'autovacuum worker' \
+         AND a.pid <> pg_backend_pid() AND a.usesysid IS NOT NULL \
+         AND a.backend_type IS DISTINCT FROM 'autovacuum worker' \
      UNION ALL SELECT age(s.xmin), format('replication slot %s', s.slot_name) \
      FROM pg_replication_slots s \
      UNION ALL SELECT age(p.transaction), format('prepared transaction %s', p.gid) \
      FROM pg_prepared_xacts p WHERE p.database = current_database()) h \
+     CROSS JOIN (SELECT coalesce(current_setting('vacuum_defer_cleanup_age', true), '0')::int8 \
+     AS defer) d \
      WHERE h.age IS NOT NULL ORDER BY h.age DESC LIMIT 1";
 
-/// Whether the range `table` (qualified) is due for freezing, and half its anti-wraparound age
-/// (`DUE_SQL`); None if it is gone.
-async fn due(conn: &mut PgConnection, table: &str) -> Result<Option<(bool, i64)>, sqlx::Error> {
+/// How far a freeze must be able to move a range's `relfrozenxid` forward to be worth its
+/// read: a tenth of the range's half `autovacuum_freeze_max_age` (10 million transaction ids
+/// at the default). A range frozen as far as the oldest transaction kept allows is left until
+/// that one ends.
+const WORTH_DIVISOR: i64 = 10;
+
+/// Whether the range `table` (qualified) is due for freezing, half its anti-wraparound age and
+/// the age of its `relfrozenxid` (`DUE_SQL`); None if it is gone.
+async fn due(
+    conn: &mut PgConnection,
+    table: &str,
+) -> Result<Option<(bool, i64, i64)>, sqlx::Error> {
     sqlx::query_as(DUE_SQL)
         .bind(table)
         .bind(MARK)
@@ -153,19 +171,25 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<Fr
     let table = parts.q(name);
     // Gone (dropped by another maintainer since the partitions were read), frozen already, or
     // far from its anti-wraparound vacuum.
-    let Some((true, half)) = due(conn, &table).await? else {
+    let Some((true, half, frozen_age)) = due(conn, &table).await? else {
         return Ok(Freeze::Nothing);
     };
-    // A freeze cannot take the range's relfrozenxid past the oldest transaction kept: where
-    // that one is as old as half, the range would be due again right after.
+    // A freeze cannot take the range's relfrozenxid past the oldest transaction kept. Where
+    // that one is as old as half, the range stays due after it; where the range is frozen
+    // about as far as that one allows already (a round before did it), a VACUUM would read the
+    // range again for nothing.
     let oldest: Option<(i64, String)> = sqlx::query_as(HORIZON_SQL)
         .fetch_optional(&mut *conn)
         .await?;
-    if let Some((age, what)) = oldest.filter(|(age, _)| *age >= half) {
+    let worth = (half / WORTH_DIVISOR).max(1);
+    if let Some((age, what)) =
+        oldest.filter(|(age, _)| *age >= half && frozen_age.saturating_sub(*age) < worth)
+    {
         return Ok(Freeze::HeldBack(format!(
-            "{name} not frozen: the oldest transaction the vacuums must keep is {age} \
-             transaction ids old (half the range's autovacuum_freeze_max_age is {half}), held by \
-             {what}; neither this freeze nor the anti-wraparound vacuum can pass it until it ends"
+            "{name} not frozen: it is frozen as far as the oldest transaction the vacuums must \
+             keep allows, {age} transaction ids old (half the range's \
+             autovacuum_freeze_max_age is {half}), held by {what}; a freeze, or the \
+             anti-wraparound vacuum, can take it no further until that one ends"
         )));
     }
     // Never waits for the range's lock (a change of the partitions, another vacuum): skipped
@@ -176,7 +200,7 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<Fr
         "VACUUM (FREEZE, SKIP_LOCKED) {table}"
     )))
     .await?;
-    if !matches!(due(conn, &table).await?, Some((false, _))) {
+    if !matches!(due(conn, &table).await?, Some((false, _, _))) {
         // Skipped (or gone): the next round tries again.
         return Ok(Freeze::Nothing);
     }

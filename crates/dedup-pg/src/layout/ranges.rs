@@ -83,8 +83,9 @@ pub(super) const PARTITION_OIDS: &str =
 pub(super) fn holders_check(oids: &str) -> String {
     format!(
         "DO $h$ DECLARE h text; BEGIN \
-         SELECT format('%s holds %s on %s', coalesce(a.backend_type || ' ' || l.pid, \
-         'a prepared transaction'), l.mode, l.relation::regclass) INTO h \
+         SELECT format('%s holds %s on %s', CASE WHEN l.pid IS NULL \
+         THEN 'a prepared transaction' ELSE coalesce(a.backend_type, 'process') || ' ' || l.pid \
+         END, l.mode, l.relation::regclass) INTO h \
          FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
          WHERE l.locktype = 'relation' AND l.granted \
          AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()) \
