@@ -140,17 +140,30 @@ async fn a_partition_held_by_a_vacuum_or_by_name_holds_a_change_back_and_not_the
     let (policy, later) = (RangePolicy::default(), at(t0 + 30 * DAY));
     // The drop of `range` is held back at its BRIN summary (which waits 100 ms for the
     // vacuum's lock, not a statement timeout), then at the lock of every partition.
-    for (salt, mode, drop) in [
+    // The last try names why: the look at pg_locks names an autovacuum's mode before the
+    // parent's lock is asked for; a claim's mode is left to the NOWAIT lock.
+    let tries = [
         (
             1,
             "SHARE UPDATE EXCLUSIVE",
             "its BRIN summary not brought up to date",
+            format!("holds ShareUpdateExclusiveLock on {range}"),
         ),
-        (2, "ROW EXCLUSIVE", "the table's lock not had"),
-    ] {
+        (
+            2,
+            "ROW EXCLUSIVE",
+            "the table's lock not had",
+            format!("could not obtain lock on relation \"{range}\""),
+        ),
+    ];
+    for (salt, mode, drop, last) in tries {
         let lock = format!("LOCK TABLE {range} IN {mode} MODE");
         let why = held_back_beside(&pool, &lock, &policy, later, (t0, salt)).await;
         assert!(why.contains(&format!("{range}: {drop}")), "{lock}: {why}");
+        assert!(
+            why.contains("the last try: ") && why.contains(&last),
+            "{lock}: {why}"
+        );
     }
     let mut conn = pool.acquire().await.unwrap();
     let report = dedup_pg::maintain_ranges(&mut conn, &policy, later)

@@ -243,9 +243,9 @@ pub(super) async fn drop_ranges(
         })
         .await?;
         match added {
-            None => return Ok(vec![lock_busy(&first.name)]),
-            Some(false) => return Ok(vec![Step::Raced]),
-            Some(true) => {}
+            Err(busy) => return Ok(vec![lock_busy(&first.name, &busy)]),
+            Ok(false) => return Ok(vec![Step::Raced]),
+            Ok(true) => {}
         }
         let validated = sqlx::query(sqlx::AssertSqlSafe(format!(
             "ALTER TABLE {late} VALIDATE CONSTRAINT {bound}"
@@ -267,11 +267,9 @@ pub(super) async fn drop_ranges(
             other => other.map_err(e).map(drop)?,
         }
     } else if seen.late().is_none()
-        && make_table(conn, seen, "dedup_records_late", Expiry::Btree)
-            .await?
-            .is_none()
+        && let Err(busy) = make_table(conn, seen, "dedup_records_late", Expiry::Btree).await?
     {
-        return Ok(vec![lock_busy(&first.name)]);
+        return Ok(vec![lock_busy(&first.name, &busy)]);
     }
     // The check the window keeps on `late` (the one just validated); every other is dropped.
     let kept = if checked { bound } else { String::new() };
@@ -354,9 +352,9 @@ pub(super) async fn drop_ranges(
     })
     .await?;
     Ok(match moved {
-        None => vec![lock_busy(&first.name)],
-        Some(None) => vec![Step::Raced],
-        Some(Some(moved)) => moved
+        Err(busy) => vec![lock_busy(&first.name, &busy)],
+        Ok(None) => vec![Step::Raced],
+        Ok(Some(moved)) => moved
             .into_iter()
             .map(|(name, moved)| Step::Done { name, moved })
             .collect(),

@@ -211,10 +211,13 @@ pub(super) async fn own_indexes(
     })
     .await?;
     Ok(match done {
-        None => Some(lock_busy_why("the ranges' BRIN indexes on expires_at")),
+        Err(busy) => Some(lock_busy_why(
+            "the ranges' BRIN indexes on expires_at",
+            &busy,
+        )),
         // Another maintainer changed the partitions first: the next round does it.
-        Some(false) => None,
-        Some(true) => {
+        Ok(false) => None,
+        Ok(true) => {
             info!("dedup_records: each range of days has its own BRIN index on expires_at");
             None
         }

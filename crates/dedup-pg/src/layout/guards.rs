@@ -81,12 +81,13 @@ pub(super) async fn drop_left(
     })
     .await?;
     Ok(match done {
-        None => Some(lock_busy_why(
+        Err(busy) => Some(lock_busy_why(
             "kt's check and default of generation 9 dropped",
+            &busy,
         )),
         // Another maintainer changed the partitions first: the next round does it.
-        Some(false) => None,
-        Some(true) => {
+        Ok(false) => None,
+        Ok(true) => {
             info!(
                 tables = left.len(),
                 "dedup_records: kt's check and default dropped"

@@ -463,7 +463,7 @@ pub(super) async fn make_table(
     parts: &Parts,
     name: &str,
     kind: Expiry,
-) -> Result<Option<()>, StoreError> {
+) -> Result<Result<(), Busy>, StoreError> {
     let table = parts.q(name);
     let future = parts.q("dedup_records_future");
     let index = expiry::index_sql(&table, name, kind);
@@ -515,14 +515,15 @@ pub(super) async fn make_table(
 /// server if its client goes quiet in it for 5 s (so a maintainer whose host dies mid-change
 /// does not hold the parent's lock; its statements are bounded by the session's
 /// `statement_timeout`, the retention task's own); again (after a pause) while it
-/// fails for want of a lock, up to [`RANGE_LOCK_TRIES`] times; commits what it did. None if the
-/// lock was not had.
+/// fails for want of a lock, up to [`RANGE_LOCK_TRIES`] times; commits what it did. `Busy` if
+/// the lock was not had, with the last try's reason (the holder [`holders_check`] named, or
+/// the server's message).
 pub(super) async fn locked<T>(
     conn: &mut PgConnection,
     mut step: impl for<'t> FnMut(
         &'t mut PgConnection,
     ) -> futures_util::future::BoxFuture<'t, Result<T, sqlx::Error>>,
-) -> Result<Option<T>, StoreError> {
+) -> Result<Result<T, Busy>, StoreError> {
     let mut last = None;
     for _ in 0..RANGE_LOCK_TRIES {
         let attempt = async {
@@ -541,26 +542,33 @@ pub(super) async fn locked<T>(
                 last = Some(err);
                 lock_pause().await;
             }
-            other => return other.map(Some).map_err(|e| classify(e, true)),
+            other => return other.map(Ok).map_err(|e| classify(e, true)),
         }
     }
-    if let Some(err) = last {
-        warn!(error = %err, "dedup_records: a change's lock not had, its last try");
-    }
-    Ok(None)
+    let last = last.map_or_else(String::new, |err: sqlx::Error| {
+        err.as_database_error()
+            .map_or_else(|| err.to_string(), |d| d.message().to_owned())
+    });
+    warn!(last = %last, "dedup_records: a change's lock not had, its last try");
+    Ok(Err(Busy(last)))
 }
 
+/// A lock not had in [`RANGE_LOCK_TRIES`] tries: the last one's reason.
+#[derive(Debug)]
+pub(super) struct Busy(String);
+
 /// Why a change was held back when the parent's lock was not had.
-pub(super) fn lock_busy(what: &str) -> Step {
-    Step::HeldBack(lock_busy_why(what))
+pub(super) fn lock_busy(what: &str, busy: &Busy) -> Step {
+    Step::HeldBack(lock_busy_why(what, busy))
 }
 
 /// Why `what` was held back when the parent's lock was not had.
-pub(super) fn lock_busy_why(what: &str) -> String {
+pub(super) fn lock_busy_why(what: &str, busy: &Busy) -> String {
     format!(
         "{what}: the table's lock not had in {RANGE_LOCK_TRIES} tries of 100 ms (a long \
          transaction on dedup_records, or a vacuum, an index build or a lock on one of its \
-         partitions: the log has the last holder); next round"
+         partitions; the last try: {}); next round",
+        busy.0
     )
 }
 
@@ -643,8 +651,8 @@ async fn carve(
              longer than `ahead`; raise max_move to make it at a quiet hour)"
         )));
     }
-    if make_table(conn, seen, &name, Expiry::Brin).await?.is_none() {
-        return Ok(lock_busy(&name));
+    if let Err(busy) = make_table(conn, seen, &name, Expiry::Brin).await? {
+        return Ok(lock_busy(&name, &busy));
     }
     let seen = seen.clone();
     let moved = locked(conn, |tx| {
@@ -680,9 +688,9 @@ async fn carve(
     })
     .await?;
     Ok(match moved {
-        None => lock_busy(&name),
-        Some(None) => Step::Raced,
-        Some(Some(moved)) => Step::Done { name, moved },
+        Err(busy) => lock_busy(&name, &busy),
+        Ok(None) => Step::Raced,
+        Ok(Some(moved)) => Step::Done { name, moved },
     })
 }
 
