@@ -549,7 +549,6 @@ pub(super) async fn locked<T>(
         err.as_database_error()
             .map_or_else(|| err.to_string(), |d| d.message().to_owned())
     });
-    warn!(last = %last, "dedup_records: a change's lock not had, its last try");
     Ok(Err(Busy(last)))
 }
 
