@@ -16,7 +16,7 @@ use sqlx::{PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 use crate::pg_partitioned::v7;
-use crate::pg_ranges::{DAY, at, fill, partition_of, parts, switch};
+use crate::pg_ranges::{DAY, at, fill, moved_to_late_and_replays, partition_of, parts, switch};
 use crate::support::{acquired, key, misplaced_records, req};
 
 /// What runs beside a round: a watch of the maintainer's lock requests and a claimer.
@@ -49,7 +49,11 @@ impl Beside {
                     .fetch_all(&pool)
                     .await
                     .unwrap();
-                    seen.extend(now);
+                    for wait in now {
+                        if !seen.contains(&wait) {
+                            seen.push(wait);
+                        }
+                    }
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
                 seen
@@ -93,14 +97,14 @@ async fn pid_of(conn: &mut PgConnection) -> i32 {
 
 /// A round run while `lock` (taken on a partition by another session, in a transaction left
 /// open) holds it: held back for the lock, the maintainer never waiting for a partition's lock,
-/// the claims beside it all through. Answers the report's reason.
+/// the claims beside it all through. Answers the round's report.
 async fn held_back_beside(
     pool: &PgPool,
     lock: &str,
     policy: &RangePolicy,
     now: std::time::SystemTime,
     (t0, salt): (i64, u64),
-) -> String {
+) -> dedup_pg::RangeReport {
     let mut holder = pool.begin().await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(lock.to_owned()))
         .execute(&mut *holder)
@@ -120,13 +124,14 @@ async fn held_back_beside(
     assert!(claims > 0, "{lock}: claims went on beside the round");
     let why = report.held_back.clone().unwrap_or_default();
     assert!(why.contains("lock not had"), "{lock}: {report:?}");
-    why
+    report
 }
 
-/// A range held by an autovacuum's lock, then by a statement that names it (a lock a claim
-/// takes too, had without the parent's): each holds the round's change back, and the
-/// maintainer never waits for it (so never holds the claims behind the parent's lock while it
-/// does); once it is gone, the change goes through.
+/// A range due held by an autovacuum's lock, then by a statement that names it (a lock a claim
+/// takes too, had without the parent's), then `future` held by an autovacuum's lock: each
+/// holds back the change that touches it (the drop of the range, the range made out of
+/// `future`) and nothing else, and the maintainer never waits for it (so never holds the
+/// claims behind the parent's lock while it does); once it is gone, the change goes through.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_partition_held_by_a_vacuum_or_by_name_holds_a_change_back_and_not_the_claims(
     pool: PgPool,
@@ -139,41 +144,65 @@ async fn a_partition_held_by_a_vacuum_or_by_name_holds_a_change_back_and_not_the
     let range = partition_of(&pool, &today).await.unwrap();
     let (policy, later) = (RangePolicy::default(), at(t0 + 30 * DAY));
     // The drop of `range` is held back at its BRIN summary (which waits 100 ms for the
-    // vacuum's lock, not a statement timeout), then at the lock of every partition.
-    // The last try names why: the look at pg_locks names an autovacuum's mode before the
-    // parent's lock is asked for; a claim's mode is left to the NOWAIT lock.
+    // vacuum's lock, not a statement timeout), then at the lock of the tables it touches. The
+    // ranges made ahead out of `future` go through the first time (their change does not touch
+    // `range`).
     let tries = [
         (
             1,
             "SHARE UPDATE EXCLUSIVE",
             "its BRIN summary not brought up to date",
-            format!("holds ShareUpdateExclusiveLock on {range}"),
+            None,
         ),
         (
             2,
             "ROW EXCLUSIVE",
             "the table's lock not had",
-            format!("could not obtain lock on relation \"{range}\""),
+            Some(format!(
+                "could not obtain lock on relation \"public.{range}\""
+            )),
         ),
     ];
     for (salt, mode, drop, last) in tries {
         let lock = format!("LOCK TABLE {range} IN {mode} MODE");
-        let why = held_back_beside(&pool, &lock, &policy, later, (t0, salt)).await;
+        let report = held_back_beside(&pool, &lock, &policy, later, (t0, salt)).await;
+        let why = report.held_back.clone().unwrap_or_default();
         assert!(why.contains(&format!("{range}: {drop}")), "{lock}: {why}");
-        assert!(
-            why.contains("the last try: ") && why.contains(&last),
-            "{lock}: {why}"
+        assert_eq!(
+            why.matches("next round").count(),
+            1,
+            "{lock}: one change held back: {why}"
         );
+        assert_eq!(report.made.is_empty(), salt != 1, "{lock}: {report:?}");
+        if let Some(last) = last {
+            assert!(
+                why.contains("the last try: ") && why.contains(&last),
+                "{lock}: {why}"
+            );
+        }
     }
+    // `future` held by an autovacuum's lock a week later: the look at pg_locks names it before
+    // the parent's lock is asked for, and the range due is dropped all the same.
+    let week_later = at(t0 + 37 * DAY);
+    let lock = "LOCK TABLE dedup_records_future IN SHARE UPDATE EXCLUSIVE MODE";
+    let report = held_back_beside(&pool, lock, &policy, week_later, (t0, 4)).await;
+    let why = report.held_back.clone().unwrap_or_default();
+    assert!(
+        why.contains("the table's lock not had")
+            && why.contains("the last try: ")
+            && why.contains("holds ShareUpdateExclusiveLock on dedup_records_future"),
+        "{lock}: {why}"
+    );
+    assert!(
+        report.made.is_empty() && report.dropped.contains(&range),
+        "{lock}: {report:?}"
+    );
     let mut conn = pool.acquire().await.unwrap();
-    let report = dedup_pg::maintain_ranges(&mut conn, &policy, later)
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, week_later)
         .await
         .unwrap();
     assert_eq!(report.held_back, None, "{report:?}");
-    assert!(
-        !report.made.is_empty() && report.dropped.contains(&range),
-        "{report:?}"
-    );
+    assert!(!report.made.is_empty(), "{report:?}");
     assert_eq!(misplaced_records(&pool).await, 0);
 }
 
@@ -205,7 +234,8 @@ async fn a_large_late_held_by_a_vacuum_holds_the_drop_back_and_not_the_claims(po
         .find(|p| p.0.starts_with("dedup_records_2"))
         .unwrap()
         .0;
-    let why = held_back_beside(&pool, lock, &policy, at(t0 + 40 * DAY), (t0, 1)).await;
+    let report = held_back_beside(&pool, lock, &policy, at(t0 + 40 * DAY), (t0, 1)).await;
+    let why = report.held_back.unwrap_or_default();
     assert!(
         why.contains(&format!("{due}: the table's lock not had")),
         "the drop of {due} was held back: {why}"
@@ -216,5 +246,63 @@ async fn a_large_late_held_by_a_vacuum_holds_the_drop_back_and_not_the_claims(po
         .unwrap();
     assert_eq!(report.held_back, None, "{report:?}");
     assert!(!report.dropped.is_empty(), "{report:?}");
+    assert_eq!(misplaced_records(&pool).await, 0);
+}
+
+/// A partition the round's changes do not touch (`untimed`, and a range kept), held by an
+/// autovacuum's lock and by a statement that names it: the round makes a range ahead and drops
+/// the ranges due all the same (each change locks only the tables it detaches, attaches or
+/// renames, and `late`, where the live records it moves land), the claims go on, the maintainer
+/// never waits for a partition's lock, and the live records of the ranges dropped are in `late`.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_partition_no_change_touches_held_by_a_vacuum_holds_nothing_back(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let t0 = switch(&pool).await;
+    let policy = RangePolicy::default();
+    let mut conn = pool.acquire().await.unwrap();
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 30 * DAY))
+        .await
+        .unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    // Live records in a range the next round drops, one by a claim.
+    fill(&pool, t0 + 23 * DAY, 1..=100, "now() + interval '60 days'").await;
+    let live = v7(t0 + 23 * DAY + 1_000, 1);
+    let lease = acquired(store.claim(&req(&key(&live), "w")).await.unwrap());
+    store.complete(&lease, live.as_bytes()).await.unwrap();
+    let due = partition_of(&pool, &live).await.unwrap();
+    let kept = parts(&pool)
+        .await
+        .into_iter()
+        .rev()
+        .find(|p| p.0.starts_with("dedup_records_2"))
+        .unwrap()
+        .0;
+    let untimed = "dedup_records_untimed";
+    assert!(parts(&pool).await.iter().any(|p| p.0 == untimed));
+    let mut holder = pool.begin().await.unwrap();
+    for lock in [
+        format!("LOCK TABLE {untimed} IN SHARE UPDATE EXCLUSIVE MODE"),
+        format!("LOCK TABLE {kept} IN SHARE UPDATE EXCLUSIVE MODE"),
+        format!("LOCK TABLE {kept} IN ROW EXCLUSIVE MODE"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(lock))
+            .execute(&mut *holder)
+            .await
+            .unwrap();
+    }
+    let beside = Beside::start(&pool, pid_of(&mut conn).await, t0, 3);
+    let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 40 * DAY))
+        .await
+        .unwrap();
+    let (waits, claims) = beside.stop().await;
+    holder.rollback().await.unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    assert!(!report.made.is_empty(), "a range made ahead: {report:?}");
+    assert!(report.dropped.contains(&due), "{due} dropped: {report:?}");
+    assert!(!report.dropped.contains(&kept), "{kept} kept: {report:?}");
+    assert!(report.moved >= 101, "the live records moved: {report:?}");
+    assert!(waits.is_empty(), "the maintainer waited: {waits:?}");
+    assert!(claims > 0, "claims went on beside the round");
+    moved_to_late_and_replays(&pool, &store, &live, "a live record of a range dropped").await;
     assert_eq!(misplaced_records(&pool).await, 0);
 }

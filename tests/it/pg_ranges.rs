@@ -75,7 +75,12 @@ pub(crate) async fn partition_of(pool: &PgPool, name: &str) -> Option<String> {
 }
 
 /// `name`'s record was moved to `late`, and a duplicate of it replays its result (its name).
-async fn moved_to_late_and_replays(pool: &PgPool, store: &PgStore, name: &str, what: &str) {
+pub(crate) async fn moved_to_late_and_replays(
+    pool: &PgPool,
+    store: &PgStore,
+    name: &str,
+    what: &str,
+) {
     assert_eq!(
         partition_of(pool, name).await.as_deref(),
         Some("dedup_records_late"),

@@ -20,8 +20,8 @@ use super::expiry;
 use super::expiry::Expiry;
 use super::policy::RangePolicy;
 use super::ranges::{
-    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Parts, Step, civil, count_limit, holders_check, lock_busy,
-    lock_unchanged, locked, make_table,
+    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Parts, Step, Touched, civil, count_limit, holders_check,
+    lock_busy, lock_unchanged, locked, make_table, oids_of,
 };
 use crate::classify::classify;
 
@@ -226,9 +226,8 @@ pub(super) async fn drop_ranges(
                 // makers' lock commits before it, and the read sees it. Not asked for while
                 // something other than a claim holds `late` (an autovacuum after the purge's
                 // deletes): every claim would queue behind the request.
-                tx.execute(sqlx::AssertSqlSafe(holders_check(&format!(
-                    "SELECT '{}'::regclass::oid",
-                    late.replace('\'', "''")
+                tx.execute(sqlx::AssertSqlSafe(holders_check(&oids_of(
+                    std::slice::from_ref(&late),
                 ))))
                 .await?;
                 tx.execute(sqlx::AssertSqlSafe(format!(
@@ -282,11 +281,19 @@ pub(super) async fn drop_ranges(
             (d.name.clone(), seen.q(&d.name), gone)
         })
         .collect();
+    // The tables the change detaches, attaches and renames: the live records it copies through
+    // the parent land in `late`.
+    let touched: Vec<String> = ranges
+        .iter()
+        .map(|(_, range, _)| range.clone())
+        .chain([late.clone()])
+        .collect();
     let seen = seen.clone();
     let moved = locked(conn, |tx| {
         let (seen, ranges, late, kept) = (seen.clone(), ranges.clone(), late.clone(), kept.clone());
+        let touched = touched.clone();
         Box::pin(async move {
-            if !lock_unchanged(tx, &seen).await? {
+            if !lock_unchanged(tx, &seen, Touched::Only(&touched)).await? {
                 return Ok(None);
             }
             // Their indexes again, under the lock: another maintainer's rebuild of an invalid

@@ -28,7 +28,7 @@ use tracing::info;
 
 use dedup_core::StoreError;
 
-use super::ranges::{Parts, count_limit, lock_busy_why, lock_unchanged, locked};
+use super::ranges::{Parts, Touched, count_limit, lock_busy_why, lock_unchanged, locked};
 use crate::classify::classify;
 
 /// Which index on `expires_at` a partition gets.
@@ -174,7 +174,7 @@ pub(super) async fn own_indexes(
     let done = locked(conn, |tx| {
         let (seen, others) = (seen.clone(), others.clone());
         Box::pin(async move {
-            if !lock_unchanged(tx, &seen).await? {
+            if !lock_unchanged(tx, &seen, Touched::All).await? {
                 return Ok(false);
             }
             let mut bounds = Vec::with_capacity(others.len());

@@ -11,7 +11,7 @@ use tracing::info;
 
 use dedup_core::StoreError;
 
-use super::ranges::{Parts, lock_busy_why, lock_unchanged, locked};
+use super::ranges::{Parts, Touched, lock_busy_why, lock_unchanged, locked};
 use crate::classify::classify;
 
 /// The tables of the records' family in the parent's schema (the parent, its partitions, a
@@ -46,7 +46,7 @@ pub(super) async fn drop_left(
     let done = locked(conn, |tx| {
         let seen = seen.clone();
         Box::pin(async move {
-            if !lock_unchanged(tx, &seen).await? {
+            if !lock_unchanged(tx, &seen, Touched::All).await? {
                 return Ok(false);
             }
             // The parent's first: both reach every attached partition.

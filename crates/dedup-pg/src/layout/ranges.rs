@@ -571,24 +571,44 @@ pub(super) fn lock_busy_why(what: &str, busy: &Busy) -> String {
     )
 }
 
-/// Takes the makers' lock, then the parent's and every partition's, and answers whether the
-/// partitions are still `seen`. The makers' lock first: a maintainer adding a check of
-/// `late`'s bounds reads the partitions under it, so no change can commit between its read and
-/// its add (one that did could leave `late` a check narrower than its new bounds, refusing the
-/// records of the days it was widened over).
+/// The partitions a change locks besides the parent.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Touched<'a> {
+    /// Every partition: a change of the parent that reaches each of them (a default or a
+    /// constraint dropped, an index of the parent dropped, partitions detached and attached
+    /// again).
+    All,
+    /// Only these tables (quoted, in the parent's schema): those the change detaches, attaches
+    /// or renames. Rows it moves through the parent land in one of them too. Another partition
+    /// that something holds (an autovacuum of today's range, say) does not hold it back.
+    Only(&'a [String]),
+}
+
+/// Takes the makers' lock, then the parent's, answers whether the partitions are still `seen`,
+/// and (if they are) locks the partitions `touched`. The makers' lock first: a maintainer
+/// adding a check of `late`'s bounds reads the partitions under it, so no change can commit
+/// between its read and its add (one that did could leave `late` a check narrower than its new
+/// bounds, refusing the records of the days it was widened over).
 ///
 /// The parent alone is waited for (the claims in flight hold it; new ones queue behind the
-/// request). Its partitions are then locked without a wait: every claim goes through the
-/// parent, so once it is had, whatever still holds a partition is something else (an
+/// request). The partitions touched are then locked without a wait: every claim goes through
+/// the parent, so once it is had, whatever still holds a partition is something else (an
 /// autovacuum, an index build, a statement on the partition by name) that may hold it for
 /// minutes, and waiting for it would hold every claim behind the parent's lock for the whole
 /// timeout. A busy partition fails the try at once (55P03), before the parent's lock is asked
-/// for where [`holders_check`] sees it.
+/// for where [`holders_check`] sees it. Under the parent's lock and the makers', no other
+/// change can attach, detach or drop a table, so the tables `touched` of a change planned on
+/// `seen` are all there once the partitions are read to be `seen` again.
 pub(super) async fn lock_unchanged(
     tx: &mut PgConnection,
     seen: &Parts,
+    touched: Touched<'_>,
 ) -> Result<bool, sqlx::Error> {
-    tx.execute(sqlx::AssertSqlSafe(holders_check(PARTITION_OIDS)))
+    let oids = match touched {
+        Touched::All => PARTITION_OIDS.to_owned(),
+        Touched::Only(tables) => oids_of(tables),
+    };
+    tx.execute(sqlx::AssertSqlSafe(holders_check(&oids)))
         .await?;
     sqlx::query(MAKER_LOCK_SQL)
         .bind(MAKER_LOCK_CLASS)
@@ -596,9 +616,33 @@ pub(super) async fn lock_unchanged(
         .await?;
     tx.execute("LOCK TABLE ONLY dedup_records IN ACCESS EXCLUSIVE MODE")
         .await?;
-    tx.execute("LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE NOWAIT")
-        .await?;
-    Ok(Parts::read(tx).await? == *seen)
+    if Parts::read(tx).await? != *seen {
+        return Ok(false);
+    }
+    let lock = match touched {
+        Touched::All => "LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE NOWAIT".to_owned(),
+        Touched::Only([]) => return Ok(true),
+        Touched::Only(tables) => {
+            format!(
+                "LOCK TABLE ONLY {} IN ACCESS EXCLUSIVE MODE NOWAIT",
+                tables.join(", ")
+            )
+        }
+    };
+    tx.execute(sqlx::AssertSqlSafe(lock)).await?;
+    Ok(true)
+}
+
+/// SQL that yields the oids of `tables` (quoted names) that exist.
+pub(super) fn oids_of(tables: &[String]) -> String {
+    let names: Vec<String> = tables
+        .iter()
+        .map(|t| format!("'{}'", t.replace('\'', "''")))
+        .collect();
+    format!(
+        "SELECT to_regclass(t)::oid FROM unnest(ARRAY[{}]::text[]) t",
+        names.join(", ")
+    )
 }
 
 /// Moves the rows of `from` that `filter` (a condition on `r`) picks into the parent, every
@@ -657,7 +701,7 @@ async fn carve(
     let moved = locked(conn, |tx| {
         let (seen, range, future) = (seen.clone(), range.clone(), future.clone());
         Box::pin(async move {
-            if !lock_unchanged(tx, &seen).await? {
+            if !lock_unchanged(tx, &seen, Touched::Only(&[future.clone(), range.clone()])).await? {
                 return Ok(None);
             }
             // Day numbers and the schema's quoted name: nothing from outside.
