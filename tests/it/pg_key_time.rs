@@ -6,7 +6,7 @@
 //! two partitions, and run its effect twice.
 
 use dedup_core::{IdempotencyKey, Scope};
-use dedup_workload::{Lcg, time_ordered_event_id};
+use dedup_workload::{Lcg, event_id, time_ordered_event_id};
 use sqlx::PgPool;
 
 fn byte(rng: &mut Lcg) -> u8 {
@@ -34,8 +34,9 @@ fn engine(key: &[u8]) -> Option<i64> {
 
 /// Classes of keys, each to hold both answers: every single-byte change (each position, each of
 /// the 256 values) of one text and one raw UUIDv7; then, at random, UUIDv7s as text (lower, upper
-/// and mixed case) and raw, each with one byte changed, every version and variant digit, and
-/// random bytes of the lengths that matter and around them.
+/// and mixed case) and raw, each with one byte changed, every version and variant digit, keys
+/// of a random id and an event's time (`IdempotencyKey::timed`), and random bytes of the lengths
+/// that matter and around them.
 fn corpus() -> Vec<(&'static str, Vec<u8>)> {
     let mut keys = Vec::new();
     let text = time_ordered_event_id(0x0190_1234_5678, 1);
@@ -84,6 +85,11 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
         let mut variant = text.clone().into_bytes();
         variant[19] = b"0123456789abcdefABCDEF"[(digit / 22) % 22];
         keys.push(("variant digit", variant));
+        // A random id and its event's time (`IdempotencyKey::timed`): Postgres reads the time.
+        let ms = rng.below(1 << 48);
+        let timed = IdempotencyKey::timed(Scope::new("t").unwrap(), ms, event_id(i)).unwrap();
+        assert_eq!(timed.uuid7_millis(), Some(ms));
+        keys.push(("timed", timed.key_bytes().to_vec()));
         for len in [1, 15, 16, 17, 35, 36, 37] {
             keys.push(("random bytes", (0..len).map(|_| byte(&mut rng)).collect()));
         }
@@ -116,12 +122,14 @@ async fn postgres_and_the_engine_read_the_same_time_from_every_key(pool: PgPool)
     // (almost never one): no class can pass by answering None, or Some, to everything.
     for (class, (n, timed)) in &classes {
         match *class {
-            "text" | "upper case" | "mixed case" | "raw" => assert_eq!(timed, n, "{class}"),
+            "text" | "upper case" | "mixed case" | "raw" | "timed" => {
+                assert_eq!(timed, n, "{class}");
+            }
             "random bytes" => assert!(*timed < n / 100, "{class}: {timed} of {n}"),
             _ => assert!(*timed > 0 && timed < n, "{class}: {timed} of {n}"),
         }
     }
-    assert_eq!(classes.len(), 11, "{classes:?}");
+    assert_eq!(classes.len(), 12, "{classes:?}");
 }
 
 /// A call on a literal is folded when the statement is planned: an arm whose guard is false is

@@ -32,6 +32,15 @@ pub enum InputError {
         /// The limit.
         max: usize,
     },
+    /// An event time past what a time-ordered key holds (48 bits of milliseconds since the Unix
+    /// epoch: [`IdempotencyKey::timed`](crate::IdempotencyKey::timed)).
+    #[error(
+        "the event time {ms} ms after the Unix epoch is past the year 10889 (48 bits of milliseconds)"
+    )]
+    EventTime {
+        /// The time given, in milliseconds since the Unix epoch.
+        ms: u64,
+    },
     /// A scope with no characters.
     #[error("the scope is empty")]
     EmptyScope,

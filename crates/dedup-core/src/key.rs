@@ -1,7 +1,8 @@
 //! Idempotency keys, scopes and payload fingerprints.
 //!
 //! `Scope` is a namespace. `IdempotencyKey` is 1 to 512 bytes: a longer key is rejected, or
-//! digested explicitly with `IdempotencyKey::digest`. `Fingerprint` is a payload's SHA-256.
+//! digested explicitly with `IdempotencyKey::digest`; `IdempotencyKey::timed` makes a
+//! time-ordered key of a random event id and the event's own time. `Fingerprint` is a payload's SHA-256.
 //! `Display` escapes binary keys, control characters and invisible format characters
 //! (bidirectional overrides such as U+202E, zero-width characters), and elides long keys.
 
@@ -151,6 +152,58 @@ impl IdempotencyKey {
         }
         let hex = hex(&Sha256::digest(long_key));
         Self::new(scope, format!("sha256:{hex}"))
+    }
+
+    /// Builds a time-ordered key for an event whose id is random (a UUIDv4, a hash, any bytes)
+    /// from that id and the event's own time, in milliseconds since the Unix epoch: the text of a
+    /// UUIDv7 (RFC 9562) whose 48-bit time is `event_ms` and whose 74 other bits are the first 74
+    /// bits of the SHA-256 of `event_id` (`tttttttt-tttt-7aaa-Vbbb-bbbbbbbbbbbb`: `aaa` the
+    /// digest's first 12 bits, `V` `8` to `b`, then its next 62). [`uuid7_millis`] reads
+    /// `event_ms` back, so new keys land at the right edge of the primary key and in the day's
+    /// range of the table partitioned by the key's time, as UUIDv7 ids do (docs/PERFORMANCE.md,
+    /// "Time-ordered event ids").
+    ///
+    /// `event_ms` must be part of the event's identity: every delivery of the event must carry
+    /// the same time, so take the time the producer gave the event (a field of its payload or
+    /// a header it set once), never the broker's timestamp of a record, which a producer or an
+    /// outbox relay that sends the event again stamps anew. A duplicate with another time is
+    /// another key, and runs the effect again. Two events with different ids share a key only
+    /// with the same millisecond and the same 74 bits of digest.
+    ///
+    /// [`uuid7_millis`]: Self::uuid7_millis
+    ///
+    /// # Errors
+    ///
+    /// [`InputError::EmptyKey`] for an empty id; [`InputError::EventTime`] for a time past what
+    /// 48 bits hold (the year 10889).
+    pub fn timed(
+        scope: Scope,
+        event_ms: u64,
+        event_id: impl AsRef<[u8]>,
+    ) -> Result<Self, InputError> {
+        const MAX_MS: u64 = (1 << 48) - 1;
+        let event_id = event_id.as_ref();
+        if event_id.is_empty() {
+            return Err(InputError::EmptyKey);
+        }
+        if event_ms > MAX_MS {
+            return Err(InputError::EventTime { ms: event_ms });
+        }
+        let d = Sha256::digest(event_id);
+        let a = (u16::from(d[0]) << 4) | u16::from(d[1] >> 4);
+        let mut b = [0_u8; 8];
+        b.copy_from_slice(&d[2..10]);
+        let b = u64::from_be_bytes(b) >> 2;
+        Self::new(
+            scope,
+            format!(
+                "{:08x}-{:04x}-7{a:03x}-{:04x}-{:012x}",
+                event_ms >> 16,
+                event_ms & 0xffff,
+                0x8000 | (b >> 48),
+                b & 0xffff_ffff_ffff
+            ),
+        )
     }
 
     /// The key's scope.
@@ -458,6 +511,64 @@ mod tests {
         assert_eq!(
             IdempotencyKey::digest(scope(), b""),
             Err(InputError::EmptyKey)
+        );
+    }
+
+    #[test]
+    fn timed_keys_are_uuidv7s_of_the_event_time_and_a_digest_of_the_id() {
+        let id = "3f2b8c1e-9d4a-4e6f-b1c2-7a8d9e0f1a2b";
+        let ms = 1_795_000_000_123;
+        let k = IdempotencyKey::timed(scope(), ms, id).expect("timed");
+        let text = std::str::from_utf8(k.key_bytes()).expect("text");
+        assert_eq!(text.len(), 36);
+        assert_eq!(k.uuid7_millis(), Some(ms));
+        assert_eq!(&text[..13], format!("{:08x}-{:04x}", ms >> 16, ms & 0xffff));
+        // The digest's bits, as the doc says: 12, then the variant, then 62.
+        let d = Sha256::digest(id.as_bytes());
+        let bits = hex(&d[..10]);
+        assert_eq!(&text[14..15], "7");
+        assert_eq!(&text[15..18], &bits[..3]);
+        let b = u64::from_str_radix(&bits[4..20], 16).expect("hex") >> 2;
+        assert_eq!(
+            &text[19..],
+            format!("{:04x}-{:012x}", 0x8000 | (b >> 48), b & 0xffff_ffff_ffff)
+        );
+        assert!(matches!(&text[19..20], "8" | "9" | "a" | "b"), "{text}");
+        // The same event, the same key; another id or another millisecond, another key.
+        assert_eq!(IdempotencyKey::timed(scope(), ms, id), Ok(k.clone()));
+        assert_ne!(
+            IdempotencyKey::timed(scope(), ms, "another").expect("timed"),
+            k
+        );
+        assert_ne!(
+            IdempotencyKey::timed(scope(), ms + 1, id).expect("timed"),
+            k
+        );
+        // Keys of later events sort after earlier ones, whatever their ids.
+        let later = IdempotencyKey::timed(scope(), ms + 1, "0").expect("timed");
+        let earlier = IdempotencyKey::timed(scope(), ms, "zzz").expect("timed");
+        assert!(earlier.key_bytes() < later.key_bytes());
+        // Bounds.
+        assert_eq!(
+            IdempotencyKey::timed(scope(), ms, b""),
+            Err(InputError::EmptyKey)
+        );
+        let max = (1 << 48) - 1;
+        assert_eq!(
+            IdempotencyKey::timed(scope(), max, id)
+                .expect("timed")
+                .uuid7_millis(),
+            Some(max)
+        );
+        assert_eq!(
+            IdempotencyKey::timed(scope(), max + 1, id),
+            Err(InputError::EventTime { ms: max + 1 })
+        );
+        assert_eq!(
+            IdempotencyKey::timed(scope(), 0, id)
+                .expect("timed")
+                .uuid7_millis(),
+            Some(0)
         );
     }
 

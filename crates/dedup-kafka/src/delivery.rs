@@ -9,7 +9,7 @@ use dedup_core::{Fingerprint, IdempotencyKey, InputError, Scope};
 use rdkafka::Message;
 use rdkafka::message::{BorrowedMessage, Headers};
 
-use crate::config::{KeySource, OrderingKey};
+use crate::config::{EventTime, KeySource, OrderingKey};
 
 /// A message as the handler sees it: owned, with its coordinates.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -111,6 +111,17 @@ pub enum KeyError {
     /// The key is not valid (empty, too long).
     #[error("invalid idempotency key: {0}")]
     Invalid(#[from] InputError),
+    /// The event's time ([`KeySource::Timed`]) is not a whole number of milliseconds since the
+    /// Unix epoch.
+    #[error(
+        "event time at {at} is not a whole number of milliseconds since the Unix epoch: {value}"
+    )]
+    BadTime {
+        /// Where it was read.
+        at: String,
+        /// What was there (cut to 64 characters).
+        value: String,
+    },
 }
 
 /// Finds `delivery`'s idempotency key under `scope`.
@@ -158,6 +169,50 @@ pub fn extract_key(
                 .collect();
             Ok(IdempotencyKey::new(scope.clone(), hex)?)
         }
+        KeySource::Timed { id, time } => {
+            let id = extract_key(id, scope, delivery)?;
+            let ms = event_time(time, delivery)?;
+            Ok(IdempotencyKey::timed(scope.clone(), ms, id.key_bytes())?)
+        }
+    }
+}
+
+/// The event's own time in milliseconds since the Unix epoch, where `source` says it is.
+fn event_time(source: &EventTime, delivery: &Delivery) -> Result<u64, KeyError> {
+    let bad = |at: &str, value: &str| KeyError::BadTime {
+        at: at.to_owned(),
+        value: value.chars().take(64).collect(),
+    };
+    let digits = |at: &str, text: &str| {
+        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad(at, text));
+        }
+        text.parse::<u64>().map_err(|_| bad(at, text))
+    };
+    match source {
+        EventTime::Header(name) => match delivery.header(name) {
+            None => Err(KeyError::Missing(format!("no event time header {name:?}"))),
+            Some(v) => {
+                let at = format!("header {name:?}");
+                match std::str::from_utf8(v) {
+                    Ok(text) => digits(&at, text),
+                    Err(_) => Err(bad(&at, &String::from_utf8_lossy(v))),
+                }
+            }
+        },
+        EventTime::JsonPointer(pointer) => {
+            let json = parse(delivery)?;
+            match json.pointer(pointer) {
+                None | Some(serde_json::Value::Null) => {
+                    Err(KeyError::Missing(format!("no event time at {pointer}")))
+                }
+                Some(serde_json::Value::String(s)) => digits(pointer, s),
+                Some(serde_json::Value::Number(n)) => {
+                    n.as_u64().ok_or_else(|| bad(pointer, &n.to_string()))
+                }
+                Some(v) => Err(bad(pointer, &v.to_string())),
+            }
+        }
     }
 }
 
@@ -189,6 +244,83 @@ fn parse(delivery: &Delivery) -> Result<serde_json::Value, KeyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timed_keys_are_the_event_id_keyed_with_its_time() {
+        let scope = Scope::new("s").expect("a scope");
+        let id = "9b2e6f1c-58d4-4c1a-a3f0-2d7e8b9c0a15";
+        let ms = 1_795_000_000_123_u64;
+        let want = IdempotencyKey::timed(scope.clone(), ms, id).expect("a key");
+        let by_header = KeySource::timed(
+            KeySource::Header("event-id".into()),
+            EventTime::Header("event-ms".into()),
+        );
+        let by_json = KeySource::timed(
+            KeySource::JsonPointer("/id".into()),
+            EventTime::JsonPointer("/at".into()),
+        );
+        let headers = |time: &str| {
+            Delivery::new("t", 0, 1)
+                .with_header("event-id", id)
+                .with_header("event-ms", time.to_owned())
+        };
+        let json = |time: &str| {
+            Delivery::new("t", 0, 2).with_payload(format!(r#"{{"id": "{id}", "at": {time}}}"#))
+        };
+        // Every copy of the event, whatever else differs, gets the same key; its time reads back.
+        for (source, d) in [
+            (&by_header, headers(&ms.to_string())),
+            (&by_header, headers(&ms.to_string()).with_header("x", "y")),
+            (&by_json, json(&ms.to_string())),
+            (&by_json, json(&format!("\"{ms}\""))),
+        ] {
+            let key = extract_key(source, &scope, &d).expect("a key");
+            assert_eq!(key, want, "{d:?}");
+            assert_eq!(key.uuid7_millis(), Some(ms));
+        }
+        // Another time is another key.
+        let later = extract_key(&by_json, &scope, &json(&(ms + 1).to_string())).expect("a key");
+        assert_ne!(later, want);
+        // No time, or no id: no key (the runner's `MissingKey` decides).
+        let no_time = Delivery::new("t", 0, 3).with_header("event-id", id);
+        assert!(matches!(
+            extract_key(&by_header, &scope, &no_time),
+            Err(KeyError::Missing(why)) if why.contains("event-ms")
+        ));
+        let no_id = Delivery::new("t", 0, 4).with_header("event-ms", "5");
+        assert!(matches!(
+            extract_key(&by_header, &scope, &no_id),
+            Err(KeyError::Missing(_))
+        ));
+        assert!(matches!(
+            extract_key(&by_json, &scope, &json("null")),
+            Err(KeyError::Missing(_))
+        ));
+        // A time that is not a whole number of milliseconds: dead-lettered with the reason.
+        for bad in [
+            "-5", "1.5", "1e3", "\"soon\"", "\"\"", "\" 5\"", "true", "[1]",
+        ] {
+            let err = extract_key(&by_json, &scope, &json(bad)).expect_err("a bad time");
+            assert!(
+                matches!(&err, KeyError::BadTime { at, .. } if at == "/at"),
+                "{bad}: {err:?}"
+            );
+            assert!(
+                err.to_string().contains("whole number of milliseconds"),
+                "{err}"
+            );
+        }
+        for bad in ["", "+5", "5 ", "99999999999999999999999"] {
+            let err = extract_key(&by_header, &scope, &headers(bad)).expect_err("a bad time");
+            assert!(matches!(err, KeyError::BadTime { .. }), "{bad:?}: {err:?}");
+        }
+        // Past what 48 bits hold: an invalid key, named.
+        let err = extract_key(&by_header, &scope, &headers(&(1_u64 << 48).to_string()));
+        assert!(matches!(
+            err,
+            Err(KeyError::Invalid(InputError::EventTime { ms })) if ms == 1 << 48
+        ));
+    }
 
     #[test]
     fn ordering_keys_come_from_the_message_key_a_header_or_a_json_pointer() {

@@ -10,8 +10,9 @@
 //! - A consumer takes topics in a consumer group and passes each message through
 //!   [`dedup_core::Dedup::process`] (lease mode) or one Postgres transaction per batch
 //!   (transaction mode) to the handler. The idempotency key comes from a header (default
-//!   `idempotency-key`), a JSON pointer, or a digest of chosen JSON fields ([`KeySource`]), under
-//!   the engine's scope (never the group's).
+//!   `idempotency-key`), a JSON pointer, a digest of chosen JSON fields, or a random event id
+//!   keyed with the event's own time, time-ordered ([`KeySource`]), under the engine's scope
+//!   (never the group's).
 //! - **Offsets.** Automatic commit and automatic offset storing are off. A partition's offset is
 //!   committed up to the first message not yet settled (completed, replayed, or dead-lettered),
 //!   every commit interval, on revocation and on shutdown, and only for
@@ -73,7 +74,7 @@
 //! handler's unit test can build one):
 //! ```
 //! use dedup_core::Scope;
-//! use dedup_kafka::{Delivery, KeySource, extract_key};
+//! use dedup_kafka::{Delivery, EventTime, KeySource, extract_key};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let scope = Scope::new("payments")?;
@@ -86,6 +87,15 @@
 //! assert_eq!(key, again);
 //! // The default: the `idempotency-key` header, which this message lacks.
 //! assert!(extract_key(&KeySource::default(), &scope, &message).is_err());
+//! // A random event id and the time the producer gave the event: a time-ordered key.
+//! let event = Delivery::new("payments", 0, 43)
+//!     .with_payload(r#"{"id": "9b2e6f1c-58d4-4c1a-a3f0-2d7e8b9c0a15", "at_ms": 1795000000123}"#);
+//! let timed = KeySource::timed(
+//!     KeySource::JsonPointer("/id".into()),
+//!     EventTime::JsonPointer("/at_ms".into()),
+//! );
+//! let key = extract_key(&timed, &scope, &event)?;
+//! assert_eq!(key.uuid7_millis(), Some(1_795_000_000_123));
 //! # Ok(()) }
 //! ```
 
@@ -105,8 +115,8 @@ mod trace;
 #[cfg(feature = "pg")]
 pub use batch::{Acquired, Batching, MAX_ASSIGNMENT_WAIT, MAX_BATCH};
 pub use config::{
-    Backoff, ConfigError, DEFAULT_KEY_HEADER, KeySource, KillSwitch, MAX_SETTING_DURATION,
-    MissingKey, Ordering, OrderingKey,
+    Backoff, ConfigError, DEFAULT_KEY_HEADER, EventTime, KeySource, KillSwitch,
+    MAX_SETTING_DURATION, MissingKey, Ordering, OrderingKey,
 };
 pub use dead_letter::{
     DLQ_ATTEMPTS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,

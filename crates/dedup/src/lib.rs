@@ -86,8 +86,9 @@ pub mod kafka {
         Parts, Transaction, TxHandler, Typed,
     };
     pub use dedup_kafka::{
-        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, KeySource, KillSwitch,
-        MissingKey, Ordering, OrderingKey, Parking, RunnerError, RunnerStats, StatsHandle,
+        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, EventTime, KeySource,
+        KillSwitch, MissingKey, Ordering, OrderingKey, Parking, RunnerError, RunnerStats,
+        StatsHandle,
     };
 }
 

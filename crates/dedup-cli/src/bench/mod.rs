@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use dedup_core::BatchConfig;
+use dedup_core::{BatchConfig, IdempotencyKey, Scope};
 use sqlx::PgPool;
 
 use crate::PgArgs;
@@ -94,8 +94,10 @@ pub(crate) struct BenchArgs {
     repeat: u32,
     /// The shape of the event ids: `uuid` (random, as producers make them, landing all over the
     /// primary key), `uuidv7` (time-ordered, as RFC 9562's version 7 makes them: new keys land at
-    /// the primary key's right edge) or `sequential` (`e<n>`, one hot corner of it, which
-    /// flatters every figure; the bench's keys before random ones became the default).
+    /// the primary key's right edge), `timed` (random ids, as `uuid`, keyed with their event's
+    /// time by `IdempotencyKey::timed`: time-ordered keys again) or `sequential` (`e<n>`, one hot
+    /// corner of it, which flatters every figure; the bench's keys before random ones became the
+    /// default).
     #[arg(long, value_enum, default_value_t = Keys::Uuid)]
     keys: Keys,
     /// The window at size: top the window's scopes (`bench-<tag>-window` of the contenders that
@@ -135,6 +137,10 @@ enum Keys {
     /// in milliseconds, plus one for every 32 events, then random bits; a window of its own
     /// (`bench-<tag>-window-v7`) made the same way over the last 7 days.
     Uuidv7,
+    /// Random UUID-shaped ids (as `Uuid`) keyed with their event's time
+    /// (`IdempotencyKey::timed`; the time as `Uuidv7`'s): UUIDv7-shaped keys, whose window is
+    /// `Uuidv7`'s.
+    Timed,
     /// `e<n>`.
     Sequential,
 }
@@ -180,6 +186,14 @@ impl EventKeys {
             Keys::Uuidv7 => {
                 dedup_workload::time_ordered_event_id(self.unix_ms + id / 32, id ^ self.salt)
             }
+            Keys::Timed => {
+                static SCOPE: std::sync::LazyLock<Scope> =
+                    std::sync::LazyLock::new(|| Scope::new("bench").expect("a scope"));
+                let event = dedup_workload::event_id(id ^ self.salt);
+                let key = IdempotencyKey::timed(SCOPE.clone(), self.unix_ms + id / 32, event)
+                    .expect("an event id and a time of this century make a key");
+                String::from_utf8_lossy(key.key_bytes()).into_owned()
+            }
             Keys::Sequential => format!("e{id}"),
         }
     }
@@ -188,10 +202,16 @@ impl EventKeys {
 impl Keys {
     /// The scopes of the window (`--prefill`) of these keys: `bench-<tag>-<this>`.
     fn window(self) -> &'static str {
-        match self {
-            Self::Uuidv7 => "window-v7",
-            _ => "window",
+        if self.time_ordered() {
+            "window-v7"
+        } else {
+            "window"
         }
+    }
+
+    /// Whether the keys are UUIDv7s (a time-ordered window, made by `window.rs` in their shape).
+    fn time_ordered(self) -> bool {
+        matches!(self, Self::Uuidv7 | Self::Timed)
     }
 
     /// As `--keys` names it.
@@ -199,6 +219,7 @@ impl Keys {
         match self {
             Self::Uuid => "uuid",
             Self::Uuidv7 => "uuidv7",
+            Self::Timed => "timed",
             Self::Sequential => "sequential",
         }
     }
@@ -827,4 +848,38 @@ async fn cleanup(pool: &PgPool, run_id: &str) -> Cleaned {
         }
     }
     cleaned
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{EventKeys, Keys};
+    use dedup_core::{IdempotencyKey, Scope};
+
+    /// `--keys timed`: the random ids of `--keys uuid`, each keyed with its event's time as
+    /// `IdempotencyKey::timed` keys it (a UUIDv7 whose time is `uuidv7`'s), sharing the
+    /// time-ordered window.
+    #[test]
+    fn timed_keys_are_the_random_ids_keyed_with_their_time() {
+        let keys = EventKeys {
+            shape: Keys::Timed,
+            salt: 0x5a17,
+            unix_ms: 1_795_000_000_000,
+        };
+        let scope = Scope::new("s").expect("a scope");
+        for id in [0, 1, 31, 32, 1_000] {
+            let text = keys.of(id);
+            let key = IdempotencyKey::new(scope.clone(), &text).expect("a key");
+            assert_eq!(key.uuid7_millis(), Some(keys.unix_ms + id / 32), "{text}");
+            let event = dedup_workload::event_id(id ^ keys.salt);
+            let want = IdempotencyKey::timed(scope.clone(), keys.unix_ms + id / 32, event);
+            assert_eq!(want.expect("timed").key_bytes(), text.as_bytes());
+        }
+        let other = EventKeys {
+            salt: 0x5a18,
+            ..keys
+        };
+        assert_ne!(keys.of(7), other.of(7), "each run's keys are its own");
+        assert_eq!(Keys::Timed.window(), Keys::Uuidv7.window());
+        assert!(Keys::Timed.time_ordered() && !Keys::Uuid.time_ordered());
+    }
 }

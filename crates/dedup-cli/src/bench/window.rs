@@ -82,7 +82,7 @@ const FILL_SQL: &str = concat!(
 /// slice of it that is theirs, so that the statements that follow one another go on in time.
 #[allow(clippy::cast_precision_loss)]
 fn slice(keys: Keys, n: u64, done: u64, count: u64) -> (f64, f64) {
-    if keys != Keys::Uuidv7 || n == 0 {
+    if !keys.time_ordered() || n == 0 {
         return (0.0, 1.0);
     }
     let all = n as f64;
@@ -179,7 +179,7 @@ pub(super) async fn fill(
                     .bind(count)
                     .bind(past)
                     .bind(RETENTION_SECS)
-                    .bind(keys == Keys::Uuidv7)
+                    .bind(keys.time_ordered())
                     .bind(start)
                     .bind(width)
                     .execute(pool)
