@@ -249,7 +249,7 @@ async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
             );
         }
         None => println!(
-            "key time: none (not a UUIDv7; a large window of random keys costs more, docs/PERFORMANCE.md \"Time-ordered event ids\")"
+            "key time: none (not a UUIDv7; a large window of random keys costs more, docs/PERFORMANCE.md \"Time-ordered event ids\"; IdempotencyKey::timed keys a random id with its event's time)"
         ),
     }
     println!("L1: in-process only; each consumer holds its own, so this process has none");

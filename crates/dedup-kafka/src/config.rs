@@ -26,7 +26,9 @@ pub enum KeySource {
     /// ids"). The time must be the one the producer gave the event and that every copy of it
     /// carries, never a broker's timestamp: a copy with another time is another key, and runs
     /// the effect again. A message without the time is one without a key ([`MissingKey`]); a
-    /// time that is not a whole number of milliseconds is dead-lettered with the reason.
+    /// time that is not a whole number of milliseconds is dead-lettered with the reason. As with
+    /// any change of a consumer's key source, a copy of an event processed under the old one
+    /// gets another key, and runs again.
     Timed {
         /// Where the event id is.
         id: Box<KeySource>,
