@@ -3,8 +3,9 @@
 //! holder holds the change back for the round, and never the claims. A change waits only for
 //! the parent's lock (the claims in flight); a request that waited for a partition's lock while
 //! holding the parent's, or that queued on a partition every claim locks, would hold every
-//! claim for the whole lock timeout, try after try (`crates/dedup-pg/src/layout/ranges.rs`,
-//! `lock_unchanged` and `holders_check`; docs/ARCHITECTURE.md invariant 37).
+//! claim for the whole lock timeout, try after try (`crates/dedup-pg/src/layout/locks.rs`,
+//! `lock_unchanged` and `holders_check`; docs/ARCHITECTURE.md invariant 37). A change locks
+//! only the tables it touches: a holder of another partition holds nothing back.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

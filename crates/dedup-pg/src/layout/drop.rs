@@ -18,11 +18,11 @@ use dedup_core::StoreError;
 
 use super::expiry;
 use super::expiry::Expiry;
-use super::policy::RangePolicy;
-use super::ranges::{
-    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Parts, Step, Touched, civil, count_limit, holders_check,
-    lock_busy, lock_unchanged, locked, make_table, oids_of,
+use super::locks::{
+    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Touched, holders_check, lock_unchanged, locked, oids_of,
 };
+use super::policy::RangePolicy;
+use super::ranges::{Parts, Step, civil, count_limit, lock_busy, make_table};
 use crate::classify::classify;
 
 /// The most heap pages of `late` its attach over wider bounds may read under the parent's lock

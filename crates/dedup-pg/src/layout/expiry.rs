@@ -28,7 +28,8 @@ use tracing::info;
 
 use dedup_core::StoreError;
 
-use super::ranges::{Parts, Touched, count_limit, lock_busy_why, lock_unchanged, locked};
+use super::locks::{Touched, lock_busy_why, lock_unchanged, locked};
+use super::ranges::{Parts, count_limit};
 use crate::classify::classify;
 
 /// Which index on `expires_at` a partition gets.

@@ -11,7 +11,8 @@ use tracing::info;
 
 use dedup_core::StoreError;
 
-use super::ranges::{Parts, Touched, lock_busy_why, lock_unchanged, locked};
+use super::locks::{Touched, lock_busy_why, lock_unchanged, locked};
+use super::ranges::Parts;
 use crate::classify::classify;
 
 /// The tables of the records' family in the parent's schema (the parent, its partitions, a

@@ -49,6 +49,7 @@ mod drop;
 mod expiry;
 mod freeze;
 mod guards;
+mod locks;
 mod policy;
 mod ranges;
 
