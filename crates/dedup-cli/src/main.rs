@@ -106,8 +106,12 @@ struct InspectArgs {
     redis_prefix: String,
     /// The key's scope (a service, a consumer group, a tenant).
     scope: String,
-    /// The idempotency key (as UTF-8 text).
+    /// The idempotency key (as UTF-8 text); with `--event-ms`, the event's id.
     key: String,
+    /// The event's own time, in milliseconds since the Unix epoch: inspect the key that
+    /// `IdempotencyKey::timed` (`KeySource::timed`) makes of this time and the id given as the key.
+    #[arg(long)]
+    event_ms: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -235,8 +239,14 @@ async fn migrate(args: MigrateArgs) -> Result<ExitCode, CliError> {
 
 async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
     let scope = Scope::new(&args.scope).map_err(|e| CliError::Config(format!("scope: {e}")))?;
-    let key = IdempotencyKey::new(scope, args.key.as_bytes())
-        .map_err(|e| CliError::Config(format!("key: {e}")))?;
+    let key = match args.event_ms {
+        None => IdempotencyKey::new(scope, args.key.as_bytes()),
+        Some(ms) => IdempotencyKey::timed(scope, ms, args.key.as_bytes()),
+    }
+    .map_err(|e| CliError::Config(format!("key: {e}")))?;
+    if args.event_ms.is_some() {
+        println!("event id: {} (keyed with its time)", args.key);
+    }
     println!("key: {key}");
     match key.uuid7_millis() {
         Some(ms) => {

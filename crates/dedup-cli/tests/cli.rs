@@ -346,6 +346,43 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     );
     assert!(stdout.contains(&made), "{stdout}");
 
+    // An event id and its time (`--event-ms`): the key `IdempotencyKey::timed` makes of them,
+    // shown with that time.
+    let out = dedup()
+        .args([
+            "inspect",
+            &run,
+            "3f2b8c1e-9d4a-4e6f-b1c2-7a8d9e0f1a2b",
+            "--event-ms",
+            "1795000000123",
+        ])
+        .env("DATABASE_URL", &db)
+        .env_remove("REDIS_URL")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("key: {run}/01a1ee56-5e7b-7a0a-91d3-e350d97d4ac8")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("key time: parses as a UUIDv7 made at 1795000000123 ms"),
+        "{stdout}"
+    );
+    let out = dedup()
+        .args(["inspect", &run, "id", "--event-ms", "281474976710656"])
+        .env("DATABASE_URL", &db)
+        .env_remove("REDIS_URL")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).1.contains("past the year 10889"),
+        "{:?}",
+        text(&out)
+    );
+
     let out = dedup()
         .args(["purge", "--batch", "100"])
         .env("DATABASE_URL", &db)
