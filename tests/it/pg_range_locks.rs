@@ -29,10 +29,12 @@ struct Beside {
 
 impl Beside {
     /// Watches the session `pid` for a lock request of a table other than the parent that it
-    /// is waiting for in a mode a claim's `ROW EXCLUSIVE` conflicts with (claims would queue
-    /// behind it), every 2 ms; and claims new keys one after another. (The BRIN summary's
-    /// `SHARE UPDATE EXCLUSIVE` may wait: claims do not queue behind it.)
-    fn start(pool: &PgPool, pid: i32, t0: i64, salt: u64) -> Self {
+    /// is waiting for, every 2 ms: in a mode a claim's `ROW EXCLUSIVE` conflicts with (claims
+    /// would queue behind it), or in any mode while it holds the parent's lock (every claim
+    /// queues behind that); and (with `claims`) claims new keys one after another. (The BRIN
+    /// summary's `SHARE UPDATE EXCLUSIVE` may wait, before the parent's lock: claims do not
+    /// queue behind it.)
+    fn start(pool: &PgPool, pid: i32, (t0, salt): (i64, u64), claims: bool) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let waits = {
             let (pool, stop) = (pool.clone(), stop.clone());
@@ -42,9 +44,12 @@ impl Beside {
                     let now: Vec<String> = sqlx::query_scalar(
                         "SELECT format('%s %s', l.relation::regclass, l.mode) FROM pg_locks l \
                          WHERE l.pid = $1 AND NOT l.granted AND l.locktype = 'relation' \
-                         AND l.relation <> 'dedup_records'::regclass AND l.mode IN \
+                         AND l.relation <> 'dedup_records'::regclass AND (l.mode IN \
                          ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', \
-                         'AccessExclusiveLock')",
+                         'AccessExclusiveLock') OR EXISTS (SELECT 1 FROM pg_locks p \
+                         WHERE p.pid = $1 AND p.granted AND p.locktype = 'relation' \
+                         AND p.relation = 'dedup_records'::regclass \
+                         AND p.mode = 'AccessExclusiveLock'))",
                     )
                     .bind(pid)
                     .fetch_all(&pool)
@@ -65,7 +70,7 @@ impl Beside {
             tokio::spawn(async move {
                 let store = PgStore::new(pool);
                 let mut n = 0_u64;
-                while !stop.load(Ordering::Relaxed) {
+                while claims && !stop.load(Ordering::Relaxed) {
                     let name = v7(t0 + 120_000 + i64::try_from(n).unwrap(), salt << 32 | n);
                     let lease = acquired(store.claim(&req(&key(&name), "beside")).await.unwrap());
                     store.complete(&lease, b"ok").await.unwrap();
@@ -112,7 +117,7 @@ async fn held_back_beside(
         .await
         .unwrap();
     let mut conn = pool.acquire().await.unwrap();
-    let beside = Beside::start(pool, pid_of(&mut conn).await, t0, salt);
+    let beside = Beside::start(pool, pid_of(&mut conn).await, (t0, salt), true);
     let report = dedup_pg::maintain_ranges(&mut conn, policy, now)
         .await
         .unwrap();
@@ -251,7 +256,7 @@ async fn a_large_late_held_by_a_vacuum_holds_the_drop_back_and_not_the_claims(po
 }
 
 /// A partition the round's changes do not touch (`untimed`, and a range kept), held by an
-/// autovacuum's lock and by a statement that names it: the round makes a range ahead and drops
+/// autovacuum's lock and by a statement that names it, and then in ACCESS EXCLUSIVE mode: the round makes a range ahead and drops
 /// the ranges due all the same (each change locks only the tables it detaches, attaches or
 /// renames, and `late`, where the live records it moves land), the claims go on, the maintainer
 /// never waits for a partition's lock, and the live records of the ranges dropped are in `late`.
@@ -265,6 +270,8 @@ async fn a_partition_no_change_touches_held_by_a_vacuum_holds_nothing_back(pool:
         .await
         .unwrap();
     assert_eq!(report.held_back, None, "{report:?}");
+    // No autovacuum or autoanalyze of the records below, whose lock would hold a summary back.
+    no_autovacuum(&pool).await;
     // Live records in a range the next round drops, one by a claim.
     fill(&pool, t0 + 23 * DAY, 1..=100, "now() + interval '60 days'").await;
     let live = v7(t0 + 23 * DAY + 1_000, 1);
@@ -291,7 +298,7 @@ async fn a_partition_no_change_touches_held_by_a_vacuum_holds_nothing_back(pool:
             .await
             .unwrap();
     }
-    let beside = Beside::start(&pool, pid_of(&mut conn).await, t0, 3);
+    let beside = Beside::start(&pool, pid_of(&mut conn).await, (t0, 3), true);
     let report = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 40 * DAY))
         .await
         .unwrap();
@@ -305,5 +312,53 @@ async fn a_partition_no_change_touches_held_by_a_vacuum_holds_nothing_back(pool:
     assert!(waits.is_empty(), "the maintainer waited: {waits:?}");
     assert!(claims > 0, "claims went on beside the round");
     moved_to_late_and_replays(&pool, &store, &live, "a live record of a range dropped").await;
+    // A week later `untimed` and a range kept held in ACCESS EXCLUSIVE mode (a `VACUUM FULL`, a
+    // `TRUNCATE`, an autovacuum cutting a table's tail), no claim beside it (every claim's plan
+    // locks every partition, and would wait for the holder itself): the round reads the
+    // partitions without a lock on any of them, and never waits with the parent's lock held.
+    no_autovacuum(&pool).await;
+    let kept = parts(&pool)
+        .await
+        .into_iter()
+        .rev()
+        .find(|p| p.0.starts_with("dedup_records_2"))
+        .unwrap()
+        .0;
+    let mut holder = pool.begin().await.unwrap();
+    for table in [untimed, &kept] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+        )))
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    }
+    let beside = Beside::start(&pool, pid_of(&mut conn).await, (t0, 4), false);
+    let round = dedup_pg::maintain_ranges(&mut conn, &policy, at(t0 + 47 * DAY));
+    let report = tokio::time::timeout(Duration::from_secs(60), round)
+        .await
+        .expect("the round waits for no holder of a partition it does not touch")
+        .unwrap();
+    let (waits, _) = beside.stop().await;
+    holder.rollback().await.unwrap();
+    assert_eq!(report.held_back, None, "{report:?}");
+    assert!(
+        !report.made.is_empty() && !report.dropped.is_empty(),
+        "{report:?}"
+    );
+    assert!(!report.dropped.contains(&kept), "{kept} kept: {report:?}");
+    assert!(waits.is_empty(), "the maintainer waited: {waits:?}");
     assert_eq!(misplaced_records(&pool).await, 0);
+}
+
+/// Turns autovacuum off on every partition.
+async fn no_autovacuum(pool: &PgPool) {
+    for (name, _, _) in parts(pool).await {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE {name} SET (autovacuum_enabled = false)"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
 }

@@ -71,8 +71,9 @@ const INDEX_STATE_SQL: &str = "SELECT i.indisvalid FROM pg_index i \
      JOIN pg_class c ON c.oid = i.indexrelid \
      WHERE i.indrelid = to_regclass($1) AND c.relname = $2";
 
-/// The partition bound of the table `$1` (qualified), as `ATTACH PARTITION` takes it.
-const BOUND_SQL: &str = "SELECT pg_get_expr(c.relpartbound, c.oid) FROM pg_class c \
+/// The partition bound of the table `$1` (qualified), as `ATTACH PARTITION` takes it (printed
+/// with no relation, which takes no lock on it: `ranges.rs`'s `PARTS_SQL`).
+const BOUND_SQL: &str = "SELECT pg_get_expr(c.relpartbound, 0) FROM pg_class c \
      WHERE c.oid = to_regclass($1)";
 
 /// Makes sure the partition `name` has a valid index on `expires_at` of the `kind` given, built

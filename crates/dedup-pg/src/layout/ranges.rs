@@ -48,12 +48,16 @@ const MONDAY: i32 = 4;
 const MOST_PER_CALL: usize = 16;
 
 /// The partitions of `dedup_records` and their bounds in days since the Unix epoch (None for
-/// MINVALUE and MAXVALUE), lowest first.
+/// MINVALUE and MAXVALUE), lowest first. The bounds are printed with no relation (`0`): given
+/// one, `pg_get_expr` takes an ACCESS SHARE lock on it, and a read of the partitions under the
+/// parent's lock would wait for every partition something holds in ACCESS EXCLUSIVE mode (a
+/// `VACUUM FULL`, a `TRUNCATE`, an autovacuum cutting a table's tail), every claim queued
+/// behind it. A bound holds only constants.
 const PARTS_SQL: &str = "SELECT c.relname::text, \
      substring(b FROM $re$FROM \\('([^']+)'\\)$re$)::date - date '1970-01-01', \
      substring(b FROM $re$TO \\('([^']+)'\\)$re$)::date - date '1970-01-01' \
      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-     CROSS JOIN LATERAL pg_get_expr(c.relpartbound, c.oid) AS b \
+     CROSS JOIN LATERAL pg_get_expr(c.relpartbound, 0) AS b \
      WHERE i.inhparent = 'dedup_records'::regclass ORDER BY 2 NULLS FIRST";
 
 /// The schema of `dedup_records`, quoted: the partitions' tables are made and named in it.
