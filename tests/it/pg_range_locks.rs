@@ -256,10 +256,11 @@ async fn a_large_late_held_by_a_vacuum_holds_the_drop_back_and_not_the_claims(po
 }
 
 /// A partition the round's changes do not touch (`untimed`, and a range kept), held by an
-/// autovacuum's lock and by a statement that names it, and then in ACCESS EXCLUSIVE mode: the round makes a range ahead and drops
-/// the ranges due all the same (each change locks only the tables it detaches, attaches or
-/// renames, and `late`, where the live records it moves land), the claims go on, the maintainer
-/// never waits for a partition's lock, and the live records of the ranges dropped are in `late`.
+/// autovacuum's lock and by a statement that names it, and then in ACCESS EXCLUSIVE mode: the
+/// round makes a range ahead and drops the ranges due all the same (each change locks only the
+/// tables it detaches, attaches or renames, and `late`, where the live records it moves land),
+/// the claims go on, the maintainer never waits for a lock with the parent's held, and the live
+/// records of the ranges dropped are in `late`.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_partition_no_change_touches_held_by_a_vacuum_holds_nothing_back(pool: PgPool) {
     let store = PgStore::new(pool.clone());

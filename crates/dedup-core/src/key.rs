@@ -2,7 +2,8 @@
 //!
 //! `Scope` is a namespace. `IdempotencyKey` is 1 to 512 bytes: a longer key is rejected, or
 //! digested explicitly with `IdempotencyKey::digest`; `IdempotencyKey::timed` makes a
-//! time-ordered key of a random event id and the event's own time. `Fingerprint` is a payload's SHA-256.
+//! time-ordered key of a random event id and the event's own time. `Fingerprint` is a payload's
+//! SHA-256.
 //! `Display` escapes binary keys, control characters and invisible format characters
 //! (bidirectional overrides such as U+202E, zero-width characters), and elides long keys.
 
