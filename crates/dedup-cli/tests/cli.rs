@@ -322,23 +322,22 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     assert!(!stdout.contains("past its retention"), "{stdout}");
     assert!(stdout.contains("key time: none (not a UUIDv7"), "{stdout}");
 
-    let out = dedup()
-        .args(["inspect", &run, "no-such-key"])
-        .env("DATABASE_URL", &db)
-        .env_remove("REDIS_URL")
-        .output()
-        .unwrap();
+    // `dedup inspect` with Postgres only.
+    let inspect = |args: &[&str]| {
+        dedup()
+            .args(args)
+            .env("DATABASE_URL", &db)
+            .env_remove("REDIS_URL")
+            .output()
+            .unwrap()
+    };
+    let out = inspect(&["inspect", &run, "no-such-key"]);
     let (stdout, _) = text(&out);
     assert!(stdout.contains("L3 (Postgres): no record"), "{stdout}");
     assert!(stdout.contains("not asked"), "{stdout}");
 
     // A UUIDv7 key is shown with the time it was made (its first 48 bits, in milliseconds).
-    let out = dedup()
-        .args(["inspect", &run, "01901234-5678-7abc-9def-0123456789ab"])
-        .env("DATABASE_URL", &db)
-        .env_remove("REDIS_URL")
-        .output()
-        .unwrap();
+    let out = inspect(&["inspect", &run, "01901234-5678-7abc-9def-0123456789ab"]);
     let (stdout, _) = text(&out);
     let made = format!(
         "key time: parses as a UUIDv7 made at {} ms after the Unix epoch",
@@ -348,18 +347,13 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
 
     // An event id and its time (`--event-ms`): the key `IdempotencyKey::timed` makes of them,
     // shown with that time.
-    let out = dedup()
-        .args([
-            "inspect",
-            &run,
-            "3f2b8c1e-9d4a-4e6f-b1c2-7a8d9e0f1a2b",
-            "--event-ms",
-            "1795000000123",
-        ])
-        .env("DATABASE_URL", &db)
-        .env_remove("REDIS_URL")
-        .output()
-        .unwrap();
+    let out = inspect(&[
+        "inspect",
+        &run,
+        "3f2b8c1e-9d4a-4e6f-b1c2-7a8d9e0f1a2b",
+        "--event-ms",
+        "1795000000123",
+    ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
@@ -370,12 +364,7 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
         stdout.contains("key time: parses as a UUIDv7 made at 1795000000123 ms"),
         "{stdout}"
     );
-    let out = dedup()
-        .args(["inspect", &run, "id", "--event-ms", "281474976710656"])
-        .env("DATABASE_URL", &db)
-        .env_remove("REDIS_URL")
-        .output()
-        .unwrap();
+    let out = inspect(&["inspect", &run, "id", "--event-ms", "281474976710656"]);
     assert!(!out.status.success());
     assert!(
         text(&out).1.contains("past the year 10889"),

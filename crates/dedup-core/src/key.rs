@@ -173,6 +173,19 @@ impl IdempotencyKey {
     ///
     /// [`uuid7_millis`]: Self::uuid7_millis
     ///
+    /// # Example
+    /// ```
+    /// use dedup_core::{IdempotencyKey, Scope};
+    ///
+    /// # fn main() -> Result<(), dedup_core::InputError> {
+    /// let scope = Scope::new("payments")?;
+    /// // A UUIDv4 event id, and the time its producer gave the event (`created_ms`).
+    /// let key = IdempotencyKey::timed(scope, 1_795_000_000_123, "3f2b8c1e-9d4a-4e6f-b1c2-7a8d9e0f1a2b")?;
+    /// assert_eq!(key.key_bytes(), b"01a1ee56-5e7b-7a0a-91d3-e350d97d4ac8");
+    /// assert_eq!(key.uuid7_millis(), Some(1_795_000_000_123));
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`InputError::EmptyKey`] for an empty id; [`InputError::EventTime`] for a time past what
