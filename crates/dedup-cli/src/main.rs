@@ -106,12 +106,13 @@ struct InspectArgs {
     redis_prefix: String,
     /// The key's scope (a service, a consumer group, a tenant).
     scope: String,
-    /// The idempotency key (as UTF-8 text); with `--event-ms`, the event's id.
+    /// The idempotency key (as UTF-8 text); with `--event-time`, the event's id.
     key: String,
-    /// The event's own time, in milliseconds since the Unix epoch: inspect the key that
-    /// `IdempotencyKey::timed` (`KeySource::timed`) makes of this time and the id given as the key.
-    #[arg(long)]
-    event_ms: Option<u64>,
+    /// The event's own time, in milliseconds since the Unix epoch or as RFC 3339 text (read as
+    /// `KeySource::timed` reads it): inspect the key that `IdempotencyKey::timed` makes of this
+    /// time and the id given as the key.
+    #[arg(long, visible_alias = "event-ms", value_name = "MS_OR_RFC3339", value_parser = event_time)]
+    event_time: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -237,14 +238,23 @@ async fn migrate(args: MigrateArgs) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--event-time`: milliseconds or RFC 3339, as the Kafka runners read an event's time.
+fn event_time(text: &str) -> Result<u64, String> {
+    dedup_kafka::event_time_ms(text).ok_or_else(|| {
+        format!(
+            "{text:?} is neither milliseconds since the Unix epoch nor an RFC 3339 timestamp at or after it"
+        )
+    })
+}
+
 async fn inspect(args: InspectArgs) -> Result<ExitCode, CliError> {
     let scope = Scope::new(&args.scope).map_err(|e| CliError::Config(format!("scope: {e}")))?;
-    let key = match args.event_ms {
+    let key = match args.event_time {
         None => IdempotencyKey::new(scope, args.key.as_bytes()),
         Some(ms) => IdempotencyKey::timed(scope, ms, args.key.as_bytes()),
     }
     .map_err(|e| CliError::Config(format!("key: {e}")))?;
-    if args.event_ms.is_some() {
+    if args.event_time.is_some() {
         println!("event id: {} (keyed with its time)", args.key);
     }
     println!("key: {key}");

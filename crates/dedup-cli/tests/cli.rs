@@ -345,24 +345,38 @@ fn migrate_inspect_and_purge_work_on_a_demo_run() {
     );
     assert!(stdout.contains(&made), "{stdout}");
 
-    // An event id and its time (`--event-ms`): the key `IdempotencyKey::timed` makes of them,
-    // shown with that time.
-    let out = inspect(&[
-        "inspect",
-        &run,
-        "3f2b8c1e-9d4a-4e6f-b1c2-7a8d9e0f1a2b",
-        "--event-ms",
-        "1795000000123",
-    ]);
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // An event id and its time (`--event-time`, in milliseconds or RFC 3339 as the Kafka
+    // runners read it; `--event-ms` is its alias): the key `IdempotencyKey::timed` makes of
+    // them, shown with that time.
+    for (flag, time) in [
+        ("--event-ms", "1795000000123"),
+        ("--event-time", "2026-11-18T11:06:40.123Z"),
+        ("--event-time", "2026-11-18T12:06:40.1239+01:00"),
+    ] {
+        let out = inspect(&[
+            "inspect",
+            &run,
+            "3f2b8c1e-9d4a-4e6f-b1c2-7a8d9e0f1a2b",
+            flag,
+            time,
+        ]);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(
+            stdout.contains(&format!("key: {run}/01a1ee56-5e7b-7a0a-91d3-e350d97d4ac8")),
+            "{time}: {stdout}"
+        );
+        assert!(
+            stdout.contains("key time: parses as a UUIDv7 made at 1795000000123 ms"),
+            "{stdout}"
+        );
+    }
+    let out = inspect(&["inspect", &run, "id", "--event-time", "18 Nov 2026"]);
+    assert!(!out.status.success());
     assert!(
-        stdout.contains(&format!("key: {run}/01a1ee56-5e7b-7a0a-91d3-e350d97d4ac8")),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("key time: parses as a UUIDv7 made at 1795000000123 ms"),
-        "{stdout}"
+        text(&out).1.contains("nor an RFC 3339 timestamp"),
+        "{:?}",
+        text(&out)
     );
     let out = inspect(&["inspect", &run, "id", "--event-ms", "281474976710656"]);
     assert!(!out.status.success());

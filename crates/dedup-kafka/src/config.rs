@@ -26,7 +26,8 @@ pub enum KeySource {
     /// ids"). The time must be the one the producer gave the event and that every copy of it
     /// carries, never a broker's timestamp: a copy with another time is another key, and runs
     /// the effect again. A message without the time is one without a key ([`MissingKey`]); a
-    /// time that is not a whole number of milliseconds is dead-lettered with the reason. As with
+    /// time that is neither a whole number of milliseconds nor an RFC 3339 timestamp is
+    /// dead-lettered with the reason. As with
     /// any change of a consumer's key source, a copy of an event processed under the old one
     /// gets another key, and runs again.
     Timed {
@@ -49,7 +50,9 @@ impl KeySource {
 }
 
 /// Where an event's own time is, for [`KeySource::Timed`]: milliseconds since the Unix epoch,
-/// as a JSON number or as decimal digits (in a JSON string or a header).
+/// as a JSON number or as decimal digits (in a JSON string or a header), or an RFC 3339
+/// timestamp (in a JSON string or a header: CloudEvents' `time`, `ce_time` in Kafka's binary
+/// mode), read to the millisecond ([`event_time_ms`](crate::event_time_ms)).
 #[derive(Clone, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub enum EventTime {

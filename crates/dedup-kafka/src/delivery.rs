@@ -111,10 +111,10 @@ pub enum KeyError {
     /// The key is not valid (empty, too long).
     #[error("invalid idempotency key: {0}")]
     Invalid(#[from] InputError),
-    /// The event's time ([`KeySource::Timed`]) is not a whole number of milliseconds since the
-    /// Unix epoch.
+    /// The event's time ([`KeySource::Timed`]) is neither a whole number of milliseconds since
+    /// the Unix epoch nor an RFC 3339 timestamp at or after it.
     #[error(
-        "event time at {at} is not a whole number of milliseconds since the Unix epoch: {value}"
+        "event time at {at} is neither a whole number of milliseconds since the Unix epoch nor an RFC 3339 timestamp: {value}"
     )]
     BadTime {
         /// Where it was read.
@@ -183,19 +183,14 @@ fn event_time(source: &EventTime, delivery: &Delivery) -> Result<u64, KeyError> 
         at: at.to_owned(),
         value: value.chars().take(64).collect(),
     };
-    let digits = |at: &str, text: &str| {
-        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(bad(at, text));
-        }
-        text.parse::<u64>().map_err(|_| bad(at, text))
-    };
+    let text = |at: &str, text: &str| event_time_ms(text).ok_or_else(|| bad(at, text));
     match source {
         EventTime::Header(name) => match delivery.header(name) {
             None => Err(KeyError::Missing(format!("no event time header {name:?}"))),
             Some(v) => {
                 let at = format!("header {name:?}");
                 match std::str::from_utf8(v) {
-                    Ok(text) => digits(&at, text),
+                    Ok(v) => text(&at, v),
                     Err(_) => Err(bad(&at, &String::from_utf8_lossy(v))),
                 }
             }
@@ -206,7 +201,7 @@ fn event_time(source: &EventTime, delivery: &Delivery) -> Result<u64, KeyError> 
                 None | Some(serde_json::Value::Null) => {
                     Err(KeyError::Missing(format!("no event time at {pointer}")))
                 }
-                Some(serde_json::Value::String(s)) => digits(pointer, s),
+                Some(serde_json::Value::String(s)) => text(pointer, s),
                 Some(serde_json::Value::Number(n)) => {
                     n.as_u64().ok_or_else(|| bad(pointer, &n.to_string()))
                 }
@@ -214,6 +209,22 @@ fn event_time(source: &EventTime, delivery: &Delivery) -> Result<u64, KeyError> 
             }
         }
     }
+}
+
+/// An event's time written as text, in milliseconds since the Unix epoch, as
+/// [`KeySource::Timed`] reads it: decimal digits are milliseconds (`1795000000123`); anything
+/// else must be an RFC 3339 timestamp (`2026-11-18T08:26:40.123Z`, `...+01:00`: CloudEvents'
+/// `time`, most JSON producers' own), read to the millisecond, finer digits dropped. The same
+/// instant written with another offset is the same time. `None` for anything else, and for a
+/// time before the epoch. `dedup inspect --event-time` reads its argument with this too, so it
+/// finds the key the runner made.
+pub fn event_time_ms(text: &str) -> Option<u64> {
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        return text.parse().ok();
+    }
+    let at =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()?;
+    u64::try_from(at.unix_timestamp_nanos().div_euclid(1_000_000)).ok()
 }
 
 /// Finds `delivery`'s ordering key: what [`Ordering::PerKey`](crate::Ordering::PerKey) keeps in
@@ -278,6 +289,27 @@ mod tests {
             assert_eq!(key, want, "{d:?}");
             assert_eq!(key.uuid7_millis(), Some(ms));
         }
+        // The same time in RFC 3339, as CloudEvents' `time` and most JSON producers write it:
+        // UTC or any offset, digits past the millisecond dropped (checked apart with Python's
+        // datetime), gives the same key.
+        for time in [
+            "2026-11-18T11:06:40.123Z",
+            "2026-11-18T06:06:40.123999-05:00",
+            "2026-11-18t11:06:40.123456789z",
+        ] {
+            for (source, d) in [
+                (&by_header, headers(time)),
+                (&by_json, json(&format!("\"{time}\""))),
+            ] {
+                let key = extract_key(source, &scope, &d).expect("a key");
+                assert_eq!(key, want, "{time}");
+            }
+        }
+        assert_eq!(event_time_ms("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(
+            event_time_ms("2026-11-18T11:06:40Z"),
+            Some(1_795_000_000_000)
+        );
         // Another time is another key.
         let later = extract_key(&by_json, &scope, &json(&(ms + 1).to_string())).expect("a key");
         assert_ne!(later, want);
@@ -296,21 +328,38 @@ mod tests {
             extract_key(&by_json, &scope, &json("null")),
             Err(KeyError::Missing(_))
         ));
-        // A time that is not a whole number of milliseconds: dead-lettered with the reason.
+        // A time that is neither milliseconds nor RFC 3339, or is before the epoch:
+        // dead-lettered with the reason.
         for bad in [
-            "-5", "1.5", "1e3", "\"soon\"", "\"\"", "\" 5\"", "true", "[1]",
+            "-5",
+            "1.5",
+            "1e3",
+            "\"soon\"",
+            "\"\"",
+            "\" 5\"",
+            "true",
+            "[1]",
+            "\"1969-12-31T23:59:59.999Z\"",
+            "\"2026-11-18T11:06:40\"",
+            "\"2026-02-30T11:06:40Z\"",
+            "\"2026-11-18\"",
+            "\"Wed, 18 Nov 2026 11:06:40 GMT\"",
         ] {
             let err = extract_key(&by_json, &scope, &json(bad)).expect_err("a bad time");
             assert!(
                 matches!(&err, KeyError::BadTime { at, .. } if at == "/at"),
                 "{bad}: {err:?}"
             );
-            assert!(
-                err.to_string().contains("whole number of milliseconds"),
-                "{err}"
-            );
+            assert!(err.to_string().contains("RFC 3339"), "{err}");
         }
-        for bad in ["", "+5", "5 ", "99999999999999999999999"] {
+        for bad in [
+            "",
+            "+5",
+            "5 ",
+            "99999999999999999999999",
+            "2026-11-18T11:06:40.123Z ",
+            "2026-11-18T25:06:40Z",
+        ] {
             let err = extract_key(&by_header, &scope, &headers(bad)).expect_err("a bad time");
             assert!(matches!(err, KeyError::BadTime { .. }), "{bad:?}: {err:?}");
         }

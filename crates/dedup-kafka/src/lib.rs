@@ -121,7 +121,7 @@ pub use config::{
 pub use dead_letter::{
     DLQ_ATTEMPTS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
 };
-pub use delivery::{Delivery, KeyError, extract_key, ordering_key};
+pub use delivery::{Delivery, KeyError, event_time_ms, extract_key, ordering_key};
 pub use runner::{AfterGiveUp, Parking};
 pub use start::RunnerError;
 pub use stats::{RunnerStats, StatsHandle};
