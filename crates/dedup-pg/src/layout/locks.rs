@@ -175,14 +175,33 @@ pub(super) async fn lock_unchanged(
     Ok(true)
 }
 
-/// SQL that yields the oids of `tables` (quoted names) that exist.
+/// SQL that yields the oids of `tables` (quoted names) that exist. Each name is an escape
+/// string (`E'...'`, its quotes and backslashes doubled), which reads the same whatever the
+/// session's `standard_conforming_strings`.
 pub(super) fn oids_of(tables: &[String]) -> String {
     let names: Vec<String> = tables
         .iter()
-        .map(|t| format!("'{}'", t.replace('\'', "''")))
+        .map(|t| format!("E'{}'", t.replace('\\', "\\\\").replace('\'', "''")))
         .collect();
     format!(
         "SELECT to_regclass(t)::oid FROM unnest(ARRAY[{}]::text[]) t",
         names.join(", ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_escape_strings_whatever_the_session_reads_backslashes_as() {
+        let sql = oids_of(&[
+            r#""a\b".dedup_records_late"#.to_owned(),
+            r#""it's".dedup_records_future"#.to_owned(),
+        ]);
+        assert_eq!(
+            sql,
+            r#"SELECT to_regclass(t)::oid FROM unnest(ARRAY[E'"a\\b".dedup_records_late', E'"it''s".dedup_records_future']::text[]) t"#
+        );
+    }
 }
