@@ -208,6 +208,7 @@ async fn transaction_mode_claim_is_a_lock_until_commit(pool: PgPool) {
         .await
         .unwrap();
     store.commit(tx1, &lease).await.unwrap();
+    assert_eq!(store.get(&k).await.unwrap().unwrap().owner, None);
     assert!(matches!(
         waiter.await.unwrap().unwrap(),
         ClaimOutcome::Completed { result, .. } if result == bytes("one transaction")

@@ -139,6 +139,8 @@ async fn a_batch_commits_claims_effects_and_completions_together(pool: PgPool) {
     for n in ["k0", "k50", "k99"] {
         let rec = store.get(&key(n)).await.unwrap().unwrap();
         assert_eq!(rec.state, State::Completed);
+        // Written completed at once, with no owner (as every completion leaves a record).
+        assert_eq!(rec.owner, None, "{n}");
     }
     // The same batch again: all replays, no handler call, no effect.
     let again = store

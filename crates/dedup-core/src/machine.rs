@@ -179,7 +179,9 @@ pub fn check_fence<'r>(
     }
 }
 
-/// `complete(token, result)`: IN_PROGRESS -> COMPLETED, kept for the policy's retention.
+/// `complete(token, result)`: IN_PROGRESS -> COMPLETED, kept for the policy's retention. A
+/// completed record keeps no owner: the owner says who holds a lease, and nothing reads it once
+/// the effect is recorded (a large window would carry it on every record).
 pub fn complete(
     current: Option<&Record>,
     lease: &Lease,
@@ -190,6 +192,7 @@ pub fn complete(
     let cur = check_fence(current, lease)?;
     Ok(Record {
         state: State::Completed,
+        owner: None,
         lease_until: None,
         result: Some(bytes::Bytes::copy_from_slice(result)),
         failure: None,

@@ -155,10 +155,13 @@ pub(crate) const EXHAUST_SQL: &str = concat!(
     " AND (state = 'released' OR lease_until <= statement_timestamp())"
 );
 
-/// Every fenced end of a lease (complete, release, fail): applies only under the live token.
-/// $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention (µs).
+/// Every fenced end of a lease (complete, release, fail): applies only under the live token. A
+/// completed record keeps no owner (migration 20261204000001); a released or failed one keeps its
+/// last holder's. $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention
+/// (µs).
 pub(crate) const FINISH_SQL: &str = concat!(
     "UPDATE dedup_records SET state = $4, lease_until = NULL, result = $5, failure = $6,",
+    " owner = CASE WHEN $4 = 'completed' THEN NULL ELSE owner END,",
     " updated_at = statement_timestamp(),",
     // A pinned record stays pinned, and keeps the span it gets once its parked message settles.
     " expires_at = CASE WHEN expires_at = 'infinity' THEN expires_at",
@@ -254,12 +257,14 @@ pub(crate) const FRESH_SQL: &str = concat!(
 /// Transaction mode by the batch: fresh keys whose handler succeeded, written COMPLETED at once
 /// (one row version per key instead of a claim and a completion). Answers the keys it wrote; a
 /// key missing from the answer was written meanwhile by a writer that does not take the batch's
-/// advisory locks (a lease-mode claim), and the batch must not commit.
+/// advisory locks (a lease-mode claim), and the batch must not commit. A completed record keeps
+/// no owner (migration 20261204000001): the owners are bound, as for [`INSERT_CLAIMED_SQL`], and
+/// not written.
 /// $1 scopes, $2 keys, $3 owners, $4 tokens, $5 fingerprints, $6 results, $7 retentions (µs).
 pub(crate) const INSERT_COMPLETED_SQL: &str = concat!(
     "INSERT INTO dedup_records AS r (scope, key, kt, state, owner, token, lease_until, attempts,",
     "  fingerprint, result, created_at, updated_at, expires_at)",
-    " SELECT q.scope, q.key, dedup_kt(q.key), 'completed', q.owner, q.token, NULL, 1, q.fp, q.result,",
+    " SELECT q.scope, q.key, dedup_kt(q.key), 'completed', NULL, q.token, NULL, 1, q.fp, q.result,",
     "  statement_timestamp(), statement_timestamp(),",
     "  statement_timestamp() + q.ret_us::float8 * interval '1 microsecond'",
     " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[], $5::bytea[], $6::bytea[],",

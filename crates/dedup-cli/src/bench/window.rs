@@ -60,7 +60,7 @@ const RETENTION_SECS: i64 = 7 * 24 * 3600;
 const FILL_SQL: &str = concat!(
     "INSERT INTO dedup_records (scope, key, kt, state, owner, token, lease_until, attempts,",
     "  fingerprint, result, created_at, updated_at, expires_at)",
-    " SELECT $1, g.k, dedup_kt(g.k), 'completed', 'bench-prefill', nextval('dedup_token_seq'), NULL, 1,",
+    " SELECT $1, g.k, dedup_kt(g.k), 'completed', NULL, nextval('dedup_token_seq'), NULL, 1,",
     "  sha256(g.k), substring(sha256(g.k || '\\x00'::bytea) FROM 1 FOR 16), g.c, g.c, g.e",
     " FROM (SELECT CASE WHEN $5 THEN convert_to(lpad(to_hex(t.m >> 16), 8, '0') || '-'",
     "      || lpad(to_hex(t.m & 65535), 4, '0') || '-7' || substr(t.u, 16, 3) || substr(t.u, 19),",
