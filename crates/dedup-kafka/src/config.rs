@@ -31,7 +31,8 @@ pub enum KeySource {
     /// any change of a consumer's key source, a copy of an event processed under the old one
     /// gets another key, and runs again.
     Timed {
-        /// Where the event id is.
+        /// Where the event id is. Only its digest goes into the key, so it may be longer than a
+        /// key may be.
         id: Box<KeySource>,
         /// Where the event's time is.
         time: EventTime,

@@ -131,8 +131,24 @@ pub fn extract_key(
     delivery: &Delivery,
 ) -> Result<IdempotencyKey, KeyError> {
     match source {
+        // The id only goes into the key's digest: it may be longer than a key.
+        KeySource::Timed { id, time } => {
+            let id = key_text(id, scope, delivery)?;
+            let ms = event_time(time, delivery)?;
+            Ok(IdempotencyKey::timed(scope.clone(), ms, id)?)
+        }
+        _ => Ok(IdempotencyKey::new(
+            scope.clone(),
+            key_text(source, scope, delivery)?,
+        )?),
+    }
+}
+
+/// The bytes `source` finds in `delivery`, before they are made a key.
+fn key_text(source: &KeySource, scope: &Scope, delivery: &Delivery) -> Result<Vec<u8>, KeyError> {
+    match source {
         KeySource::Header(name) => match delivery.header(name) {
-            Some(v) => Ok(IdempotencyKey::new(scope.clone(), v)?),
+            Some(v) => Ok(v.to_vec()),
             None => Err(KeyError::Missing(format!("no header {name:?}"))),
         },
         KeySource::JsonPointer(pointer) => {
@@ -141,9 +157,9 @@ pub fn extract_key(
                 None | Some(serde_json::Value::Null) => {
                     Err(KeyError::Missing(format!("nothing at {pointer}")))
                 }
-                Some(serde_json::Value::String(s)) => Ok(IdempotencyKey::new(scope.clone(), s)?),
+                Some(serde_json::Value::String(s)) => Ok(s.clone().into_bytes()),
                 Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => {
-                    Ok(IdempotencyKey::new(scope.clone(), v.to_string())?)
+                    Ok(v.to_string().into_bytes())
                 }
                 Some(_) => Err(KeyError::NotScalar {
                     pointer: pointer.clone(),
@@ -162,18 +178,14 @@ pub fn extract_key(
             // The values' JSON text, in the configured order: equal fields give equal keys.
             let canonical = serde_json::to_vec(&values).unwrap_or_default();
             let digest = Fingerprint::of(&canonical);
-            let hex: String = digest
+            Ok(digest
                 .as_bytes()
                 .iter()
                 .map(|b| format!("{b:02x}"))
-                .collect();
-            Ok(IdempotencyKey::new(scope.clone(), hex)?)
+                .collect::<String>()
+                .into_bytes())
         }
-        KeySource::Timed { id, time } => {
-            let id = extract_key(id, scope, delivery)?;
-            let ms = event_time(time, delivery)?;
-            Ok(IdempotencyKey::timed(scope.clone(), ms, id.key_bytes())?)
-        }
+        KeySource::Timed { .. } => Ok(extract_key(source, scope, delivery)?.key_bytes().to_vec()),
     }
 }
 
@@ -363,6 +375,19 @@ mod tests {
             let err = extract_key(&by_header, &scope, &headers(bad)).expect_err("a bad time");
             assert!(matches!(err, KeyError::BadTime { .. }), "{bad:?}: {err:?}");
         }
+        // An id longer than a key may be: only its digest goes into the key.
+        let long = "i".repeat(dedup_core::MAX_KEY_LEN + 1);
+        let d = Delivery::new("t", 0, 5)
+            .with_header("event-id", long.clone())
+            .with_header("event-ms", ms.to_string());
+        assert_eq!(
+            extract_key(&by_header, &scope, &d).expect("a key"),
+            IdempotencyKey::timed(scope.clone(), ms, &long).expect("a key")
+        );
+        assert!(matches!(
+            extract_key(&KeySource::Header("event-id".into()), &scope, &d),
+            Err(KeyError::Invalid(InputError::KeyTooLong { .. }))
+        ));
         // Past what 48 bits hold: an invalid key, named.
         let err = extract_key(&by_header, &scope, &headers(&(1_u64 << 48).to_string()));
         assert!(matches!(
