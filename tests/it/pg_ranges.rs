@@ -413,6 +413,27 @@ async fn ranges_are_made_ahead_and_dropped_whole_with_what_is_live_moved(pool: P
             .unwrap();
     assert_eq!(writers, 1, "the ranges dropped in one transaction");
     assert_eq!(late_checks(&pool).await, Vec::<(String, bool)>::new());
+    // The tables the retention makes (the ranges, `late`) lead their primary key with the key,
+    // so that time-ordered keys of every scope land at its right edge; the switch's keep theirs.
+    let pkeys: Vec<(String, String)> = sqlx::query_as(
+        "SELECT c.relname::text, (SELECT string_agg(a.attname, ', ' ORDER BY k.n) \
+           FROM unnest(i.indkey) WITH ORDINALITY AS k(attnum, n) \
+           JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum) \
+         FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid \
+         JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary \
+         WHERE h.inhparent = 'dedup_records'::regclass ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(pkeys.len() >= 5, "{pkeys:?}");
+    for (table, cols) in &pkeys {
+        let want = match table.as_str() {
+            "dedup_records_untimed" | "dedup_records_future" => "scope, key",
+            _ => "key, scope",
+        };
+        assert_eq!(cols, want, "{table}: {pkeys:?}");
+    }
     let p = parts(&pool).await;
     let (late_lo, late_hi) = lo_of(&p, "dedup_records_late");
     assert_eq!(late_lo, t0_day, "{p:?}");

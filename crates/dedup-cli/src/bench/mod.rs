@@ -288,6 +288,12 @@ impl Outcome {
 }
 
 pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
+    // Before any run's keys are made: they are all made at this time or later.
+    let keys_from = keys_floor(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    );
     if !(0.0..1.0).contains(&args.duplicates) || args.events == 0 || args.concurrency == 0 {
         return Err(CliError::Config(
             "--duplicates must be in [0, 1), --events and --concurrency above 0".into(),
@@ -469,7 +475,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         if !args.json {
             eprintln!("[bench] deleting the rows of run {}", round.run_id);
         }
-        let cleaned = cleanup(&pool, &round.run_id).await;
+        let cleaned = cleanup(&pool, &round.run_id, &keys_from).await;
         // On stderr, so that `--json` keeps stdout to the report.
         eprintln!("{}", cleaned.summary(&round.run_id));
     }
@@ -788,43 +794,60 @@ impl Cleaned {
 }
 
 /// Deletes a run's rows (records under its scopes, rows of (a) and (a'), ledger rows) in
-/// bounded batches (`CLEANUP_BATCH` rows a statement), and says how many.
-async fn cleanup(pool: &PgPool, run_id: &str) -> Cleaned {
+/// bounded batches (`CLEANUP_BATCH` rows a statement), and says how many. `keys_from` is the
+/// first UUIDv7 text a key of this bench can have ([`keys_floor`]).
+async fn cleanup(pool: &PgPool, run_id: &str, keys_from: &str) -> Cleaned {
     let scopes: Vec<String> = SCOPE_TAGS
         .iter()
         .map(|t| format!("bench-{t}-{run_id}"))
         .collect();
     let mut cleaned = Cleaned::default();
-    for (sql, arg, what) in [
+    for (sql, arg, from, what) in [
+        // A ctid is a row's place in its own table: on the partitioned table, with the
+        // partition's oid beside it. The records in two statements, each of which an index
+        // finds: the keys without a time (every key of the single table, whose `kt` is
+        // `-infinity`; the untimed partition), found by the scope that leads its primary key;
+        // and the time-ordered ones, in the ranges of days, whose primary key leads with the
+        // key (layout/ranges.rs), found from the first key this bench can have. A range's
+        // rows are not found by their scope alone but by reading all of it.
         (
-            // A ctid is a row's place in its own table: on the partitioned table, with the
-            // partition's oid beside it.
             "DELETE FROM dedup_records WHERE (tableoid, ctid) IN (SELECT tableoid, ctid \
-             FROM dedup_records WHERE scope = ANY($1::text[]) LIMIT $2)",
+             FROM dedup_records WHERE scope = ANY($1::text[]) AND kt < date '1970-01-01' \
+             LIMIT $2)",
+            scopes.clone(),
+            None,
+            "dedup_records",
+        ),
+        (
+            "DELETE FROM dedup_records WHERE (tableoid, ctid) IN (SELECT tableoid, ctid \
+             FROM dedup_records WHERE scope = ANY($1::text[]) AND key >= $3 \
+             AND kt >= date '1970-01-01' LIMIT $2)",
             scopes,
+            Some(keys_from.as_bytes()),
             "dedup_records",
         ),
         (
             "DELETE FROM dedup_bench_ledger WHERE ctid IN (SELECT ctid FROM dedup_bench_ledger \
              WHERE run = ANY($1::text[]) LIMIT $2)",
             vec![run_id.to_owned()],
+            None,
             "dedup_bench_ledger",
         ),
         (
             "DELETE FROM dedup_bench_usual WHERE ctid IN (SELECT ctid FROM dedup_bench_usual \
              WHERE starts_with(key, ($1::text[])[1]) LIMIT $2)",
             vec![format!("{run_id}:")],
+            None,
             "dedup_bench_usual",
         ),
     ] {
         let mut deleted = 0;
         let error = loop {
-            match sqlx::query(sql)
-                .bind(arg.clone())
-                .bind(CLEANUP_BATCH)
-                .execute(pool)
-                .await
-            {
+            let mut query = sqlx::query(sql).bind(arg.clone()).bind(CLEANUP_BATCH);
+            if let Some(from) = from {
+                query = query.bind(from);
+            }
+            match query.execute(pool).await {
                 Ok(d) if d.rows_affected() > 0 => deleted += d.rows_affected(),
                 Ok(_) => break None,
                 // (a) and (a') did not run, ever: no table, no rows.
@@ -839,7 +862,7 @@ async fn cleanup(pool: &PgPool, run_id: &str) -> Cleaned {
             }
         };
         match what {
-            "dedup_records" => cleaned.records = deleted,
+            "dedup_records" => cleaned.records += deleted,
             "dedup_bench_ledger" => cleaned.ledger = deleted,
             _ => cleaned.usual = deleted,
         }
@@ -850,9 +873,16 @@ async fn cleanup(pool: &PgPool, run_id: &str) -> Cleaned {
     cleaned
 }
 
+/// The text every UUIDv7 made at `unix_ms` or later sorts at or after: its first 48 bits, as
+/// the key's text writes them (`tttttttt-tttt`). Every time-ordered key of this bench is made
+/// at its start or later ([`EventKeys::new`]).
+fn keys_floor(unix_ms: u64) -> String {
+    format!("{:08x}-{:04x}", unix_ms >> 16, unix_ms & 0xffff)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{EventKeys, Keys};
+    use super::{EventKeys, Keys, keys_floor};
     use dedup_core::{IdempotencyKey, Scope};
 
     /// `--keys timed`: the random ids of `--keys uuid`, each keyed with its event's time as
@@ -881,5 +911,30 @@ mod tests {
         assert_ne!(keys.of(7), other.of(7), "each run's keys are its own");
         assert_eq!(Keys::Timed.window(), Keys::Uuidv7.window());
         assert!(Keys::Timed.time_ordered() && !Keys::Uuid.time_ordered());
+    }
+
+    /// The cleanup finds a run's time-ordered keys from the floor of the bench's start: every
+    /// key made then or later sorts at or after it, and one made a millisecond before, before.
+    #[test]
+    fn time_ordered_keys_sort_after_the_floor_of_their_time() {
+        let ms = 1_795_000_000_123_u64;
+        let floor = keys_floor(ms);
+        assert_eq!(floor.len(), 13);
+        for shape in [Keys::Uuidv7, Keys::Timed] {
+            for (at, id) in [(ms, 0), (ms, 31), (ms + 1, 5), (ms + 86_400_000, 9)] {
+                let keys = EventKeys {
+                    shape,
+                    salt: 0x77,
+                    unix_ms: at,
+                };
+                assert!(keys.of(id).as_str() >= floor.as_str(), "{shape:?} {at}");
+            }
+            let before = EventKeys {
+                shape,
+                salt: 0x77,
+                unix_ms: ms - 1,
+            };
+            assert!(before.of(0).as_str() < floor.as_str(), "{shape:?}");
+        }
     }
 }

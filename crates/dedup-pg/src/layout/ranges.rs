@@ -448,10 +448,16 @@ pub(super) async fn make_table(
             if there {
                 return Ok(());
             }
-            // The schema's quoted name and a fixed prefix and a date: nothing from outside.
+            // The schema's quoted name and a fixed prefix and a date: nothing from outside. The
+            // primary key leads with the key: time-ordered keys of every scope then land at its
+            // right edge, whose pages split full. Led by the scope, each scope but the last
+            // sorting one inserts in the middle, where a page splits in halves that stay half
+            // full (116 bytes a record against 74 for three scopes, docs/PERFORMANCE.md). Both
+            // orders find a key by its scope and key alike, and the parent has no index whose
+            // columns a partition's must match.
             tx.execute(sqlx::AssertSqlSafe(format!(
                 "CREATE TABLE {table} (LIKE dedup_records INCLUDING DEFAULTS \
-                 INCLUDING CONSTRAINTS, PRIMARY KEY (scope, key))"
+                 INCLUDING CONSTRAINTS, PRIMARY KEY (key, scope))"
             )))
             .await?;
             tx.execute(sqlx::AssertSqlSafe(index)).await?;
