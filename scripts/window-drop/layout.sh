@@ -7,6 +7,8 @@
 # The dates are those of the sitting of 2026-11-28 (the 10M range is due for dropping from
 # 2026-11-24, and the ranges reach 2026-12-07): shift them to measure on another day.
 # Needs PGURL (a server, e.g. postgres://postgres@127.0.0.1:55432) and DEDUP (the binary).
+# RANGE_PK: the ranges' primary key columns, "key, scope" as the retention makes them since the
+# twenty-seventh session (the default), or "scope, key" as before.
 set -e
 DB=$1
 U=$PGURL/$DB
@@ -14,7 +16,7 @@ psql "$PGURL/postgres" -qc "DROP DATABASE IF EXISTS $DB" -c "CREATE DATABASE $DB
 "$DEDUP" migrate --database-url "$U" > /dev/null
 [ "$2" = "single" ] && exit 0
 "$DEDUP" migrate --database-url "$U" --partition-by-key-time > /dev/null
-psql -v ON_ERROR_STOP=1 -q "$U" <<'SQL'
+psql -v ON_ERROR_STOP=1 -v pk="${RANGE_PK:-key, scope}" -q "$U" <<'SQL'
 DO $d$
 DECLARE def text; t0 text;
 BEGIN
@@ -31,17 +33,17 @@ DO $x$ DECLARE r record; BEGIN
   ALTER TABLE dedup_records DETACH PARTITION dedup_records_future;
   ALTER TABLE dedup_records ATTACH PARTITION dedup_records_future FOR VALUES FROM ('2026-12-07') TO (MAXVALUE);
 END $x$;
-CREATE TABLE dedup_records_20261101 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-01') TO ('2026-11-02');
+CREATE TABLE dedup_records_20261101 PARTITION OF dedup_records (PRIMARY KEY (:pk)) FOR VALUES FROM ('2026-11-01') TO ('2026-11-02');
 CREATE INDEX dedup_records_20261101_expires_at_brin ON dedup_records_20261101 USING brin (expires_at);
-CREATE TABLE dedup_records_20261102 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-02') TO ('2026-11-09');
+CREATE TABLE dedup_records_20261102 PARTITION OF dedup_records (PRIMARY KEY (:pk)) FOR VALUES FROM ('2026-11-02') TO ('2026-11-09');
 CREATE INDEX dedup_records_20261102_expires_at_brin ON dedup_records_20261102 USING brin (expires_at);
-CREATE TABLE dedup_records_20261109 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-09') TO ('2026-11-16');
+CREATE TABLE dedup_records_20261109 PARTITION OF dedup_records (PRIMARY KEY (:pk)) FOR VALUES FROM ('2026-11-09') TO ('2026-11-16');
 CREATE INDEX dedup_records_20261109_expires_at_brin ON dedup_records_20261109 USING brin (expires_at);
-CREATE TABLE dedup_records_20261116 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-16') TO ('2026-11-23');
+CREATE TABLE dedup_records_20261116 PARTITION OF dedup_records (PRIMARY KEY (:pk)) FOR VALUES FROM ('2026-11-16') TO ('2026-11-23');
 CREATE INDEX dedup_records_20261116_expires_at_brin ON dedup_records_20261116 USING brin (expires_at);
-CREATE TABLE dedup_records_20261123 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-23') TO ('2026-11-30');
+CREATE TABLE dedup_records_20261123 PARTITION OF dedup_records (PRIMARY KEY (:pk)) FOR VALUES FROM ('2026-11-23') TO ('2026-11-30');
 CREATE INDEX dedup_records_20261123_expires_at_brin ON dedup_records_20261123 USING brin (expires_at);
-CREATE TABLE dedup_records_20261130 PARTITION OF dedup_records (PRIMARY KEY (scope, key)) FOR VALUES FROM ('2026-11-30') TO ('2026-12-07');
+CREATE TABLE dedup_records_20261130 PARTITION OF dedup_records (PRIMARY KEY (:pk)) FOR VALUES FROM ('2026-11-30') TO ('2026-12-07');
 CREATE INDEX dedup_records_20261130_expires_at_brin ON dedup_records_20261130 USING brin (expires_at);
 SQL
 psql -Atc "SELECT pg_get_functiondef('dedup_kt(bytea)'::regprocedure)" "$U" | grep -o "GREATEST([^)]*)[^)]*)"
