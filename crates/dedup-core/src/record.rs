@@ -213,7 +213,7 @@ pub struct Record {
     pub state: State,
     /// The holder of the lease, or the last holder of a released or failed record. `None` for a
     /// completed record: nothing reads its owner once the effect is recorded (a record completed
-    /// by a binary older than schema generation 10 may still carry one).
+    /// by a binary older than schema generation 11 may still carry one).
     pub owner: Option<OwnerId>,
     /// The token of the last claim or takeover.
     pub token: FencingToken,

@@ -55,7 +55,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 10;
+pub const SCHEMA_GENERATION: i32 = 11;
 
 /// The table [`MIGRATOR`] records dedup's applied migrations in.
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";

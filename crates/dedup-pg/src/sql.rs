@@ -156,7 +156,7 @@ pub(crate) const EXHAUST_SQL: &str = concat!(
 );
 
 /// Every fenced end of a lease (complete, release, fail): applies only under the live token. A
-/// completed record keeps no owner (migration 20261204000001); a released or failed one keeps its
+/// completed record keeps no owner (migration 20261205000001); a released or failed one keeps its
 /// last holder's. $1 scope, $2 key, $3 token, $4 new state, $5 result, $6 failure, $7 retention
 /// (µs).
 pub(crate) const FINISH_SQL: &str = concat!(
@@ -258,7 +258,7 @@ pub(crate) const FRESH_SQL: &str = concat!(
 /// (one row version per key instead of a claim and a completion). Answers the keys it wrote; a
 /// key missing from the answer was written meanwhile by a writer that does not take the batch's
 /// advisory locks (a lease-mode claim), and the batch must not commit. A completed record keeps
-/// no owner (migration 20261204000001): the owners are bound, as for [`INSERT_CLAIMED_SQL`], and
+/// no owner (migration 20261205000001): the owners are bound, as for [`INSERT_CLAIMED_SQL`], and
 /// not written.
 /// $1 scopes, $2 keys, $3 owners, $4 tokens, $5 fingerprints, $6 results, $7 retentions (µs).
 pub(crate) const INSERT_COMPLETED_SQL: &str = concat!(

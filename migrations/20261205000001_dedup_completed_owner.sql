@@ -1,12 +1,12 @@
--- Generation 10: a completed record keeps no owner. The owner id says who holds a lease; once the
+-- Generation 11: a completed record keeps no owner. The owner id says who holds a lease; once the
 -- effect is recorded nothing reads it (a completion is fenced by its token, an unknown outcome
 -- is read back by state and token, adoption and recovery look only at live leases), and on every
 -- record of the window it took 20 to 40 bytes (`OwnerIds::for_process` makes ids such as
 -- `pid4711-6606d9c5b4a3e-0#12345`, 29 bytes): about a tenth of a completed record on disk
 -- (docs/PERFORMANCE.md, "A completed record keeps no owner"). The batch completion clears it
--- here; a binary of generation 10 clears it in its single completion and writes none in
+-- here; a binary of generation 11 clears it in its single completion and writes none in
 -- transaction mode's insert of completed records. Same signature, same answer: binaries of
--- generation 9 and older use the function as it is, and a record one of them completes keeps its
+-- generation 10 and older use the function as it is, and a record one of them completes keeps its
 -- owner, which nothing reads. The floor stays.
 CREATE OR REPLACE FUNCTION dedup_complete_batch(
     p_scopes text[], p_keys bytea[], p_tokens int8[], p_results bytea[], p_rets int8[]
@@ -39,4 +39,4 @@ BEGIN
 END
 $$;
 
-UPDATE dedup_schema SET generation = 10;
+UPDATE dedup_schema SET generation = 11;
