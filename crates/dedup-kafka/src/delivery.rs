@@ -134,6 +134,10 @@ pub fn extract_key(
         // The id only goes into the key's digest: it may be longer than a key.
         KeySource::Timed { id, time } => {
             let id = key_text(id, scope, delivery)?;
+            // An empty id is a bad key whatever the time says: dead-lettered, as a plain key.
+            if id.is_empty() {
+                return Err(InputError::EmptyKey.into());
+            }
             let ms = event_time(time, delivery)?;
             Ok(IdempotencyKey::timed(scope.clone(), ms, id)?)
         }
@@ -233,6 +237,11 @@ fn event_time(source: &EventTime, delivery: &Delivery) -> Result<u64, KeyError> 
 pub fn event_time_ms(text: &str) -> Option<u64> {
     if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
         return text.parse().ok();
+    }
+    // RFC 3339 separates the date and the time by `T` (or `t`, or a space by its note); the
+    // parser takes any one byte there, which another release may not.
+    if !matches!(text.as_bytes().get(10), Some(b'T' | b't' | b' ')) {
+        return None;
     }
     let at =
         time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()?;
@@ -355,6 +364,7 @@ mod tests {
             "\"2026-11-18T11:06:40\"",
             "\"2026-02-30T11:06:40Z\"",
             "\"2026-11-18\"",
+            "\"2026-11-18_11:06:40.123Z\"",
             "\"Wed, 18 Nov 2026 11:06:40 GMT\"",
         ] {
             let err = extract_key(&by_json, &scope, &json(bad)).expect_err("a bad time");
@@ -375,6 +385,12 @@ mod tests {
             let err = extract_key(&by_header, &scope, &headers(bad)).expect_err("a bad time");
             assert!(matches!(err, KeyError::BadTime { .. }), "{bad:?}: {err:?}");
         }
+        // An empty id is a bad key (dead-lettered) even where the time is missing.
+        let empty = Delivery::new("t", 0, 6).with_header("event-id", "");
+        assert!(matches!(
+            extract_key(&by_header, &scope, &empty),
+            Err(KeyError::Invalid(InputError::EmptyKey))
+        ));
         // An id longer than a key may be: only its digest goes into the key.
         let long = "i".repeat(dedup_core::MAX_KEY_LEN + 1);
         let d = Delivery::new("t", 0, 5)

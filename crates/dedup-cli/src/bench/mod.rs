@@ -802,52 +802,48 @@ async fn cleanup(pool: &PgPool, run_id: &str, keys_from: &str) -> Cleaned {
         .map(|t| format!("bench-{t}-{run_id}"))
         .collect();
     let mut cleaned = Cleaned::default();
-    for (sql, arg, from, what) in [
+    // The time-ordered records first, in the ranges of days, whose primary key leads with the
+    // key (layout/ranges.rs): found from the first key this bench can have made, page after
+    // page in the order of the keys (a range's rows are not found by their scope alone but by
+    // reading all of it, and without the pages each statement would read again past the rows
+    // the last one deleted and the other scopes' keys since the bench began).
+    match cleanup_time_ordered(pool, &scopes, keys_from).await {
+        Ok(n) => cleaned.records += n,
+        Err(e) => cleaned.errors.push(format!("dedup_records: {e}")),
+    }
+    for (sql, arg, what) in [
         // A ctid is a row's place in its own table: on the partitioned table, with the
-        // partition's oid beside it. The records in two statements, each of which an index
-        // finds: the keys without a time (every key of the single table, whose `kt` is
-        // `-infinity`; the untimed partition), found by the scope that leads its primary key;
-        // and the time-ordered ones, in the ranges of days, whose primary key leads with the
-        // key (layout/ranges.rs), found from the first key this bench can have. A range's
-        // rows are not found by their scope alone but by reading all of it.
+        // partition's oid beside it. Then the keys without a time (every key of the single
+        // table, whose `kt` is `-infinity`; the untimed partition), found by the scope that
+        // leads its primary key.
         (
             "DELETE FROM dedup_records WHERE (tableoid, ctid) IN (SELECT tableoid, ctid \
              FROM dedup_records WHERE scope = ANY($1::text[]) AND kt < date '1970-01-01' \
              LIMIT $2)",
-            scopes.clone(),
-            None,
-            "dedup_records",
-        ),
-        (
-            "DELETE FROM dedup_records WHERE (tableoid, ctid) IN (SELECT tableoid, ctid \
-             FROM dedup_records WHERE scope = ANY($1::text[]) AND key >= $3 \
-             AND kt >= date '1970-01-01' LIMIT $2)",
             scopes,
-            Some(keys_from.as_bytes()),
             "dedup_records",
         ),
         (
             "DELETE FROM dedup_bench_ledger WHERE ctid IN (SELECT ctid FROM dedup_bench_ledger \
              WHERE run = ANY($1::text[]) LIMIT $2)",
             vec![run_id.to_owned()],
-            None,
             "dedup_bench_ledger",
         ),
         (
             "DELETE FROM dedup_bench_usual WHERE ctid IN (SELECT ctid FROM dedup_bench_usual \
              WHERE starts_with(key, ($1::text[])[1]) LIMIT $2)",
             vec![format!("{run_id}:")],
-            None,
             "dedup_bench_usual",
         ),
     ] {
         let mut deleted = 0;
         let error = loop {
-            let mut query = sqlx::query(sql).bind(arg.clone()).bind(CLEANUP_BATCH);
-            if let Some(from) = from {
-                query = query.bind(from);
-            }
-            match query.execute(pool).await {
+            match sqlx::query(sql)
+                .bind(arg.clone())
+                .bind(CLEANUP_BATCH)
+                .execute(pool)
+                .await
+            {
                 Ok(d) if d.rows_affected() > 0 => deleted += d.rows_affected(),
                 Ok(_) => break None,
                 // (a) and (a') did not run, ever: no table, no rows.
@@ -871,6 +867,39 @@ async fn cleanup(pool: &PgPool, run_id: &str, keys_from: &str) -> Cleaned {
         }
     }
     cleaned
+}
+
+/// Deletes the records of `scopes` in the ranges of days (`kt` from 1970 on) whose key sorts
+/// at or after `keys_from`, `CLEANUP_BATCH` a statement in the order of the keys, each statement
+/// going on from the last key the one before it deleted. Says how many.
+async fn cleanup_time_ordered(
+    pool: &PgPool,
+    scopes: &[String],
+    keys_from: &str,
+) -> Result<u64, sqlx::Error> {
+    let mut from = keys_from.as_bytes().to_vec();
+    let mut deleted = 0_u64;
+    loop {
+        let (gone, last): (i64, Option<Vec<u8>>) = sqlx::query_as(
+            "WITH doomed AS MATERIALIZED (SELECT tableoid, ctid, key FROM dedup_records \
+               WHERE scope = ANY($1::text[]) AND key >= $3 AND kt >= date '1970-01-01' \
+               ORDER BY key LIMIT $2), \
+             gone AS (DELETE FROM dedup_records \
+               WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM doomed) RETURNING 1) \
+             SELECT (SELECT count(*) FROM gone), \
+               (SELECT key FROM doomed ORDER BY key DESC LIMIT 1)",
+        )
+        .bind(scopes)
+        .bind(CLEANUP_BATCH)
+        .bind(&from)
+        .fetch_one(pool)
+        .await?;
+        deleted += u64::try_from(gone).unwrap_or(0);
+        match last {
+            Some(last) if gone > 0 => from = last,
+            _ => return Ok(deleted),
+        }
+    }
 }
 
 /// The text every UUIDv7 made at `unix_ms` or later sorts at or after: its first 48 bits, as

@@ -86,11 +86,12 @@ impl Parts {
         let (schema, cols): (String, String) =
             sqlx::query_as(SCHEMA_SQL).fetch_one(&mut *conn).await?;
         // Written into statements (and format() strings in DO blocks): a schema whose quoted
-        // name holds a quote, `%` or `$` would break them.
-        if schema.contains(['\'', '%', '$']) {
+        // name holds a quote, `%` or `$` would break them, and a backslash would read another
+        // way in a string literal where `standard_conforming_strings` is off.
+        if schema.contains(['\'', '%', '$', '\\']) {
             return Err(sqlx::Error::Protocol(format!(
-                "the schema of dedup_records ({schema}) has a quote, % or $ in its name: \
-                 ranges of days are not kept in it"
+                "the schema of dedup_records ({schema}) has a quote, %, $ or backslash in its \
+                 name: ranges of days are not kept in it"
             )));
         }
         Ok(Self(
