@@ -96,6 +96,11 @@
 //! );
 //! let key = extract_key(&timed, &scope, &event)?;
 //! assert_eq!(key.uuid7_millis(), Some(1_795_000_000_123));
+//! // The same time as RFC 3339 text (CloudEvents' `time`) is the same key.
+//! let rfc3339 = Delivery::new("payments", 0, 44).with_payload(
+//!     r#"{"id": "9b2e6f1c-58d4-4c1a-a3f0-2d7e8b9c0a15", "at_ms": "2026-11-18T11:06:40.123Z"}"#,
+//! );
+//! assert_eq!(extract_key(&timed, &scope, &rfc3339)?, key);
 //! # Ok(()) }
 //! ```
 

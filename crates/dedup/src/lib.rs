@@ -88,7 +88,7 @@ pub mod kafka {
     pub use dedup_kafka::{
         Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, EventTime, KeySource,
         KillSwitch, MissingKey, Ordering, OrderingKey, Parking, RunnerError, RunnerStats,
-        StatsHandle,
+        StatsHandle, event_time_ms,
     };
 }
 

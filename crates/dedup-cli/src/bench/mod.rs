@@ -161,9 +161,7 @@ impl EventKeys {
     /// than its ids' times (one millisecond every 32 ids).
     fn new(shape: Keys, salt: u64, unique: u64) -> Self {
         static NEXT_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let now = unix_ms_now();
         let span = unique / 32 + 1;
         let unix_ms = NEXT_MS
             .fetch_update(
@@ -289,11 +287,7 @@ impl Outcome {
 
 pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     // Before any run's keys are made: they are all made at this time or later.
-    let keys_from = keys_floor(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-    );
+    let keys_from = keys_floor(unix_ms_now());
     if !(0.0..1.0).contains(&args.duplicates) || args.events == 0 || args.concurrency == 0 {
         return Err(CliError::Config(
             "--duplicates must be in [0, 1), --events and --concurrency above 0".into(),
@@ -900,6 +894,14 @@ async fn cleanup_time_ordered(
             _ => return Ok(deleted),
         }
     }
+}
+
+/// The wall clock in milliseconds since the Unix epoch: the time of the bench's time-ordered
+/// keys, and of the floor its cleanup finds them from.
+fn unix_ms_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The text every UUIDv7 made at `unix_ms` or later sorts at or after: its first 48 bits, as
