@@ -1,10 +1,10 @@
 //! What refuses a writer that leaves `kt` out of a record on the table partitioned by the key's
-//! time (docs/ARCHITECTURE.md, invariant 36): since generation 10, `kt` has no default there, so
-//! such a writer's `kt` is NULL, which no partition takes. Generations 7 to 9 checked
-//! `kt = dedup_kt(key)` on the parent instead, compiled again by every statement that wrote,
-//! and kept the default; the retention's round drops both from a table they switched and from a
-//! table they made and did not attach, as a change of the partitions (held back while the
-//! table's lock is not had).
+//! time (docs/ARCHITECTURE.md, invariant 36): since 00d3a16 (a binary of generation 9 and every
+//! later one), `kt` has no default there, so such a writer's `kt` is NULL, which no partition
+//! takes. Binaries of generations 7 to 9 before it checked `kt = dedup_kt(key)` on the parent
+//! instead, compiled again by every statement that wrote, and kept the default; the retention's
+//! round drops both from a table they switched and from a table they made and did not attach, as
+//! a change of the partitions (held back while the table's lock is not had).
 
 use std::time::SystemTime;
 
