@@ -899,9 +899,7 @@ async fn cleanup_time_ordered(
 /// The wall clock in milliseconds since the Unix epoch: the time of the bench's time-ordered
 /// keys, and of the floor its cleanup finds them from.
 fn unix_ms_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    u64::try_from(dedup_core::Timestamp::now().as_micros() / 1000).unwrap_or(0)
 }
 
 /// The text every UUIDv7 made at `unix_ms` or later sorts at or after: its first 48 bits, as
