@@ -59,6 +59,13 @@ where
     }
 }
 
+/// Whether `lease` is its key's last attempt under its policy: a retryable failure now fails the
+/// key.
+pub(crate) fn last_attempt(lease: &dedup_core::LeaseContext) -> bool {
+    let l = lease.lease();
+    l.attempts >= l.policy.max_attempts
+}
+
 /// A message is retried until it settles, so a handler's `Withdraw` (give the key back, spend no
 /// attempt) would retry it without end: the runner counts it as a retryable failure.
 pub(crate) fn no_withdraw<T, E>(r: Result<T, HandlerError<E>>) -> Result<T, HandlerError<E>> {

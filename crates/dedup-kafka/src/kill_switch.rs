@@ -13,6 +13,18 @@
 //! [`KillSwitch::pause`] it **probes**: runs resume, the first success closes the switch, the
 //! first failure opens it again for another pause.
 //!
+//! **Lease mode withdraws nothing.** A withdrawal gives the key back as if its run had not
+//! happened, which is right where the effect rolled back with its transaction (transaction
+//! mode), and wrong where the effect is outside (lease mode): a handler that charged a card and
+//! then failed would charge again on every probe. So in lease mode a failure is recorded as it
+//! is, its attempt counted, whatever the switch says ([`Breaker::judge_lease`]); a failure that
+//! is final (`Permanent`, or a retryable one on the key's last attempt) while the switch is
+//! suspect, open or probing is **held**: its task keeps the lease (heartbeating) and waits, the
+//! failure neither recorded nor dead-lettered nor run again, until the switch is closed again
+//! (a success elsewhere, or after a probe); then it is recorded as it is. A runner that stops
+//! meanwhile records it as it is too. The attempt limit holds across the switch opening and
+//! closing.
+//!
 //! What it cannot tell apart: a run of consecutive poison messages in one ordering group looks
 //! like an outage, and holds that group (and, while open, the runner) until a message succeeds;
 //! use the activation threshold (`suspect_after`, `min_failures`) to say how long such a run may
@@ -135,6 +147,9 @@ struct State {
     consecutive: u32,
 }
 
+/// How often a held failure looks whether the switch closed.
+const HELD_LOOK: Duration = Duration::from_millis(100);
+
 /// A runner's switch, shared by its loop and its messages' tasks.
 #[derive(Debug)]
 pub(crate) struct Breaker {
@@ -245,6 +260,16 @@ impl Breaker {
     /// A handler run failed: answers whether its failure is to be withdrawn (the switch was
     /// suspect, open or probing, or is now).
     pub(crate) fn failure(&self) -> bool {
+        let wary = self.failed();
+        if wary {
+            self.counters.kill_switch_withdrawn.add(1);
+        }
+        wary
+    }
+
+    /// A handler run failed: counts it, and answers whether the switch was suspect, open or
+    /// probing, or is now.
+    fn failed(&self) -> bool {
         let Some(cfg) = self.cfg else {
             return false;
         };
@@ -274,10 +299,57 @@ impl Breaker {
                 s.consecutive >= cfg.suspect_after || s.phase != Phase::Closed
             }
         };
-        if withdraw {
-            self.counters.kill_switch_withdrawn.add(1);
-        }
         withdraw
+    }
+
+    /// Lease mode's judgement of a handler's answer (module docs, *Lease mode withdraws
+    /// nothing*): the answer is given back as it is, never withdrawn; but a final failure
+    /// (`Permanent`, or a retryable one when `last_attempt`) while the switch is wary is first
+    /// held here, its lease kept, until the switch is closed or `stopping` is set. `held` is
+    /// called when the hold starts and `freed` when it ends.
+    pub(crate) async fn judge_lease<T, E>(
+        &self,
+        r: Result<T, HandlerError<E>>,
+        last_attempt: bool,
+        stopping: &watch::Receiver<bool>,
+        held: impl FnOnce(),
+        freed: impl FnOnce(),
+    ) -> Result<T, HandlerError<E>> {
+        if self.cfg.is_none() {
+            return r;
+        }
+        let final_failure = match &r {
+            Ok(_) => {
+                self.success();
+                return r;
+            }
+            Err(HandlerError::Permanent(_)) => true,
+            Err(HandlerError::Retryable(_) | HandlerError::Withdraw(_)) => last_attempt,
+            Err(_) => false,
+        };
+        if !self.failed() || !final_failure {
+            return r;
+        }
+        self.counters.kill_switch_held.add(1);
+        warn!("kill switch: a final failure held, its lease kept, until the switch closes");
+        held();
+        self.until_closed(stopping).await;
+        freed();
+        r
+    }
+
+    /// Waits until the switch is neither open, probing nor suspect, or `stopping` is set.
+    async fn until_closed(&self, stopping: &watch::Receiver<bool>) {
+        let mut stopping = stopping.clone();
+        let mut phase = self.phase.subscribe();
+        while self.wary() && !*stopping.borrow() {
+            // A success that ends a suspicion changes no phase: looked at again now and then.
+            tokio::select! {
+                _ = phase.changed() => {}
+                _ = stopping.changed() => {}
+                () = tokio::time::sleep(HELD_LOOK) => {}
+            }
+        }
     }
 
     fn open(&self, s: &mut State, cfg: KillSwitch, why: &'static str) {

@@ -128,6 +128,7 @@ pub(crate) struct Counters {
     pub(crate) parked_oldest_ms: Counter,
     pub(crate) kill_switch_trips: Counter,
     pub(crate) kill_switch_withdrawn: Counter,
+    pub(crate) kill_switch_held: Counter,
     pub(crate) kill_switch_open: Counter,
     pub(crate) partitions: Counter,
     pub(crate) last_turn_ms: Counter,
@@ -180,6 +181,7 @@ impl StatsHandle {
             parked_oldest_ms: c.parked_oldest_ms.get(),
             kill_switch_trips: c.kill_switch_trips.get(),
             kill_switch_withdrawn: c.kill_switch_withdrawn.get(),
+            kill_switch_held: c.kill_switch_held.get(),
             kill_switch_open: c.kill_switch_open.get(),
             partitions: c.partitions.get(),
             last_turn_ms: c.last_turn_ms.get(),
@@ -251,8 +253,12 @@ pub struct RunnerStats {
     /// [`KillSwitch`](crate::KillSwitch)), a failed probe included.
     pub kill_switch_trips: u64,
     /// Handler failures withdrawn (the key given back unspent, the message retried later)
-    /// because the kill switch was suspect, open or probing.
+    /// because the kill switch was suspect, open or probing (transaction mode only: lease mode
+    /// withdraws nothing).
     pub kill_switch_withdrawn: u64,
+    /// Lease mode: final failures held (their lease kept, neither recorded nor run again) while
+    /// the kill switch was suspect, open or probing, until it closed.
+    pub kill_switch_held: u64,
     /// 1 while the kill switch is open (no messages taken), else 0.
     pub kill_switch_open: u64,
     /// Partitions this member owns now.

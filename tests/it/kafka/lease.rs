@@ -62,7 +62,7 @@ async fn lease_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_
     )
     .await;
     let stats = run.stats.clone();
-    super::kill_switch::outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
+    super::kill_switch::outage(broker, &pool, &topic, &group, &stats, &broken, &calls, true).await;
     run.stop().await;
 }
 

@@ -137,7 +137,10 @@ async fn tx_a_handler_that_fails_everything_for_a_while_trips_the_switch_and_los
     };
     let run = RunningTx::spawn(config, &pool, handler).await;
     let stats = run.stats.clone();
-    super::kill_switch::outage(broker, &pool, &topic, &group, &stats, &broken, &calls).await;
+    super::kill_switch::outage(
+        broker, &pool, &topic, &group, &stats, &broken, &calls, false,
+    )
+    .await;
     run.stop().await;
 }
 

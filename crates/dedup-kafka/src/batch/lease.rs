@@ -24,7 +24,7 @@ use super::{Batching, Done, Item, run_loop};
 use crate::config::RunnerConfig;
 use crate::consumer::Settled;
 use crate::consumer::{TopicPartition, refused_or};
-use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
+use crate::handler::{Handler, attempts_of, last_attempt, no_withdraw, panic_message};
 use crate::start::{RunnerError, Started, scope_of, start};
 use crate::stats::{Counters, RunnerStats, StatsHandle};
 
@@ -200,10 +200,17 @@ where
         let answers = self
             .dedup
             .process_batch(&batch, |k, lease| {
-                handler
-                    .handle(items[k].delivery.clone(), Some(lease))
-                    .map(no_withdraw)
-                    .map(|r| self.common.breaker.judge(r))
+                let last = last_attempt(&lease);
+                let delivery = items[k].delivery.clone();
+                async move {
+                    let r = no_withdraw(handler.handle(delivery, Some(lease)).await);
+                    // Lease mode withdraws nothing; a final failure while the switch is wary
+                    // holds its batch until the switch closes.
+                    self.common
+                        .breaker
+                        .judge_lease(r, last, &self.common.stopping, || {}, || {})
+                        .await
+                }
             })
             .await;
         self.common.counters.batches.add(1);

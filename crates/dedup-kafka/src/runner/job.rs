@@ -26,7 +26,7 @@ use crate::config::{MissingKey, RunnerConfig};
 use crate::consumer::Settled;
 use crate::dead_letter::DeadLetters;
 use crate::delivery::KeyError;
-use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
+use crate::handler::{Handler, attempts_of, last_attempt, no_withdraw, panic_message};
 use crate::kill_switch::Breaker;
 use crate::stats::Counters;
 
@@ -154,6 +154,8 @@ where
             let granted = AtomicBool::new(false);
             let granted_ref = &granted;
             let unblock = blocked.then(|| (events.clone(), job.lane.clone()));
+            let stopping = &self.stopping;
+            let lane = &job.lane;
             let out = self
                 .dedup
                 .try_process(key, fingerprint, move |lease| {
@@ -161,10 +163,22 @@ where
                     if let Some((events, lane)) = unblock {
                         let _ = events.send(Event::Unblocked(lane));
                     }
-                    handler
-                        .handle(delivery, Some(lease))
-                        .map(no_withdraw)
-                        .map(|r| breaker.judge(r))
+                    let last = last_attempt(&lease);
+                    async move {
+                        let r = no_withdraw(handler.handle(delivery, Some(lease)).await);
+                        // Lease mode withdraws nothing; a final failure while the switch is
+                        // wary is held, its lane out of the in-flight bound meanwhile (as a
+                        // blocked one), so that other messages can still close the switch.
+                        breaker
+                            .judge_lease(
+                                r,
+                                last,
+                                stopping,
+                                || drop(events.send(Event::Blocked(lane.clone()))),
+                                || drop(events.send(Event::Unblocked(lane.clone()))),
+                            )
+                            .await
+                    }
                 })
                 .await;
             if matches!(out, Err(ProcessError::Panicked { .. })) {

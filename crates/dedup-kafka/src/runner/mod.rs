@@ -31,7 +31,7 @@ pub use park::{AfterGiveUp, Parking};
 
 // What `park` reaches through `super::super`.
 use crate::consumer::Settled;
-use crate::handler::{Handler, attempts_of, no_withdraw, panic_message};
+use crate::handler::{Handler, attempts_of, last_attempt, no_withdraw, panic_message};
 use job::Inner;
 use lanes::{Done, Event, Job, Lane, Loop, Report, count_blocked};
 

@@ -15,11 +15,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::time::Duration;
 
-use dedup_core::{Fingerprint, HandlerError, IdempotencyKey, ProcessError, Scope, Store};
-use futures_util::FutureExt;
+use dedup_core::{Fingerprint, IdempotencyKey, ProcessError, Scope, Store};
 use tracing::{Instrument, debug, error, info_span, warn};
 
-use super::super::{Handler, Inner, Job, Lane, Settled, attempts_of, no_withdraw};
+use super::super::{Handler, Inner, Job, Lane, Settled, attempts_of, last_attempt, no_withdraw};
 use super::{AfterGiveUp, Head, HeadOutcome, HeadRun, ParkCtx, Parked, PartRef, Taken};
 use crate::delivery::{Delivery, extract_key};
 
@@ -39,11 +38,8 @@ enum HeadAnswer<E> {
     Settled(bool),
     /// Checking its result panicked: the reason to dead-letter it with.
     CheckPanicked(String),
-    /// Failed; `withdrawn` if the kill switch withdrew the failure.
-    Failed {
-        err: ProcessError<E>,
-        withdrawn: bool,
-    },
+    /// Failed (never withdrawn: lease mode withdraws nothing).
+    Failed { err: ProcessError<E> },
 }
 
 fn part_ref(ctx: &ParkCtx, lane: &Lane) -> PartRef {
@@ -68,7 +64,8 @@ where
         let Some(ctx) = &self.park else {
             return false;
         };
-        // A kill switch that suspects an outage parks nothing: failures are withdrawn.
+        // A kill switch that suspects an outage parks nothing: the message retries in place (a
+        // final failure held until the switch closes).
         if failed_runs < ctx.cfg.in_place_attempts
             || matches!(err, ProcessError::InFlight { .. } | ProcessError::Store(_))
             || self.breaker.wary()
@@ -342,7 +339,7 @@ where
                     .await;
             }
         };
-        let (err, withdrawn) = match self.process_head(&key, &d).await {
+        let err = match self.process_head(&key, &d).await {
             HeadAnswer::Settled(executed) => {
                 span.record("outcome", if executed { "executed" } else { "replayed" });
                 if executed {
@@ -358,10 +355,10 @@ where
                     .letter_head(&at, at.hold, &d, &reason, head.attempts, Some(&key))
                     .await;
             }
-            HeadAnswer::Failed { err, withdrawn } => (err, withdrawn),
+            HeadAnswer::Failed { err } => err,
         };
         if err.is_retryable() {
-            return self.defer_head(&at, &head, &key, err, withdrawn).await;
+            return self.defer_head(&at, &head, &key, err).await;
         }
         let attempts = attempts_of(&err, head.attempts + 1);
         span.record("outcome", "dead_lettered");
@@ -380,21 +377,17 @@ where
         let handler = &self.handler;
         let delivery = d.clone();
         let breaker = &self.breaker;
-        let withdrawn = std::sync::atomic::AtomicBool::new(false);
-        let withdrawn_ref = &withdrawn;
+        let stopping = &self.stopping;
         let out = self
             .dedup
             .try_process(key, fingerprint, move |lease| {
-                handler
-                    .handle(delivery, Some(lease))
-                    .map(no_withdraw)
-                    .map(move |r| {
-                        let r = breaker.judge(r);
-                        if matches!(r, Err(HandlerError::Withdraw(_))) {
-                            withdrawn_ref.store(true, AtomicOrdering::Relaxed);
-                        }
-                        r
-                    })
+                let last = last_attempt(&lease);
+                async move {
+                    let r = no_withdraw(handler.handle(delivery, Some(lease)).await);
+                    // Lease mode withdraws nothing (a final failure while the switch is wary
+                    // is held until it closes).
+                    breaker.judge_lease(r, last, stopping, || {}, || {}).await
+                }
             })
             .await;
         if matches!(out, Err(ProcessError::Panicked { .. })) {
@@ -403,10 +396,7 @@ where
         let processed = match out {
             Ok(p) => p,
             Err(err) => {
-                return HeadAnswer::Failed {
-                    err,
-                    withdrawn: withdrawn.load(AtomicOrdering::Relaxed),
-                };
+                return HeadAnswer::Failed { err };
             }
         };
         let check = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -419,7 +409,6 @@ where
                     key: key.clone(),
                     source,
                 },
-                withdrawn: false,
             },
             Err(panic) => {
                 self.counters.panics.add(1);
@@ -432,19 +421,16 @@ where
     }
 
     /// A head that may still succeed waits in its row until its next run: an attempt spent
-    /// only if its handler ran and failed (not for a key held elsewhere, a store error, or a
-    /// withdrawal by the kill switch).
+    /// only if its handler ran and failed (not for a key held elsewhere or a store error).
     async fn defer_head(
         &self,
         at: &HeadAt<'_>,
         head: &Head,
         key: &IdempotencyKey,
         err: ProcessError<H::Error>,
-        withdrawn: bool,
     ) -> HeadRun {
         let (spent, what) = match &err {
             ProcessError::InFlight { .. } | ProcessError::Store(_) => (head.attempts, "waiting"),
-            _ if withdrawn => (head.attempts, "withdrawn"),
             _ => (head.attempts + 1, "failed"),
         };
         tracing::Span::current().record("outcome", what);
