@@ -19,7 +19,8 @@ use dedup_core::StoreError;
 use super::expiry;
 use super::expiry::Expiry;
 use super::locks::{
-    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Touched, holders_check, lock_unchanged, locked, oids_of,
+    MAKER_LOCK_CLASS, MAKER_LOCK_SQL, NAMED_OIDS, Touched, holders_check, lock_unchanged, locked,
+    name_tables,
 };
 use super::policy::RangePolicy;
 use super::ranges::{Parts, Step, civil, count_limit, lock_busy, make_table};
@@ -204,16 +205,16 @@ pub(super) async fn drop_ranges(
         Some(_) => late_pages(conn, &late).await.map_err(e)? > LATE_SCAN_PAGES,
     };
     if checked {
+        // `late` (the schema's quoted name and a fixed one), `bound` and the dates (day
+        // numbers): nothing from the catalog; whether the check is there is asked bound.
         let add = format!(
-            "DO $c$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_constraint \
-             WHERE conrelid = '{late}'::regclass AND conname = '{bound}') THEN \
-             ALTER TABLE {late} ADD CONSTRAINT {bound} CHECK (kt >= {from} AND kt < {to}) \
-             NOT VALID; END IF; END $c$",
+            "ALTER TABLE {late} ADD CONSTRAINT {bound} CHECK (kt >= {from} AND kt < {to}) \
+             NOT VALID",
             from = date_literal(late_lo),
             to = date_literal(hi),
         );
         let added = locked(conn, |tx| {
-            let (add, late) = (add.clone(), late.clone());
+            let (add, late, bound) = (add.clone(), late.clone(), bound.clone());
             Box::pin(async move {
                 // One maker at a time: two adding the same check at once, one would fail; and
                 // a maintainer that read the partitions before another dropped this range (and
@@ -226,10 +227,9 @@ pub(super) async fn drop_ranges(
                 // makers' lock commits before it, and the read sees it. Not asked for while
                 // something other than a claim holds `late` (an autovacuum after the purge's
                 // deletes): every claim would queue behind the request.
-                tx.execute(sqlx::AssertSqlSafe(holders_check(&oids_of(
-                    std::slice::from_ref(&late),
-                ))))
-                .await?;
+                name_tables(tx, std::slice::from_ref(&late)).await?;
+                tx.execute(sqlx::AssertSqlSafe(holders_check(NAMED_OIDS)))
+                    .await?;
                 tx.execute(sqlx::AssertSqlSafe(format!(
                     "LOCK TABLE {late} IN ACCESS EXCLUSIVE MODE"
                 )))
@@ -237,7 +237,18 @@ pub(super) async fn drop_ranges(
                 if Parts::read(tx).await?.late().and_then(|l| l.hi) != Some(lo) {
                     return Ok(false);
                 }
-                tx.execute(sqlx::AssertSqlSafe(add)).await.map(|_| true)
+                let there: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM pg_constraint \
+                     WHERE conrelid = $1::regclass AND conname = $2)",
+                )
+                .bind(&late)
+                .bind(&bound)
+                .fetch_one(&mut *tx)
+                .await?;
+                if !there {
+                    tx.execute(sqlx::AssertSqlSafe(add)).await?;
+                }
+                Ok(true)
             })
         })
         .await?;
@@ -315,17 +326,26 @@ pub(super) async fn drop_ranges(
                 "ALTER TABLE dedup_records ATTACH PARTITION {late} FOR VALUES \
                  FROM (date '1970-01-01' + {late_lo}) TO (date '1970-01-01' + {hi})"
             ));
-            // The checks of earlier bounds (the partition's own bounds now imply them; kept,
-            // they would refuse the records copied in).
-            steps.push(format!(
-                "DO $c$ DECLARE c text; BEGIN FOR c IN SELECT conname FROM pg_constraint \
-                 WHERE conrelid = '{late}'::regclass AND conname LIKE 'dedup\\_records\\_late\\_to\\_%' \
-                 AND conname <> '{kept}' LOOP \
-                 EXECUTE format('ALTER TABLE {late} DROP CONSTRAINT %I', c); END LOOP; END $c$"
-            ));
             for step in steps {
                 // Day numbers and the schema's quoted names: nothing from outside.
                 tx.execute(sqlx::AssertSqlSafe(step)).await?;
+            }
+            // The checks of earlier bounds (the partition's own bounds now imply them; kept,
+            // they would refuse the records copied in): found bound, and only names of dedup's
+            // exact making (`dedup_records_late_to_` and a day number) dropped.
+            let old: Vec<String> = sqlx::query_scalar(
+                "SELECT conname::text FROM pg_constraint WHERE conrelid = $1::regclass \
+                 AND conname ~ '^dedup_records_late_to_[0-9]+$' AND conname <> $2",
+            )
+            .bind(&late)
+            .bind(&kept)
+            .fetch_all(&mut *tx)
+            .await?;
+            for check in old {
+                tx.execute(sqlx::AssertSqlSafe(format!(
+                    "ALTER TABLE {late} DROP CONSTRAINT {check}"
+                )))
+                .await?;
             }
             tx.execute(NO_SEQSCAN_SQL).await?;
             let mut moved = Vec::with_capacity(ranges.len());
@@ -382,8 +402,9 @@ async fn counted(
     let mut tx = conn.begin().await?;
     tx.execute(NO_SEQSCAN_SQL).await?;
     // The range's heap pages the lookup reads, counted by the server for this transaction.
-    let pages_sql = format!("SELECT pg_stat_get_xact_blocks_fetched('{range}'::regclass)");
-    let before: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pages_sql.clone()))
+    let pages_sql = "SELECT pg_stat_get_xact_blocks_fetched($1::regclass)";
+    let before: i64 = sqlx::query_scalar(pages_sql)
+        .bind(&range)
         .fetch_one(&mut *tx)
         .await?;
     let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -395,7 +416,8 @@ async fn counted(
     .bind(limit)
     .fetch_one(&mut *tx)
     .await?;
-    let after: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(pages_sql))
+    let after: i64 = sqlx::query_scalar(pages_sql)
+        .bind(&range)
         .fetch_one(&mut *tx)
         .await?;
     tx.commit().await?;
@@ -405,23 +427,35 @@ async fn counted(
 
 /// `late`'s heap in pages, as its file stands.
 async fn late_pages(conn: &mut PgConnection, late: &str) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT pg_relation_size('{late}'::regclass) / current_setting('block_size')::int8"
-    )))
+    sqlx::query_scalar(
+        "SELECT pg_relation_size($1::regclass) / current_setting('block_size')::int8",
+    )
+    .bind(late)
     .fetch_one(&mut *conn)
     .await
 }
 
 /// The ranges dropped and not cleared yet: tables out of the parent named
-/// `dedup_records_gone_...`, each with its indexes.
+/// `dedup_records_gone_YYYYMMDD` (exactly: a name of dedup's making) that the parent's owner
+/// owns, each with its indexes, every name quoted and every relation also by its oid (which is
+/// what the size query binds: a name from the catalog never goes into a literal). Another
+/// role's look-alike is left alone (named in the last column, warned of once).
 const GONE_SQL: &str = "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), \
+     c.oid::int8, \
      array(SELECT quote_ident(n.nspname) || '.' || quote_ident(ic.relname) FROM pg_index i \
      JOIN pg_class ic ON ic.oid = i.indexrelid WHERE i.indrelid = c.oid ORDER BY ic.relname), \
-     (SELECT quote_ident(conname) FROM pg_constraint WHERE conrelid = c.oid AND contype = 'p') \
+     array(SELECT i.indexrelid::int8 FROM pg_index i \
+     JOIN pg_class ic ON ic.oid = i.indexrelid WHERE i.indrelid = c.oid ORDER BY ic.relname), \
+     (SELECT quote_ident(conname) FROM pg_constraint WHERE conrelid = c.oid AND contype = 'p'), \
+     c.relname ~ '^dedup_records_gone_[0-9]{8}$' AND c.relowner = (SELECT relowner \
+     FROM pg_class WHERE oid = 'dedup_records'::regclass), c.relname::text \
      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
      WHERE c.relname LIKE 'dedup\\_records\\_gone\\_%' AND c.relkind = 'r' \
      AND NOT c.relispartition AND n.oid = (SELECT relnamespace FROM pg_class \
      WHERE oid = 'dedup_records'::regclass)";
+
+/// A relation's size in bytes by its oid (0 once it is gone).
+const SIZE_SQL: &str = "SELECT coalesce(pg_total_relation_size($1::oid), 0)";
 
 /// The pause after a piece of a dropped range is cleared, where the piece was large (its unlink
 /// is what slows the claims' WAL flushes beside it).
@@ -434,12 +468,24 @@ const GONE_LARGE: i64 = 64 << 20;
 /// a time with a pause after each large one, outside any lock of the parent's (no one reads
 /// them).
 pub(super) async fn clear_gone(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    let gone: Vec<(String, Vec<String>, Option<String>)> =
-        sqlx::query_as(GONE_SQL).fetch_all(&mut *conn).await?;
-    for (table, indexes, pkey) in gone {
-        // (the statement, the relation whose files it unlinks)
-        let mut steps: Vec<(String, String)> = Vec::new();
-        for index in &indexes {
+    type Gone = (
+        String,
+        i64,
+        Vec<String>,
+        Vec<i64>,
+        Option<String>,
+        bool,
+        String,
+    );
+    let gone: Vec<Gone> = sqlx::query_as(GONE_SQL).fetch_all(&mut *conn).await?;
+    for (table, oid, indexes, index_oids, pkey, ours, name) in gone {
+        if !ours {
+            super::ranges::look_alike("a dropped range's name", &name);
+            continue;
+        }
+        // (the statement, the oid of the relation whose files it unlinks)
+        let mut steps: Vec<(String, i64)> = Vec::new();
+        for (index, index_oid) in indexes.iter().zip(&index_oids) {
             let is_pkey = pkey
                 .as_deref()
                 .is_some_and(|k| index.ends_with(&format!(".{k}")));
@@ -449,16 +495,15 @@ pub(super) async fn clear_gone(conn: &mut PgConnection) -> Result<(), sqlx::Erro
                 }
                 _ => format!("DROP INDEX IF EXISTS {index}"),
             };
-            steps.push((step, index.clone()));
+            steps.push((step, *index_oid));
         }
-        steps.push((format!("DROP TABLE IF EXISTS {table}"), table.clone()));
+        steps.push((format!("DROP TABLE IF EXISTS {table}"), oid));
         for (step, piece) in steps {
-            // Names from the catalog, quoted: nothing from outside.
-            let size: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "SELECT coalesce(pg_total_relation_size(to_regclass('{piece}')), 0)"
-            )))
-            .fetch_one(&mut *conn)
-            .await?;
+            let size: i64 = sqlx::query_scalar(SIZE_SQL)
+                .bind(piece)
+                .fetch_one(&mut *conn)
+                .await?;
+            // Names of dedup's making from the catalog, quoted, outside any literal.
             conn.execute(sqlx::AssertSqlSafe(step)).await?;
             if size > GONE_LARGE {
                 tokio::time::sleep(GONE_PAUSE).await;

@@ -204,13 +204,17 @@ async fn freeze(conn: &mut PgConnection, parts: &Parts, name: &str) -> Result<Fr
         // Skipped (or gone): the next round tries again.
         return Ok(Freeze::Nothing);
     }
-    // Marked only where the range has no comment: an operator's stays. (The name as a literal
-    // too: its quotes doubled.)
-    let literal = table.replace('\'', "''");
-    conn.execute(sqlx::AssertSqlSafe(format!(
-        "DO $m$ BEGIN IF obj_description('{literal}'::regclass, 'pg_class') IS NULL THEN \
-         COMMENT ON TABLE {table} IS '{MARK}'; END IF; END $m$"
-    )))
-    .await?;
+    // Marked only where the range has no comment: an operator's stays. Asked bound (a name
+    // from the catalog never goes into a literal), then marked by its name, of dedup's making.
+    let bare: bool = sqlx::query_scalar("SELECT obj_description($1::regclass, 'pg_class') IS NULL")
+        .bind(&table)
+        .fetch_one(&mut *conn)
+        .await?;
+    if bare {
+        conn.execute(sqlx::AssertSqlSafe(format!(
+            "COMMENT ON TABLE {table} IS '{MARK}'"
+        )))
+        .await?;
+    }
     Ok(Freeze::Frozen(name.to_owned()))
 }

@@ -17,12 +17,15 @@ use crate::classify::classify;
 
 /// The tables of the records' family in the parent's schema (the parent, its partitions, a
 /// table made for a range and not attached yet; not the ones renamed to be dropped) that still
-/// have the check `dedup_records_kt` or a default for `kt`, quoted, the parent first.
+/// have the check `dedup_records_kt` or a default for `kt`, quoted, the parent first. Only names
+/// of dedup's exact making, of tables the parent's owner owns: a look-alike another role made
+/// (with a `kt` default of its own) is not dedup's to change, and would fail every round.
 const LEFT_SQL: &str = "SELECT quote_ident(c.relname) FROM pg_class c \
      WHERE c.relnamespace = (SELECT relnamespace FROM pg_class \
          WHERE oid = 'dedup_records'::regclass) \
-     AND c.relkind IN ('r', 'p') AND c.relname LIKE 'dedup\\_records%' \
-     AND c.relname NOT LIKE 'dedup\\_records\\_gone\\_%' \
+     AND c.relowner = (SELECT relowner FROM pg_class WHERE oid = 'dedup_records'::regclass) \
+     AND c.relkind IN ('r', 'p') \
+     AND c.relname ~ '^dedup_records(_untimed|_late|_future|_[0-9]{8})?$' \
      AND (EXISTS (SELECT 1 FROM pg_constraint k \
              WHERE k.conrelid = c.oid AND k.conname = 'dedup_records_kt') \
          OR EXISTS (SELECT 1 FROM pg_attribute a \

@@ -147,11 +147,13 @@ pub(super) async fn lock_unchanged(
     touched: Touched<'_>,
 ) -> Result<bool, sqlx::Error> {
     let oids = match touched {
-        Touched::All => PARTITION_OIDS.to_owned(),
-        Touched::Only(tables) => oids_of(tables),
+        Touched::All => PARTITION_OIDS,
+        Touched::Only(tables) => {
+            name_tables(tx, tables).await?;
+            NAMED_OIDS
+        }
     };
-    tx.execute(sqlx::AssertSqlSafe(holders_check(&oids)))
-        .await?;
+    tx.execute(sqlx::AssertSqlSafe(holders_check(oids))).await?;
     sqlx::query(MAKER_LOCK_SQL)
         .bind(MAKER_LOCK_CLASS)
         .execute(&mut *tx)
@@ -175,33 +177,20 @@ pub(super) async fn lock_unchanged(
     Ok(true)
 }
 
-/// SQL that yields the oids of `tables` (quoted names) that exist. Each name is an escape
-/// string (`E'...'`, its quotes and backslashes doubled), which reads the same whatever the
-/// session's `standard_conforming_strings`.
-pub(super) fn oids_of(tables: &[String]) -> String {
-    let names: Vec<String> = tables
-        .iter()
-        .map(|t| format!("E'{}'", t.replace('\\', "\\\\").replace('\'', "''")))
-        .collect();
-    format!(
-        "SELECT to_regclass(t)::oid FROM unnest(ARRAY[{}]::text[]) t",
-        names.join(", ")
-    )
-}
+/// SQL that yields the oids of the tables named (quoted) in the transaction's setting
+/// `dedup.tables`, those that exist: set by [`name_tables`], so that no name is ever written
+/// into the statement.
+pub(super) const NAMED_OIDS: &str = "SELECT to_regclass(t)::oid \
+     FROM unnest(current_setting('dedup.tables')::text[]) t";
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_are_escape_strings_whatever_the_session_reads_backslashes_as() {
-        let sql = oids_of(&[
-            r#""a\b".dedup_records_late"#.to_owned(),
-            r#""it's".dedup_records_future"#.to_owned(),
-        ]);
-        assert_eq!(
-            sql,
-            r#"SELECT to_regclass(t)::oid FROM unnest(ARRAY[E'"a\\b".dedup_records_late', E'"it''s".dedup_records_future']::text[]) t"#
-        );
-    }
+/// Sets the transaction's `dedup.tables` to `tables` (quoted names), bound, for [`NAMED_OIDS`].
+pub(super) async fn name_tables(
+    tx: &mut PgConnection,
+    tables: &[String],
+) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT set_config('dedup.tables', $1::text[]::text, true)")
+        .bind(tables)
+        .execute(&mut *tx)
+        .await
+        .map(drop)
 }

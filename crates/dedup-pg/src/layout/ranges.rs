@@ -53,18 +53,53 @@ const MOST_PER_CALL: usize = 16;
 /// parent's lock would wait for every partition something holds in ACCESS EXCLUSIVE mode (a
 /// `VACUUM FULL`, a `TRUNCATE`, an autovacuum cutting a table's tail), every claim queued
 /// behind it. A bound holds only constants.
+///
+/// A partition's name is written into statements as it is, so only names of dedup's exact
+/// making count (`dedup_records_untimed`, `_late`, `_future`, `_YYYYMMDD`: lower-case letters,
+/// digits and underscores, never a quote), and only tables the parent's owner owns; any other
+/// partition is named in the last column and left out, with one warning (`Parts::read`).
 const PARTS_SQL: &str = "SELECT c.relname::text, \
      substring(b FROM $re$FROM \\('([^']+)'\\)$re$)::date - date '1970-01-01', \
-     substring(b FROM $re$TO \\('([^']+)'\\)$re$)::date - date '1970-01-01' \
+     substring(b FROM $re$TO \\('([^']+)'\\)$re$)::date - date '1970-01-01', \
+     c.relname ~ '^dedup_records_(untimed|late|future|[0-9]{8})$' \
+         AND c.relowner = (SELECT relowner FROM pg_class WHERE oid = 'dedup_records'::regclass) \
      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
      CROSS JOIN LATERAL pg_get_expr(c.relpartbound, 0) AS b \
      WHERE i.inhparent = 'dedup_records'::regclass ORDER BY 2 NULLS FIRST";
+
+/// Warns once per process about a table that looks like one of dedup's and is not (its name is
+/// not of dedup's making, or another role owns it): it is left alone.
+pub(super) fn look_alike(what: &str, name: &str) {
+    static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut warned = WARNED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if warned.iter().any(|n| n == name) {
+        return;
+    }
+    warned.push(name.to_owned());
+    warn!(table = %name.escape_debug(), what,
+        "dedup_records: a table that is not dedup's (a name not of its making, or another \
+         owner's) is left alone");
+}
 
 /// The schema of `dedup_records`, quoted: the partitions' tables are made and named in it.
 const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname), (SELECT string_agg(quote_ident(a.attname), \
      ',' ORDER BY a.attnum) FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 \
      AND NOT a.attisdropped) FROM pg_class c \
      JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'dedup_records'::regclass";
+
+/// Gives the table just made (setting `dedup.made`) the storage settings of `future` (setting
+/// `dedup.future`) and the parent's owner. Each name is read as a `regclass` and printed back
+/// by Postgres, quoted.
+const CARRY_SQL: &str = "DO $s$ DECLARE \
+     made regclass := current_setting('dedup.made')::regclass; \
+     o text[] := (SELECT reloptions FROM pg_class \
+         WHERE oid = current_setting('dedup.future')::regclass); BEGIN \
+     IF o IS NOT NULL THEN EXECUTE format('ALTER TABLE %s SET (%s)', made, \
+         array_to_string(o, ', ')); END IF; \
+     EXECUTE format('ALTER TABLE %s OWNER TO %s', made, (SELECT relowner::regrole \
+         FROM pg_class WHERE oid = 'dedup_records'::regclass)); END $s$";
 
 /// A partition and its bounds in days since the Unix epoch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,7 +116,7 @@ pub(super) struct Parts(Vec<Part>, String, pub(super) String);
 
 impl Parts {
     pub(super) async fn read(conn: &mut PgConnection) -> Result<Self, sqlx::Error> {
-        let rows: Vec<(String, Option<i32>, Option<i32>)> =
+        let rows: Vec<(String, Option<i32>, Option<i32>, bool)> =
             sqlx::query_as(PARTS_SQL).fetch_all(&mut *conn).await?;
         let (schema, cols): (String, String) =
             sqlx::query_as(SCHEMA_SQL).fetch_one(&mut *conn).await?;
@@ -96,7 +131,13 @@ impl Parts {
         }
         Ok(Self(
             rows.into_iter()
-                .map(|(name, lo, hi)| Part { name, lo, hi })
+                .filter(|(name, _, _, ours)| {
+                    if !ours {
+                        look_alike("a partition of dedup_records", name);
+                    }
+                    *ours
+                })
+                .map(|(name, lo, hi, _)| Part { name, lo, hi })
                 .collect(),
             schema,
             cols,
@@ -464,16 +505,16 @@ pub(super) async fn make_table(
             tx.execute(sqlx::AssertSqlSafe(index)).await?;
             // The storage settings the table had before the switch (a fillfactor that leaves
             // room for the completion's update), which `future` carries; the parent's owner.
-            tx.execute(sqlx::AssertSqlSafe(format!(
-                "DO $s$ DECLARE o text[] := (SELECT reloptions FROM pg_class \
-                 WHERE oid = '{future}'::regclass); BEGIN \
-                 IF o IS NOT NULL THEN EXECUTE format('ALTER TABLE {table} SET (%s)', \
-                 array_to_string(o, ', ')); END IF; \
-                 EXECUTE format('ALTER TABLE {table} OWNER TO %s', (SELECT relowner::regrole \
-                 FROM pg_class WHERE oid = 'dedup_records'::regclass)); END $s$"
-            )))
-            .await
-            .map(drop)
+            // The names go in bound, through the transaction's settings: none is formatted
+            // into a literal, and the DO block is the same text whatever they are.
+            sqlx::query(
+                "SELECT set_config('dedup.made', $1, true), set_config('dedup.future', $2, true)",
+            )
+            .bind(&table)
+            .bind(&future)
+            .execute(&mut *tx)
+            .await?;
+            tx.execute(CARRY_SQL).await.map(drop)
         })
     })
     .await
