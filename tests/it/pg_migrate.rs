@@ -255,7 +255,9 @@ async fn a_newer_schema_is_used_until_its_floor_passes_this_binary(pool: PgPool)
 }
 
 #[sqlx::test(migrations = false)]
-async fn verify_names_what_is_missing_or_edited_and_off_checks_only_the_floor(pool: PgPool) {
+async fn verify_names_what_is_missing_or_edited_and_off_refuses_an_unmigrated_database(
+    pool: PgPool,
+) {
     // An empty database: verify names the first migration and creates nothing.
     let first = MIGRATOR.iter().next().unwrap();
     let err = prepare(&pool, MigrationMode::Verify).await.unwrap_err();
@@ -281,9 +283,16 @@ async fn verify_names_what_is_missing_or_edited_and_off_checks_only_the_floor(po
     ] {
         assert!(!exists(&pool, table).await, "verify created {table}");
     }
-    // Off on an empty database: nothing to check, nothing made.
-    let status = prepare(&pool, MigrationMode::Off).await.unwrap();
-    assert!(status.schema.is_none() && status.applied.is_empty() && status.verified.is_empty());
+    // Off on an empty database: refused, naming what is missing, nothing made (every claim
+    // would fail on a missing table).
+    let err = prepare(&pool, MigrationMode::Off).await.unwrap_err();
+    assert!(
+        matches!(&err, SchemaError::NotMigrated { missing }
+            if missing.contains("dedup_schema") && missing.contains("dedup_records")),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("dedup migrate"), "{err}");
+    assert!(!err.is_retryable());
     assert!(!exists(&pool, "dedup_migrations").await);
 
     // A recorded migration whose checksum differs (edited after it landed) is named.
@@ -335,8 +344,13 @@ fn modes_read_and_print_as_their_names() {
 /// missing migration, and apply brings it up to date, after which every mode accepts it.
 #[sqlx::test(migrations = false)]
 async fn a_schema_older_than_the_binary_is_refused_until_it_is_migrated(pool: PgPool) {
+    // The migrations up to the last one of the generation before this binary's.
     let all: Vec<&Migration> = MIGRATOR.iter().collect();
-    let (newest, before) = all.split_last().unwrap();
+    let cut = all
+        .iter()
+        .position(|m| of_this_generation(m))
+        .expect("a migration of this generation");
+    let (before, newest) = all.split_at(cut);
     MIGRATOR
         .run_to(before.last().unwrap().version, &pool)
         .await
@@ -368,12 +382,15 @@ async fn a_schema_older_than_the_binary_is_refused_until_it_is_migrated(pool: Pg
     );
     let err = prepare(&pool, MigrationMode::Verify).await.unwrap_err();
     assert!(
-        matches!(err, SchemaError::Missing { version, .. } if version == newest.version),
+        matches!(err, SchemaError::Missing { version, .. } if version == newest[0].version),
         "{err:?}"
     );
 
     let status = prepare(&pool, MigrationMode::Apply).await.unwrap();
-    assert_eq!(status.applied, vec![newest.version]);
+    assert_eq!(
+        status.applied,
+        newest.iter().map(|m| m.version).collect::<Vec<_>>()
+    );
     for mode in [
         MigrationMode::Apply,
         MigrationMode::Verify,
@@ -386,6 +403,127 @@ async fn a_schema_older_than_the_binary_is_refused_until_it_is_migrated(pool: Pg
             "{mode}"
         );
     }
+}
+
+/// Whether `m` raises the schema to this binary's generation.
+fn of_this_generation(m: &Migration) -> bool {
+    let g = SCHEMA_GENERATION;
+    m.sql
+        .as_str()
+        .contains(&format!("SET generation = greatest(generation, {g})"))
+        || m.sql.as_str().contains(&format!("SET generation = {g};"))
+}
+
+/// The generation after each statement below.
+async fn generation(pool: &PgPool) -> i32 {
+    sqlx::query_scalar("SELECT generation FROM dedup_schema")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A schema newer than this binary, written by a dedup that never ran (or withdrew) one of this
+/// binary's migrations: apply runs none of this binary's DDL on it (which would undo the newer
+/// one's and lower the generation), and says which it left.
+#[sqlx::test(migrations = false)]
+async fn apply_runs_nothing_on_a_newer_schema_that_lacks_one_of_its_migrations(pool: PgPool) {
+    prepare(&pool, MigrationMode::Apply).await.unwrap();
+    let newer = SCHEMA_GENERATION + 1;
+    let newest = MIGRATOR.iter().last().unwrap();
+    sqlx::query("DELETE FROM dedup_migrations WHERE version = $1")
+        .bind(newest.version)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE dedup_schema SET generation = $1")
+        .bind(newer)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let status = prepare(&pool, MigrationMode::Apply).await.unwrap();
+    assert_eq!(status.not_applied, vec![newest.version], "{status:?}");
+    assert!(status.applied.is_empty(), "{status:?}");
+    assert_eq!(generation(&pool).await, newer);
+    assert!(
+        !versions_in(&pool, "dedup_migrations")
+            .await
+            .contains(&newest.version),
+        "the migration ran on a newer schema"
+    );
+}
+
+/// A version this binary does not know (a withdrawn migration, such as 20261204000001) recorded
+/// on a schema that is not newer: apply refuses, running none of its own around it; and an
+/// embedded migration older than one applied is refused, not run out of order.
+#[sqlx::test(migrations = false)]
+async fn apply_refuses_unknown_versions_and_runs_nothing_out_of_order(pool: PgPool) {
+    prepare(&pool, MigrationMode::Apply).await.unwrap();
+    let newest = MIGRATOR.iter().last().unwrap();
+    sqlx::query("DELETE FROM dedup_migrations WHERE version = $1")
+        .bind(newest.version)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO dedup_migrations (version, description, success, checksum, execution_time) \
+         VALUES (20261204000001, 'withdrawn', true, '\\x00', 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let err = prepare(&pool, MigrationMode::Apply).await.unwrap_err();
+    assert!(
+        matches!(&err, SchemaError::Unknown { versions, .. } if versions == &[20_261_204_000_001]),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    assert!(
+        !versions_in(&pool, "dedup_migrations")
+            .await
+            .contains(&newest.version)
+    );
+    sqlx::query("DELETE FROM dedup_migrations WHERE version = 20261204000001")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // An older embedded migration not recorded while newer ones are: not run again.
+    let older = MIGRATOR
+        .iter()
+        .find(|m| m.description.contains("complete batch fn"))
+        .unwrap();
+    sqlx::query("DELETE FROM dedup_migrations WHERE version = $1")
+        .bind(older.version)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let err = prepare(&pool, MigrationMode::Apply).await.unwrap_err();
+    assert!(
+        matches!(err, SchemaError::OutOfOrder { version, .. } if version == older.version),
+        "{err:?}"
+    );
+    assert!(
+        !versions_in(&pool, "dedup_migrations")
+            .await
+            .contains(&older.version),
+        "a migration ran out of order"
+    );
+}
+
+/// Whatever runs an old migration's `UPDATE dedup_schema SET generation = N` (a binary already
+/// out there), the generation does not go down.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn the_generation_only_rises(pool: PgPool) {
+    assert_eq!(generation(&pool).await, SCHEMA_GENERATION);
+    sqlx::query("UPDATE dedup_schema SET generation = 10")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(generation(&pool).await, SCHEMA_GENERATION);
+    sqlx::query("UPDATE dedup_schema SET generation = generation + 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(generation(&pool).await, SCHEMA_GENERATION + 1);
 }
 
 /// A column added to `dedup_records` (an expand step of a later migration, or an application's

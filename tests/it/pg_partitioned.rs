@@ -414,7 +414,7 @@ async fn the_switch_in_place_keeps_every_record_where_its_lookups_find_it(pool: 
     }
 
     let switched = dedup_pg::partition_by_key_time(&pool).await.unwrap();
-    let dedup_pg::KeyTimeLayout::Switched { t0_ms, moved } = switched else {
+    let dedup_pg::KeyTimeLayout::Switched { t0_ms, moved, .. } = switched else {
         panic!("{switched:?}");
     };
     assert!(t0_ms >= now, "{t0_ms} {now}");

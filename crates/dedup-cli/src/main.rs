@@ -59,11 +59,12 @@ enum Command {
     Unpark(parked::KeyArgs),
     /// Dead-letter a parked key's queue (its partition's owner writes them, in order).
     Drop(parked::KeyArgs),
-    /// Forget keys (given, or named by a range of dead letters) so that their next message runs
-    /// again: the re-drive path for dead letters (docs/RECOVERY.md).
+    /// Forget keys (given, or named by a range of dead letters or by the dead letters kept in
+    /// Postgres) so that their next message runs again: the re-drive path for dead letters
+    /// (docs/RECOVERY.md).
     Forget(forget::ForgetArgs),
     /// List the dead letters a dead-letter topic refused for good (too large, invalid), kept in
-    /// Postgres so that their partition moved on; write one out, or remove it.
+    /// Postgres so that their partition moved on; write one out, remove it, or purge the old.
     DeadLetters(dead_letters::DeadLettersArgs),
 }
 
@@ -79,15 +80,17 @@ pub(crate) struct PgArgs {
 struct MigrateArgs {
     #[command(flatten)]
     pg: PgArgs,
-    /// apply: move dedup's versions out of `_sqlx_migrations`, apply what is missing, check the
-    /// floor; verify: change nothing, check that every migration is applied and the floor; off:
-    /// check only the floor, if the schema records one.
+    /// apply: move dedup's versions out of `_sqlx_migrations`, apply what is missing (nothing on
+    /// a schema newer than this binary), check the floor; verify: change nothing, check that
+    /// every migration is applied and the floor; off: change nothing, check that dedup's schema
+    /// is there (`dedup_schema`), that its floor allows this binary and that it is not older
+    /// than this binary.
     #[arg(long, default_value = "apply")]
     mode: dedup_pg::MigrationMode,
     /// After the migrations, partition dedup_records by the key's own time (UUIDv7 keys made
     /// from now on by their day; every other key, and every record stored before, in the untimed
-    /// partition). One-way; raises the compatibility floor to 7: stop every dedup binary older
-    /// than generation 7 first. The first step of the partitioned window
+    /// partition). One-way; raises the compatibility floor (it prints the floor it leaves): stop
+    /// every dedup binary older than that generation first. The first step of the partitioned window
     /// (docs/design/window-partitions.md): no partition is dropped yet, the retention still
     /// deletes, and the partitioned table costs 3 to 30% of the rate (docs/PERFORMANCE.md).
     #[arg(long)]
@@ -215,7 +218,7 @@ async fn migrate(args: MigrateArgs) -> Result<ExitCode, CliError> {
                 ""
             }
         ),
-        None => println!("no dedup_schema table: the floor was not checked"),
+        None => println!("no dedup_schema table"),
     }
     if args.partition_by_key_time {
         let layout = dedup_pg::partition_by_key_time(&pool).await.map_err(|e| {
@@ -227,10 +230,16 @@ async fn migrate(args: MigrateArgs) -> Result<ExitCode, CliError> {
             }
         })?;
         match layout {
-            dedup_pg::KeyTimeLayout::Switched { t0_ms, moved } => println!(
+            dedup_pg::KeyTimeLayout::Switched {
+                t0_ms,
+                moved,
+                compat_floor,
+                ..
+            } => println!(
                 "dedup_records partitioned by the key's time: UUIDv7 keys made from {t0_ms} ms \
                  after the Unix epoch on go to the partition of their day; {moved} stored \
-                 record(s) moved there; compatibility floor 7"
+                 record(s) moved there; compatibility floor {compat_floor}: stop every dedup \
+                 binary older than generation {compat_floor}"
             ),
             _ => println!("dedup_records was partitioned by the key's time already"),
         }

@@ -1550,6 +1550,12 @@ fn migrate_partitions_the_records_by_their_keys_time_once() {
             && first.contains("1 stored record(s) moved"),
         "{first}"
     );
+    // The floor it names is the one the switch wrote (an operator stops every binary older).
+    let floor = db.value("SELECT compat_floor::text FROM dedup_schema");
+    assert!(
+        first.contains(&format!("compatibility floor {floor}:")),
+        "the floor printed is not the schema's ({floor}): {first}"
+    );
     // Moved to its day's partition: the range of days the switch made right after it.
     let range = db.value(&format!(
         "SELECT tableoid::regclass::text FROM dedup_records WHERE key = convert_to('{ahead}', 'UTF8')"

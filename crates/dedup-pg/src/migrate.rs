@@ -55,7 +55,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 11;
+pub const SCHEMA_GENERATION: i32 = 12;
 
 /// The table [`MIGRATOR`] records dedup's applied migrations in.
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";
@@ -88,10 +88,11 @@ pub enum MigrationMode {
     /// its checksum, then the floor. For roles without DDL rights, with the migrations applied by
     /// a deploy step (`dedup migrate`).
     Verify,
-    /// Change nothing and check only `dedup_schema`, if it exists: its floor must allow this
-    /// binary, and its generation must not be older than this binary's (a deploy step that has
-    /// not migrated yet is refused, [`SchemaError::SchemaTooOld`], rather than run against a
-    /// schema missing what this binary uses).
+    /// Change nothing and check only `dedup_schema`: it must be there (a database dedup never
+    /// migrated is refused, [`SchemaError::NotMigrated`], naming what is missing), its floor
+    /// must allow this binary, and its generation must not be older than this binary's (a
+    /// deploy step that has not migrated yet is refused, [`SchemaError::SchemaTooOld`], rather
+    /// than run against a schema missing what this binary uses).
     Off,
 }
 
@@ -153,8 +154,13 @@ pub struct SchemaStatus {
     pub applied: Vec<i64>,
     /// The versions found recorded with their checksums (verify only: every embedded migration).
     pub verified: Vec<i64>,
-    /// The schema's generation and floor; `None` only in [`MigrationMode::Off`] when there is no
-    /// `dedup_schema` (a database never migrated, or migrated by a binary before generations).
+    /// Embedded versions not recorded that this binary did not apply because the schema is
+    /// newer than it (apply only): a newer binary's migrations wrote the schema without them
+    /// (a migration withdrawn since, or one run out of order), and an older binary's DDL is
+    /// never run on a newer schema.
+    pub not_applied: Vec<i64>,
+    /// The schema's generation and floor (always there once [`prepare`] succeeded: a database
+    /// without `dedup_schema` is refused in every mode).
     pub schema: Option<SchemaVersion>,
 }
 
@@ -229,6 +235,46 @@ pub enum SchemaError {
     NotMoved {
         /// Its version.
         version: i64,
+    },
+    /// The database was never migrated by dedup ([`MigrationMode::Off`], which changes
+    /// nothing): the tables named are missing. Run `dedup migrate`, or start a binary in apply
+    /// mode, first.
+    #[error(
+        "dedup's schema is not in this database ({missing} missing): run dedup's migrations \
+         (`dedup migrate`) first; migration mode off changes nothing"
+    )]
+    NotMigrated {
+        /// What is missing, comma-separated.
+        missing: String,
+    },
+    /// `dedup_migrations` records versions this binary does not have, while the schema's
+    /// generation is not newer than this binary's (apply): applying its own migrations
+    /// around them would run DDL out of order. A migration withdrawn after it ran, or a
+    /// database migrated by a build of dedup that is not a release.
+    #[error(
+        "dedup_migrations records migration(s) {versions:?} that this binary does not have, on a \
+         schema of generation {schema_generation} (this binary's is {binary_generation}): \
+         nothing applied"
+    )]
+    Unknown {
+        /// The versions recorded and not embedded.
+        versions: Vec<i64>,
+        /// The schema's generation.
+        schema_generation: i32,
+        /// This binary's generation ([`SCHEMA_GENERATION`]).
+        binary_generation: i32,
+    },
+    /// An embedded migration that is not applied is older than one that is (apply): running it
+    /// now would run DDL out of order. Nothing applied.
+    #[error(
+        "dedup's migration {version} is not applied but the newer {newest} is: it is not run \
+         out of order; nothing applied"
+    )]
+    OutOfOrder {
+        /// The embedded version not applied.
+        version: i64,
+        /// The newest version applied.
+        newest: i64,
     },
     /// `dedup_schema` is absent or holds no row although the migrations are recorded (apply,
     /// verify): it was changed by hand.
@@ -326,8 +372,15 @@ const SCHEMA_SQL: &str = "SELECT generation, compat_floor FROM dedup_schema WHER
 /// - [`MigrationMode::Verify`]: no DDL and no writes: every embedded migration must be recorded in
 ///   `dedup_migrations` with its checksum (else [`SchemaError::Missing`], [`SchemaError::NotMoved`]
 ///   or [`SchemaError::Mismatch`], naming it), and the floor must allow this binary.
-/// - [`MigrationMode::Off`]: only if `dedup_schema` exists, the floor check, and a schema older
-///   than this binary refused ([`SchemaError::SchemaTooOld`]).
+/// - [`MigrationMode::Off`]: no DDL and no writes: `dedup_schema` must be there
+///   ([`SchemaError::NotMigrated`]), its floor allow this binary, and a schema older than this
+///   binary is refused ([`SchemaError::SchemaTooOld`]).
+///
+/// In apply mode a schema newer than this binary gets none of this binary's migrations
+/// ([`SchemaStatus::not_applied`]); versions recorded that this binary does not know, on a
+/// schema not newer than it, are refused ([`SchemaError::Unknown`]), and so is an embedded
+/// migration older than one applied ([`SchemaError::OutOfOrder`]): no migration runs out of
+/// order, and the generation only rises.
 ///
 /// A schema newer than this binary whose floor this binary meets (a rollback, or a deploy under
 /// way) is accepted and logged at info.
@@ -337,12 +390,14 @@ pub async fn prepare(pool: &PgPool, mode: MigrationMode) -> Result<SchemaStatus,
         moved: Vec::new(),
         applied: Vec::new(),
         verified: Vec::new(),
+        not_applied: Vec::new(),
         schema: None,
     };
     match mode {
         MigrationMode::Apply => {
             // Refuse a schema this binary cannot use before changing anything.
-            if let Some(v) = schema(pool).await? {
+            let found = schema(pool).await?;
+            if let Some(v) = found {
                 within_floor(v)?;
             }
             status.moved = move_legacy(pool).await?;
@@ -351,6 +406,47 @@ pub async fn prepare(pool: &PgPool, mode: MigrationMode) -> Result<SchemaStatus,
             } else {
                 HashMap::new()
             };
+            let pending: Vec<i64> = up_migrations()
+                .map(|m| m.version)
+                .filter(|v| !before.contains_key(v))
+                .collect();
+            // A schema newer than this binary: none of its own DDL runs on it (an older
+            // migration, or a withdrawn one, would undo what a newer one made, and lower the
+            // generation every newer binary checks).
+            if let Some(v) = found.filter(|v| v.generation > SCHEMA_GENERATION) {
+                if !pending.is_empty() {
+                    info!(
+                        versions = ?pending,
+                        schema_generation = v.generation,
+                        binary_generation = SCHEMA_GENERATION,
+                        "the dedup schema is newer than this binary: its migrations not \
+                         recorded are not applied"
+                    );
+                }
+                status.not_applied = pending;
+                status.schema = Some(accept(v)?);
+                return Ok(status);
+            }
+            let known: std::collections::HashSet<i64> =
+                up_migrations().map(|m| m.version).collect();
+            let mut unknown: Vec<i64> = before
+                .keys()
+                .copied()
+                .filter(|v| !known.contains(v))
+                .collect();
+            unknown.sort_unstable();
+            if !unknown.is_empty() {
+                return Err(SchemaError::Unknown {
+                    versions: unknown,
+                    schema_generation: found.map_or(0, |v| v.generation),
+                    binary_generation: SCHEMA_GENERATION,
+                });
+            }
+            if let (Some(&version), Some(&newest)) = (pending.first(), before.keys().max())
+                && version < newest
+            {
+                return Err(SchemaError::OutOfOrder { version, newest });
+            }
             run_migrator(pool).await?;
             status.applied = up_migrations()
                 .map(|m| m.version)
@@ -374,9 +470,31 @@ pub async fn prepare(pool: &PgPool, mode: MigrationMode) -> Result<SchemaStatus,
             status.schema = Some(accept(v)?);
         }
         MigrationMode::Off => {
-            if let Some(v) = schema(pool).await? {
-                status.schema = Some(accept(v)?);
-            }
+            let present = tables(pool).await?;
+            let found = if present.schema {
+                schema_row(pool).await?
+            } else {
+                None
+            };
+            let Some(v) = found else {
+                let mut missing = Vec::new();
+                if !present.schema {
+                    missing.push("dedup_schema");
+                } else {
+                    missing.push("dedup_schema's row");
+                }
+                let records: bool =
+                    sqlx::query_scalar("SELECT to_regclass('dedup_records') IS NOT NULL")
+                        .fetch_one(pool)
+                        .await?;
+                if !records {
+                    missing.push("dedup_records");
+                }
+                return Err(SchemaError::NotMigrated {
+                    missing: missing.join(", "),
+                });
+            };
+            status.schema = Some(accept(v)?);
         }
     }
     Ok(status)

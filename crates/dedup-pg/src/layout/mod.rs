@@ -87,6 +87,9 @@ pub enum KeyTimeLayout {
         t0_ms: i64,
         /// Stored records whose key's time was at or after `T0`, moved to their day's partition.
         moved: u64,
+        /// The schema's compatibility floor once switched, as `dedup_schema` holds it: stop
+        /// every dedup binary of an older generation.
+        compat_floor: i32,
     },
     /// The table was partitioned already; nothing changed.
     AlreadyPartitioned,
@@ -268,7 +271,16 @@ pub async fn partition_by_key_time(pool: &PgPool) -> Result<KeyTimeLayout, Store
     if let Err(err) = first.await {
         warn!(error = %err, "the first ranges of days not made; the retention task makes them");
     }
-    Ok(KeyTimeLayout::Switched { t0_ms, moved })
+    // The floor as the switch wrote it, for the operator: read back, never restated here.
+    let compat_floor: i32 = sqlx::query_scalar("SELECT compat_floor FROM dedup_schema WHERE id")
+        .fetch_one(pool)
+        .await
+        .map_err(e)?;
+    Ok(KeyTimeLayout::Switched {
+        t0_ms,
+        moved,
+        compat_floor,
+    })
 }
 
 /// The switch's transaction: `T0` and how many records it moved, or None where another run
