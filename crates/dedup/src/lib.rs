@@ -109,7 +109,10 @@ pub use {
         RetentionConfig, RetentionRound, RetentionStats, SchemaError, maintain_ranges,
         partition_by_key_time,
     },
-    engine::{Authority, BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, Tiers},
+    engine::{
+        Authority, BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, ShutdownReport,
+        Tiers,
+    },
     health::{ConsumerHealth, EngineStats, Health},
     running::{Shutdown, Stopped},
     sqlx,

@@ -1,17 +1,32 @@
-//! Stopping what an engine runs: one flag every consumer watches, and a count of what still
-//! runs, so that shutdown can wait for the last of them before it lets go of the identity.
+//! Stopping what an engine runs: one flag every consumer watches, a count of the consumers whose
+//! `run` has not returned, and a count of the consumers whose message tasks may still hold a
+//! lease ([`Alive`]), so that shutdown lets go of the identity only once the last of them ended.
+//!
+//! A consumer's `run` returns after its drain timeout even where a handler still runs: its task
+//! is not aborted (aborting undoes no effect already made), so it keeps its lease and its
+//! heartbeat. Were the identity released then, a successor with the same identity would adopt
+//! that lease and run the message's effect while the old task is still in it. So the identity
+//! stays held until every consumer's handler has been dropped, which happens only after the last
+//! task holding it ended (docs/ARCHITECTURE.md, invariant 24).
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+#[cfg(feature = "kafka")]
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::task::{Context, Poll};
 
 use tokio::sync::watch;
 
-/// The engine's run state: whether it is stopping, and how many consumers still run.
+/// The engine's run state: whether it is stopping, how many consumers still run, how many
+/// consumers' handlers are still alive, and how many handler calls are running.
 #[derive(Debug)]
 pub(crate) struct Running {
     stop: watch::Sender<bool>,
     count: watch::Sender<usize>,
+    holders: watch::Sender<usize>,
+    calls: Arc<AtomicUsize>,
 }
 
 impl Default for Running {
@@ -19,6 +34,8 @@ impl Default for Running {
         Self {
             stop: watch::Sender::new(false),
             count: watch::Sender::new(0),
+            holders: watch::Sender::new(0),
+            calls: Arc::default(),
         }
     }
 }
@@ -43,11 +60,91 @@ impl Running {
         }
     }
 
-    /// Waits until nothing runs.
+    /// Waits until no consumer's `run` runs.
     pub(crate) async fn finished(&self) {
         let mut rx = self.count.subscribe();
         // The sender lives in `self`: the wait ends only when the count reaches zero.
         let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    /// A consumer's handler's token (not counted until [`Alive::arm`]).
+    #[cfg(feature = "kafka")]
+    pub(crate) fn alive(&self) -> Alive {
+        Alive(Arc::new(AliveCell {
+            holders: self.holders.clone(),
+            calls: self.calls.clone(),
+            armed: AtomicBool::new(false),
+        }))
+    }
+
+    /// Handler calls running now.
+    pub(crate) fn calls(&self) -> usize {
+        self.calls.load(AtomicOrdering::Acquire)
+    }
+
+    /// Whether a consumer's handler is still alive (a task that may hold a lease).
+    pub(crate) fn held(&self) -> bool {
+        *self.holders.borrow() > 0
+    }
+
+    /// Completes once no consumer's handler is alive.
+    pub(crate) fn released(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.holders.subscribe();
+        async move {
+            let _ = rx.wait_for(|n| *n == 0).await;
+        }
+    }
+}
+
+/// A consumer's handler's hold on the engine's identity: shared by the handler (and so by every
+/// task of the consumer's, which all hold the handler) and by the consumer until its `run`
+/// starts. Counted once armed (when `run` starts), until the last clone drops.
+#[cfg(feature = "kafka")]
+#[derive(Clone, Debug)]
+pub(crate) struct Alive(Arc<AliveCell>);
+
+#[cfg(feature = "kafka")]
+#[derive(Debug)]
+struct AliveCell {
+    holders: watch::Sender<usize>,
+    calls: Arc<AtomicUsize>,
+    armed: AtomicBool,
+}
+
+#[cfg(feature = "kafka")]
+impl Alive {
+    /// Counts the handler as alive from now until it drops (once, however often called).
+    pub(crate) fn arm(&self) {
+        if !self.0.armed.swap(true, AtomicOrdering::AcqRel) {
+            self.0.holders.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Counts one handler call until the guard drops.
+    pub(crate) fn call(&self) -> CallGuard {
+        self.0.calls.fetch_add(1, AtomicOrdering::AcqRel);
+        CallGuard(self.0.calls.clone())
+    }
+}
+
+#[cfg(feature = "kafka")]
+impl Drop for AliveCell {
+    fn drop(&mut self) {
+        if *self.armed.get_mut() {
+            self.holders.send_modify(|n| *n = n.saturating_sub(1));
+        }
+    }
+}
+
+/// One handler call running.
+#[cfg(feature = "kafka")]
+#[derive(Debug)]
+pub(crate) struct CallGuard(Arc<AtomicUsize>);
+
+#[cfg(feature = "kafka")]
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, AtomicOrdering::AcqRel);
     }
 }
 

@@ -27,6 +27,7 @@ on_brokers!(
     the_kafka_calls_example_charges_each_payment_once_at_the_provider,
     the_engine_answers_ready_while_its_consumers_run_and_names_what_is_wrong,
     a_lease_handler_runs_each_key_once_per_message_and_by_the_batch,
+    a_handler_past_the_drain_timeout_keeps_the_identity_from_a_successor,
 );
 
 /// 300 payments over 200 keys on 3 partitions: every third a redelivery of an earlier one.
@@ -348,6 +349,97 @@ async fn a_lease_handler_runs_each_key_once_per_message_and_by_the_batch(
         assert!(effects.values().all(|n| *n == 1), "an effect ran twice");
         assert_eq!(effects.keys().cloned().collect::<BTreeSet<_>>(), keys);
     }
+}
+
+/// A lease-mode handler still in its effect when the drain times out: shutdown does not abort it
+/// and does not let go of the identity while it runs, so a successor with the same identity
+/// (built as soon as it can be) never adopts its lease and runs the redelivered message's effect
+/// a second time.
+async fn a_handler_past_the_drain_timeout_keeps_the_identity_from_a_successor(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let topic = unique("slow");
+    broker.create_topic(&topic, 1).await;
+    let event = Event {
+        key: Some("pay-1".into()),
+        payload: r#"{"amount":1}"#.into(),
+        partition: 0,
+        message_key: None,
+    };
+    produce(broker, &topic, std::slice::from_ref(&event)).await;
+    let (id, group, scope) = (unique("pod"), unique("g"), unique("slow"));
+    let effects: Arc<Mutex<Vec<String>>> = Arc::default();
+    let build = || {
+        Engine::builder()
+            .postgres(pool.clone())
+            .scope(scope.clone())
+            .instance(id.clone())
+            .build()
+    };
+    let consumer_of = |engine: &Engine| {
+        let effects = effects.clone();
+        let handler = move |_: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+            let effects = effects.clone();
+            async move {
+                let key = String::from_utf8_lossy(lease.lease().key.key_bytes()).into_owned();
+                effects.lock().unwrap().push(key);
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                Ok::<_, HandlerError<String>>(Bytes::from_static(b"done"))
+            }
+        };
+        let mut consumer = engine
+            .consumer()
+            .brokers(broker.bootstrap())
+            .group_id(group.clone())
+            .topics([&topic])
+            .drain_timeout(Duration::from_millis(200))
+            .commit_interval(Duration::from_millis(100))
+            .set("auto.offset.reset", "earliest");
+        for (k, v) in broker.client() {
+            consumer = consumer.set(k, v);
+        }
+        consumer.build(handler).unwrap()
+    };
+    let first = build().await.unwrap();
+    let run = tokio::spawn(consumer_of(&first).run());
+    eventually(60, "the first handler started", || {
+        let n = effects.lock().unwrap().len();
+        async move { n == 1 }
+    })
+    .await;
+    let report = first.shutdown().await;
+    run.await.unwrap().unwrap();
+    // The successor, as soon as the identity is free: it consumes the message again (its offset
+    // was never committed) and finds it done (or waits for the lease), never adopting it.
+    let second = loop {
+        match build().await {
+            Ok(engine) => break engine,
+            Err(BuildError::Setting {
+                setting: "instance",
+                ..
+            }) => {}
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let consumer = consumer_of(&second);
+    let stats = consumer.stats();
+    let run = tokio::spawn(consumer.run());
+    eventually(60, "the message settled again", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed == 1 }
+    })
+    .await;
+    second.shutdown().await;
+    run.await.unwrap().unwrap();
+    assert_eq!(
+        *effects.lock().unwrap(),
+        vec!["pay-1".to_owned()],
+        "the effect ran again"
+    );
+    // Shutdown said so: one handler left running, the identity kept for it.
+    assert_eq!(report.left_running, 1, "{report:?}");
+    assert!(!report.identity_released, "{report:?}");
 }
 
 pub(super) fn setting_of(r: Result<impl std::fmt::Debug, BuildError>) -> &'static str {

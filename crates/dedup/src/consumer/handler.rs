@@ -13,6 +13,8 @@ use dedup_kafka::{Acquired, BatchHandler, Delivery, Handler};
 use dedup_pg::{BatchBody, ItemResult};
 use sqlx::postgres::PgConnection;
 
+use crate::running::Alive;
+
 /// A message as the consumer received it: topic, partition, offset, key, headers, payload.
 pub type Message = Delivery;
 
@@ -150,7 +152,7 @@ where
 
 /// A [`TxHandler`] as the transaction-mode loop calls it.
 #[derive(Debug)]
-pub(crate) struct Transactional<H>(pub(crate) H);
+pub(crate) struct Transactional<H>(pub(crate) H, pub(crate) Alive);
 
 impl<H: TxHandler<Output: Into<Bytes>>> BatchHandler for Transactional<H> {
     type Error = H::Error;
@@ -161,6 +163,7 @@ impl<H: TxHandler<Output: Into<Bytes>>> BatchHandler for Transactional<H> {
         batch: &'c [Acquired],
     ) -> BatchBody<'c, Self::Error> {
         Box::pin(async move {
+            let _call = self.1.call();
             let answers = self.0.handle_batch(tx, batch).await?;
             Ok(answers
                 .into_iter()
@@ -172,7 +175,7 @@ impl<H: TxHandler<Output: Into<Bytes>>> BatchHandler for Transactional<H> {
 
 /// A [`LeaseHandler`] as the lease-mode loops call it.
 #[derive(Debug)]
-pub(crate) struct Leased<H>(pub(crate) H);
+pub(crate) struct Leased<H>(pub(crate) H, pub(crate) Alive);
 
 impl<H: LeaseHandler<Output: Into<Completion>>> Handler for Leased<H> {
     type Error = H::Error;
@@ -182,6 +185,7 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Handler for Leased<H> {
         delivery: Arc<Delivery>,
         lease: Option<LeaseContext>,
     ) -> Result<Completion, HandlerError<H::Error>> {
+        let _call = self.1.call();
         match lease {
             Some(lease) => self.0.handle(delivery, lease).await.map(Into::into),
             // Keyless, under `ProcessWithoutDedup` (which the builder allows only where

@@ -345,11 +345,12 @@ impl<H: TxHandler<Output: Into<Bytes>>> Mode<Transaction> for H {
                  LeaseHandlers only",
             ));
         };
+        let alive = p.engine.alive();
         let mut runner = TxRunner::new(
             p.config,
             p.batching.unwrap_or_default(),
             pg.clone(),
-            Transactional(self),
+            Transactional(self, alive.clone()),
         )
         .map_err(runner_error)?
         .with_policy(p.policy)
@@ -362,7 +363,7 @@ impl<H: TxHandler<Output: Into<Bytes>>> Mode<Transaction> for H {
                 .map_err(runner_error)?;
         }
         let stats = runner.stats();
-        Ok(Consumer::new(who, stats, move |stop| {
+        Ok(Consumer::new(who, stats, alive, move |stop| {
             Box::pin(async move { runner.run(stop).await })
         }))
     }
@@ -394,7 +395,8 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
                 "parked keys are kept in Postgres: an in-memory engine does not park",
             ));
         }
-        let handler = Leased(self);
+        let alive = p.engine.alive();
+        let handler = Leased(self, alive.clone());
         match (p.batching, p.parking) {
             (Some(_), Some(_)) => Err(BuildError::setting(
                 "parking",
@@ -407,7 +409,7 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
                     runner = runner.with_dead_letter_table(pg);
                 }
                 let stats = runner.stats();
-                Ok(Consumer::new(who, stats, move |stop| {
+                Ok(Consumer::new(who, stats, alive, move |stop| {
                     Box::pin(async move { runner.run(stop).await })
                 }))
             }
@@ -422,7 +424,7 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
                         .map_err(|e| BuildError::setting("parking", e))?;
                 }
                 let stats = runner.stats();
-                Ok(Consumer::new(who, stats, move |stop| {
+                Ok(Consumer::new(who, stats, alive, move |stop| {
                     Box::pin(async move { runner.run(stop).await })
                 }))
             }
@@ -439,6 +441,8 @@ pub struct Consumer {
     engine: Engine,
     group: String,
     stats: StatsHandle,
+    /// The handler's hold on the identity, armed when `run` starts.
+    alive: crate::running::Alive,
     start: Start,
 }
 
@@ -454,12 +458,14 @@ impl Consumer {
     fn new(
         (engine, group): (Engine, String),
         stats: StatsHandle,
+        alive: crate::running::Alive,
         start: impl FnOnce(crate::Stopped) -> RunFuture + Send + 'static,
     ) -> Self {
         Self {
             engine,
             group,
             stats,
+            alive,
             start: Box::new(start),
         }
     }
@@ -477,6 +483,10 @@ impl Consumer {
     /// The Kafka client could not start or subscribe, or the cluster refused it.
     pub async fn run(self) -> Result<RunnerStats, RunnerError> {
         let _running = self.engine.running();
+        // From now until the last task holding the handler ends (after `run` returns, where a
+        // handler outlived the drain), the engine's identity is not released.
+        self.alive.arm();
+        drop(self.alive);
         let stop = self.engine.stopped();
         // In the engine's stats and health from now on; not running once `run` ends, however
         // it ends (an error, a panic, the future dropped).

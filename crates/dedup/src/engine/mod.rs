@@ -41,6 +41,19 @@ pub type Tiers = TieredStore<Authority, FastTier>;
 /// and completions sent to Postgres in batches (group commit).
 pub type EngineStore = Batched<Arc<Tiers>>;
 
+/// What [`Engine::shutdown`] left behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Handler calls still running when it returned (past their consumers' drain timeout):
+    /// each keeps its lease until it ends.
+    pub left_running: usize,
+    /// Whether the instance identity was released before it returned. False when none was held,
+    /// or when a consumer's task was still running: the identity is then released when the
+    /// last of them ends (or when the process exits).
+    pub identity_released: bool,
+}
+
 /// dedup's engine. Cheap to clone: clones share everything.
 #[derive(Clone)]
 pub struct Engine {
@@ -187,9 +200,16 @@ impl Engine {
     /// identity is released so that a successor takes it at once. Call it once; stop the HTTP
     /// server from taking requests first (or give it [`Shutdown::stopped`](crate::Shutdown::stopped)
     /// as its graceful-shutdown signal).
-    pub async fn shutdown(&self) {
-        self.inner.running.stop();
-        self.inner.running.finished().await;
+    ///
+    /// A handler still running past its consumer's drain timeout is not aborted (that would
+    /// undo no effect it already made): it keeps its lease, and the identity stays held until
+    /// the last such task ends (or the process exits), so that no successor with the same
+    /// identity adopts a lease whose effect is still being made. The report says how many
+    /// handler calls were left running and whether the identity was released now.
+    pub async fn shutdown(&self) -> ShutdownReport {
+        let running = &self.inner.running;
+        running.stop();
+        running.finished().await;
         #[cfg(feature = "http")]
         {
             let layers = self
@@ -211,11 +231,45 @@ impl Engine {
         if let Some(retention) = retention {
             let _ = retention.stop().await;
         }
-        if let Some(pg) = &self.inner.pg
-            && pg.release_identity().await
-        {
+        let left_running = running.calls();
+        let Some(pg) = &self.inner.pg else {
+            return ShutdownReport {
+                left_running,
+                identity_released: false,
+            };
+        };
+        if running.held() {
+            tracing::warn!(
+                left_running,
+                "engine shut down with handlers still running past the drain timeout: the \
+                 instance identity stays held until the last of them ends"
+            );
+            let (pg, released) = (pg.clone(), running.released());
+            tokio::spawn(async move {
+                released.await;
+                if pg.release_identity().await {
+                    tracing::info!("the last handler ended; instance identity released");
+                }
+            });
+            return ShutdownReport {
+                left_running,
+                identity_released: false,
+            };
+        }
+        let identity_released = pg.release_identity().await;
+        if identity_released {
             tracing::info!("engine shut down; instance identity released");
         }
+        ShutdownReport {
+            left_running,
+            identity_released,
+        }
+    }
+
+    /// A token for a consumer's handler: the identity is not released while it lives.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn alive(&self) -> crate::running::Alive {
+        self.inner.running.alive()
     }
 
     #[cfg(feature = "http")]
