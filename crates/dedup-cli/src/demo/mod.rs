@@ -200,6 +200,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let s: RunnerStats = task
         .await
         .map_err(|e| CliError::Failed(format!("runner: {e}")))??;
+    // Every client of the embedded cluster before the cluster: librdkafka 2.12 crashes closing
+    // a client whose cluster is gone.
+    drop(producer);
     drop(mock);
 
     // Check the ledger.

@@ -42,8 +42,12 @@ use crate::engine::Engine;
 /// # Ok(()) }
 /// ```
 pub struct MockKafka {
-    cluster: MockCluster<'static, DefaultProducerContext>,
     producer: FutureProducer,
+    /// Never destroyed (it lives until the process exits): a consumer may outlive this value
+    /// (its tasks end with the runtime), and librdkafka 2.12's consumer, closing while its
+    /// group's coordinator is gone, dereferences a null broker in its LeaveGroup error path
+    /// (fixed upstream in 2.14.2, which no rdkafka release bundles yet): a SIGSEGV.
+    cluster: std::mem::ManuallyDrop<MockCluster<'static, DefaultProducerContext>>,
 }
 
 impl fmt::Debug for MockKafka {
@@ -83,7 +87,10 @@ impl MockKafka {
         let producer = ClientConfig::new()
             .set("bootstrap.servers", cluster.bootstrap_servers())
             .create()?;
-        Ok(Self { cluster, producer })
+        Ok(Self {
+            producer,
+            cluster: std::mem::ManuallyDrop::new(cluster),
+        })
     }
 
     /// `bootstrap.servers` for clients of your own.
