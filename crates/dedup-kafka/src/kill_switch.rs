@@ -276,7 +276,7 @@ impl Breaker {
         let _ = self.phase();
         let mut s = self.state();
         s.consecutive = s.consecutive.saturating_add(1);
-        let withdraw = match s.phase {
+        match s.phase {
             Phase::Open { .. } => true,
             Phase::Probing => {
                 self.open(&mut s, cfg, "a probe failed");
@@ -298,8 +298,7 @@ impl Breaker {
                 }
                 s.consecutive >= cfg.suspect_after || s.phase != Phase::Closed
             }
-        };
-        withdraw
+        }
     }
 
     /// Lease mode's judgement of a handler's answer (module docs, *Lease mode withdraws
@@ -363,7 +362,9 @@ impl Breaker {
     }
 
     /// Records a handler's answer; a failure while the switch is wary becomes a withdrawal (the
-    /// key given back, no attempt spent), whatever kind it was.
+    /// key given back, no attempt spent), whatever kind it was. Transaction mode's (its effect
+    /// rolls back with the transaction); lease mode's is [`Breaker::judge_lease`].
+    #[cfg(any(feature = "pg", test))]
     pub(crate) fn judge<T, E>(&self, r: Result<T, HandlerError<E>>) -> Result<T, HandlerError<E>> {
         if self.cfg.is_none() {
             return r;
