@@ -1,76 +1,16 @@
 //! How a [`Runner`](crate::Runner) is set up.
 //!
-//! `RunnerConfig` and its parts. `RunnerConfig::validate`, which `Runner::new` runs, makes a
-//! setting that would fail at run time (a zero commit interval, a wait too long for the clock, an
-//! empty topic) a `ConfigError` naming it.
+//! `RunnerConfig` and its parts (`key_source.rs`: where the idempotency key comes from).
+//! `RunnerConfig::validate`, which `Runner::new` runs, makes a setting that would fail at run time
+//! (a zero commit interval, a wait too long for the clock, an empty topic, a list of key sources
+//! that cannot agree) a `ConfigError` naming it.
 
 use std::time::Duration;
 
 pub use crate::kill_switch::KillSwitch;
+pub use key_source::{DEFAULT_KEY_HEADER, EventTime, KeySource};
 
-/// Where a message's idempotency key comes from.
-#[derive(Clone, PartialEq, Eq, Debug)]
-#[non_exhaustive]
-pub enum KeySource {
-    /// The value of this header (the default: `idempotency-key`).
-    Header(String),
-    /// The value at this JSON pointer (RFC 6901, such as `/order/id`) in a JSON payload. A string
-    /// is taken as is; a number or boolean as its JSON text.
-    JsonPointer(String),
-    /// A digest of the values at these JSON pointers: for producers that send no key, the fields
-    /// that make two messages the same event (such as `/account` and `/request_id`).
-    Fields(Vec<String>),
-    /// A random event id (found as `id` says) keyed with the event's own time
-    /// ([`IdempotencyKey::timed`](dedup_core::IdempotencyKey::timed)): a time-ordered key, which
-    /// keeps a large window as cheap as UUIDv7 ids do (docs/PERFORMANCE.md, "Time-ordered event
-    /// ids"). The time must be the one the producer gave the event and that every copy of it
-    /// carries, never a broker's timestamp: a copy with another time is another key, and runs
-    /// the effect again. A message without the time is one without a key ([`MissingKey`]); a
-    /// time that is neither a whole number of milliseconds nor an RFC 3339 timestamp is
-    /// dead-lettered with the reason. As with
-    /// any change of a consumer's key source, a copy of an event processed under the old one
-    /// gets another key, and runs again.
-    Timed {
-        /// Where the event id is. Only its digest goes into the key, so it may be longer than a
-        /// key may be.
-        id: Box<KeySource>,
-        /// Where the event's time is.
-        time: EventTime,
-    },
-}
-
-impl KeySource {
-    /// [`KeySource::Timed`]: the event id found as `id` says, keyed with its time found as `time`
-    /// says.
-    pub fn timed(id: KeySource, time: EventTime) -> Self {
-        Self::Timed {
-            id: Box::new(id),
-            time,
-        }
-    }
-}
-
-/// Where an event's own time is, for [`KeySource::Timed`]: milliseconds since the Unix epoch,
-/// as a JSON number or as decimal digits (in a JSON string or a header), or an RFC 3339
-/// timestamp (in a JSON string or a header: CloudEvents' `time`, `ce_time` in Kafka's binary
-/// mode), read to the millisecond ([`event_time_ms`](crate::event_time_ms)).
-#[derive(Clone, PartialEq, Eq, Debug)]
-#[non_exhaustive]
-pub enum EventTime {
-    /// The value of this header.
-    Header(String),
-    /// The value at this JSON pointer (RFC 6901, such as `/created_ms`) in a JSON payload.
-    JsonPointer(String),
-}
-
-impl Default for KeySource {
-    fn default() -> Self {
-        Self::Header(DEFAULT_KEY_HEADER.to_owned())
-    }
-}
-
-/// The header [`KeySource::default`] reads.
-pub const DEFAULT_KEY_HEADER: &str = "idempotency-key";
+mod key_source;
 
 /// What happens to a message that has no idempotency key.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -413,21 +353,7 @@ impl RunnerConfig {
         if let Some(ks) = &self.kill_switch {
             ks.validate()?;
         }
-        match &self.key {
-            KeySource::Header(h) if h.is_empty() => {
-                return Err(ConfigError::new("key", "empty header name"));
-            }
-            KeySource::JsonPointer(p) if !p.is_empty() && !p.starts_with('/') => {
-                return Err(ConfigError::new(
-                    "key",
-                    format!("{p:?} is not a JSON pointer"),
-                ));
-            }
-            KeySource::Fields(f) if f.is_empty() => {
-                return Err(ConfigError::new("key", "no fields to digest"));
-            }
-            _ => {}
-        }
+        self.key.validate()?;
         match &self.ordering_key {
             OrderingKey::Header(h) if h.is_empty() => {
                 Err(ConfigError::new("ordering_key", "empty header name"))

@@ -1,8 +1,9 @@
 //! A consumed message, and how its idempotency key is found.
 //!
 //! `Delivery` is an owned message. `extract_key` reads the key as its `KeySource` says (a header,
-//! a JSON pointer, or a digest of JSON fields); `KeyError` tells a missing key from an unusable
-//! one. `ordering_key` finds a message's ordering key.
+//! a JSON pointer, a digest of JSON fields, an id keyed with its event's time, or the first of a
+//! list of these that finds one); `KeyError` tells a missing key from an unusable one.
+//! `ordering_key` finds a message's ordering key.
 
 use bytes::Bytes;
 use dedup_core::{Fingerprint, IdempotencyKey, InputError, Scope};
@@ -124,7 +125,9 @@ pub enum KeyError {
     },
 }
 
-/// Finds `delivery`'s idempotency key under `scope`.
+/// Finds `delivery`'s idempotency key under `scope`. Of a [`KeySource::FirstOf`] list, the first
+/// source that finds a key gives it; only a source that finds nothing ([`KeyError::Missing`])
+/// hands over to the next, any other error is the answer.
 pub fn extract_key(
     source: &KeySource,
     scope: &Scope,
@@ -141,6 +144,20 @@ pub fn extract_key(
             let ms = event_time(time, delivery)?;
             Ok(IdempotencyKey::timed(scope.clone(), ms, id)?)
         }
+        KeySource::FirstOf(sources) => {
+            let mut tried = Vec::with_capacity(sources.len());
+            for source in sources {
+                match extract_key(source, scope, delivery) {
+                    Err(KeyError::Missing(why)) => tried.push(why),
+                    found => return found,
+                }
+            }
+            Err(KeyError::Missing(if tried.is_empty() {
+                "an empty list of key sources".to_owned()
+            } else {
+                tried.join("; ")
+            }))
+        }
         _ => Ok(IdempotencyKey::new(
             scope.clone(),
             key_text(source, scope, delivery)?,
@@ -156,7 +173,7 @@ fn key_text(source: &KeySource, scope: &Scope, delivery: &Delivery) -> Result<Ve
             None => Err(KeyError::Missing(format!("no header {name:?}"))),
         },
         KeySource::JsonPointer(pointer) => {
-            let json = parse(delivery)?;
+            let json = parse(delivery, || format!("nothing at {pointer}"))?;
             match json.pointer(pointer) {
                 None | Some(serde_json::Value::Null) => {
                     Err(KeyError::Missing(format!("nothing at {pointer}")))
@@ -171,7 +188,7 @@ fn key_text(source: &KeySource, scope: &Scope, delivery: &Delivery) -> Result<Ve
             }
         }
         KeySource::Fields(pointers) => {
-            let json = parse(delivery)?;
+            let json = parse(delivery, || format!("none of {pointers:?} present"))?;
             let values: Vec<&serde_json::Value> = pointers
                 .iter()
                 .map(|p| json.pointer(p).unwrap_or(&serde_json::Value::Null))
@@ -189,7 +206,9 @@ fn key_text(source: &KeySource, scope: &Scope, delivery: &Delivery) -> Result<Ve
                 .collect::<String>()
                 .into_bytes())
         }
-        KeySource::Timed { .. } => Ok(extract_key(source, scope, delivery)?.key_bytes().to_vec()),
+        KeySource::Timed { .. } | KeySource::FirstOf(_) => {
+            Ok(extract_key(source, scope, delivery)?.key_bytes().to_vec())
+        }
     }
 }
 
@@ -212,7 +231,7 @@ fn event_time(source: &EventTime, delivery: &Delivery) -> Result<u64, KeyError> 
             }
         },
         EventTime::JsonPointer(pointer) => {
-            let json = parse(delivery)?;
+            let json = parse(delivery, || format!("no event time at {pointer}"))?;
             match json.pointer(pointer) {
                 None | Some(serde_json::Value::Null) => {
                     Err(KeyError::Missing(format!("no event time at {pointer}")))
@@ -256,19 +275,25 @@ pub fn ordering_key(source: &OrderingKey, delivery: &Delivery) -> Option<Vec<u8>
     match source {
         OrderingKey::MessageKey => delivery.key.as_ref().map(|k| k.to_vec()),
         OrderingKey::Header(name) => delivery.header(name).map(<[u8]>::to_vec),
-        OrderingKey::JsonPointer(pointer) => match parse(delivery).ok()?.pointer(pointer)? {
-            serde_json::Value::String(s) => Some(s.clone().into_bytes()),
-            v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_)) => {
-                Some(v.to_string().into_bytes())
+        OrderingKey::JsonPointer(pointer) => {
+            match parse(delivery, String::new).ok()?.pointer(pointer)? {
+                serde_json::Value::String(s) => Some(s.clone().into_bytes()),
+                v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_)) => {
+                    Some(v.to_string().into_bytes())
+                }
+                _ => None,
             }
-            _ => None,
-        },
+        }
     }
 }
 
-fn parse(delivery: &Delivery) -> Result<serde_json::Value, KeyError> {
+/// The payload as JSON; an empty one is `missing()` (what was looked for), as nothing found.
+fn parse(
+    delivery: &Delivery,
+    missing: impl FnOnce() -> String,
+) -> Result<serde_json::Value, KeyError> {
     match delivery.payload.as_deref() {
-        None | Some([]) => Err(KeyError::Missing("empty payload".into())),
+        None | Some([]) => Err(KeyError::Missing(format!("{}: empty payload", missing()))),
         Some(p) => serde_json::from_slice(p).map_err(|e| KeyError::NotJson(e.to_string())),
     }
 }
@@ -410,6 +435,125 @@ mod tests {
             err,
             Err(KeyError::Invalid(InputError::EventTime { ms })) if ms == 1 << 48
         ));
+    }
+
+    /// The header, else the JSON field: the copy of an event with the header and the copy
+    /// without it get one key; a header that is there but no key is an error, never a fallback.
+    #[test]
+    fn a_list_of_sources_takes_the_first_that_finds_a_key() {
+        let scope = Scope::new("s").expect("a scope");
+        let key = |text: &str| IdempotencyKey::new(scope.clone(), text).expect("a key");
+        let source = KeySource::first_of([
+            KeySource::Header("event-id".into()),
+            KeySource::JsonPointer("/id".into()),
+        ]);
+        let find = |d: &Delivery| extract_key(&source, &scope, d);
+        let header = Delivery::new("t", 0, 1).with_header("event-id", "abc");
+        let field = Delivery::new("t", 0, 2).with_payload(r#"{"id":"abc"}"#);
+        let both = field.clone().with_header("event-id", "abc");
+        for d in [&header, &field, &both] {
+            assert_eq!(find(d).expect("a key"), key("abc"), "{d:?}");
+        }
+        // The header wins where both are there.
+        let differ = field.clone().with_header("event-id", "xyz");
+        assert_eq!(find(&differ).expect("a key"), key("xyz"));
+        // A number's JSON text is the header's digits.
+        let number = Delivery::new("t", 0, 3).with_payload(r#"{"id":42}"#);
+        let digits = Delivery::new("t", 0, 4).with_header("event-id", "42");
+        assert_eq!(find(&number).expect("a key"), find(&digits).expect("a key"));
+        // Neither: no key, naming every source tried.
+        let neither = Delivery::new("t", 0, 5).with_payload(r#"{"other":1}"#);
+        match find(&neither) {
+            Err(KeyError::Missing(why)) => {
+                assert!(why.contains("\"event-id\"") && why.contains("/id"), "{why}");
+            }
+            other => panic!("expected a missing key, got {other:?}"),
+        }
+        // No payload at all is nothing at the pointer either.
+        match find(&Delivery::new("t", 0, 6)) {
+            Err(KeyError::Missing(why)) => {
+                assert!(why.contains("\"event-id\"") && why.contains("/id"), "{why}");
+            }
+            other => panic!("expected a missing key, got {other:?}"),
+        }
+        // A header that is there but is no key is an error, not a fall-through to the field.
+        let empty = field.clone().with_header("event-id", "");
+        assert!(
+            matches!(find(&empty), Err(KeyError::Invalid(InputError::EmptyKey))),
+            "{:?}",
+            find(&empty)
+        );
+        let long = field
+            .clone()
+            .with_header("event-id", "k".repeat(dedup_core::MAX_KEY_LEN + 1));
+        assert!(matches!(
+            find(&long),
+            Err(KeyError::Invalid(InputError::KeyTooLong { .. }))
+        ));
+        // So is a field that is there but is no key, whichever comes first.
+        let field_first = KeySource::first_of([
+            KeySource::JsonPointer("/id".into()),
+            KeySource::Header("event-id".into()),
+        ]);
+        let nested = Delivery::new("t", 0, 7)
+            .with_header("event-id", "abc")
+            .with_payload(r#"{"id":{"v":1}}"#);
+        assert!(matches!(
+            extract_key(&field_first, &scope, &nested),
+            Err(KeyError::NotScalar { .. })
+        ));
+        assert_eq!(
+            extract_key(&field_first, &scope, &header).expect("a key"),
+            key("abc")
+        );
+    }
+
+    /// Timed sources in a list agree with each other, as fields digests of as many fields do.
+    #[test]
+    fn timed_sources_and_field_digests_in_a_list_give_one_key_per_event() {
+        let scope = Scope::new("s").expect("a scope");
+        let ms = 1_795_000_000_123_u64;
+        let timed = KeySource::first_of([
+            KeySource::timed(
+                KeySource::Header("event-id".into()),
+                EventTime::Header("event-ms".into()),
+            ),
+            KeySource::timed(
+                KeySource::JsonPointer("/id".into()),
+                EventTime::JsonPointer("/at".into()),
+            ),
+        ]);
+        let headers = Delivery::new("t", 0, 1)
+            .with_header("event-id", "abc")
+            .with_header("event-ms", ms.to_string());
+        let json = Delivery::new("t", 0, 2)
+            .with_payload(r#"{"id":"abc","at":"2026-11-18T11:06:40.123Z"}"#);
+        let want = IdempotencyKey::timed(scope.clone(), ms, "abc").expect("a key");
+        for d in [&headers, &json] {
+            assert_eq!(extract_key(&timed, &scope, d).expect("a key"), want);
+        }
+        // The id's header without its time header: that source finds nothing, the next one does.
+        let no_time = json.clone().with_header("event-id", "abc");
+        assert_eq!(extract_key(&timed, &scope, &no_time).expect("a key"), want);
+        // A time that is there but unreadable is an error, not a fall-through.
+        let bad_time = json
+            .clone()
+            .with_header("event-id", "abc")
+            .with_header("event-ms", "soon");
+        assert!(matches!(
+            extract_key(&timed, &scope, &bad_time),
+            Err(KeyError::BadTime { .. })
+        ));
+        let fields = KeySource::first_of([
+            KeySource::Fields(vec!["/account".into(), "/request".into()]),
+            KeySource::Fields(vec!["/acct".into(), "/req".into()]),
+        ]);
+        let old = Delivery::new("t", 0, 3).with_payload(r#"{"account":7,"request":"r-1"}"#);
+        let new = Delivery::new("t", 0, 4).with_payload(r#"{"acct":7,"req":"r-1"}"#);
+        assert_eq!(
+            extract_key(&fields, &scope, &old).expect("a key"),
+            extract_key(&fields, &scope, &new).expect("a key")
+        );
     }
 
     #[test]
