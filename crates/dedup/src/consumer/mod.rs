@@ -176,7 +176,9 @@ impl ConsumerBuilder {
         self
     }
 
-    /// How long shutdown waits for running messages (default 30 s).
+    /// How long shutdown waits for running messages (default 30 s). A handler still running
+    /// then is not aborted: it keeps its lease, and the engine keeps its identity until the
+    /// handler ends ([`Engine::shutdown`]).
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.config.drain_timeout = timeout;
         self
