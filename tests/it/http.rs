@@ -25,6 +25,8 @@ use tokio::time::{Instant, sleep};
 
 use crate::support::{RedisServer, test_config, until, url_of};
 
+mod tx;
+
 /// Serves `router` on a free loopback port; the base URL.
 async fn serve(router: Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -21,7 +21,9 @@ pub type Extractor = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
 pub enum StoreResponses {
     /// Every response, errors included (the default, as the IETF draft and Stripe do): once the
     /// handler answered, a retry gets that answer and never runs it again. A client that wants
-    /// another try after an error uses a new key.
+    /// another try after an error uses a new key. A handler that opened a transaction
+    /// ([`IdempotencyContext::transaction_opened`](crate::IdempotencyContext::transaction_opened))
+    /// stores only what it committed, whatever this says.
     All,
     /// Only 2xx responses. Any other response is answered and not stored, and the key is given
     /// back without spending an attempt: a retry runs the handler again. Choose this only where

@@ -29,7 +29,13 @@
 //! - **What is stored** is every response by default ([`StoreResponses::All`]): once the
 //!   handler answered, a retry never runs it again, whatever the answer was (a panic, an error
 //!   from the inner service or a crash leaves no answer: then the key is released). [`StoreResponses::Successes`] stores
-//!   only 2xx; a handler can also mark one response [`DoNotStore`].
+//!   only 2xx; a handler can also mark one response [`DoNotStore`]. A handler that opened a
+//!   transaction ([`IdempotencyContext::transaction_opened`]; `dedup::Engine::begin` marks it)
+//!   stores only what that transaction committed: if none committed, nothing is stored and the
+//!   key is given back, whatever the handler answered.
+//! - **In the handler**, the request's extensions hold an [`IdempotencyContext`]: the client's
+//!   key ([`IdempotencyContext::idempotency_key`]), dedup's key
+//!   ([`IdempotencyContext::dedup_key`]) and the lease.
 //! - **Sizes.** The request body is read once (up to the limit) and handed on. A response whose
 //!   stored form exceeds `Policy::max_result_bytes` (64 KiB) is answered whole to the first
 //!   caller and stored without its body: a retry gets the status and headers, an empty body and
@@ -39,8 +45,9 @@
 //!   requests at shutdown.
 //! - **A server killed mid-request** leaves the key held until its lease ends (30 s by default);
 //!   then a retry runs the handler again, unless its effect committed with its stored response
-//!   in one transaction ([`IdempotencyContext::stored_form`] and [`Committed`]), in which case the
-//!   retry gets the response and the effect stays single.
+//!   in one transaction ([`IdempotencyContext::stored_form`],
+//!   [`IdempotencyContext::transaction_committed`]), in which case the retry gets the response
+//!   and the effect stays single.
 //!
 //! # With axum
 //! ```no_run
@@ -63,15 +70,15 @@
 //! before the layer.
 
 mod config;
+mod context;
 mod key;
 mod problem;
 mod service;
 mod stored;
 
 pub use config::{Extractor, IdempotencyConfig, InFlight, StoreResponses};
+pub use context::{Committed, DoNotStore, IdempotencyContext};
 pub use key::{KeyHeaderError, MAX_CLIENT_KEY_LEN};
 pub use problem::PROBLEM_TYPE_PREFIX;
-pub use service::{
-    Committed, DoNotStore, Idempotency, IdempotencyContext, IdempotencyLayer, LayerBody,
-};
+pub use service::{Idempotency, IdempotencyLayer, LayerBody};
 pub use stored::{BODY_NOT_STORED, REPLAYED};

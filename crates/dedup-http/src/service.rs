@@ -4,9 +4,11 @@
 //! Otherwise: the key from the header, the body read once under a limit, the fingerprint; then the
 //! claim, the inner service, the response's body and its completion run on a spawned task (a
 //! client that goes away cancels nothing) through `Dedup::process`, with an `IdempotencyContext`
-//! (key, lease) in the request's extensions. The first caller always gets the handler's own
-//! response; a retry gets the stored one. Response extensions: `Committed` (the handler completed
-//! the key in its own transaction) and `DoNotStore`. `IdempotencyLayer::drain` waits for the
+//! (the client's key, dedup's key, the lease, the marks of the handler's transaction) in the
+//! request's extensions. The first caller always gets the handler's own response; a retry gets
+//! the stored one. What is stored: a transaction's commit if the handler opened one (nothing,
+//! the key given back, if none committed); else the response, unless marked `DoNotStore` or
+//! refused by `StoreResponses`. `IdempotencyLayer::drain` waits for the
 //! spawned requests at shutdown. `IdempotencyLayer::on` takes a `Dedup` (its store and owner
 //! ids); the facade's `Engine::http_layer` builds it on the engine.
 
@@ -22,7 +24,7 @@ use bytes::Bytes;
 use dedup_core::typed::CodecError;
 use dedup_core::{
     AfterHandlerError, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey, InputError,
-    LeaseContext, ProcessError, Processed, Store,
+    ProcessError, Processed, Store,
 };
 use http::{Request, Response, StatusCode};
 use http_body::Body;
@@ -33,6 +35,7 @@ use tower_service::Service;
 use tracing::{Instrument, warn};
 
 use crate::config::{IdempotencyConfig, InFlight};
+use crate::context::{Committed, DoNotStore, IdempotencyContext};
 use crate::key::{KeyError, client_key, fingerprint, idempotency_key};
 use crate::problem::{problem, retry_later};
 use crate::stored;
@@ -177,67 +180,12 @@ impl<S, I: fmt::Debug> fmt::Debug for Idempotency<S, I> {
     }
 }
 
-/// What a handler finds in its request's extensions when the layer runs it: the key and the
-/// lease it runs under.
-#[derive(Clone, Debug)]
-pub struct IdempotencyContext {
-    key: IdempotencyKey,
-    lease: LeaseContext,
-    config: Arc<IdempotencyConfig>,
-}
-
-impl IdempotencyContext {
-    /// The request's idempotency key (scope, tenant, route and the client's key).
-    pub fn key(&self) -> &IdempotencyKey {
-        &self.key
-    }
-
-    /// The lease: a handler whose effect is in Postgres completes it inside its transaction
-    /// (`PgStore::complete_in`) with [`stored_form`](Self::stored_form), and marks its response
-    /// [`Committed`].
-    pub fn lease(&self) -> &LeaseContext {
-        &self.lease
-    }
-
-    /// What the layer stores for `response`: the bytes to complete the lease with inside the
-    /// handler's own transaction.
-    ///
-    /// # Errors
-    /// The response cannot be encoded.
-    pub fn stored_form(&self, response: &Response<Bytes>) -> Result<Bytes, CodecError> {
-        stored::encode(
-            &self.config,
-            response.status(),
-            response.headers(),
-            response.body(),
-            self.config.policy.max_result_bytes,
-        )
-    }
-}
-
-/// A response extension: the handler completed the key inside its own transaction with these
-/// bytes (from [`IdempotencyContext::stored_form`]) and committed. The layer stores nothing more;
-/// the effect and its stored response commit or roll back together.
-#[derive(Clone, Debug)]
-pub struct Committed(Bytes);
-
-impl Committed {
-    /// The bytes the transaction completed the key with.
-    pub fn new(stored_form: Bytes) -> Self {
-        Self(stored_form)
-    }
-}
-
-/// A response extension: do not store this response, and give the key back without spending an
-/// attempt (the handler knows nothing ran: its transaction rolled back). A retry runs again.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct DoNotStore;
-
 /// Why a response was not stored (the handler error [`Dedup::process`] records).
 #[derive(Debug)]
 enum NotStored {
     Service,
     Declined(StatusCode),
+    Uncommitted(StatusCode),
     Encode(CodecError),
 }
 
@@ -246,6 +194,10 @@ impl fmt::Display for NotStored {
         match self {
             Self::Service => f.write_str("the service failed"),
             Self::Declined(s) => write!(f, "a {s} response is not stored"),
+            Self::Uncommitted(s) => write!(
+                f,
+                "the handler opened a transaction and none committed (it answered {s})"
+            ),
             Self::Encode(e) => write!(f, "{e}"),
         }
     }
@@ -358,7 +310,13 @@ where
             let guard = RunningGuard::new(&running);
             let task = tokio::spawn(
                 async move {
-                    let answer = run(dedup, config, inner, key, fingerprint, request).await;
+                    let request = Keyed {
+                        client_key: client_key.into(),
+                        key,
+                        fingerprint,
+                        request,
+                    };
+                    let answer = run(dedup, config, inner, request).await;
                     drop(guard);
                     answer
                 }
@@ -394,15 +352,21 @@ fn buffered<RB>(r: Response<Bytes>) -> Response<LayerBody<RB>> {
     r.map(|b| Either::Left(Full::new(b)))
 }
 
+/// A request with its keys and fingerprint, ready to run.
+struct Keyed<B> {
+    client_key: Arc<str>,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    request: Request<B>,
+}
+
 /// Claims the key, runs the inner service once, stores its response; or answers from the
 /// stored one, or with the problem that stands in the way.
 async fn run<S, I, B, RB>(
     dedup: Arc<Dedup<S>>,
     config: Arc<IdempotencyConfig>,
     mut inner: I,
-    key: IdempotencyKey,
-    fingerprint: Fingerprint,
-    request: Request<B>,
+    keyed: Keyed<B>,
 ) -> Answer<I::Error>
 where
     S: Store,
@@ -413,15 +377,18 @@ where
     let mut fresh: Option<Answer<I::Error>> = None;
     let slot = &mut fresh;
     let handler_config = config.clone();
+    let Keyed {
+        client_key,
+        key,
+        fingerprint,
+        request,
+    } = keyed;
     let out = dedup
         .process(&key, Some(fingerprint), |lease| async move {
             let config = handler_config;
             let mut request = request;
-            request.extensions_mut().insert(IdempotencyContext {
-                key: lease.lease().key.clone(),
-                lease,
-                config: config.clone(),
-            });
+            let ctx = IdempotencyContext::new(client_key, lease, config.clone());
+            request.extensions_mut().insert(ctx.clone());
             let response = match inner.call(request).await {
                 Ok(r) => r,
                 Err(e) => {
@@ -448,9 +415,15 @@ where
                     .into_parts()
                 }
             };
-            let committed = parts.extensions.get::<Committed>().map(|c| c.0.clone());
-            let declined =
-                parts.extensions.get::<DoNotStore>().is_some() || !config.store.keeps(parts.status);
+            // A transaction the handler opened decides: what it committed is stored, and if
+            // none committed nothing is, whatever the handler answered.
+            let marks = ctx.take_marks();
+            let committed = marks
+                .committed
+                .or_else(|| parts.extensions.get::<Committed>().map(|c| c.0.clone()));
+            let declined = marks.opened
+                || parts.extensions.get::<DoNotStore>().is_some()
+                || !config.store.keeps(parts.status);
             let stored = match (&committed, declined) {
                 (None, false) => Some(stored::encode(
                     &config,
@@ -467,6 +440,12 @@ where
                 (Some(c), _) => Ok(Completion::Committed(c)),
                 (None, Some(Ok(bytes))) => Ok(Completion::Store(bytes)),
                 (None, Some(Err(e))) => Err(HandlerError::Permanent(NotStored::Encode(e))),
+                // A commit of unknown outcome: the record says whether it committed (then it
+                // is replayed), else the key is given back.
+                (None, None) if marks.opened => match marks.unknown {
+                    Some(e) => Err(HandlerError::Store(e)),
+                    None => Err(HandlerError::Withdraw(NotStored::Uncommitted(status))),
+                },
                 (None, None) => Err(HandlerError::Withdraw(NotStored::Declined(status))),
             }
         })

@@ -88,11 +88,10 @@ async fn create_order(
             "expected {\"customer\": string, \"cents\": integer}",
         );
     };
+    // Once `begin` is called, only a commit stores a response: whatever the route answers
+    // without one (this 503, say) is not stored, and a retry runs again.
     let unavailable = |e: &dyn std::fmt::Display| {
-        let mut r = problem(StatusCode::SERVICE_UNAVAILABLE, &format!("try again: {e}"));
-        // The transaction rolled back: nothing ran, so nothing is stored and a retry runs.
-        r.extensions_mut().insert(DoNotStore);
-        r
+        problem(StatusCode::SERVICE_UNAVAILABLE, &format!("try again: {e}"))
     };
     let mut tx = match app.engine.begin(&ctx).await {
         Ok(tx) => tx,
@@ -101,7 +100,7 @@ async fn create_order(
     let id: i64 = match dedup::sqlx::query_scalar(
         "INSERT INTO orders (idempotency_key, customer, cents) VALUES ($1, $2, $3) RETURNING id",
     )
-    .bind(ctx.key().to_string())
+    .bind(ctx.idempotency_key())
     .bind(&order.customer)
     .bind(order.cents)
     .fetch_one(&mut *tx)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use dedup_core::StoreError;
 use dedup_core::typed::CodecError;
-use dedup_http::{Committed, IdempotencyConfig, IdempotencyContext, IdempotencyLayer};
+use dedup_http::{IdempotencyConfig, IdempotencyContext, IdempotencyLayer};
 use dedup_pg::PgStore;
 use http::Response;
 use sqlx::postgres::{PgConnection, Postgres};
@@ -46,6 +46,13 @@ impl Engine {
 
     /// Begins the transaction of a request whose effect is a write in the engine's Postgres:
     /// write on it (it derefs to a `PgConnection`), then [`RequestTx::commit`] the response.
+    /// `ctx` is the request's, from its extensions (axum: `Extension<IdempotencyContext>`).
+    ///
+    /// Once `begin` is called, the request stores only what a commit stores: if no
+    /// [`RequestTx::commit`] succeeded (the begin failed, the transaction was dropped, the
+    /// commit failed), the layer stores nothing and gives the key back without spending an
+    /// attempt, whatever the route answers (a 503, a 422), and a retry runs the route again. A
+    /// commit whose outcome stays unknown is read back: committed, its response is replayed.
     ///
     /// ```no_run
     /// # use dedup::http_layer::{IdempotencyContext, RequestTx};
@@ -61,9 +68,13 @@ impl Engine {
     /// ```
     ///
     /// # Errors
-    /// Postgres is unavailable (answer 503 with `DoNotStore`: nothing ran, a retry runs);
+    /// Postgres is unavailable (answer 503: nothing ran, nothing is stored, a retry runs);
     /// [`NoPostgres`](crate::NoPostgres) from an in-memory engine.
     pub async fn begin(&self, ctx: &IdempotencyContext) -> Result<RequestTx, CommitError> {
+        // From here on the request stores only what a commit stores: a begin that fails, a
+        // transaction dropped, a commit that failed leave nothing stored, whatever the route
+        // answers, and a retry runs again.
+        ctx.transaction_opened();
         let store = self.postgres()?.clone();
         let tx = store
             .pool()
@@ -80,7 +91,7 @@ impl Engine {
 
 /// A request's transaction ([`Engine::begin`]): the effect's writes, then the key's completion
 /// with the stored response, committed together. Dropped without [`commit`](Self::commit), it
-/// rolls back.
+/// rolls back, and the request's response is not stored (the key is given back).
 #[derive(Debug)]
 pub struct RequestTx {
     tx: sqlx::Transaction<'static, Postgres>,
@@ -111,7 +122,8 @@ pub enum CommitError {
     #[error("the response cannot be stored: {0}")]
     Response(#[from] CodecError),
     /// The completion or the commit failed: the lease was taken over (`LeaseLost`), or Postgres
-    /// failed. Nothing committed: answer 503 with `DoNotStore`, and a retry runs again.
+    /// failed. Nothing committed (an outcome still unknown is read back after the route
+    /// answered): answer 503; nothing is stored, and a retry runs again.
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The engine is in memory: it has no Postgres to begin a transaction on.
@@ -132,10 +144,11 @@ impl CommitError {
 impl RequestTx {
     /// Completes the key with `response`'s stored form inside the transaction and commits (an
     /// unknown commit outcome is resolved by reading the record back). Returns the response
-    /// marked [`Committed`], so that the layer stores nothing more.
+    /// marked [`Committed`](dedup_http::Committed): that stored form is what every retry gets,
+    /// whatever the route answers the first caller.
     ///
     /// # Errors
-    /// See [`CommitError`]; either way, nothing committed.
+    /// See [`CommitError`]; either way, nothing committed and nothing is stored.
     pub async fn commit(
         mut self,
         mut response: Response<Bytes>,
@@ -143,8 +156,13 @@ impl RequestTx {
         let stored = self.ctx.stored_form(&response)?;
         let lease = self.ctx.lease().lease();
         PgStore::complete_in(&mut self.tx, lease, &stored).await?;
-        self.store.commit(self.tx, lease).await?;
-        response.extensions_mut().insert(Committed::new(stored));
+        if let Err(e) = self.store.commit(self.tx, lease).await {
+            // An outcome still unknown is read back by the layer once the route answered.
+            self.ctx.transaction_failed(&e);
+            return Err(e.into());
+        }
+        let committed = self.ctx.transaction_committed(stored);
+        response.extensions_mut().insert(committed);
         Ok(response)
     }
 }
