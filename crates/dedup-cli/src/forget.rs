@@ -5,7 +5,9 @@
 //!
 //! Keys are given by hand (`--scope S --key K`, `--hex-key HEX` for binary keys), or read from a
 //! range of a dead-letter topic (`--dead-letters TOPIC --partition P --from A --to B`): each dead
-//! letter names its key in its `dedup-scope` and `dedup-key` headers. A key under a live lease
+//! letter names its key in its `dedup-scope` and `dedup-key` headers; or from the dead letters a
+//! group kept in Postgres because their topic refused them (`--kept-dead-letters GROUP`), each
+//! row naming its key (the rows stay: `dedup dead-letters` removes them). A key under a live lease
 //! (a holder runs it) and a key a parked message carries are kept. With `REDIS_URL`, the fast
 //! path's copies of the forgotten keys are dropped too.
 
@@ -13,7 +15,7 @@ use std::collections::HashSet;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::Args;
+use clap::{ArgGroup, Args};
 use dedup_core::{IdempotencyKey, Scope, State};
 use dedup_pg::{ForgetReport, PgStore};
 use dedup_redis::redis::{self, Script};
@@ -40,11 +42,12 @@ const CHUNK: usize = 1000;
 const DROP_LUA: &str = "return redis.call('DEL', KEYS[1])";
 
 #[derive(Args, Debug)]
+#[command(group(ArgGroup::new("letters").args(["dead_letters", "kept_dead_letters"])))]
 pub(crate) struct ForgetArgs {
     #[command(flatten)]
     pg: PgArgs,
     /// The keys' scope (for the Kafka runners, the consumer group unless configured otherwise).
-    #[arg(long, conflicts_with = "dead_letters")]
+    #[arg(long, conflicts_with = "letters")]
     scope: Option<String>,
     /// An idempotency key, as UTF-8 text (repeatable).
     #[arg(long = "key", value_name = "KEY", requires = "scope")]
@@ -65,6 +68,11 @@ pub(crate) struct ForgetArgs {
     /// The last offset read (inclusive); a range past the partition's end stops at its end.
     #[arg(long, value_name = "OFFSET", requires = "dead_letters")]
     to: Option<i64>,
+    /// A consumer group: forget the keys its dead letters kept in Postgres name (those the
+    /// dead-letter topic refused for good, `dedup dead-letters --group GROUP`). The kept letters
+    /// stay, for the re-drive.
+    #[arg(long, value_name = "GROUP")]
+    kept_dead_letters: Option<String>,
     /// Kafka bootstrap servers (with `--dead-letters`).
     #[arg(long, env = "KAFKA_BROKERS")]
     brokers: Option<String>,
@@ -82,10 +90,11 @@ pub(crate) struct ForgetArgs {
     /// The key prefix in Redis (the consumers' `RedisFastPath::with_prefix`).
     #[arg(long, default_value = "dedup")]
     redis_prefix: String,
-    /// With `--dead-letters`: forget a key whose record is COMPLETED too. By default such a key
-    /// is kept: its effect ran (a dead letter whose stored result did not decode, or whose payload
-    /// did not match the key's), so a re-drive would run it a second time.
-    #[arg(long, requires = "dead_letters")]
+    /// With `--dead-letters` or `--kept-dead-letters`: forget a key whose record is COMPLETED
+    /// too. By default such a key is kept: its effect ran (a dead letter whose stored result did
+    /// not decode, or whose payload did not match the key's), so a re-drive would run it a
+    /// second time.
+    #[arg(long, requires = "letters")]
     include_completed: bool,
     /// Print what would be forgotten; change nothing.
     #[arg(long)]
@@ -99,25 +108,37 @@ struct Read {
     key: Result<IdempotencyKey, String>,
 }
 
+/// Dead letters that name no key: where each is, and why.
+type Skipped = Vec<(String, String)>;
+
 pub(crate) async fn run(args: ForgetArgs) -> Result<ExitCode, CliError> {
-    let (keys, skipped) = match (&args.scope, &args.dead_letters) {
-        (Some(scope), None) => (given_keys(scope, &args.keys, &args.hex_keys)?, Vec::new()),
-        (None, Some(topic)) => dead_letter_keys(&args, topic).await?,
+    let mut store = None;
+    let (keys, skipped) = match (&args.scope, &args.dead_letters, &args.kept_dead_letters) {
+        (Some(scope), None, None) => (given_keys(scope, &args.keys, &args.hex_keys)?, Vec::new()),
+        (None, Some(topic), None) => dead_letter_keys(&args, topic).await?,
+        (None, None, Some(group)) => {
+            let s = PgStore::new(connect_pg(&args.pg.database_url, 2).await?);
+            kept_keys(store.insert(s), group).await?
+        }
         _ => {
             return Err(CliError::Config(
-                "name the keys: --scope S --key K [--key K2 ...], or \
-                 --dead-letters TOPIC --partition P --from OFFSET --to OFFSET"
+                "name the keys: --scope S --key K [--key K2 ...], \
+                 --dead-letters TOPIC --partition P --from OFFSET --to OFFSET, or \
+                 --kept-dead-letters GROUP"
                     .into(),
             ));
         }
     };
     let keys = distinct(keys);
+    let store = match store {
+        Some(s) => s,
+        None => PgStore::new(connect_pg(&args.pg.database_url, 2).await?),
+    };
 
-    let pool = connect_pg(&args.pg.database_url, 2).await?;
-    let store = PgStore::new(pool);
     // A dead letter's key whose effect ran (COMPLETED) is not reset unless asked: keys given by
     // hand are the operator's explicit choice.
-    let (completed, keys) = if args.dead_letters.is_some() && !args.include_completed {
+    let from_letters = args.dead_letters.is_some() || args.kept_dead_letters.is_some();
+    let (completed, keys) = if from_letters && !args.include_completed {
         split_completed(&store, keys).await?
     } else {
         (Vec::new(), keys)
@@ -150,11 +171,40 @@ pub(crate) async fn run(args: ForgetArgs) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The keys a range of a dead-letter topic names, and the dead letters (offset, why) naming none.
+/// The keys `group`'s kept dead letters name, and the letters naming none.
+async fn kept_keys(
+    store: &PgStore,
+    group: &str,
+) -> Result<(Vec<IdempotencyKey>, Skipped), CliError> {
+    let kept = store
+        .refused_dead_letters(group)
+        .await
+        .map_err(|e| CliError::Failed(format!("reading kept dead letters: {e}")))?;
+    println!(
+        "read {} dead letter(s) of group {group} kept in Postgres",
+        kept.len()
+    );
+    let mut keys = Vec::with_capacity(kept.len());
+    let mut skipped = Vec::new();
+    for d in kept {
+        match d.idempotency_key {
+            Some(k) => keys.push(k),
+            None => skipped.push((
+                format!("{}:{}:{}", d.topic, d.partition, d.offset),
+                "no idempotency key (a message without a usable one, or kept by a binary of \
+                 generation 11 or older)"
+                    .to_owned(),
+            )),
+        }
+    }
+    Ok((keys, skipped))
+}
+
+/// The keys a range of a dead-letter topic names, and the dead letters naming none.
 async fn dead_letter_keys(
     args: &ForgetArgs,
     topic: &str,
-) -> Result<(Vec<IdempotencyKey>, Vec<(i64, String)>), CliError> {
+) -> Result<(Vec<IdempotencyKey>, Skipped), CliError> {
     let (Some(partition), Some(from), Some(to)) = (args.partition, args.from, args.to) else {
         return Err(CliError::Config(
             "--dead-letters needs --partition, --from and --to".into(),
@@ -189,7 +239,7 @@ async fn dead_letter_keys(
     for r in reads {
         match r.key {
             Ok(k) => keys.push(k),
-            Err(why) => skipped.push((r.offset, why)),
+            Err(why) => skipped.push((format!("offset {}", r.offset), why)),
         }
     }
     Ok((keys, skipped))
@@ -273,7 +323,7 @@ async fn drop_copies(url: &str, prefix: &str, report: &ForgetReport) -> Result<u
 fn print_keys(
     report: &ForgetReport,
     completed: &[IdempotencyKey],
-    skipped: &[(i64, String)],
+    skipped: &[(String, String)],
     dry_run: bool,
 ) {
     let verb = if dry_run { "would forget" } else { "forgotten" };
@@ -292,8 +342,8 @@ fn print_keys(
     for k in completed {
         println!("{:<13} {k}", "completed");
     }
-    for (offset, why) in skipped {
-        println!("{:<13} offset {offset}: {why}", "skipped");
+    for (at, why) in skipped {
+        println!("{:<13} {at}: {why}", "skipped");
     }
 }
 

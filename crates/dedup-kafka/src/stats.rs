@@ -287,8 +287,8 @@ pub struct RunnerStats {
     /// Postgres (`dedup_dead_letters`, `dedup dead-letters`) instead; also in `dead_lettered`.
     pub dead_letters_kept: u64,
     /// Dead-letter writes refused in a way only an operator can cure (authorization, an unknown
-    /// topic, or refused for good with no Postgres table to keep it): the partition waits. Alert
-    /// on it.
+    /// topic, or refused for good with no Postgres table to keep it or one Postgres refuses to
+    /// keep): the partition waits. Alert on it.
     pub dead_letter_stalls: u64,
     /// The dead-letter topic's `max.message.bytes`, read at start (0: the cluster did not say).
     /// Checked against the source topics' at start: a warning says when it is smaller.

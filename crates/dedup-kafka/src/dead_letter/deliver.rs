@@ -10,8 +10,10 @@
 //! What the producer's answer means:
 //! - acknowledged (`acks=all`): written;
 //! - refused for good (`MessageSizeTooLarge`, `MessageBatchTooLarge`, `InvalidRecord`: the same
-//!   record is refused every time): kept in `dedup_dead_letters` where a Postgres table is given,
-//!   otherwise the partition stalls, loudly;
+//!   record is refused every time): kept in `dedup_dead_letters` where a Postgres table is given
+//!   (under its coordinates and its content's digest, with its idempotency key: a letter at the
+//!   coordinates of an older one is kept beside it, the same letter written again is kept once),
+//!   otherwise the partition stalls, loudly; so does a letter Postgres refuses for good;
 //! - refused until an operator acts (authorization, an unknown or invalid topic): retried with
 //!   backoff, each time counted and logged with what to do;
 //! - a fatal producer error (the idempotent producer gave up): the producer is made anew, since
@@ -49,6 +51,7 @@ pub(crate) trait RefusedTable: std::fmt::Debug + Send + Sync + 'static {
         &'a self,
         group: &'a str,
         d: &'a Delivery,
+        key: Option<&'a IdempotencyKey>,
         reason: &'a str,
         attempts: u32,
         dead_letter_topic: &'a str,
@@ -62,6 +65,7 @@ impl RefusedTable for dedup_pg::PgStore {
         &'a self,
         group: &'a str,
         d: &'a Delivery,
+        key: Option<&'a IdempotencyKey>,
         reason: &'a str,
         attempts: u32,
         dead_letter_topic: &'a str,
@@ -77,11 +81,13 @@ impl RefusedTable for dedup_pg::PgStore {
                 .map(|(k, v)| (k.as_bytes().to_vec(), v.as_ref().map(|v| v.to_vec())))
                 .collect();
             row.timestamp_ms = d.timestamp_ms;
+            row.idempotency_key = key.cloned();
             row.reason = reason.to_owned();
             row.attempts = attempts;
             row.dead_letter_topic = dead_letter_topic.to_owned();
             row.refusal = refusal.to_owned();
-            self.keep_refused_dead_letter(&row).await
+            // Written now, or the same letter was kept before (a replay after a crash).
+            self.keep_refused_dead_letter(&row).await.map(|_| ())
         })
     }
 }
@@ -291,6 +297,7 @@ impl DeadLetters {
                             .keep(
                                 &self.group,
                                 d,
+                                key,
                                 reason,
                                 attempts,
                                 &self.topic,
@@ -303,8 +310,12 @@ impl DeadLetters {
                                 warn!(topic = %d.topic, partition = d.partition, offset = d.offset, dead_letter_topic = %self.topic, error = %e, "the dead-letter topic refuses this message for good: kept in dedup_dead_letters (see `dedup dead-letters`)");
                                 return Some(Delivered::Table);
                             }
-                            Err(se) => {
+                            Err(se) if se.is_retryable() => {
                                 warn!(error = %se, "keeping a refused dead letter in Postgres failed; retrying");
+                            }
+                            Err(se) => {
+                                counters.dead_letter_stalls.add(1);
+                                error!(topic = %d.topic, partition = d.partition, offset = d.offset, dead_letter_topic = %self.topic, error = %se, "the dead-letter topic refuses this message for good and Postgres cannot keep it in dedup_dead_letters: its partition stalls until the cause named here is dealt with");
                             }
                         }
                     } else {

@@ -1,12 +1,13 @@
 //! The dead-letter topic: where poison messages, permanent failures and keyless messages go,
 //! with the reason, the attempts, the original coordinates and the idempotency key in headers.
 //!
-//! A dead letter carries the original message's headers except those whose name starts with
-//! `dedup-` (the ones dedup writes): those are written fresh. A dead letter re-driven to its
+//! A dead letter carries the original message's headers except those named exactly as one dedup
+//! writes ([`DLQ_HEADERS`], any case): those are written fresh. A dead letter re-driven to its
 //! source topic after a fix (docs/RECOVERY.md) and dead-lettered again so carries one
-//! `dedup-reason`, the latest, never a stack of them. The reason is bounded to 1 KiB; the
-//! idempotency key goes in `dedup-scope` and `dedup-key`. Delivery is in `deliver.rs`, the size
-//! check at start in `limits.rs`.
+//! `dedup-reason`, the latest, never a stack of them. Any other header is copied, whatever its
+//! name: a user's `dedup-event-ms` stays (it may be the message's key or event time). The reason
+//! is bounded to 1 KiB; the idempotency key goes in `dedup-scope` and `dedup-key`. Delivery is
+//! in `deliver.rs`, the size check at start in `limits.rs`.
 
 use std::borrow::Cow;
 
@@ -35,9 +36,18 @@ pub const DLQ_SCOPE: &str = "dedup-scope";
 /// Dead-letter header: the idempotency key's bytes, where the message had a usable key.
 pub const DLQ_KEY: &str = "dedup-key";
 
-/// The prefix of every header dedup writes on a dead letter: an original header with it is not
-/// copied (it is replaced by the fresh one, or dropped).
-const DEDUP_HEADER_PREFIX: &[u8] = b"dedup-";
+/// Every header dedup writes on a dead letter, by its exact name: an original header of one of
+/// these names (in any case) is not copied, since the fresh one replaces it (or, for the key's
+/// two, the message names no usable key now). Every other header is copied.
+pub const DLQ_HEADERS: &[&str] = &[
+    DLQ_REASON,
+    DLQ_ATTEMPTS,
+    DLQ_TOPIC,
+    DLQ_PARTITION,
+    DLQ_OFFSET,
+    DLQ_SCOPE,
+    DLQ_KEY,
+];
 
 /// The longest `dedup-reason` header, in bytes (a handler's error may quote a whole payload).
 pub(crate) const MAX_REASON_LEN: usize = 1024;
@@ -61,11 +71,9 @@ impl<'a> Fresh<'a> {
     }
 }
 
-/// Whether `name` is a header dedup writes (or one it reserves): `dedup-...`, any case.
+/// Whether `name` is one of the headers dedup writes ([`DLQ_HEADERS`]), in any case.
 fn is_dedup_header(name: &str) -> bool {
-    name.as_bytes()
-        .get(..DEDUP_HEADER_PREFIX.len())
-        .is_some_and(|p| p.eq_ignore_ascii_case(DEDUP_HEADER_PREFIX))
+    DLQ_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(name))
 }
 
 /// A dead letter's headers, in order: the original ones that are not dedup's, then dedup's,
@@ -162,7 +170,9 @@ mod tests {
             .with_header(DLQ_OFFSET, "7")
             .with_header(DLQ_SCOPE, "old-scope")
             .with_header(DLQ_KEY, "old-key")
-            .with_header("Dedup-Something", "reserved too")
+            .with_header("DEDUP-Reason", "an old reason in another case")
+            .with_header("dedup-event-ms", "1700000000000")
+            .with_header("Dedup-Something", "the user's too")
             .with_header("dedupe", "not ours");
         let key = IdempotencyKey::new(Scope::new("g").unwrap(), "evt-7").unwrap();
         let fresh = Fresh::new(&d, "still failing", 3);
@@ -176,6 +186,8 @@ mod tests {
             vec![
                 ("idempotency-key", "evt-7"),
                 ("traceparent", "00-abc-def-01"),
+                ("dedup-event-ms", "1700000000000"),
+                ("Dedup-Something", "the user's too"),
                 ("dedupe", "not ours"),
                 (DLQ_REASON, "still failing"),
                 (DLQ_ATTEMPTS, "3"),
@@ -190,7 +202,7 @@ mod tests {
         assert_eq!(
             without_key
                 .iter()
-                .filter(|(k, _)| k.starts_with("dedup-"))
+                .filter(|(k, _)| DLQ_HEADERS.contains(k))
                 .count(),
             5
         );
@@ -199,6 +211,21 @@ mod tests {
                 .iter()
                 .any(|(k, _)| *k == DLQ_SCOPE || *k == DLQ_KEY)
         );
+    }
+
+    #[test]
+    fn every_header_dedup_writes_is_listed_and_no_other() {
+        let d = Delivery::new("t", 0, 0);
+        let key = IdempotencyKey::new(Scope::new("g").unwrap(), "k").unwrap();
+        let fresh = Fresh::new(&d, "r", 1);
+        let written: Vec<&str> = header_list(&d, &fresh, Some(&key))
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(written, DLQ_HEADERS);
+        assert!(!is_dedup_header("dedup-event-ms"));
+        assert!(!is_dedup_header("dedup-"));
+        assert!(is_dedup_header("Dedup-Original-Offset"));
     }
 
     #[test]
