@@ -6,7 +6,7 @@
 -- too: an update of `dedup_schema` never takes the generation down. (Landed migrations are never
 -- edited: every new one raises it with `greatest`.) The floor is not touched; older binaries
 -- read the table as they did.
-CREATE FUNCTION dedup_schema_generation_rises() RETURNS trigger
+CREATE OR REPLACE FUNCTION dedup_schema_generation_rises() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     NEW.generation := greatest(NEW.generation, OLD.generation);
@@ -14,6 +14,7 @@ BEGIN
 END
 $$;
 
+DROP TRIGGER IF EXISTS dedup_schema_generation_rises ON dedup_schema;
 CREATE TRIGGER dedup_schema_generation_rises BEFORE UPDATE ON dedup_schema
     FOR EACH ROW EXECUTE FUNCTION dedup_schema_generation_rises();
 

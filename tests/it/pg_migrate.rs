@@ -452,9 +452,9 @@ async fn apply_runs_nothing_on_a_newer_schema_that_lacks_one_of_its_migrations(p
     );
 }
 
-/// A version this binary does not know (a withdrawn migration, such as 20261204000001) recorded
-/// on a schema that is not newer: apply refuses, running none of its own around it; and an
-/// embedded migration older than one applied is refused, not run out of order.
+/// A version this binary does not know recorded on a schema that is not newer: apply refuses,
+/// running none of its own around it (a version it knows as withdrawn, 20261204000001, is no
+/// bar); and an embedded migration older than one applied is refused, not run out of order.
 #[sqlx::test(migrations = false)]
 async fn apply_refuses_unknown_versions_and_runs_nothing_out_of_order(pool: PgPool) {
     prepare(&pool, MigrationMode::Apply).await.unwrap();
@@ -466,14 +466,15 @@ async fn apply_refuses_unknown_versions_and_runs_nothing_out_of_order(pool: PgPo
         .unwrap();
     sqlx::query(
         "INSERT INTO dedup_migrations (version, description, success, checksum, execution_time) \
-         VALUES (20261204000001, 'withdrawn', true, '\\x00', 0)",
+         VALUES (20261204000001, 'withdrawn', true, '\\x00', 0), \
+         (20261205500001, 'from a build that is not a release', true, '\\x00', 0)",
     )
     .execute(&pool)
     .await
     .unwrap();
     let err = prepare(&pool, MigrationMode::Apply).await.unwrap_err();
     assert!(
-        matches!(&err, SchemaError::Unknown { versions, .. } if versions == &[20_261_204_000_001]),
+        matches!(&err, SchemaError::Unknown { versions, .. } if versions == &[20_261_205_500_001]),
         "{err:?}"
     );
     assert!(!err.is_retryable());
@@ -482,6 +483,13 @@ async fn apply_refuses_unknown_versions_and_runs_nothing_out_of_order(pool: PgPo
             .await
             .contains(&newest.version)
     );
+    // The withdrawn version alone does not stand in the way: the upgrade goes on.
+    sqlx::query("DELETE FROM dedup_migrations WHERE version = 20261205500001")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let status = prepare(&pool, MigrationMode::Apply).await.unwrap();
+    assert_eq!(status.applied, vec![newest.version], "{status:?}");
     sqlx::query("DELETE FROM dedup_migrations WHERE version = 20261204000001")
         .execute(&pool)
         .await

@@ -57,6 +57,12 @@ use tracing::info;
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
 pub const SCHEMA_GENERATION: i32 = 12;
 
+/// Versions of migrations that landed and were withdrawn: a database migrated by such a build
+/// records them, and this binary knows them (their DDL is superseded by a later migration, never
+/// run again). `20261204000001` (generation 10: withdrawn fourteen minutes after it landed,
+/// docs/MIGRATIONS.md).
+pub(crate) const WITHDRAWN: &[i64] = &[20_261_204_000_001];
+
 /// The table [`MIGRATOR`] records dedup's applied migrations in.
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";
 
@@ -247,10 +253,10 @@ pub enum SchemaError {
         /// What is missing, comma-separated.
         missing: String,
     },
-    /// `dedup_migrations` records versions this binary does not have, while the schema's
-    /// generation is not newer than this binary's (apply): applying its own migrations
-    /// around them would run DDL out of order. A migration withdrawn after it ran, or a
-    /// database migrated by a build of dedup that is not a release.
+    /// `dedup_migrations` records versions this binary does not have (nor knows as
+    /// withdrawn), while the schema's generation is not newer than this binary's (apply):
+    /// applying its own migrations around them would run DDL out of order. A database migrated
+    /// by a build of dedup that is not a release.
     #[error(
         "dedup_migrations records migration(s) {versions:?} that this binary does not have, on a \
          schema of generation {schema_generation} (this binary's is {binary_generation}): \
@@ -427,8 +433,10 @@ pub async fn prepare(pool: &PgPool, mode: MigrationMode) -> Result<SchemaStatus,
                 status.schema = Some(accept(v)?);
                 return Ok(status);
             }
-            let known: std::collections::HashSet<i64> =
-                up_migrations().map(|m| m.version).collect();
+            let known: std::collections::HashSet<i64> = up_migrations()
+                .map(|m| m.version)
+                .chain(WITHDRAWN.iter().copied())
+                .collect();
             let mut unknown: Vec<i64> = before
                 .keys()
                 .copied()
