@@ -1673,6 +1673,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
 mod blocked;
 mod dead_letters;
 mod front_door;
+mod key_fallback;
 mod kill_switch;
 mod lease;
 mod parked;

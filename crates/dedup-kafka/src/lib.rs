@@ -10,9 +10,10 @@
 //! - A consumer takes topics in a consumer group and passes each message through
 //!   [`dedup_core::Dedup::process`] (lease mode) or one Postgres transaction per batch
 //!   (transaction mode) to the handler. The idempotency key comes from a header (default
-//!   `idempotency-key`), a JSON pointer, a digest of chosen JSON fields, or a random event id
-//!   keyed with the event's own time, time-ordered ([`KeySource`]), under the engine's scope
-//!   (never the group's).
+//!   `idempotency-key`), a JSON pointer, a digest of chosen JSON fields, a random event id
+//!   keyed with the event's own time, time-ordered, or the first of a list of these that finds
+//!   one, whose sources must make one event the same key ([`KeySource`]), under the engine's
+//!   scope (never the group's).
 //! - **Offsets.** Automatic commit and automatic offset storing are off. A partition's offset is
 //!   committed up to the first message not yet settled (completed, replayed, or dead-lettered),
 //!   every commit interval, on revocation and on shutdown, and only for
@@ -41,11 +42,14 @@
 //!   retried without limit: a message is never dropped for want of a database.
 //! - **The kill switch** ([`KillSwitch`], off unless set): a handler that fails everything (a
 //!   dropped table, a revoked credential, a bad deploy) does not dead-letter the stream. After a
-//!   few failures in a row further failures are withdrawn (the key given back, no attempt spent,
-//!   the message retried later); past a failure rate the runner stops taking messages and starts
-//!   no handler for a pause (its partitions paused, the consumer still polling), then probes: the
-//!   first success closes it. Counted in [`RunnerStats::kill_switch_trips`] and
-//!   [`RunnerStats::kill_switch_withdrawn`].
+//!   few failures in a row, in transaction mode further failures are withdrawn (the effect rolled
+//!   back: the key given back, no attempt spent, the message retried later); in lease mode, whose
+//!   effect is outside, a failure keeps its record and its attempt, and a final one (permanent,
+//!   or on the last attempt) is held, its lease kept, until the switch closes. Past a failure
+//!   rate the runner stops taking messages and starts no handler for a pause (its partitions
+//!   paused, the consumer still polling), then probes: the first success closes it. Counted in
+//!   [`RunnerStats::kill_switch_trips`], [`RunnerStats::kill_switch_withdrawn`] and
+//!   [`RunnerStats::kill_switch_held`].
 //! - **Rebalances.** On revocation the runner takes no new work for those partitions, lets running
 //!   messages finish on their own (their dedup state is fenced and durable; the new owner replays
 //!   or waits for them), drops queued ones, and commits what is settled. Every assignment resumes
@@ -101,6 +105,18 @@
 //!     r#"{"id": "9b2e6f1c-58d4-4c1a-a3f0-2d7e8b9c0a15", "at_ms": "2026-11-18T11:06:40.123Z"}"#,
 //! );
 //! assert_eq!(extract_key(&timed, &scope, &rfc3339)?, key);
+//! // The `event-id` header, else the payload's `/id`: one key for a copy with the header and a
+//! // copy without it.
+//! let header_else_id = KeySource::first_of([
+//!     KeySource::Header("event-id".into()),
+//!     KeySource::JsonPointer("/id".into()),
+//! ]);
+//! let with_header = Delivery::new("payments", 1, 7).with_header("event-id", "e-1");
+//! let without = Delivery::new("payments", 0, 45).with_payload(r#"{"id": "e-1", "amount": 9}"#);
+//! assert_eq!(
+//!     extract_key(&header_else_id, &scope, &with_header)?,
+//!     extract_key(&header_else_id, &scope, &without)?,
+//! );
 //! # Ok(()) }
 //! ```
 
@@ -124,7 +140,7 @@ pub use config::{
     MAX_SETTING_DURATION, MissingKey, Ordering, OrderingKey,
 };
 pub use dead_letter::{
-    DLQ_ATTEMPTS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
+    DLQ_ATTEMPTS, DLQ_HEADERS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
 };
 pub use delivery::{Delivery, KeyError, event_time_ms, extract_key, ordering_key};
 pub use runner::{AfterGiveUp, Parking};
