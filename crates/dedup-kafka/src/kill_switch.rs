@@ -21,8 +21,11 @@
 //! is final (`Permanent`, or a retryable one on the key's last attempt) while the switch is
 //! suspect, open or probing is **held**: its task keeps the lease (heartbeating) and waits, the
 //! failure neither recorded nor dead-lettered nor run again, until the switch is closed again
-//! (a success elsewhere, or after a probe); then it is recorded as it is. A runner that stops
-//! meanwhile records it as it is too. The attempt limit holds across the switch opening and
+//! (a success elsewhere, or after a probe); then it is recorded as it is. It is recorded as it
+//! is too when the runner stops, when the message's partition is revoked, and when nothing
+//! else decided the switch for a whole pause while it was not open (a poison message alone on
+//! its partition under per-partition order: no other work could close the switch, and holding
+//! on would only stop the partition). The attempt limit holds across the switch opening and
 //! closing.
 //!
 //! What it cannot tell apart: a run of consecutive poison messages in one ordering group looks
@@ -145,6 +148,9 @@ struct State {
     outcomes: VecDeque<bool>,
     failures: u32,
     consecutive: u32,
+    /// When the last outcome was recorded, or the switch last began to probe, whichever is
+    /// later: what a held failure measures the quiet from.
+    decided: Instant,
 }
 
 /// How often a held failure looks whether the switch closed.
@@ -171,6 +177,7 @@ impl Breaker {
                 outcomes: VecDeque::new(),
                 failures: 0,
                 consecutive: 0,
+                decided: Instant::now(),
             }),
             counters,
             opened: Notify::new(),
@@ -194,6 +201,7 @@ impl Breaker {
             && Instant::now() >= until
         {
             s.phase = Phase::Probing;
+            s.decided = Instant::now();
             self.counters.kill_switch_open.set(0);
             self.phase.send_replace(Phase::Probing);
             info!("kill switch: the pause is over; probing");
@@ -254,6 +262,7 @@ impl Breaker {
             self.phase.send_replace(Phase::Closed);
         }
         s.consecutive = 0;
+        s.decided = Instant::now();
         push(&mut s, cfg.window, false);
     }
 
@@ -276,6 +285,7 @@ impl Breaker {
         let _ = self.phase();
         let mut s = self.state();
         s.consecutive = s.consecutive.saturating_add(1);
+        s.decided = Instant::now();
         match s.phase {
             Phase::Open { .. } => true,
             Phase::Probing => {
@@ -304,19 +314,23 @@ impl Breaker {
     /// Lease mode's judgement of a handler's answer (module docs, *Lease mode withdraws
     /// nothing*): the answer is given back as it is, never withdrawn; but a final failure
     /// (`Permanent`, or a retryable one when `last_attempt`) while the switch is wary is first
-    /// held here, its lease kept, until the switch is closed or `stopping` is set. `held` is
-    /// called when the hold starts and `freed` when it ends.
+    /// held here, its lease kept, until the switch is closed, `stopping` is set, `gone` says the
+    /// message's partition went, or nothing else decided the switch for a whole pause (no other
+    /// outcome while it is suspect or probing: no other work can close it, so holding on would
+    /// only stop the partition). `held` is called when the hold starts and `freed` when it ends.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn judge_lease<T, E>(
         &self,
         r: Result<T, HandlerError<E>>,
         last_attempt: bool,
         stopping: &watch::Receiver<bool>,
+        gone: impl Fn() -> bool,
         held: impl FnOnce(),
         freed: impl FnOnce(),
     ) -> Result<T, HandlerError<E>> {
-        if self.cfg.is_none() {
+        let Some(cfg) = self.cfg else {
             return r;
-        }
+        };
         let final_failure = match &r {
             Ok(_) => {
                 self.success();
@@ -332,16 +346,34 @@ impl Breaker {
         self.counters.kill_switch_held.add(1);
         warn!("kill switch: a final failure held, its lease kept, until the switch closes");
         held();
-        self.until_closed(stopping).await;
+        self.until_decided(cfg.pause, stopping, gone).await;
         freed();
         r
     }
 
-    /// Waits until the switch is neither open, probing nor suspect, or `stopping` is set.
-    async fn until_closed(&self, stopping: &watch::Receiver<bool>) {
+    /// Waits until the switch is neither open, probing nor suspect, `stopping` is set, `gone`
+    /// answers true, or the switch is not open and nothing decided it for `pause`.
+    async fn until_decided(
+        &self,
+        pause: Duration,
+        stopping: &watch::Receiver<bool>,
+        gone: impl Fn() -> bool,
+    ) {
         let mut stopping = stopping.clone();
         let mut phase = self.phase.subscribe();
-        while self.wary() && !*stopping.borrow() {
+        loop {
+            if !self.wary() || *stopping.borrow() || gone() {
+                return;
+            }
+            let quiet = self.state().decided.elapsed();
+            if !self.is_open() && quiet >= pause {
+                warn!(
+                    ?quiet,
+                    "kill switch: nothing else decided it for a whole pause; the held failure \
+                     is recorded as it is"
+                );
+                return;
+            }
             // A success that ends a suspicion changes no phase: looked at again now and then.
             tokio::select! {
                 _ = phase.changed() => {}

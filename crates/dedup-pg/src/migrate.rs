@@ -412,6 +412,12 @@ pub async fn prepare(pool: &PgPool, mode: MigrationMode) -> Result<SchemaStatus,
             } else {
                 HashMap::new()
             };
+            // Read again after the versions: a newer binary that migrated in between (a rolling
+            // deploy) shows as a newer schema, not as versions unknown on an older one.
+            let found = match schema(pool).await? {
+                Some(v) => Some(within_floor(v)?),
+                None => None,
+            };
             let pending: Vec<i64> = up_migrations()
                 .map(|m| m.version)
                 .filter(|v| !before.contains_key(v))

@@ -208,7 +208,14 @@ where
                     // holds its batch until the switch closes.
                     self.common
                         .breaker
-                        .judge_lease(r, last, &self.common.stopping, || {}, || {})
+                        .judge_lease(
+                            r,
+                            last,
+                            &self.common.stopping,
+                            || revoked.load(std::sync::atomic::Ordering::Acquire),
+                            || {},
+                            || {},
+                        )
                         .await
                 }
             })

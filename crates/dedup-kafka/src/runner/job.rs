@@ -155,7 +155,7 @@ where
             let granted_ref = &granted;
             let unblock = blocked.then(|| (events.clone(), job.lane.clone()));
             let stopping = &self.stopping;
-            let lane = &job.lane;
+            let (lane, revoked) = (&job.lane, &job.revoked);
             let out = self
                 .dedup
                 .try_process(key, fingerprint, move |lease| {
@@ -174,6 +174,7 @@ where
                                 r,
                                 last,
                                 stopping,
+                                || revoked.load(AtomicOrdering::Acquire),
                                 || drop(events.send(Event::Blocked(lane.clone()))),
                                 || drop(events.send(Event::Unblocked(lane.clone()))),
                             )

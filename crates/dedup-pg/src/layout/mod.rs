@@ -146,8 +146,8 @@ const MOVE_SQL: &str = "WITH m AS (DELETE FROM dedup_records_untimed r \
 /// Gives the new parent and `dedup_records_future` what the old table had (its owner, every
 /// grant, and the future partition its storage settings), and makes the functions that return
 /// the old table's row type (`RETURNS SETOF dedup_records`, now the untimed partition's type)
-/// again, the same but for that type, with their owner and grants: only dedup's (the table's
-/// owner's, in its schema), never another role's function run through as DDL.
+/// again, the same but for that type, with their owner and grants: only dedup's (named
+/// `dedup_...`, in the table's schema), never a function elsewhere run through as DDL.
 const CARRY_OVER_SQL: &str = r#"DO $carry$
 DECLARE
     owner_name text;
@@ -175,7 +175,7 @@ BEGIN
     FOR f IN SELECT p.oid, p.oid::regprocedure::text AS sig, p.proowner::regrole::text AS fowner,
             p.proacl
         FROM pg_proc p WHERE p.prorettype = 'dedup_records_untimed'::regtype
-            AND (p.proowner, p.pronamespace) = (SELECT c.relowner, c.relnamespace
+            AND p.proname ~ '^dedup_' AND p.pronamespace = (SELECT c.relnamespace
                 FROM pg_class c WHERE c.oid = 'dedup_records_untimed'::regclass)
     LOOP
         def := regexp_replace(pg_get_functiondef(f.oid),

@@ -56,13 +56,13 @@ const MOST_PER_CALL: usize = 16;
 ///
 /// A partition's name is written into statements as it is, so only names of dedup's exact
 /// making count (`dedup_records_untimed`, `_late`, `_future`, `_YYYYMMDD`: lower-case letters,
-/// digits and underscores, never a quote), and only tables the parent's owner owns; any other
-/// partition is named in the last column and left out, with one warning (`Parts::read`).
+/// digits and underscores, never a quote); any other partition is left out, with one warning
+/// (`Parts::read`). Its owner is not asked: attaching a partition takes the parent's owner, and
+/// `ALTER TABLE dedup_records OWNER TO` leaves the partitions' owners as they were.
 const PARTS_SQL: &str = "SELECT c.relname::text, \
      substring(b FROM $re$FROM \\('([^']+)'\\)$re$)::date - date '1970-01-01', \
      substring(b FROM $re$TO \\('([^']+)'\\)$re$)::date - date '1970-01-01', \
      c.relname ~ '^dedup_records_(untimed|late|future|[0-9]{8})$' \
-         AND c.relowner = (SELECT relowner FROM pg_class WHERE oid = 'dedup_records'::regclass) \
      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
      CROSS JOIN LATERAL pg_get_expr(c.relpartbound, 0) AS b \
      WHERE i.inhparent = 'dedup_records'::regclass ORDER BY 2 NULLS FIRST";

@@ -386,7 +386,9 @@ where
                     let r = no_withdraw(handler.handle(delivery, Some(lease)).await);
                     // Lease mode withdraws nothing (a final failure while the switch is wary
                     // is held until it closes).
-                    breaker.judge_lease(r, last, stopping, || {}, || {}).await
+                    breaker
+                        .judge_lease(r, last, stopping, || false, || {}, || {})
+                        .await
                 }
             })
             .await;
