@@ -46,7 +46,8 @@ async fn versions_in(pool: &PgPool, table: &str) -> Vec<i64> {
         .unwrap()
 }
 
-async fn exists(pool: &PgPool, table: &str) -> bool {
+/// Whether `table` resolves on the search path.
+pub(crate) async fn exists(pool: &PgPool, table: &str) -> bool {
     sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(table)
         .fetch_one(pool)

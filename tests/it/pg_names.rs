@@ -7,6 +7,7 @@
 use dedup_pg::RangePolicy;
 use sqlx::PgPool;
 
+use crate::pg_migrate::exists;
 use crate::pg_ranges::{DAY, at, switch};
 
 /// Runs `sql` on `pool`, each statement on its own.
@@ -37,14 +38,6 @@ async fn has_kt_default(pool: &PgPool, table: &str) -> bool {
     .fetch_one(pool)
     .await
     .unwrap()
-}
-
-async fn exists(pool: &PgPool, table: &str) -> bool {
-    sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-        .bind(table)
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
