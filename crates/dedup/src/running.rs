@@ -197,6 +197,12 @@ impl Shutdown {
 #[must_use = "futures do nothing unless awaited"]
 pub struct Stopped(Pin<Box<dyn Future<Output = ()> + Send>>);
 
+impl Stopped {
+    pub(crate) fn new(stop: impl Future<Output = ()> + Send + 'static) -> Self {
+        Self(Box::pin(stop))
+    }
+}
+
 impl std::fmt::Debug for Stopped {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Stopped")

@@ -28,6 +28,7 @@ on_brokers!(
     the_engine_answers_ready_while_its_consumers_run_and_names_what_is_wrong,
     a_lease_handler_runs_each_key_once_per_message_and_by_the_batch,
     a_handler_past_the_drain_timeout_keeps_the_identity_from_a_successor,
+    a_consumer_stopped_by_its_own_signal_commits_and_leaves_the_others_running,
 );
 
 /// 300 payments over 200 keys on 3 partitions: every third a redelivery of an earlier one.
@@ -440,6 +441,92 @@ async fn a_handler_past_the_drain_timeout_keeps_the_identity_from_a_successor(
     // Shutdown said so: one handler left running, the identity kept for it.
     assert_eq!(report.left_running, 1, "{report:?}");
     assert!(!report.identity_released, "{report:?}");
+}
+
+/// `run_until`: one consumer of an engine stops on its own signal (settled, committed, out of
+/// its group) while the engine and its other consumer go on, until the engine's shutdown.
+async fn a_consumer_stopped_by_its_own_signal_commits_and_leaves_the_others_running(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let (first, second) = (unique("own-stop"), unique("goes-on"));
+    for topic in [&first, &second] {
+        broker.create_topic(topic, 3).await;
+    }
+    let (events, keys) = payments();
+    produce(broker, &first, &events).await;
+    let engine = Engine::builder()
+        .postgres(pool.clone())
+        .scope(unique("own-stop"))
+        .build()
+        .await
+        .unwrap();
+    let effects: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
+    let consumer_of = |topic: &str, group: &str| {
+        let effects = effects.clone();
+        let handler = move |message: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+            let effects = effects.clone();
+            async move {
+                let key = String::from_utf8_lossy(lease.lease().key.key_bytes()).into_owned();
+                *effects.lock().unwrap().entry(key).or_default() += 1;
+                Ok::<_, HandlerError<String>>(Bytes::copy_from_slice(message.payload_bytes()))
+            }
+        };
+        let mut consumer = engine
+            .consumer()
+            .brokers(broker.bootstrap())
+            .group_id(group)
+            .topics([topic])
+            .commit_interval(Duration::from_millis(200))
+            .set("auto.offset.reset", "earliest");
+        for (k, v) in broker.client() {
+            consumer = consumer.set(k, v);
+        }
+        consumer.build(handler).unwrap()
+    };
+    let (group_1, group_2) = (unique("g"), unique("g"));
+    let one = consumer_of(&first, &group_1);
+    let two = consumer_of(&second, &group_2);
+    let (stats_1, stats_2) = (one.stats(), two.stats());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run_1 = tokio::spawn(one.run_until(stopped));
+    let run_2 = tokio::spawn(two.run());
+    eventually(60, "the first topic settled", || {
+        let s = stats_1.snapshot();
+        async move { s.executed + s.replayed == 300 }
+    })
+    .await;
+    stop.send(()).unwrap();
+    let s = tokio::time::timeout(Duration::from_secs(60), run_1)
+        .await
+        .expect("the first consumer stopped on its own signal")
+        .unwrap()
+        .unwrap();
+    assert_eq!(s.executed, keys.len() as u64);
+    committed_to_the_end(broker, &group_1, &first, 3).await;
+    // The engine and the other consumer go on: the second topic is consumed after the stop.
+    let h = engine.health(Duration::from_secs(60));
+    assert!(!h.stopping, "{h}");
+    produce(broker, &second, &events).await;
+    eventually(
+        60,
+        "the second topic settled after the first stopped",
+        || {
+            let s = stats_2.snapshot();
+            async move { s.executed + s.replayed == 300 }
+        },
+    )
+    .await;
+    assert!(!run_2.is_finished());
+    engine.shutdown().await;
+    let s = run_2.await.unwrap().unwrap();
+    assert_eq!(s.executed + s.replayed, 300);
+    // One scope: the second topic's keys were done by the first, so all 300 are replays.
+    assert_eq!(s.executed, 0);
+    assert!(
+        effects.lock().unwrap().values().all(|n| *n == 1),
+        "an effect ran twice"
+    );
 }
 
 pub(super) fn setting_of(r: Result<impl std::fmt::Debug, BuildError>) -> &'static str {

@@ -437,7 +437,8 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
 type RunFuture = Pin<Box<dyn Future<Output = Result<RunnerStats, RunnerError>> + Send>>;
 type Start = Box<dyn FnOnce(crate::Stopped) -> RunFuture + Send>;
 
-/// A consumer, built: [`run`](Self::run) it until the engine shuts down.
+/// A consumer, built: [`run`](Self::run) it until the engine shuts down, or
+/// [`run_until`](Self::run_until) its own stop signal.
 #[must_use = "a consumer does nothing until it is run"]
 pub struct Consumer {
     engine: Engine,
@@ -480,16 +481,43 @@ impl Consumer {
     /// Consumes until the engine shuts down ([`Engine::shutdown`]), then lets running messages
     /// finish (up to the drain timeout), commits and leaves the group. From its start it counts
     /// in [`Engine::stats`] and [`Engine::health`] (a consumer whose `run` ended is not ready).
+    /// To stop this consumer alone, use [`run_until`](Self::run_until).
     ///
     /// # Errors
     /// The Kafka client could not start or subscribe, or the cluster refused it.
     pub async fn run(self) -> Result<RunnerStats, RunnerError> {
+        let stop = self.engine.stopped();
+        self.start(stop).await
+    }
+
+    /// Consumes until `stop` completes or the engine shuts down, whichever comes first, then
+    /// stops as [`run`](Self::run) does: running messages finish (up to the drain timeout), the
+    /// offsets are committed and the consumer leaves its group. The engine and its other
+    /// consumers go on. `stop` can be any future: `tokio::signal::ctrl_c()`, a
+    /// `CancellationToken`'s `cancelled_owned()`, a oneshot receiver.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    pub async fn run_until<F>(self, stop: F) -> Result<RunnerStats, RunnerError>
+    where
+        F: Future + Send + 'static,
+    {
+        let engine = self.engine.stopped();
+        let either = crate::Stopped::new(async move {
+            tokio::select! {
+                () = engine => {}
+                _ = stop => {}
+            }
+        });
+        self.start(either).await
+    }
+
+    async fn start(self, stop: crate::Stopped) -> Result<RunnerStats, RunnerError> {
         let _running = self.engine.running();
         // From now until the last task holding the handler ends (after `run` returns, where a
         // handler outlived the drain), the engine's identity is not released.
         self.alive.arm();
         drop(self.alive);
-        let stop = self.engine.stopped();
         // In the engine's stats and health from now on; not running once `run` ends, however
         // it ends (an error, a panic, the future dropped).
         let running = Arc::new(AtomicBool::new(true));
