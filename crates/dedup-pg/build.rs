@@ -1,4 +1,4 @@
-// `sqlx::migrate!` embeds the top-level migrations: rebuild when they change.
+// `sqlx::migrate!` embeds the crate's migrations: rebuild when they change.
 fn main() {
-    println!("cargo:rerun-if-changed=../../migrations");
+    println!("cargo:rerun-if-changed=migrations");
 }

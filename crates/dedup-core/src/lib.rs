@@ -82,5 +82,5 @@ pub use typed::{ResultCodec, TypedProcessed};
 
 /// docs/TYPED.md's examples run as doctests too.
 #[cfg(doctest)]
-#[doc = include_str!("../../../docs/TYPED.md")]
+#[doc = include_str!("../TYPED.md")]
 struct TypedDoctests;

@@ -19,7 +19,7 @@
 //!   migrations had their chance to run ([`SchemaError::SchemaTooOld`]), and accepts, with an
 //!   info log, a newer schema whose floor it meets.
 //!
-//! The migrations are the workspace's `migrations/`: timestamped SQL, embedded by
+//! The migrations are this crate's `migrations/`: timestamped SQL, embedded by
 //! `sqlx::migrate!` (`build.rs` reruns on change; `.gitattributes` keeps them LF, since migration
 //! checksums hash the bytes). They make `dedup_records`, keyed by `(scope, key)` and indexed on
 //! `expires_at` for the purge; one sequence, `dedup_token_seq`; `dedup_offsets`, consumer
@@ -67,9 +67,9 @@ pub(crate) const WITHDRAWN: &[i64] = &[20_261_204_000_001];
 pub const MIGRATIONS_TABLE: &str = "dedup_migrations";
 
 /// The embedded migrations as `sqlx::migrate!` builds them (sqlx's default table).
-const EMBEDDED: Migrator = sqlx::migrate!("../../migrations");
+const EMBEDDED: Migrator = sqlx::migrate!("./migrations");
 
-/// The embedded migrations (the workspace's top-level `migrations/`), recorded in
+/// The embedded migrations (this crate's `migrations/`), recorded in
 /// `dedup_migrations` ([`MIGRATIONS_TABLE`]), ignoring versions recorded there that this binary
 /// does not have (a newer dedup's: only dedup's versions live in that table).
 ///

@@ -7,7 +7,7 @@
 //!
 //! Each idempotency key is one Redis hash, `<prefix>:{<digest>}`, where the digest (128 bits of
 //! SHA-256 over scope and key) is the hash tag: on Redis Cluster every script call touches one
-//! key, so the scripts in the workspace's `lua/` run unchanged there. The hash also holds the full
+//! key, so the scripts in this crate's `lua/` run unchanged there. The hash also holds the full
 //! scope and key, and a copy whose identity does not match is a miss (with a warning), never an
 //! answer.
 //!
@@ -71,9 +71,9 @@ struct Scripts {
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    store: Script::new(include_str!("../../../lua/store.lua")),
-    release: Script::new(include_str!("../../../lua/release.lua")),
-    extend: Script::new(include_str!("../../../lua/extend.lua")),
+    store: Script::new(include_str!("../lua/store.lua")),
+    release: Script::new(include_str!("../lua/release.lua")),
+    extend: Script::new(include_str!("../lua/extend.lua")),
 });
 
 /// The Redis fast path, over any async Redis connection (by default a [`ConnectionManager`]).

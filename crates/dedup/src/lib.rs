@@ -140,34 +140,5 @@ pub use rdkafka;
 /// The README's examples are compiled as doctests (the servers they need are not there: `no_run`),
 /// so they cannot rot.
 #[cfg(all(doctest, feature = "kafka", feature = "http"))]
-#[doc = include_str!("../../../README.md")]
+#[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
-
-#[cfg(test)]
-mod tests {
-    /// The README's "Using it" shows `examples/kafka_ledger.rs` in full: the code the tests run.
-    #[test]
-    fn the_readme_shows_the_ledger_example_as_it_is() {
-        let readme = include_str!("../../../README.md");
-        let example = include_str!("../examples/kafka_ledger.rs");
-        let code: String = example
-            .lines()
-            .skip_while(|l| l.starts_with("//!"))
-            .collect::<Vec<_>>()
-            .join("\n");
-        let using = readme
-            .split("## Using it")
-            .nth(1)
-            .expect("the README has a \"Using it\" section");
-        let block = using
-            .split("```rust,no_run\n")
-            .nth(1)
-            .and_then(|b| b.split("\n```").next())
-            .expect("\"Using it\" starts with a rust block");
-        assert_eq!(
-            block.trim(),
-            code.trim(),
-            "README and examples/kafka_ledger.rs differ"
-        );
-    }
-}

@@ -1,0 +1,1 @@
+crates/dedup-redis/lua
