@@ -1,0 +1,1 @@
+CREATE TABLE ledger (key bytea PRIMARY KEY, payment bytea NOT NULL);
