@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup::kafka::{Backoff, Batching, Message, Ordering, Parking, StatsHandle};
+use dedup::kafka::{Backoff, Batching, Delivery, Ordering, Parking, StatsHandle};
 use dedup::{Completion, Engine, HandlerError, LeaseContext, PgStore, Policy};
 use dedup_pg::TxBatchConfig;
 
@@ -146,7 +146,7 @@ impl dedup::kafka::LeaseHandler for Booking {
 
     async fn handle(
         &self,
-        d: Arc<Message>,
+        d: Arc<Delivery>,
         lease: LeaseContext,
     ) -> Result<Completion, HandlerError<String>> {
         if self.fail_table {

@@ -17,7 +17,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use dedup::Engine;
-use dedup::http_layer::EngineLayer;
+use dedup::http::EngineLayer;
 use dedup_http::{BODY_NOT_STORED, IdempotencyConfig, InFlight, REPLAYED, StoreResponses};
 use reqwest::Client;
 use sqlx::PgPool;

@@ -96,6 +96,11 @@ impl<C> fmt::Debug for RedisFastPath<C> {
         // Never the connection: its URL may hold a password.
         f.debug_struct("RedisFastPath")
             .field("prefix", &self.prefix)
+            .field("pipelined", &self.pipelined)
+            .field(
+                "batched_copies",
+                &self.batched_copies.load(Ordering::Relaxed),
+            )
             .finish_non_exhaustive()
     }
 }

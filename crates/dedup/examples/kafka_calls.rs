@@ -14,7 +14,7 @@ use std::error::Error;
 use std::future::Future;
 use std::sync::Arc;
 
-use dedup::kafka::{Batching, LeaseHandler, Message, Ordering, RunnerStats};
+use dedup::kafka::{Batching, Delivery, LeaseHandler, Ordering, RunnerStats};
 use dedup::{Bytes, Engine, HandlerError, LeaseContext};
 
 /// The handler: one charge per message, at the provider.
@@ -30,7 +30,7 @@ impl LeaseHandler for Charge {
 
     async fn handle(
         &self,
-        message: Arc<Message>,
+        message: Arc<Delivery>,
         lease: LeaseContext,
     ) -> Result<Bytes, HandlerError<String>> {
         let lease = lease.lease();

@@ -32,7 +32,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use dedup::Engine;
-use dedup::http_layer::{DoNotStore, IdempotencyConfig, IdempotencyContext};
+use dedup::http::{DoNotStore, IdempotencyConfig, IdempotencyContext};
 use dedup::sqlx::PgPool;
 use serde::Deserialize;
 

@@ -72,7 +72,7 @@ mod engine;
 #[cfg(feature = "pg")]
 mod health;
 #[cfg(feature = "http")]
-mod http;
+mod layer;
 #[cfg(feature = "pg")]
 mod running;
 
@@ -82,13 +82,13 @@ mod running;
 pub mod kafka {
     pub use crate::consumer::testing;
     pub use crate::consumer::{
-        Answer, Consumer, ConsumerBuilder, Ignore, Lease, LeaseHandler, Message, Mode, OnResult,
-        Parts, Transaction, TxHandler, Typed,
+        Answer, ConsumerBuilder, IdempotentConsumer, Ignore, LeaseHandler, OnResult, TxHandler,
+        Typed,
     };
     pub use dedup_kafka::{
-        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, EventTime, KeySource,
-        KillSwitch, MissingKey, Ordering, OrderingKey, Parking, RunnerError, RunnerStats,
-        StatsHandle, event_time_ms,
+        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, Delivery, EventTime,
+        KeySource, KillSwitch, MissingKey, Ordering, OrderingKey, Parking, RunnerError,
+        RunnerStats, StatsHandle, event_time_ms,
     };
 }
 
@@ -97,9 +97,8 @@ pub use bytes::Bytes;
 pub use dedup_core::typed;
 pub use dedup_core::{
     BatchConfig, BatchCounts, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey,
-    InputError, InstanceId, L1Policy, Lease as LeaseRecord, LeaseContext, MemoryStore, Policy,
-    ProcessError, Processed, ResultCodec, Scope, StoreError, TierStats, TieredConfig,
-    TypedProcessed,
+    InputError, InstanceId, L1Policy, Lease, LeaseContext, Policy, ProcessError, Processed, Scope,
+    StoreError, TierStats, TieredConfig,
 };
 #[cfg(feature = "pg")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
@@ -109,10 +108,7 @@ pub use {
         RetentionConfig, RetentionRound, RetentionStats, SchemaError, maintain_ranges,
         partition_by_key_time,
     },
-    engine::{
-        Authority, BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, ShutdownReport,
-        Tiers,
-    },
+    engine::{BuildError, Engine, EngineBuilder, EngineStore, NoPostgres, ShutdownReport},
     health::{ConsumerHealth, EngineStats, Health},
     running::{Shutdown, Stopped},
     sqlx,
@@ -120,13 +116,13 @@ pub use {
 
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use {dedup_redis::redis, engine::Fast};
+pub use dedup_redis::redis;
 
 /// The HTTP Idempotency-Key layer built from an [`Engine`] ([`Engine::http_layer`]).
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub mod http_layer {
-    pub use crate::http::{CommitError, EngineLayer, RequestTx};
+pub mod http {
+    pub use crate::layer::{CommitError, EngineLayer, RequestTx};
     pub use dedup_http::{
         Committed, DoNotStore, Extractor, IdempotencyConfig, IdempotencyContext, IdempotencyLayer,
         InFlight, LayerBody, StoreResponses,

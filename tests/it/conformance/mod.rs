@@ -107,7 +107,7 @@ macro_rules! conformance {
                         .build()
                         .await
                         .unwrap();
-                    super::run::$case(engine.dedup().store().clone()).await;
+                    super::run::$case(std::sync::Arc::new(engine.dedup().store().clone())).await;
                 }
             )*
         }
@@ -121,7 +121,7 @@ macro_rules! conformance {
                         .build()
                         .await
                         .unwrap();
-                    super::run::$case(engine.dedup().store().clone()).await;
+                    super::run::$case(std::sync::Arc::new(engine.dedup().store().clone())).await;
                 }
             )*
         }

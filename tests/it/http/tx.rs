@@ -11,7 +11,7 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use bytes::Bytes;
 use dedup::Engine;
-use dedup::http_layer::{IdempotencyConfig, IdempotencyContext};
+use dedup::http::{IdempotencyConfig, IdempotencyContext};
 use dedup_http::REPLAYED;
 use sqlx::PgPool;
 

@@ -210,7 +210,7 @@ async fn the_engine_answers_ready_while_its_consumers_run_and_names_what_is_wron
     let broken = Arc::new(AtomicBool::new(false));
     let handler = {
         let broken = broken.clone();
-        move |_: Arc<dedup::kafka::Message>, _: LeaseContext| {
+        move |_: Arc<dedup::kafka::Delivery>, _: LeaseContext| {
             let broken = broken.load(AtomicOrdering::Acquire);
             async move {
                 if broken {
@@ -311,7 +311,7 @@ async fn a_lease_handler_runs_each_key_once_per_message_and_by_the_batch(
         let effects: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
         let handler = {
             let effects = effects.clone();
-            move |message: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+            move |message: Arc<dedup::kafka::Delivery>, lease: LeaseContext| {
                 let effects = effects.clone();
                 async move {
                     assert!(!lease.is_lost());
@@ -380,7 +380,7 @@ async fn a_handler_past_the_drain_timeout_keeps_the_identity_from_a_successor(
     };
     let consumer_of = |engine: &Engine| {
         let effects = effects.clone();
-        let handler = move |_: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+        let handler = move |_: Arc<dedup::kafka::Delivery>, lease: LeaseContext| {
             let effects = effects.clone();
             async move {
                 let key = String::from_utf8_lossy(lease.lease().key.key_bytes()).into_owned();
@@ -464,7 +464,7 @@ async fn a_consumer_stopped_by_its_own_signal_commits_and_leaves_the_others_runn
     let effects: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
     let consumer_of = |topic: &str, group: &str| {
         let effects = effects.clone();
-        let handler = move |message: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+        let handler = move |message: Arc<dedup::kafka::Delivery>, lease: LeaseContext| {
             let effects = effects.clone();
             async move {
                 let key = String::from_utf8_lossy(lease.lease().key.key_bytes()).into_owned();
@@ -604,7 +604,7 @@ impl TxHandler for Nothing {
 }
 
 pub(super) async fn lease_nothing(
-    _: Arc<dedup::kafka::Message>,
+    _: Arc<dedup::kafka::Delivery>,
     _: LeaseContext,
 ) -> Result<Bytes, HandlerError<String>> {
     Ok(Bytes::new())
@@ -679,7 +679,7 @@ async fn the_consumer_builder_refuses_what_its_mode_cannot_honour_by_name(pool: 
         "policy"
     );
     // What is left builds, in every mode.
-    let builds = |r: Result<dedup::kafka::Consumer, BuildError>| {
+    let builds = |r: Result<dedup::kafka::IdempotentConsumer, BuildError>| {
         if let Err(e) = r {
             panic!("refused: {e}");
         }

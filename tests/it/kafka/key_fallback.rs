@@ -73,7 +73,7 @@ async fn a_copy_without_the_header_gets_the_key_of_the_copy_with_it_and_runs_onc
     let effects: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
     let handler = {
         let effects = effects.clone();
-        move |_: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+        move |_: Arc<dedup::kafka::Delivery>, lease: LeaseContext| {
             let effects = effects.clone();
             async move {
                 let key = String::from_utf8_lossy(lease.lease().key.key_bytes()).into_owned();

@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use dedup::kafka::testing::MockKafka;
 use dedup::kafka::{
-    Acquired, Batching, LeaseHandler, Message, Ordering as KeyOrdering, Parking, TxHandler, Typed,
+    Acquired, Batching, Delivery, LeaseHandler, Ordering as KeyOrdering, Parking, TxHandler, Typed,
 };
-use dedup::{Engine, HandlerError, IdempotencyKey, LeaseContext, ResultCodec};
+use dedup::typed::ResultCodec;
+use dedup::{Engine, HandlerError, IdempotencyKey, LeaseContext};
 use sqlx::PgPool;
 
 use super::front_door::{Nothing, lease_nothing, setting_of};
@@ -122,7 +123,7 @@ async fn drive_the_kit(engine: &Engine) {
     let effects: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
     let handler = {
         let effects = effects.clone();
-        move |m: Arc<dedup::kafka::Message>, lease: LeaseContext| {
+        move |m: Arc<dedup::kafka::Delivery>, lease: LeaseContext| {
             let effects = effects.clone();
             async move {
                 let body: serde_json::Value = serde_json::from_slice(m.payload_bytes()).unwrap();
@@ -155,7 +156,7 @@ struct Receipt {
     cents: i64,
 }
 
-fn receipt(message: &Message, key: &IdempotencyKey) -> Receipt {
+fn receipt(message: &Delivery, key: &IdempotencyKey) -> Receipt {
     let body: serde_json::Value = serde_json::from_slice(message.payload_bytes()).unwrap();
     Receipt {
         order: String::from_utf8_lossy(key.key_bytes()).into_owned(),
@@ -196,7 +197,7 @@ impl LeaseHandler for Charges {
 
     async fn handle(
         &self,
-        message: Arc<Message>,
+        message: Arc<Delivery>,
         lease: LeaseContext,
     ) -> Result<Receipt, HandlerError<String>> {
         let receipt = receipt(&message, &lease.lease().key);
@@ -211,7 +212,7 @@ impl LeaseHandler for Charges {
 
     fn check_result(
         &self,
-        _: &Message,
+        _: &Delivery,
         _: &dedup::Processed,
     ) -> Result<(), dedup::typed::CodecError> {
         self.1.fetch_add(1, AtomicOrdering::SeqCst);
@@ -311,7 +312,7 @@ async fn typed_wraps_a_lease_handler_type_on_an_in_memory_engine() {
     let handler = {
         let seen = seen.clone();
         Typed::new(codec.clone(), Charges(charged.clone(), checked.clone())).on_result(
-            move |m: &Message, r: &dedup::TypedProcessed<Receipt>| {
+            move |m: &Delivery, r: &dedup::typed::TypedProcessed<Receipt>| {
                 seen.lock()
                     .unwrap()
                     .push((m.offset, r.value().clone(), r.executed()));

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use dedup::kafka::{
-    Acquired, Answer, Batching, ConsumerBuilder, LeaseHandler, Message, RunnerStats, StatsHandle,
+    Acquired, Answer, Batching, ConsumerBuilder, Delivery, LeaseHandler, RunnerStats, StatsHandle,
     TxHandler,
 };
 use dedup::{Completion, Engine, HandlerError, LeaseContext, PgStore, TierStats};
@@ -124,7 +124,7 @@ fn redis_line(t: &TierStats) -> String {
 }
 
 /// A ledger entry read from an event's payload; a bad one is the event's permanent failure.
-fn entry(d: &Message) -> Result<(String, i64, i64), String> {
+fn entry(d: &Delivery) -> Result<(String, i64, i64), String> {
     let json: serde_json::Value = serde_json::from_slice(d.payload_bytes())
         .map_err(|e| format!("payload is not JSON: {e}"))?;
     let field = |name: &str| {
@@ -221,7 +221,7 @@ impl LeaseHandler for Booking {
 
     async fn handle(
         &self,
-        d: Arc<Message>,
+        d: Arc<Delivery>,
         lease: LeaseContext,
     ) -> Result<Completion, HandlerError<String>> {
         book(&self.pg, &self.run, &d, lease).await
@@ -231,7 +231,7 @@ impl LeaseHandler for Booking {
 async fn book(
     pg: &PgStore,
     run: &str,
-    d: &Message,
+    d: &Delivery,
     lease: LeaseContext,
 ) -> Result<Completion, HandlerError<String>> {
     let (key, account, amount) = entry(d).map_err(HandlerError::Permanent)?;

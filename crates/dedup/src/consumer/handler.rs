@@ -15,9 +15,6 @@ use sqlx::postgres::PgConnection;
 
 use crate::running::Alive;
 
-/// A message as the consumer received it: topic, partition, offset, key, headers, payload.
-pub type Message = Delivery;
-
 /// A consumer whose effect is a write in the engine's Postgres: **transaction mode**. The
 /// message's claim, the handler's writes, the completion (and, if asked, the consumer's position)
 /// commit in one transaction, so a crash at any point leaves all of them or none: exactly once,
@@ -82,7 +79,7 @@ pub type Answer<H> = Result<<H as TxHandler>::Output, HandlerError<<H as TxHandl
 /// transaction): pass [`LeaseContext::lease`]'s fencing token to a downstream that can refuse a
 /// stale one.
 ///
-/// Any `Fn(Arc<Message>, LeaseContext) -> impl Future<Output = Result<Bytes, HandlerError<E>>>`
+/// Any `Fn(Arc<Delivery>, LeaseContext) -> impl Future<Output = Result<Bytes, HandlerError<E>>>`
 /// closure is a lease handler.
 ///
 /// A handler that writes its effect in a Postgres transaction of its own and completes the key
@@ -100,7 +97,7 @@ pub trait LeaseHandler: Send + Sync + 'static {
     /// Makes one message's effect and returns the result to store (replayed to every duplicate).
     fn handle(
         &self,
-        message: Arc<Message>,
+        message: Arc<Delivery>,
         lease: LeaseContext,
     ) -> impl Future<Output = Result<Self::Output, HandlerError<Self::Error>>> + Send;
 
@@ -113,7 +110,7 @@ pub trait LeaseHandler: Send + Sync + 'static {
     /// once (a redelivery runs it again). Only called where `RUNS_KEYLESS` is true.
     fn handle_keyless(
         &self,
-        message: Arc<Message>,
+        message: Arc<Delivery>,
     ) -> impl Future<Output = Result<(), HandlerError<Self::Error>>> + Send {
         let _ = message;
         async { Ok(()) }
@@ -125,7 +122,7 @@ pub trait LeaseHandler: Send + Sync + 'static {
     ///
     /// # Errors
     /// The result cannot be used.
-    fn check_result(&self, message: &Message, processed: &Processed) -> Result<(), CodecError> {
+    fn check_result(&self, message: &Delivery, processed: &Processed) -> Result<(), CodecError> {
         let _ = (message, processed);
         Ok(())
     }
@@ -133,7 +130,7 @@ pub trait LeaseHandler: Send + Sync + 'static {
 
 impl<F, Fut, T, E> LeaseHandler for F
 where
-    F: Fn(Arc<Message>, LeaseContext) -> Fut + Send + Sync + 'static,
+    F: Fn(Arc<Delivery>, LeaseContext) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
     T: Send,
     E: fmt::Display + Send + 'static,
@@ -143,7 +140,7 @@ where
 
     fn handle(
         &self,
-        message: Arc<Message>,
+        message: Arc<Delivery>,
         lease: LeaseContext,
     ) -> impl Future<Output = Result<T, HandlerError<E>>> + Send {
         self(message, lease)

@@ -19,7 +19,7 @@ mod handler;
 pub mod testing;
 mod typed;
 
-pub use handler::{Answer, LeaseHandler, Message, TxHandler};
+pub use handler::{Answer, LeaseHandler, TxHandler};
 pub use typed::{Ignore, OnResult, Typed};
 
 use std::fmt;
@@ -230,7 +230,7 @@ impl ConsumerBuilder {
     ///
     /// # Errors
     /// A setting that cannot work, or a combination this mode cannot honour, named.
-    pub fn build<H, M>(self, handler: H) -> Result<Consumer, BuildError>
+    pub fn build<H, M>(self, handler: H) -> Result<IdempotentConsumer, BuildError>
     where
         H: Mode<M>,
     {
@@ -319,7 +319,8 @@ mod sealed {
 /// [`Transaction`]) and every [`LeaseHandler`] (marker [`Lease`]). Not implemented by hand.
 pub trait Mode<M>: Sized {
     #[doc(hidden)]
-    fn consumer(self, parts: Parts, token: sealed::Token) -> Result<Consumer, BuildError>;
+    fn consumer(self, parts: Parts, token: sealed::Token)
+    -> Result<IdempotentConsumer, BuildError>;
 }
 
 /// [`Mode`]'s marker for a [`TxHandler`].
@@ -331,7 +332,7 @@ pub enum Transaction {}
 pub enum Lease {}
 
 impl<H: TxHandler<Output: Into<Bytes>>> Mode<Transaction> for H {
-    fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
+    fn consumer(self, p: Parts, _: sealed::Token) -> Result<IdempotentConsumer, BuildError> {
         let who = (p.engine.clone(), p.config.group_id.clone());
         if p.parking.is_some() {
             return Err(BuildError::setting(
@@ -365,14 +366,14 @@ impl<H: TxHandler<Output: Into<Bytes>>> Mode<Transaction> for H {
                 .map_err(runner_error)?;
         }
         let stats = runner.stats();
-        Ok(Consumer::new(who, stats, alive, move |stop| {
+        Ok(IdempotentConsumer::new(who, stats, alive, move |stop| {
             Box::pin(async move { runner.run(stop).await })
         }))
     }
 }
 
 impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
-    fn consumer(self, p: Parts, _: sealed::Token) -> Result<Consumer, BuildError> {
+    fn consumer(self, p: Parts, _: sealed::Token) -> Result<IdempotentConsumer, BuildError> {
         let who = (p.engine.clone(), p.config.group_id.clone());
         if p.offsets_in_transaction.is_some() {
             return Err(BuildError::setting(
@@ -411,7 +412,7 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
                     runner = runner.with_dead_letter_table(pg);
                 }
                 let stats = runner.stats();
-                Ok(Consumer::new(who, stats, alive, move |stop| {
+                Ok(IdempotentConsumer::new(who, stats, alive, move |stop| {
                     Box::pin(async move { runner.run(stop).await })
                 }))
             }
@@ -426,7 +427,7 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
                         .map_err(|e| BuildError::setting("parking", e))?;
                 }
                 let stats = runner.stats();
-                Ok(Consumer::new(who, stats, alive, move |stop| {
+                Ok(IdempotentConsumer::new(who, stats, alive, move |stop| {
                     Box::pin(async move { runner.run(stop).await })
                 }))
             }
@@ -440,7 +441,7 @@ type Start = Box<dyn FnOnce(crate::Stopped) -> RunFuture + Send>;
 /// A consumer, built: [`run`](Self::run) it until the engine shuts down, or
 /// [`run_until`](Self::run_until) its own stop signal.
 #[must_use = "a consumer does nothing until it is run"]
-pub struct Consumer {
+pub struct IdempotentConsumer {
     engine: Engine,
     group: String,
     stats: StatsHandle,
@@ -449,15 +450,15 @@ pub struct Consumer {
     start: Start,
 }
 
-impl fmt::Debug for Consumer {
+impl fmt::Debug for IdempotentConsumer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Consumer")
+        f.debug_struct("IdempotentConsumer")
             .field("stats", &self.stats.snapshot())
             .finish_non_exhaustive()
     }
 }
 
-impl Consumer {
+impl IdempotentConsumer {
     fn new(
         (engine, group): (Engine, String),
         stats: StatsHandle,

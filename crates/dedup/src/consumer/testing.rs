@@ -11,7 +11,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 
-use super::{Consumer, ConsumerBuilder};
+use super::{ConsumerBuilder, IdempotentConsumer};
 use crate::engine::Engine;
 
 /// A one-broker Kafka cluster in this process, for tests: topics, messages carrying an
@@ -24,7 +24,7 @@ use crate::engine::Engine;
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::sync::Arc;
-/// use dedup::kafka::{Message, testing::MockKafka};
+/// use dedup::kafka::{Delivery, testing::MockKafka};
 /// use dedup::{Bytes, Engine, HandlerError, LeaseContext};
 ///
 /// let engine = Engine::builder().in_memory().scope("test").build().await?;
@@ -34,7 +34,7 @@ use crate::engine::Engine;
 /// kafka.send("orders", "order-1", r#"{"cents":1250}"#).await?; // a duplicate
 /// let consumer = kafka
 ///     .consumer(&engine, "orders")
-///     .build(|_m: Arc<Message>, _lease: LeaseContext| async {
+///     .build(|_m: Arc<Delivery>, _lease: LeaseContext| async {
 ///         Ok::<_, HandlerError<String>>(Bytes::new())
 ///     })?;
 /// let stats = kafka.run_until_settled(&engine, consumer, 2).await?;
@@ -149,7 +149,7 @@ impl MockKafka {
     pub async fn run_until_settled(
         &self,
         engine: &Engine,
-        consumer: Consumer,
+        consumer: IdempotentConsumer,
         messages: u64,
     ) -> Result<RunnerStats, RunError> {
         const WITHIN: Duration = Duration::from_secs(60);

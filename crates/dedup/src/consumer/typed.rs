@@ -6,12 +6,12 @@ use std::sync::Arc;
 use bytes::Bytes;
 use dedup_core::typed::{Codec, CodecError, ResultCodec, TypedError};
 use dedup_core::{HandlerError, LeaseContext, Processed, TypedProcessed};
-use dedup_kafka::Acquired;
+use dedup_kafka::{Acquired, Delivery};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
 
-use super::{LeaseHandler, Message, TxHandler};
+use super::{LeaseHandler, TxHandler};
 
 /// Wraps a handler whose `Output` is a value `T` (any [`TxHandler`] or [`LeaseHandler`], a
 /// closure included), and stores that value with a [`ResultCodec`] (a tag naming the type and
@@ -27,18 +27,19 @@ use super::{LeaseHandler, Message, TxHandler};
 ///
 /// ```no_run
 /// # use std::sync::Arc;
-/// # use dedup::{HandlerError, LeaseContext, ResultCodec, TypedProcessed};
-/// # use dedup::kafka::{Message, Typed};
+/// # use dedup::typed::{ResultCodec, TypedProcessed};
+/// # use dedup::{HandlerError, LeaseContext};
+/// # use dedup::kafka::{Delivery, Typed};
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct Receipt { charged: i64 }
 ///
 /// # fn f(engine: dedup::Engine) -> Result<(), Box<dyn std::error::Error>> {
 /// let codec = ResultCodec::<Receipt, _>::bincode("receipt/v1")?;
-/// let handler = Typed::new(codec, |_m: Arc<Message>, _lease: LeaseContext| async move {
+/// let handler = Typed::new(codec, |_m: Arc<Delivery>, _lease: LeaseContext| async move {
 ///     // The effect, once per key.
 ///     Ok::<_, HandlerError<String>>(Receipt { charged: 100 })
 /// })
-/// .on_result(|_m: &Message, r: &TypedProcessed<Receipt>| {
+/// .on_result(|_m: &Delivery, r: &TypedProcessed<Receipt>| {
 ///     // Every delivery, fresh or duplicate: reply with r.value().
 /// });
 /// let consumer = engine.consumer().brokers("kafka:9092").group_id("g").topics(["t"]).build(handler)?;
@@ -56,21 +57,21 @@ pub struct Typed<T, C, H, R = Ignore> {
 pub struct Ignore;
 
 /// What [`Typed`] calls with each decoded result (lease mode). Any
-/// `Fn(&Message, &TypedProcessed<T>)` is one.
+/// `Fn(&Delivery, &TypedProcessed<T>)` is one.
 pub trait OnResult<T>: Send + Sync + 'static {
     /// Called once per settled keyed message, fresh or replayed.
-    fn call(&self, message: &Message, result: &TypedProcessed<T>);
+    fn call(&self, message: &Delivery, result: &TypedProcessed<T>);
 }
 
 impl<T> OnResult<T> for Ignore {
-    fn call(&self, _: &Message, _: &TypedProcessed<T>) {}
+    fn call(&self, _: &Delivery, _: &TypedProcessed<T>) {}
 }
 
 impl<T, F> OnResult<T> for F
 where
-    F: Fn(&Message, &TypedProcessed<T>) + Send + Sync + 'static,
+    F: Fn(&Delivery, &TypedProcessed<T>) + Send + Sync + 'static,
 {
-    fn call(&self, message: &Message, result: &TypedProcessed<T>) {
+    fn call(&self, message: &Delivery, result: &TypedProcessed<T>) {
         self(message, result);
     }
 }
@@ -127,7 +128,7 @@ where
 
     async fn handle(
         &self,
-        message: Arc<Message>,
+        message: Arc<Delivery>,
         lease: LeaseContext,
     ) -> Result<Bytes, HandlerError<Self::Error>> {
         let value = self
@@ -140,14 +141,17 @@ where
 
     const RUNS_KEYLESS: bool = H::RUNS_KEYLESS;
 
-    async fn handle_keyless(&self, message: Arc<Message>) -> Result<(), HandlerError<Self::Error>> {
+    async fn handle_keyless(
+        &self,
+        message: Arc<Delivery>,
+    ) -> Result<(), HandlerError<Self::Error>> {
         self.handler
             .handle_keyless(message)
             .await
             .map_err(|e| e.map_err(TypedError::Handler))
     }
 
-    fn check_result(&self, message: &Message, processed: &Processed) -> Result<(), CodecError> {
+    fn check_result(&self, message: &Delivery, processed: &Processed) -> Result<(), CodecError> {
         self.handler.check_result(message, processed)?;
         let result = TypedProcessed::decode(&self.codec, processed)?;
         self.on_result.call(message, &result);

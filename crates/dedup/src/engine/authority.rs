@@ -14,7 +14,7 @@ use dedup_pg::PgStore;
 /// What grants the engine's leases and fencing tokens and keeps its records: Postgres, or, in an
 /// engine built [`in_memory`](crate::EngineBuilder::in_memory), this process's memory.
 #[derive(Clone)]
-pub struct Authority(Kind);
+pub(crate) struct Authority(Kind);
 
 #[derive(Clone)]
 enum Kind {

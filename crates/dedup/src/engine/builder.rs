@@ -365,7 +365,7 @@ impl EngineBuilder {
             .map_or_else(Authority::memory, Authority::postgres);
         let tiers =
             Arc::new(TieredStore::new(authority, fast, self.tiers).with_background_backfill());
-        let store = Arc::new(Batched::new(tiers.clone(), self.group_commit));
+        let store = super::EngineStore(Arc::new(Batched::new(tiers.clone(), self.group_commit)));
         let owner_prefix = match &instance {
             Some(id) => format!("{}{}", id.owner_prefix(), incarnation()),
             None => format!("pid{}", incarnation()),

@@ -8,7 +8,7 @@ use dedup_redis::redis::cluster_async::ClusterConnection;
 
 /// Which fast path the engine was built with.
 #[derive(Clone, Debug)]
-pub enum Fast {
+pub(crate) enum Fast {
     /// None: L1 and Postgres only.
     Off(NoFastPath),
     /// One Redis server.

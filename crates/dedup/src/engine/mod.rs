@@ -8,12 +8,15 @@ mod builder;
 mod error;
 #[cfg(feature = "redis")]
 mod fast;
+mod store;
 
-pub use authority::{Authority, NoPostgres};
+use authority::Authority;
+pub use authority::NoPostgres;
 pub use builder::EngineBuilder;
 pub use error::BuildError;
 #[cfg(feature = "redis")]
-pub use fast::Fast;
+use fast::Fast;
+pub use store::EngineStore;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -21,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dedup_core::{BatchCounts, Batched, Dedup, InstanceId, Policy, Scope, TierStats, TieredStore};
+use dedup_core::{BatchCounts, Dedup, InstanceId, Policy, Scope, TierStats, TieredStore};
 use dedup_pg::PgStore;
 
 use crate::running::Running;
@@ -35,11 +38,7 @@ pub(crate) type FastTier = Fast;
 pub(crate) type FastTier = dedup_core::NoFastPath;
 
 /// The engine's tiered store: L1, the fast path, the authority (Postgres).
-pub type Tiers = TieredStore<Authority, FastTier>;
-
-/// The store everything built from the engine claims through: the tiers, with concurrent claims
-/// and completions sent to Postgres in batches (group commit).
-pub type EngineStore = Batched<Arc<Tiers>>;
+pub(crate) type Tiers = TieredStore<Authority, FastTier>;
 
 /// What [`Engine::shutdown`] left behind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,8 +65,8 @@ struct Inner {
     /// Retention in the background, if asked for; taken out and stopped at shutdown.
     retention: Mutex<Option<dedup_pg::Retention>>,
     tiers: Arc<Tiers>,
-    store: Arc<EngineStore>,
-    dedup: Arc<Dedup<Arc<EngineStore>>>,
+    store: EngineStore,
+    dedup: Arc<Dedup<EngineStore>>,
     scope: Scope,
     instance: Option<InstanceId>,
     /// `<instance>/<incarnation>` (or the process's id and start): every member's owner ids are
@@ -84,7 +83,7 @@ struct Inner {
     running: Running,
     /// The HTTP layers built from the engine, drained at shutdown.
     #[cfg(feature = "http")]
-    layers: Mutex<Vec<crate::http::EngineLayer>>,
+    layers: Mutex<Vec<crate::layer::EngineLayer>>,
     /// `<scope>/http`, the HTTP layers' default scope (checked at build).
     #[cfg(feature = "http")]
     http_scope: Scope,
@@ -97,6 +96,7 @@ impl fmt::Debug for Engine {
             .field("instance", &self.inner.instance)
             .field("owner_prefix", &self.inner.owner_prefix)
             .field("policy", &self.inner.policy)
+            .field("fast_path", self.inner.tiers.fast_path())
             .finish_non_exhaustive()
     }
 }
@@ -154,7 +154,7 @@ impl Engine {
 
     /// The engine's own `Dedup`, for work that is neither a consumer nor a request
     /// (`engine.dedup().process(&key, fingerprint, handler)`), under the default policy.
-    pub fn dedup(&self) -> &Arc<Dedup<Arc<EngineStore>>> {
+    pub fn dedup(&self) -> &Dedup<EngineStore> {
         &self.inner.dedup
     }
 
@@ -163,7 +163,7 @@ impl Engine {
     ///
     /// # Errors
     /// A policy that cannot work.
-    pub fn dedup_with(&self, policy: Policy) -> Result<Dedup<Arc<EngineStore>>, BuildError> {
+    pub fn dedup_with(&self, policy: Policy) -> Result<Dedup<EngineStore>, BuildError> {
         self.member_dedup(policy, self.member(None).owner_prefix)
     }
 
@@ -174,7 +174,7 @@ impl Engine {
 
     /// Group commit's counters: how many batch calls carried how many claims and completions.
     pub fn group_commit_stats(&self) -> BatchCounts {
-        self.inner.store.batch_counts()
+        self.inner.store.0.batch_counts()
     }
 
     /// What retention in the background has done (`None` without
@@ -278,7 +278,7 @@ impl Engine {
     }
 
     #[cfg(feature = "http")]
-    pub(crate) fn keep_layer(&self, layer: crate::http::EngineLayer) {
+    pub(crate) fn keep_layer(&self, layer: crate::layer::EngineLayer) {
         self.inner
             .layers
             .lock()
@@ -350,7 +350,7 @@ impl Engine {
         &self,
         policy: Policy,
         owner_prefix: String,
-    ) -> Result<Dedup<Arc<EngineStore>>, BuildError> {
+    ) -> Result<Dedup<EngineStore>, BuildError> {
         Dedup::new(self.inner.store.clone())
             .with_owner_prefix(owner_prefix)
             .with_policy(policy)

@@ -4,7 +4,6 @@
 //! stored response commit in one transaction.
 
 use std::ops::{Deref, DerefMut};
-use std::sync::Arc;
 
 use bytes::Bytes;
 use dedup_core::StoreError;
@@ -17,7 +16,7 @@ use sqlx::postgres::{PgConnection, Postgres};
 use crate::engine::{BuildError, Engine, EngineStore};
 
 /// The layer [`Engine::http_layer`] builds.
-pub type EngineLayer = IdempotencyLayer<Arc<EngineStore>>;
+pub type EngineLayer = IdempotencyLayer<EngineStore>;
 
 impl Engine {
     /// A tower layer that runs each request carrying an `Idempotency-Key` once and replays its
@@ -55,7 +54,7 @@ impl Engine {
     /// commit whose outcome stays unknown is read back: committed, its response is replayed.
     ///
     /// ```no_run
-    /// # use dedup::http_layer::{IdempotencyContext, RequestTx};
+    /// # use dedup::http::{IdempotencyContext, RequestTx};
     /// # async fn create(engine: dedup::Engine, ctx: IdempotencyContext)
     /// #     -> Result<http::Response<bytes::Bytes>, Box<dyn std::error::Error>> {
     /// let mut tx = engine.begin(&ctx).await?;
