@@ -22,7 +22,7 @@ use bytes::Bytes;
 use dedup_core::{Completion, HandlerError, LeaseContext, Policy};
 use dedup_kafka::{
     Backoff, DLQ_ATTEMPTS, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Delivery, MissingKey,
-    RunnerConfig, RunnerError, RunnerStats, StatsHandle,
+    RunnerError, RunnerStats, StatsHandle,
 };
 use dedup_pg::PgStore;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -39,6 +39,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
 use crate::support::{RedisServer, effect_in_tx, effect_rows, effects_table, url_of};
+use settings::Settings;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -164,8 +165,8 @@ impl Broker {
         c.create().unwrap()
     }
 
-    fn config(&self, group: &str, topic: &str) -> RunnerConfig {
-        let mut cfg = RunnerConfig::new(self.bootstrap(), group, [topic])
+    fn config(&self, group: &str, topic: &str) -> Settings {
+        let mut cfg = Settings::new(self.bootstrap(), group, [topic])
             .with_commit_interval(Duration::from_millis(200))
             .with_backoff(Backoff::new(
                 Duration::from_millis(20),
@@ -284,12 +285,12 @@ struct Running {
 }
 
 impl Running {
-    async fn spawn(config: RunnerConfig, setup: Setup, worker: &'static str) -> Self {
+    async fn spawn(config: Settings, setup: Setup, worker: &'static str) -> Self {
         let store = setup.pg();
         Self::spawn_with(config, setup, ledger_handler(store, worker)).await
     }
 
-    async fn spawn_with<F, Fut, E>(config: RunnerConfig, setup: Setup, handler: F) -> Self
+    async fn spawn_with<F, Fut, E>(config: Settings, setup: Setup, handler: F) -> Self
     where
         F: Fn(Arc<Delivery>, Option<LeaseContext>) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = Result<Completion, HandlerError<E>>> + Send,
@@ -300,7 +301,7 @@ impl Running {
 
     /// With `batching`: lease mode by the batch.
     async fn spawn_full<F, Fut, E>(
-        config: RunnerConfig,
+        config: Settings,
         setup: Setup,
         batching: Option<dedup_kafka::Batching>,
         handler: F,
@@ -319,7 +320,7 @@ impl Running {
 
     /// With the consumer's builder set further by `more` (parking, say).
     async fn spawn_built<F, Fut, E>(
-        config: RunnerConfig,
+        config: Settings,
         setup: Setup,
         handler: F,
         more: impl FnOnce(dedup::kafka::ConsumerBuilder) -> dedup::kafka::ConsumerBuilder,
@@ -334,7 +335,7 @@ impl Running {
 
     /// Any lease handler (a typed one, say).
     async fn spawn_handler(
-        config: RunnerConfig,
+        config: Settings,
         setup: Setup,
         handler: impl dedup::kafka::LeaseHandler<Output: Into<Completion>>,
         more: impl FnOnce(dedup::kafka::ConsumerBuilder) -> dedup::kafka::ConsumerBuilder,
@@ -438,7 +439,7 @@ impl Setup {
     }
 
     /// The engine, in `config`'s dedup scope (its group id where it names none).
-    async fn build(&self, config: &RunnerConfig) -> dedup::Engine {
+    async fn build(&self, config: &Settings) -> dedup::Engine {
         let engine = if self.in_memory {
             dedup::Engine::builder().in_memory()
         } else {
@@ -448,12 +449,7 @@ impl Setup {
         };
         engine
             .tiers(crate::support::test_config())
-            .scope(
-                config
-                    .scope
-                    .clone()
-                    .unwrap_or_else(|| config.group_id.clone()),
-            )
+            .scope(config.scope())
             .policy(self.policy)
             .in_flight_wait(self.in_flight_wait)
             .build()
@@ -515,18 +511,13 @@ fn consumer_args_for(
 /// group id where it names none, as the tests' streams expect), under `policy`.
 async fn engine_for(
     pool: &PgPool,
-    config: &RunnerConfig,
+    config: &Settings,
     redis: Option<&RedisServer>,
     policy: Policy,
 ) -> dedup::Engine {
     let mut engine = dedup::Engine::builder()
         .postgres(pool.clone())
-        .scope(
-            config
-                .scope
-                .clone()
-                .unwrap_or_else(|| config.group_id.clone()),
-        )
+        .scope(config.scope())
         .policy(policy);
     if let Some(redis) = redis {
         engine = engine.redis_url(redis.url());
@@ -534,32 +525,53 @@ async fn engine_for(
     engine.build().await.unwrap()
 }
 
-/// The consumer builder of `engine` set as `config` says, setting by setting (the tests keep
-/// their settings in one `RunnerConfig`).
-fn consumer_for(engine: &dedup::Engine, config: &RunnerConfig) -> dedup::kafka::ConsumerBuilder {
-    let mut consumer = engine
+/// The consumer builder of `engine` set as `config` says, setting by setting.
+fn consumer_for(engine: &dedup::Engine, config: &Settings) -> dedup::kafka::ConsumerBuilder {
+    let mut c = engine
         .consumer()
         .brokers(&config.brokers)
         .group_id(&config.group_id)
-        .topics(config.topics.clone())
-        .dead_letter_topic(&config.dead_letter_topic)
-        .key(config.key.clone())
-        .missing_key(config.missing_key)
-        .payload_check(config.check_payload)
-        .max_in_flight(config.max_in_flight)
-        .max_blocked(config.max_blocked)
-        .ordering(config.ordering)
-        .ordering_key(config.ordering_key.clone())
-        .backoff(config.backoff)
-        .commit_interval(config.commit_interval)
-        .drain_timeout(config.drain_timeout);
+        .topics(config.topics.clone());
+    if let Some(t) = &config.dead_letter_topic {
+        c = c.dead_letter_topic(t);
+    }
+    if let Some(k) = &config.key {
+        c = c.key(k.clone());
+    }
+    if let Some(m) = config.missing_key {
+        c = c.missing_key(m);
+    }
+    if let Some(on) = config.payload_check {
+        c = c.payload_check(on);
+    }
+    if let Some(n) = config.max_in_flight {
+        c = c.max_in_flight(n);
+    }
+    if let Some(n) = config.max_blocked {
+        c = c.max_blocked(n);
+    }
+    if let Some(o) = config.ordering {
+        c = c.ordering(o);
+    }
+    if let Some(k) = &config.ordering_key {
+        c = c.ordering_key(k.clone());
+    }
+    if let Some(b) = config.backoff {
+        c = c.backoff(b);
+    }
+    if let Some(i) = config.commit_interval {
+        c = c.commit_interval(i);
+    }
+    if let Some(t) = config.drain_timeout {
+        c = c.drain_timeout(t);
+    }
     if let Some(switch) = config.kill_switch {
-        consumer = consumer.kill_switch(switch);
+        c = c.kill_switch(switch);
     }
     for (k, v) in &config.client {
-        consumer = consumer.set(k, v);
+        c = c.set(k, v);
     }
-    consumer
+    c
 }
 
 /// Waits until `done` holds, or fails the test after `secs`.
@@ -1680,6 +1692,7 @@ mod parked;
 mod pauses;
 mod recovery;
 mod redrive;
+mod settings;
 mod share;
 mod test_kit;
 mod tls;

@@ -129,7 +129,7 @@ pub struct RunnerConfig {
     pub dead_letter_topic: String,
     /// Where the idempotency key comes from.
     pub key: KeySource,
-    /// The dedup scope; `None` uses the group id.
+    /// The dedup scope (required: the engine's; never the group id).
     pub scope: Option<String>,
     /// What happens to a message without a key.
     pub missing_key: MissingKey,
@@ -219,7 +219,7 @@ impl RunnerConfig {
         self
     }
 
-    /// Sets the dedup scope (default: the group id).
+    /// Sets the dedup scope (required).
     pub fn with_scope(mut self, scope: impl Into<String>) -> Self {
         self.scope = Some(scope.into());
         self

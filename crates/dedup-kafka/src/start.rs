@@ -60,14 +60,17 @@ pub(crate) async fn adopt_at_start<S: Store>(dedup: &Dedup<S>) {
     }
 }
 
-/// The dedup scope of a runner: the configured one, or the group id.
+/// The dedup scope of a runner: the engine's, set explicitly (never derived from the group id,
+/// so that a renamed group or a blue/green deploy under a new one still finds every key done).
 pub(crate) fn scope_of(config: &RunnerConfig) -> Result<Scope, ConfigError> {
-    Scope::new(config.scope.as_deref().unwrap_or(&config.group_id)).map_err(|e| ConfigError {
-        setting: if config.scope.is_some() {
-            "scope"
-        } else {
-            "group_id"
-        },
+    let Some(scope) = config.scope.as_deref() else {
+        return Err(ConfigError {
+            setting: "scope",
+            problem: "required: the engine's scope, never the group id".into(),
+        });
+    };
+    Scope::new(scope).map_err(|e| ConfigError {
+        setting: "scope",
         problem: format!("not usable as a dedup scope: {e}"),
     })
 }

@@ -13,11 +13,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use dedup_core::{HandlerError, LeaseContext};
-use dedup_kafka::{Delivery, KillSwitch, Ordering as KeyOrdering, RunnerConfig, StatsHandle};
+use dedup_kafka::{Delivery, KillSwitch, Ordering as KeyOrdering, StatsHandle};
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 use tokio::time::sleep;
 
+use super::settings::Settings;
 use super::{
     Broker, Event, HandlerFuture, Running, committed_to_the_end, event, eventually, ledger_handler,
     produce, setup, unique,
@@ -43,7 +44,7 @@ pub(super) fn switch() -> KillSwitch {
 
 /// The scenario's topic (4 partitions, 200 events of distinct keys and accounts), group and
 /// configuration (per-key order, the switch on).
-pub(super) async fn stream(broker: &Broker) -> (String, String, RunnerConfig) {
+pub(super) async fn stream(broker: &Broker) -> (String, String, Settings) {
     let topic = unique("outage");
     broker.create_topic(&topic, PARTITIONS).await;
     let events: Vec<Event> = (0..MESSAGES)

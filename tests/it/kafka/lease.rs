@@ -13,9 +13,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use bytes::Bytes;
 use dedup_core::{Completion, HandlerError, LeaseContext};
-use dedup_kafka::{Batching, DLQ_REASON, Delivery, Ordering as KeyOrdering, RunnerConfig};
+use dedup_kafka::{Batching, DLQ_REASON, Delivery, Ordering as KeyOrdering};
 use sqlx::PgPool;
 
+use super::settings::Settings;
 use super::{
     Broker, Event, HandlerFuture, Running, Setup, assert_one_row_per_key, committed_to_the_end,
     event, eventually, ledger_handler, produce, read_dead_letters, setup, unique,
@@ -26,7 +27,7 @@ use crate::support::{RedisServer, effects_table};
 struct RunningLease;
 
 impl RunningLease {
-    async fn spawn<F, Fut, E>(config: RunnerConfig, setup: Setup, handler: F) -> Running
+    async fn spawn<F, Fut, E>(config: Settings, setup: Setup, handler: F) -> Running
     where
         F: Fn(Arc<Delivery>, Option<LeaseContext>) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = Result<Completion, HandlerError<E>>> + Send,

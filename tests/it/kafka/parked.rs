@@ -19,11 +19,11 @@ use bytes::Bytes;
 use dedup_core::{HandlerError, LeaseContext, Policy};
 use dedup_kafka::{
     AfterGiveUp, Backoff, DLQ_ATTEMPTS, DLQ_REASON, Delivery, Ordering as KeyOrdering, Parking,
-    RunnerConfig,
 };
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 
+use super::settings::Settings;
 use super::{
     Broker, Event, Running, Setup, committed, committed_to_the_end, consumer_args, event,
     eventually, produce, read_dead_letters, setup, unique,
@@ -216,7 +216,7 @@ async fn spawn_parking(
     switches: &Arc<Switches>,
     parking: Parking,
 ) -> Running {
-    let config: RunnerConfig = broker
+    let config: Settings = broker
         .config(group, topic)
         .with_ordering(KeyOrdering::PerKey)
         .with_dead_letter_topic(format!("{topic}.dlq"));
@@ -225,7 +225,7 @@ async fn spawn_parking(
 
 /// [`spawn_parking`] with a configuration of the test's own.
 pub(super) async fn spawn_parking_config(
-    config: RunnerConfig,
+    config: Settings,
     pool: &PgPool,
     setup: Setup,
     switches: &Arc<Switches>,

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use dedup_core::Store;
-use dedup_kafka::{AfterGiveUp, Ordering as KeyOrdering, RunnerConfig, StatsHandle};
+use dedup_kafka::{AfterGiveUp, Ordering as KeyOrdering, StatsHandle};
 use dedup_pg::PgStore;
 use sqlx::PgPool;
 
@@ -15,6 +15,7 @@ use super::blocked::hold;
 use super::parked::{
     Scene, booked_of, keyed, parking, parking_engine, scene, spawn_parking_config, until_booked,
 };
+use super::settings::Settings;
 use super::{Broker, committed_to_the_end, eventually, produce};
 
 on_brokers!(
@@ -52,7 +53,7 @@ async fn both_reasons(
         ],
     )
     .await;
-    let config: RunnerConfig = broker
+    let config: Settings = broker
         .config(group, topic)
         .with_ordering(KeyOrdering::PerKey)
         .with_dead_letter_topic(format!("{topic}.dlq"))

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 
 use rdkafka::config::ClientConfig;
 
+use super::settings::Settings;
 use super::*;
 use crate::support::NisshiServer;
 use crate::support::tls::{Certs, TlsFront};
@@ -97,7 +98,7 @@ async fn over_tls_with_zstd_a_stream_is_booked_once_and_committed(pool: PgPool) 
 }
 
 /// Runs a runner with `config` (over a store nobody uses) and answers how it ended.
-async fn refused_reason(pool: &PgPool, config: RunnerConfig) -> String {
+async fn refused_reason(pool: &PgPool, config: Settings) -> String {
     let redis = RedisServer::start();
     let engine = setup(pool, &redis).build(&config).await;
     let consumer = consumer_for(&engine, &config)
@@ -132,7 +133,7 @@ async fn a_certificate_the_client_cannot_verify_stops_the_runner_naming_the_brok
 
     // A trusted certificate that does not name the address connected to.
     let by_ip = format!("127.0.0.1:{}", s.front.port());
-    let mut config = RunnerConfig::new(by_ip.as_str(), unique("g").as_str(), [topic.as_str()]);
+    let mut config = Settings::new(by_ip.as_str(), unique("g").as_str(), [topic.as_str()]);
     for (k, v) in broker.client() {
         config = config.with_client(k, v);
     }
