@@ -11,8 +11,10 @@
 //! ledger row in a transaction of its own; (e') dedup in transaction mode, the batch's ledger rows
 //! written in the batch's transaction.
 //!
-//! The Kafka runners themselves, through librdkafka's embedded mock cluster, beside the
-//! contenders they run by hand: (ek) `TxRunner` beside (e), (fk) `LeaseRunner` beside (f).
+//! Kafka consumers built the way a user builds them (`engine.consumer()`, with the engine's caches
+//! and group commit), through librdkafka's embedded mock cluster, beside the contenders that do
+//! the same work by hand: (ek) a transaction-mode consumer beside (e), (fk) a batched lease-mode
+//! consumer beside (f).
 //!
 //! And the ceiling: the same Postgres taking 500-row INSERTs into a copy of `dedup_records`.
 //!
@@ -20,21 +22,20 @@
 //! its own key space, with a cold L1. Every contender's effects are counted and must equal the
 //! unique keys.
 
-use std::future::Future;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use clap::Args;
-use dedup_core::{BatchConfig, IdempotencyKey, Scope};
+use dedup_core::BatchConfig;
 use sqlx::PgPool;
 
-use crate::PgArgs;
 use crate::connect::{CliError, connect_pg};
 use dedup_workload::Workload;
 
+mod args;
+mod cleanup;
 mod cpu;
+mod drive;
 mod engine;
 mod report;
 mod runners;
@@ -43,185 +44,13 @@ mod txmode;
 mod usual;
 mod window;
 
+pub(crate) use args::BenchArgs;
+use args::{EventKeys, Keys};
+use cleanup::{cleanup, keys_floor, unix_ms_now};
+use drive::{Latencies, drive, percentile_ms, result_of};
 use engine::tiered;
 use report::Report;
 use usual::{usual_postgres, usual_redis};
-
-/// Compare dedup with the usual Postgres and Redis patterns on one workload.
-#[derive(Args, Debug)]
-pub(crate) struct BenchArgs {
-    #[command(flatten)]
-    pg: PgArgs,
-    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
-    redis_url: String,
-    /// Events in the stream.
-    #[arg(long, default_value_t = 200_000)]
-    events: u64,
-    /// The share of events that repeat an earlier key.
-    #[arg(long, default_value_t = 0.3)]
-    duplicates: f64,
-    /// The Zipf exponent of the duplicates' keys (higher: hotter hot keys).
-    #[arg(long, default_value_t = 1.1)]
-    zipf: f64,
-    /// Events processed at once, the same for every contender.
-    #[arg(long, default_value_t = 256)]
-    concurrency: usize,
-    /// Postgres connections, the same pool for every contender that uses Postgres.
-    #[arg(long, default_value_t = 64)]
-    pg_connections: u32,
-    /// Contenders to run, among a, b, c, d, e, f, a', b', e', ek, fk (the Kafka runners), ceiling
-    /// and claim (the claim statement alone on new keys, beside the ceiling).
-    #[arg(
-        long,
-        default_value = "a,b,c,d,e,f,a',b',e',ek,fk,ceiling,claim",
-        value_delimiter = ','
-    )]
-    only: Vec<String>,
-    /// (e), (e'): batch transactions at once; the events in flight (`--concurrency`) are split
-    /// among them.
-    #[arg(long, default_value_t = 2)]
-    tx_workers: usize,
-    /// (d): the most requests in one batch call.
-    #[arg(long, default_value_t = 512)]
-    batch_max: usize,
-    /// (d): batch calls of one kind in flight at once.
-    #[arg(long, default_value_t = 2)]
-    batch_flushes: usize,
-    /// Run every contender this many times, interleaved (a, b, ... then a, b, ... again), each
-    /// time in a key space of its own: the report gives each contender's median and its min-max,
-    /// and the ratios of medians; the JSON carries every run.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
-    repeat: u32,
-    /// The shape of the event ids: `uuid` (random, as producers make them, landing all over the
-    /// primary key), `uuidv7` (time-ordered, as RFC 9562's version 7 makes them: new keys land at
-    /// the primary key's right edge), `timed` (random ids, as `uuid`, keyed with their event's
-    /// time by `IdempotencyKey::timed`: time-ordered keys again) or `sequential` (`e<n>`, one hot
-    /// corner of it, which flatters every figure; the bench's keys before random ones became the
-    /// default).
-    #[arg(long, value_enum, default_value_t = Keys::Uuid)]
-    keys: Keys,
-    /// The window at size: top the window's scopes (`bench-<tag>-window` of the contenders that
-    /// keep records, `bench-<tag>-window-v7` with `--keys uuidv7`) up to this many completed
-    /// records in all, with keys of `--keys`'s shape, kept from one bench to the next; then each
-    /// run also runs those contenders over the window, beside their run on an empty one. 0: no
-    /// window.
-    #[arg(long, default_value_t = 0)]
-    prefill: u64,
-    /// With the window: top its scopes up to this many records in all already past their
-    /// retention (besides `--prefill`'s), for `--purge-during` to remove.
-    #[arg(long, default_value_t = 0)]
-    expired: u64,
-    /// With the window: run the contenders over it a second time with the retention running
-    /// (today's bounded DELETE, `dedup purge`), from their start until a statement finds less
-    /// than a full batch; the expired records are topped up to `--expired` before each such run.
-    #[arg(long)]
-    purge_during: bool,
-    /// The retention's records per statement (`dedup purge --batch`).
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
-    purge_batch: u32,
-    /// The retention's pause between two statements, in milliseconds (`dedup purge --every ..
-    /// --pause-ms`, `RetentionConfig::pause`).
-    #[arg(long, default_value_t = 0)]
-    purge_pause_ms: u64,
-    /// Print JSON instead of the table.
-    #[arg(long)]
-    json: bool,
-}
-
-/// The shape of the bench's event ids (`--keys`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum Keys {
-    /// Random UUID-shaped ids (`dedup_workload::event_id`).
-    Uuid,
-    /// Time-ordered UUIDv7-shaped ids (`dedup_workload::time_ordered_event_id`): the run's start
-    /// in milliseconds, plus one for every 32 events, then random bits; a window of its own
-    /// (`bench-<tag>-window-v7`) made the same way over the last 7 days.
-    Uuidv7,
-    /// Random UUID-shaped ids (as `Uuid`) keyed with their event's time
-    /// (`IdempotencyKey::timed`; the time as `Uuidv7`'s): UUIDv7-shaped keys, whose window is
-    /// `Uuidv7`'s.
-    Timed,
-    /// `e<n>`.
-    Sequential,
-}
-
-/// The event ids of one run: their shape, and (for random ids) a salt that gives each run of a
-/// contender over the same scope (the window's) keys of its own, with the stream's duplicates
-/// where they were; for time-ordered ids, the time the run began.
-#[derive(Clone, Copy, Debug)]
-struct EventKeys {
-    shape: Keys,
-    salt: u64,
-    unix_ms: u64,
-}
-
-impl EventKeys {
-    /// The `unique` ids of a run, of `shape`, salted with `salt`, made now; time-ordered ones
-    /// after every time-ordered id an earlier run of this bench made, even one that ended sooner
-    /// than its ids' times (one millisecond every 32 ids).
-    fn new(shape: Keys, salt: u64, unique: u64) -> Self {
-        static NEXT_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let now = unix_ms_now();
-        let span = unique / 32 + 1;
-        let unix_ms = NEXT_MS
-            .fetch_update(
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-                |next| Some(now.max(next).saturating_add(span)),
-            )
-            .map_or(now, |next| now.max(next));
-        Self {
-            shape,
-            salt,
-            unix_ms,
-        }
-    }
-
-    /// Event `id`'s idempotency key.
-    fn of(self, id: u64) -> String {
-        match self.shape {
-            Keys::Uuid => dedup_workload::event_id(id ^ self.salt),
-            Keys::Uuidv7 => {
-                dedup_workload::time_ordered_event_id(self.unix_ms + id / 32, id ^ self.salt)
-            }
-            Keys::Timed => {
-                static SCOPE: std::sync::LazyLock<Scope> =
-                    std::sync::LazyLock::new(|| Scope::new("bench").expect("a scope"));
-                let event = dedup_workload::event_id(id ^ self.salt);
-                let key = IdempotencyKey::timed(SCOPE.clone(), self.unix_ms + id / 32, event)
-                    .expect("an event id and a time of this century make a key");
-                String::from_utf8_lossy(key.key_bytes()).into_owned()
-            }
-            Keys::Sequential => format!("e{id}"),
-        }
-    }
-}
-
-impl Keys {
-    /// The scopes of the window (`--prefill`) of these keys: `bench-<tag>-<this>`.
-    fn window(self) -> &'static str {
-        if self.time_ordered() {
-            "window-v7"
-        } else {
-            "window"
-        }
-    }
-
-    /// Whether the keys are UUIDv7s (a time-ordered window, made by `window.rs` in their shape).
-    fn time_ordered(self) -> bool {
-        matches!(self, Self::Uuidv7 | Self::Timed)
-    }
-
-    /// As `--keys` names it.
-    fn name(self) -> &'static str {
-        match self {
-            Self::Uuid => "uuid",
-            Self::Uuidv7 => "uuidv7",
-            Self::Timed => "timed",
-            Self::Sequential => "sequential",
-        }
-    }
-}
 
 /// What one contender did.
 #[derive(Debug)]
@@ -650,263 +479,6 @@ impl Ctx {
             eprintln!("[bench] {what}");
         }
     }
-}
-
-/// The `p` percentile of `sorted` (µs) in milliseconds; `None` where it is empty.
-fn percentile_ms(sorted: &[u64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let i = (((sorted.len() - 1) as f64) * p).round() as usize;
-    #[allow(clippy::cast_precision_loss)]
-    let ms = sorted[i] as f64 / 1000.0;
-    Some(ms)
-}
-
-/// The events' latencies (µs): all of them, and those of the events that overlapped the drop of
-/// the ranges of days in a `--purge-during` pass ([`window::drop_phase`]); sorted once the
-/// contender is done.
-#[derive(Debug, Default)]
-struct Latencies {
-    all: Vec<u64>,
-    dropping: Vec<u64>,
-}
-
-impl Latencies {
-    /// `n` events that took `us` each, started when the drop stood at `phase`.
-    fn record(&mut self, us: u64, n: usize, phase: u64) {
-        self.all.extend(std::iter::repeat_n(us, n));
-        if window::overlapped(phase) {
-            self.dropping.extend(std::iter::repeat_n(us, n));
-        }
-    }
-
-    /// Another task's.
-    fn merge(&mut self, other: Self) {
-        self.all.extend(other.all);
-        self.dropping.extend(other.dropping);
-    }
-
-    fn sorted(mut self) -> Self {
-        self.all.sort_unstable();
-        self.dropping.sort_unstable();
-        self
-    }
-}
-
-/// Runs `one` on every event of the stream from `concurrency` tasks; answers the time taken, each
-/// event's latency and the number of errors.
-async fn drive<F, Fut>(ctx: &Ctx, one: F) -> (Duration, Latencies, u64)
-where
-    F: Fn(u64) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), String>> + Send,
-{
-    let next = Arc::new(AtomicUsize::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..ctx.concurrency {
-        let (stream, next, errors, one) = (
-            Arc::clone(&ctx.stream),
-            Arc::clone(&next),
-            Arc::clone(&errors),
-            one.clone(),
-        );
-        tasks.spawn(async move {
-            let mut latencies = Latencies::default();
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&id) = stream.get(i) else { break };
-                let (t, phase) = (Instant::now(), window::drop_phase());
-                if let Err(e) = one(id).await
-                    && errors.fetch_add(1, Ordering::Relaxed) < 5
-                {
-                    eprintln!("[bench] event {id}: {e}");
-                }
-                let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
-                latencies.record(us, 1, phase);
-            }
-            latencies
-        });
-    }
-    let mut latencies = Latencies::default();
-    while let Some(done) = tasks.join_next().await {
-        match done {
-            Ok(l) => latencies.merge(l),
-            Err(_) => {
-                errors.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-    let elapsed = started.elapsed();
-    (elapsed, latencies.sorted(), errors.load(Ordering::Relaxed))
-}
-
-fn result_of(id: u64) -> String {
-    format!("done:{id}")
-}
-
-/// The tags of the scopes a run's dedup contenders write records under (`bench-<tag>-<run>`):
-/// (c), (d), (e), (e'), (f), (ek), (fk) and the claim statement alone.
-const SCOPE_TAGS: [&str; 8] = ["c", "d", "e", "e2", "f", "ek", "fk", "claim"];
-
-/// Rows deleted per statement when cleaning up.
-const CLEANUP_BATCH: i64 = 10_000;
-
-/// What [`cleanup`] deleted, and what it could not.
-#[derive(Debug, Default)]
-struct Cleaned {
-    records: u64,
-    ledger: u64,
-    usual: u64,
-    /// The first error, per table: rows of the run are left there.
-    errors: Vec<String>,
-}
-
-impl Cleaned {
-    fn summary(&self, run_id: &str) -> String {
-        let scopes = SCOPE_TAGS
-            .iter()
-            .map(|t| format!("bench-{t}-{run_id}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let mut out = format!(
-            "[bench] cleaned up: deleted {} record(s) under the run's scopes ({scopes}), {} ledger \
-             row(s), {} row(s) of the usual patterns",
-            self.records, self.ledger, self.usual
-        );
-        for e in &self.errors {
-            out.push_str(&format!("\n[bench] cleanup incomplete: {e}"));
-        }
-        out
-    }
-}
-
-/// Deletes a run's rows (records under its scopes, rows of (a) and (a'), ledger rows) in
-/// bounded batches (`CLEANUP_BATCH` rows a statement), and says how many. `keys_from` is the
-/// first UUIDv7 text a key of this bench can have ([`keys_floor`]).
-async fn cleanup(pool: &PgPool, run_id: &str, keys_from: &str) -> Cleaned {
-    let scopes: Vec<String> = SCOPE_TAGS
-        .iter()
-        .map(|t| format!("bench-{t}-{run_id}"))
-        .collect();
-    let mut cleaned = Cleaned::default();
-    // The time-ordered records first, in the ranges of days, whose primary key leads with the
-    // key (layout/ranges.rs): found from the first key this bench can have made, page after
-    // page in the order of the keys (a range's rows are not found by their scope alone but by
-    // reading all of it, and without the pages each statement would read again past the rows
-    // the last one deleted and the other scopes' keys since the bench began).
-    match cleanup_time_ordered(pool, &scopes, keys_from).await {
-        Ok(n) => cleaned.records += n,
-        Err(e) => cleaned.errors.push(format!("dedup_records: {e}")),
-    }
-    for (sql, arg, what) in [
-        // A ctid is a row's place in its own table: on the partitioned table, with the
-        // partition's oid beside it. Then the keys without a time (every key of the single
-        // table, whose `kt` is `-infinity`; the untimed partition), found by the scope that
-        // leads its primary key.
-        (
-            "DELETE FROM dedup_records WHERE (tableoid, ctid) IN (SELECT tableoid, ctid \
-             FROM dedup_records WHERE scope = ANY($1::text[]) AND kt < date '1970-01-01' \
-             LIMIT $2)",
-            scopes,
-            "dedup_records",
-        ),
-        (
-            "DELETE FROM dedup_bench_ledger WHERE ctid IN (SELECT ctid FROM dedup_bench_ledger \
-             WHERE run = ANY($1::text[]) LIMIT $2)",
-            vec![run_id.to_owned()],
-            "dedup_bench_ledger",
-        ),
-        (
-            "DELETE FROM dedup_bench_usual WHERE ctid IN (SELECT ctid FROM dedup_bench_usual \
-             WHERE starts_with(key, ($1::text[])[1]) LIMIT $2)",
-            vec![format!("{run_id}:")],
-            "dedup_bench_usual",
-        ),
-    ] {
-        let mut deleted = 0;
-        let error = loop {
-            match sqlx::query(sql)
-                .bind(arg.clone())
-                .bind(CLEANUP_BATCH)
-                .execute(pool)
-                .await
-            {
-                Ok(d) if d.rows_affected() > 0 => deleted += d.rows_affected(),
-                Ok(_) => break None,
-                // (a) and (a') did not run, ever: no table, no rows.
-                Err(e)
-                    if e.as_database_error()
-                        .and_then(|d| d.code())
-                        .is_some_and(|c| c == "42P01") =>
-                {
-                    break None;
-                }
-                Err(e) => break Some(e),
-            }
-        };
-        match what {
-            "dedup_records" => cleaned.records += deleted,
-            "dedup_bench_ledger" => cleaned.ledger = deleted,
-            _ => cleaned.usual = deleted,
-        }
-        if let Some(e) = error {
-            cleaned.errors.push(format!("{what}: {e}"));
-        }
-    }
-    cleaned
-}
-
-/// Deletes the records of `scopes` in the ranges of days (`kt` from 1970 on) whose key sorts
-/// at or after `keys_from`, `CLEANUP_BATCH` a statement in the order of the keys, each statement
-/// going on from the last key the one before it deleted. Says how many.
-async fn cleanup_time_ordered(
-    pool: &PgPool,
-    scopes: &[String],
-    keys_from: &str,
-) -> Result<u64, sqlx::Error> {
-    let mut from = keys_from.as_bytes().to_vec();
-    let mut deleted = 0_u64;
-    loop {
-        let (gone, last): (i64, Option<Vec<u8>>) = sqlx::query_as(
-            "WITH doomed AS MATERIALIZED (SELECT tableoid, ctid, key FROM dedup_records \
-               WHERE scope = ANY($1::text[]) AND key >= $3 AND kt >= date '1970-01-01' \
-               ORDER BY key LIMIT $2), \
-             gone AS (DELETE FROM dedup_records \
-               WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM doomed) RETURNING 1) \
-             SELECT (SELECT count(*) FROM gone), \
-               (SELECT key FROM doomed ORDER BY key DESC LIMIT 1)",
-        )
-        .bind(scopes)
-        .bind(CLEANUP_BATCH)
-        .bind(&from)
-        .fetch_one(pool)
-        .await?;
-        deleted += u64::try_from(gone).unwrap_or(0);
-        match last {
-            Some(last) if gone > 0 => from = last,
-            _ => return Ok(deleted),
-        }
-    }
-}
-
-/// The wall clock in milliseconds since the Unix epoch: the time of the bench's time-ordered
-/// keys, and of the floor its cleanup finds them from.
-fn unix_ms_now() -> u64 {
-    u64::try_from(dedup_core::Timestamp::now().as_micros() / 1000).unwrap_or(0)
-}
-
-/// The text every UUIDv7 made at `unix_ms` or later sorts at or after: its first 48 bits, as
-/// the key's text writes them (`tttttttt-tttt`). Every time-ordered key of this bench is made
-/// at its start or later ([`EventKeys::new`]).
-fn keys_floor(unix_ms: u64) -> String {
-    format!("{:08x}-{:04x}", unix_ms >> 16, unix_ms & 0xffff)
 }
 
 #[cfg(test)]

@@ -1,13 +1,15 @@
-//! (ek) and (fk): the Kafka runners themselves, on the bench's stream, through librdkafka's
-//! embedded mock cluster: (ek) `TxRunner` (transaction mode by the batch, as (e) does it by
-//! hand), (fk) `LeaseRunner` (lease mode by the batch over the tiered store, as (f)). Beside (e)
-//! and (f) they show what the runners themselves cost: fetching, lanes, batching, commits.
+//! (ek) and (fk): Kafka consumers built the way a user builds them (`engine.consumer()`), on the
+//! bench's stream, through librdkafka's embedded mock cluster: (ek) a `TxHandler` (transaction
+//! mode by the batch, as (e) does it by hand), (fk) a `LeaseHandler` with batching (lease mode by
+//! the batch, as (f)). Each runs on an engine of its own, with the engine's caches (L1, Redis)
+//! and group commit, as a user's consumer does. Beside (e) and (f) they show what the consumers
+//! themselves cost: fetching, lanes, batching, commits.
 //!
 //! The stream is produced first (not timed) into a topic of `--tx-workers` partitions, each
 //! event's id as its `idempotency-key` header and its message key, so that a partition's batch
 //! is as large as one of (e)'s and (f)'s workers' batches. The same in-flight bound
 //! (`--concurrency`) as every contender. Timed from the first message handed to the handler to
-//! the last one settled; the runner's start (joining the group) is not timed. No latency per
+//! the last one settled; the consumer's start (joining the group) is not timed. No latency per
 //! event is taken (the events wait in the topic from before the clock starts).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,12 +17,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dedup_core::{Completion, Dedup, HandlerError, LeaseContext, TieredConfig, TieredStore};
-use dedup_kafka::{
-    Acquired, BatchHandler, Batching, Delivery, LeaseRunner, Ordering as KeyOrder, RunnerConfig,
-    StatsHandle, TxRunner,
+use dedup::kafka::{
+    Acquired, Answer, Batching, Delivery, IdempotentConsumer, Ordering as KeyOrder, StatsHandle,
+    TxHandler,
 };
-use dedup_pg::{BatchBody, ItemResult, PgStore};
+use dedup::{Completion, Engine, HandlerError, LeaseContext, MigrationMode};
 use rdkafka::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
@@ -29,18 +30,18 @@ use sqlx::{PgConnection, PgPool};
 
 use super::engine::tier_counts;
 use super::{Ctx, EventKeys, Outcome, result_of};
-use crate::connect::{CliError, connect_redis};
+use crate::connect::CliError;
 
-/// Which runner.
+/// Which mode.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum Which {
-    /// `TxRunner`: (ek).
+    /// A `TxHandler`: (ek).
     Tx,
-    /// `LeaseRunner`: (fk).
+    /// A batched `LeaseHandler`: (fk).
     Lease,
 }
 
-/// Runs `which` runner over the bench's stream.
+/// Runs a consumer of `which` mode over the bench's stream.
 pub(super) async fn through_kafka(
     ctx: &Ctx,
     pool: &PgPool,
@@ -48,8 +49,16 @@ pub(super) async fn through_kafka(
     which: Which,
 ) -> Result<Outcome, CliError> {
     let (name, label, tag) = match which {
-        Which::Tx => ("(ek)", "dedup: TxRunner through Kafka (mock)", "ek"),
-        Which::Lease => ("(fk)", "dedup: LeaseRunner through Kafka (mock)", "fk"),
+        Which::Tx => (
+            "(ek)",
+            "dedup: transaction-mode consumer (mock Kafka)",
+            "ek",
+        ),
+        Which::Lease => (
+            "(fk)",
+            "dedup: batched lease-mode consumer (mock Kafka)",
+            "fk",
+        ),
     };
     let partitions = i32::try_from(ctx.tx_workers.max(1)).unwrap_or(i32::MAX);
     let size = (ctx.concurrency / ctx.tx_workers.max(1)).max(1);
@@ -69,53 +78,56 @@ pub(super) async fn through_kafka(
         "{name} consuming: {partitions} partitions, batches of up to {size}, {} in flight",
         ctx.concurrency
     ));
-    let config = RunnerConfig::new(bootstrap, format!("bench-{tag}-{}", ctx.run_id), [&topic])
-        .with_scope(ctx.scope(tag))
-        .with_ordering(KeyOrder::PerKey)
-        .with_max_in_flight(ctx.concurrency)
+    let engine = Engine::builder()
+        .postgres(pool.clone())
+        .redis_url(redis_url)
+        .scope(ctx.scope(tag))
+        .migrations(MigrationMode::Verify)
+        .build()
+        .await
+        .map_err(|e| CliError::Failed(format!("{name}: the engine: {e}")))?;
+    let pg = engine
+        .postgres()
+        .map_err(|e| CliError::Failed(format!("{name}: {e}")))?
+        .clone();
+    let consumer = engine
+        .consumer()
+        .brokers(bootstrap)
+        .group_id(format!("bench-{tag}-{}", ctx.run_id))
+        .topics([&topic])
+        .ordering(KeyOrder::PerKey)
+        .max_in_flight(ctx.concurrency)
+        .batching(Batching::new(size, Duration::from_millis(5)))
         // The mock cluster assigns at once with the KIP-848 protocol.
-        .with_client("group.protocol", "consumer");
-    let batching = Batching::new(size, Duration::from_millis(5));
-    let pg = PgStore::new(pool.clone());
+        .set("group.protocol", "consumer");
     let first = Arc::new(OnceLock::new());
     let effects = Arc::new(AtomicU64::new(0));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let until = async {
-        let _ = stopped.await;
+    let built = |c: Result<IdempotentConsumer, dedup::BuildError>| {
+        c.map_err(|e| CliError::Failed(format!("{name}: {e}")))
     };
-    let fail = |e: dedup_kafka::RunnerError| CliError::Failed(format!("{name}: {e}"));
-    let (stats, task, tiers): (StatsHandle, _, Option<Arc<Dedup<_>>>) = match which {
-        Which::Tx => {
-            let handler = Counted {
-                first: Arc::clone(&first),
-            };
-            let runner = TxRunner::new(config, batching, pg.clone(), handler).map_err(fail)?;
-            let stats = runner.stats();
-            (stats, tokio::spawn(runner.run(until)), None)
-        }
+    let consumer = match which {
+        Which::Tx => built(consumer.build(Counted {
+            first: Arc::clone(&first),
+        }))?,
         Which::Lease => {
-            let fast =
-                connect_redis(redis_url, &format!("dedup-bench-{tag}-{}", ctx.run_id)).await?;
-            let store = TieredStore::new(pg.clone(), fast, TieredConfig::default())
-                .with_background_backfill();
-            let dedup = Arc::new(Dedup::new(store));
             let (first, effects) = (Arc::clone(&first), Arc::clone(&effects));
-            let handler = move |d: Arc<Delivery>, _lease: Option<LeaseContext>| {
-                let (first, effects) = (Arc::clone(&first), Arc::clone(&effects));
-                async move {
-                    let _ = first.set(Instant::now());
-                    effects.fetch_add(1, Ordering::Relaxed);
-                    Ok::<_, HandlerError<std::io::Error>>(Completion::store(Bytes::from(
-                        result_for(&d),
-                    )))
-                }
-            };
-            let runner =
-                LeaseRunner::new(config, batching, Arc::clone(&dedup), handler).map_err(fail)?;
-            let stats = runner.stats();
-            (stats, tokio::spawn(runner.run(until)), Some(dedup))
+            built(
+                consumer.build(move |d: Arc<Delivery>, _lease: LeaseContext| {
+                    let (first, effects) = (Arc::clone(&first), Arc::clone(&effects));
+                    async move {
+                        let _ = first.set(Instant::now());
+                        effects.fetch_add(1, Ordering::Relaxed);
+                        Ok::<_, HandlerError<std::io::Error>>(Completion::store(Bytes::from(
+                            result_for(&d),
+                        )))
+                    }
+                }),
+            )?
         }
     };
+    let stats: StatsHandle = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(stopped));
     // Until every event settled (or the runner ended, which it only does on an error).
     let events = ctx.stream.len() as u64;
     let mut last_change = (Instant::now(), 0);
@@ -138,11 +150,12 @@ pub(super) async fn through_kafka(
     let _ = stop.send(());
     let s = task
         .await
-        .map_err(|e| CliError::Failed(format!("{name}: the runner's task: {e}")))?
-        .map_err(fail)?;
+        .map_err(|e| CliError::Failed(format!("{name}: the consumer's task: {e}")))?
+        .map_err(|e| CliError::Failed(format!("{name}: {e}")))?;
+    engine.shutdown().await;
     let started = first.get().copied().unwrap_or(ended);
     let effects = match which {
-        // Counted once committed: the runner's executed messages.
+        // Counted once committed: the consumer's executed messages.
         Which::Tx => s.executed,
         Which::Lease => effects.load(Ordering::Relaxed),
     };
@@ -159,7 +172,7 @@ pub(super) async fn through_kafka(
         cpu: None,
         wal: None,
         row_bytes: None,
-        tiers: tiers.map_or((0, 0, events), |d| tier_counts(&d.store().stats())),
+        tiers: tier_counts(&engine.tier_stats()),
         batches: None,
     })
 }
@@ -173,28 +186,36 @@ fn result_for(d: &Delivery) -> String {
     result_of(id)
 }
 
-/// (ek)'s batch handler: nothing to write beside the completions (as (e)); the first call starts
-/// the clock.
+/// (ek)'s handler: nothing to write beside the completions (as (e)); the first call starts the
+/// clock.
 #[derive(Debug)]
 struct Counted {
     first: Arc<OnceLock<Instant>>,
 }
 
-impl BatchHandler for Counted {
+impl TxHandler for Counted {
     type Error = std::io::Error;
+    type Output = Bytes;
 
-    fn handle<'c>(
-        &'c self,
-        _tx: &'c mut PgConnection,
-        batch: &'c [Acquired],
-    ) -> BatchBody<'c, std::io::Error> {
+    async fn handle(
+        &self,
+        _tx: &mut PgConnection,
+        message: &Acquired,
+    ) -> Result<Bytes, HandlerError<std::io::Error>> {
         let _ = self.first.set(Instant::now());
-        Box::pin(async move {
-            Ok(batch
-                .iter()
-                .map(|a| Ok(Bytes::from(result_for(a.delivery()))))
-                .collect::<Vec<ItemResult<std::io::Error>>>())
-        })
+        Ok(Bytes::from(result_for(message.delivery())))
+    }
+
+    async fn handle_batch(
+        &self,
+        _tx: &mut PgConnection,
+        batch: &[Acquired],
+    ) -> Result<Vec<Answer<Self>>, HandlerError<std::io::Error>> {
+        let _ = self.first.set(Instant::now());
+        Ok(batch
+            .iter()
+            .map(|a| Ok(Bytes::from(result_for(a.delivery()))))
+            .collect())
     }
 }
 
