@@ -725,15 +725,24 @@ async fn tx_a_consumer_stopped_mid_batch_has_its_batch_rolled_back_by_the_server
     signal("-STOP");
     let at_stop = ledger_count(&pool).await;
     // The server ends the stopped client's sessions: nothing of those batches stays.
-    eventually(
-        30,
-        "the stopped batches' sessions ended by the server",
-        || {
-            let (pool, db) = (pool.clone(), db.clone());
-            async move { idle_in_tx(pool, db).await == 0 }
-        },
-    )
-    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while idle_in_tx(pool.clone(), db.clone()).await > 0 {
+        if tokio::time::Instant::now() > deadline {
+            // Which sessions outlived their bound, and in what statement.
+            let left: Vec<(Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+                "SELECT application_name, xact_start::text, query FROM pg_stat_activity \
+                 WHERE datname = $1 AND state = 'idle in transaction'",
+            )
+            .bind(&db)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            panic!(
+                "the stopped batches' sessions were not ended by the server within 30 s: {left:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(
         ledger_count(&pool).await,
         at_stop,
