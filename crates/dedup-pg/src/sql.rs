@@ -1,6 +1,6 @@
 //! The store's statements, each a `const`: plain `sqlx::query` strings (not the compile-time
 //! checked macros), each exercised by the tests against a real server. Parking's are in
-//! `parked/sql.rs`; `admin.rs`, `refused.rs` and `migrate.rs` keep theirs beside the code that
+//! `parked/sql.rs`; `admin.rs`, `refused.rs` and `migrate/` keep theirs beside the code that
 //! runs them. `WITHDRAW_SQL` gives a lease back.
 //!
 //! Leases are granted from `statement_timestamp()`. A claim that waited on a lock (an
