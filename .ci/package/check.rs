@@ -68,7 +68,18 @@ async fn main() -> Result<(), Error> {
                     println!("ledger: one row for each of 2 keys");
                     break;
                 }
+                if rows.len() > 2 {
+                    return Err(format!("more rows than payments: {rows:?}").into());
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let booked: i64 = dedup::sqlx::query_scalar("SELECT count(DISTINCT key) FROM ledger")
+                .fetch_one(&pool)
+                .await?;
+            if booked != 2 {
+                return Err(
+                    format!("the ledger did not get its 2 rows within 60 s: {booked}").into(),
+                );
             }
             // Every message settled (the duplicate replayed, the keyless one dead-lettered): the
             // group's offsets are committed to the end of both partitions.

@@ -67,7 +67,8 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    pub(crate) fn new(setting: &'static str, problem: impl Into<String>) -> Self {
+    /// `setting` cannot work, for `problem`.
+    pub fn new(setting: &'static str, problem: impl Into<String>) -> Self {
         Self {
             setting,
             problem: problem.into(),
@@ -118,10 +119,10 @@ impl Backoff {
 /// them.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
-pub struct RunnerConfig {
+pub(crate) struct RunnerConfig {
     /// `bootstrap.servers`.
     pub brokers: String,
-    /// The consumer group (`group.id`); also the default dedup scope.
+    /// The consumer group (`group.id`); never the dedup scope.
     pub group_id: String,
     /// The topics to consume.
     pub topics: Vec<String>,
@@ -165,11 +166,11 @@ pub struct RunnerConfig {
 }
 
 impl RunnerConfig {
-    /// A configuration with the defaults: key from the `idempotency-key` header, scope = group,
+    /// A configuration with the defaults: key from the `idempotency-key` header, no scope (required),
     /// dead-letter topic `<first topic>.dlq`, keyless messages dead-lettered, payload checked,
     /// 1,024 messages in flight (and 4,096 in blocked lanes), per-partition order, commits every
     /// second.
-    pub fn new(
+    pub(crate) fn new(
         brokers: impl Into<String>,
         group_id: impl Into<String>,
         topics: impl IntoIterator<Item = impl Into<String>>,
@@ -197,104 +198,58 @@ impl RunnerConfig {
         }
     }
 
-    /// Static group membership: `group.instance.id` = `id`, the same stable identity the engine
-    /// is given ([`dedup_core::Dedup::with_instance`]). A member restarted within the session
-    /// timeout gets its partitions back without a rebalance; the others keep theirs. The cost: a
-    /// static member that stops sends no LeaveGroup, so on scale-down its partitions sit idle
-    /// until `session.timeout.ms` passes. Whether a restart keeps the assignment is the broker's
-    /// doing: Kafka does from 2.3 (KIP-345).
-    pub fn with_instance_id(self, id: &dedup_core::InstanceId) -> Self {
-        self.with_client("group.instance.id", id.as_str())
-    }
-
     /// Sets the dead-letter topic.
-    pub fn with_dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
         self.dead_letter_topic = topic.into();
         self
     }
 
     /// Sets where keys come from.
-    pub fn with_key(mut self, key: KeySource) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_key(mut self, key: KeySource) -> Self {
         self.key = key;
         self
     }
 
-    /// Sets the dedup scope (required).
-    pub fn with_scope(mut self, scope: impl Into<String>) -> Self {
-        self.scope = Some(scope.into());
-        self
-    }
-
-    /// Sets what happens to keyless messages.
-    pub fn with_missing_key(mut self, policy: MissingKey) -> Self {
-        self.missing_key = policy;
-        self
-    }
-
-    /// Turns the payload check on or off.
-    pub fn with_payload_check(mut self, on: bool) -> Self {
-        self.check_payload = on;
-        self
-    }
-
     /// Sets the in-flight bound.
-    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_max_in_flight(mut self, n: usize) -> Self {
         self.max_in_flight = n;
         self
     }
 
     /// Sets the bound on messages in blocked lanes (see [`RunnerConfig::max_blocked`]).
-    pub fn with_max_blocked(mut self, n: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_max_blocked(mut self, n: usize) -> Self {
         self.max_blocked = n;
         self
     }
 
-    /// Sets the ordering.
-    pub fn with_ordering(mut self, ordering: Ordering) -> Self {
-        self.ordering = ordering;
-        self
-    }
-
     /// Sets where [`Ordering::PerKey`]'s ordering key comes from.
-    pub fn with_ordering_key(mut self, key: OrderingKey) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_ordering_key(mut self, key: OrderingKey) -> Self {
         self.ordering_key = key;
         self
     }
 
     /// Sets the retry backoff.
-    pub fn with_backoff(mut self, backoff: Backoff) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
         self
     }
 
     /// Sets the commit interval.
-    pub fn with_commit_interval(mut self, interval: Duration) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_commit_interval(mut self, interval: Duration) -> Self {
         self.commit_interval = interval;
-        self
-    }
-
-    /// Sets the drain timeout.
-    pub fn with_drain_timeout(mut self, timeout: Duration) -> Self {
-        self.drain_timeout = timeout;
-        self
-    }
-
-    /// Turns the kill switch on: past a failure rate the runner stops taking messages for a
-    /// pause and withdraws failures instead of recording them (see [`KillSwitch`]).
-    pub fn with_kill_switch(mut self, kill_switch: KillSwitch) -> Self {
-        self.kill_switch = Some(kill_switch);
-        self
-    }
-
-    /// Adds a librdkafka property for both the consumer and the dead-letter producer.
-    pub fn with_client(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.client.push((key.into(), value.into()));
         self
     }
 
     /// Checks every setting that could fail at run time; [`Runner::new`](crate::Runner::new)
     /// calls it. The error names the setting.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         let bounded = |setting: &'static str, d: Duration| {
             if d > MAX_SETTING_DURATION {
                 Err(ConfigError::new(
@@ -386,7 +341,13 @@ mod tests {
                 config().with_commit_interval(Duration::MAX),
                 "commit_interval",
             ),
-            (config().with_drain_timeout(Duration::MAX), "drain_timeout"),
+            (
+                RunnerConfig {
+                    drain_timeout: Duration::MAX,
+                    ..config()
+                },
+                "drain_timeout",
+            ),
             (
                 config().with_backoff(Backoff::new(Duration::ZERO, Duration::ZERO)),
                 "backoff",

@@ -18,7 +18,7 @@ use crate::delivery::Delivery;
 /// as `PgStore::transact`); it is `None` only for a keyless message under
 /// [`MissingKey::ProcessWithoutDedup`](crate::MissingKey::ProcessWithoutDedup). Any `Fn(Arc<Delivery>, Option<LeaseContext>) -> Future`
 /// closure is a handler.
-pub trait Handler: Send + Sync + 'static {
+pub(crate) trait Handler: Send + Sync + 'static {
     /// The handler's own error.
     type Error: fmt::Display + Send + 'static;
 

@@ -33,7 +33,7 @@
 //! use the activation threshold (`suspect_after`, `min_failures`) to say how long such a run may
 //! be. A handler panic counts as a failure, and is recorded as a panic always is.
 //!
-//! `KillSwitch` is the setting (off unless `RunnerConfig::with_kill_switch`); `Breaker` is the
+//! `KillSwitch` is the setting (off unless the consumer builder's `kill_switch`); `Breaker` is the
 //! state, which every runner's handler answers pass through (`judge`).
 
 use std::collections::VecDeque;
@@ -396,7 +396,6 @@ impl Breaker {
     /// Records a handler's answer; a failure while the switch is wary becomes a withdrawal (the
     /// key given back, no attempt spent), whatever kind it was. Transaction mode's (its effect
     /// rolls back with the transaction); lease mode's is [`Breaker::judge_lease`].
-    #[cfg(any(feature = "pg", test))]
     pub(crate) fn judge<T, E>(&self, r: Result<T, HandlerError<E>>) -> Result<T, HandlerError<E>> {
         if self.cfg.is_none() {
             return r;

@@ -119,21 +119,18 @@
 //! );
 //! # Ok(()) }
 //! ```
-
-#[cfg(feature = "pg")]
 mod batch;
 mod config;
 mod consumer;
 mod dead_letter;
 mod delivery;
+mod front;
 mod handler;
 mod kill_switch;
 mod runner;
 mod start;
 mod stats;
 mod trace;
-
-#[cfg(feature = "pg")]
 pub use batch::{Acquired, Batching, MAX_ASSIGNMENT_WAIT, MAX_BATCH};
 pub use config::{
     Backoff, ConfigError, DEFAULT_KEY_HEADER, EventTime, KeySource, KillSwitch,
@@ -143,19 +140,17 @@ pub use dead_letter::{
     DLQ_ATTEMPTS, DLQ_HEADERS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
 };
 pub use delivery::{Delivery, KeyError, event_time_ms, extract_key, ordering_key};
+pub use front::{
+    Answer, ConsumerBuilder, Host, IdempotentConsumer, Ignore, LeaseHandler, Liveness, Member,
+    OnResult, Started, TxHandler, Typed, testing,
+};
 pub use runner::{AfterGiveUp, Parking};
 pub use start::RunnerError;
 pub use stats::{RunnerStats, StatsHandle};
 
-// The runners, their handler traits and their configuration: the facade's implementation
-// (`dedup::Engine::consumer` builds them), and what dedup's own benches measure the machinery
-// with. Not an API of their own.
-#[cfg(feature = "pg")]
-#[doc(hidden)]
-pub use batch::{BatchHandler, LeaseRunner, TxRunner};
-#[doc(hidden)]
-pub use config::RunnerConfig;
-#[doc(hidden)]
-pub use handler::Handler;
-#[doc(hidden)]
-pub use runner::Runner;
+// The runners, their handler traits and their configuration: what the consumer builder
+// (`front`) builds. Not an API of their own.
+pub(crate) use batch::{BatchHandler, LeaseRunner, TxRunner};
+pub(crate) use config::RunnerConfig;
+pub(crate) use handler::Handler;
+pub(crate) use runner::Runner;

@@ -80,20 +80,17 @@ mod running;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka {
-    pub use crate::consumer::testing;
-    pub use crate::consumer::{
-        Answer, ConsumerBuilder, IdempotentConsumer, Ignore, LeaseHandler, OnResult, TxHandler,
-        Typed,
-    };
+    pub use crate::consumer::ConsumerBuilder;
     pub use dedup_kafka::{
-        Acquired, AfterGiveUp, Backoff, Batching, DEFAULT_KEY_HEADER, Delivery, EventTime,
-        KeySource, KillSwitch, MissingKey, Ordering, OrderingKey, Parking, RunnerError,
-        RunnerStats, StatsHandle, event_time_ms,
+        Acquired, AfterGiveUp, Answer, Backoff, Batching, ConfigError, DEFAULT_KEY_HEADER,
+        Delivery, EventTime, IdempotentConsumer, Ignore, KeySource, KillSwitch, LeaseHandler,
+        MissingKey, OnResult, Ordering, OrderingKey, Parking, RunnerError, RunnerStats,
+        StatsHandle, TxHandler, Typed, event_time_ms, testing,
     };
 }
 
 pub use bytes::Bytes;
-/// Typed results: the codecs and their errors ([`ResultCodec`] stores a value with one).
+/// Typed results: the codecs and their errors ([`ResultCodec`](typed::ResultCodec) stores a value with one).
 pub use dedup_core::typed;
 pub use dedup_core::{
     BatchConfig, BatchCounts, Completion, Dedup, Fingerprint, HandlerError, IdempotencyKey,

@@ -114,16 +114,25 @@ struct AliveCell {
 #[cfg(feature = "kafka")]
 impl Alive {
     /// Counts the handler as alive from now until it drops (once, however often called).
-    pub(crate) fn arm(&self) {
+    fn arm(&self) {
         if !self.0.armed.swap(true, AtomicOrdering::AcqRel) {
             self.0.holders.send_modify(|n| *n += 1);
         }
     }
+}
 
-    /// Counts one handler call until the guard drops.
-    pub(crate) fn call(&self) -> CallGuard {
+#[cfg(feature = "kafka")]
+impl dedup_kafka::Liveness for Alive {
+    fn arm(&self) {
+        Alive::arm(self);
+    }
+
+    fn enter(&self) {
         self.0.calls.fetch_add(1, AtomicOrdering::AcqRel);
-        CallGuard(self.0.calls.clone())
+    }
+
+    fn exit(&self) {
+        self.0.calls.fetch_sub(1, AtomicOrdering::AcqRel);
     }
 }
 
@@ -133,18 +142,6 @@ impl Drop for AliveCell {
         if *self.armed.get_mut() {
             self.holders.send_modify(|n| *n = n.saturating_sub(1));
         }
-    }
-}
-
-/// One handler call running.
-#[cfg(feature = "kafka")]
-#[derive(Debug)]
-pub(crate) struct CallGuard(Arc<AtomicUsize>);
-
-#[cfg(feature = "kafka")]
-impl Drop for CallGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, AtomicOrdering::AcqRel);
     }
 }
 
@@ -196,12 +193,6 @@ impl Shutdown {
 /// Completes once the engine is stopping ([`Shutdown::stopped`]).
 #[must_use = "futures do nothing unless awaited"]
 pub struct Stopped(Pin<Box<dyn Future<Output = ()> + Send>>);
-
-impl Stopped {
-    pub(crate) fn new(stop: impl Future<Output = ()> + Send + 'static) -> Self {
-        Self(Box::pin(stop))
-    }
-}
 
 impl std::fmt::Debug for Stopped {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

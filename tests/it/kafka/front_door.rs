@@ -504,9 +504,11 @@ async fn a_consumer_stopped_by_its_own_signal_commits_and_leaves_the_others_runn
         .unwrap();
     assert_eq!(s.executed, keys.len() as u64);
     committed_to_the_end(broker, &group_1, &first, 3).await;
-    // The engine and the other consumer go on: the second topic is consumed after the stop.
+    // The engine and the other consumer go on: the second topic is consumed after the stop,
+    // and the engine is ready (the consumer stopped on purpose is not counted against it).
     let h = engine.health(Duration::from_secs(60));
-    assert!(!h.stopping, "{h}");
+    assert!(!h.stopping && h.ready, "{h}");
+    assert_eq!(h.consumers.len(), 1, "{h}");
     produce(broker, &second, &events).await;
     eventually(
         60,
@@ -529,8 +531,9 @@ async fn a_consumer_stopped_by_its_own_signal_commits_and_leaves_the_others_runn
     );
 }
 
-pub(super) fn setting_of(r: Result<impl std::fmt::Debug, BuildError>) -> &'static str {
-    match r {
+/// The setting a builder refused: the engine's (`BuildError`) or a consumer's (`ConfigError`).
+pub(super) fn setting_of<T: std::fmt::Debug>(r: Result<T, impl Into<BuildError>>) -> &'static str {
+    match r.map_err(Into::into) {
         Err(BuildError::Setting { setting, .. }) => setting,
         other => panic!("expected a refused setting, got {other:?}"),
     }
@@ -679,7 +682,7 @@ async fn the_consumer_builder_refuses_what_its_mode_cannot_honour_by_name(pool: 
         "policy"
     );
     // What is left builds, in every mode.
-    let builds = |r: Result<dedup::kafka::IdempotentConsumer, BuildError>| {
+    let builds = |r: Result<dedup::kafka::IdempotentConsumer, dedup::kafka::ConfigError>| {
         if let Err(e) = r {
             panic!("refused: {e}");
         }

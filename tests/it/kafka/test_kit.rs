@@ -137,7 +137,7 @@ async fn drive_the_kit(engine: &Engine) {
         }
     };
     let consumer = kafka.consumer(engine, "orders").build(handler).unwrap();
-    let stats = kafka.run_until_settled(engine, consumer, 5).await.unwrap();
+    let stats = kafka.run_until_settled(consumer, 5).await.unwrap();
     assert_eq!(
         (stats.executed, stats.replayed, stats.dead_lettered),
         (2, 2, 1)
@@ -272,7 +272,7 @@ async fn typed_wraps_a_transaction_handler_and_stores_its_value(pool: PgPool) {
         .batching(Batching::default())
         .build(Typed::new(codec.clone(), Receipts))
         .unwrap();
-    let stats = kafka.run_until_settled(&engine, consumer, 4).await.unwrap();
+    let stats = kafka.run_until_settled(consumer, 4).await.unwrap();
     assert_eq!(
         (stats.executed, stats.replayed, stats.dead_lettered),
         (3, 1, 0)
@@ -326,7 +326,7 @@ async fn typed_wraps_a_lease_handler_type_on_an_in_memory_engine() {
         .ordering(KeyOrdering::PerKey)
         .build(handler)
         .unwrap();
-    let stats = kafka.run_until_settled(&engine, consumer, 4).await.unwrap();
+    let stats = kafka.run_until_settled(consumer, 4).await.unwrap();
     assert_eq!((stats.executed, stats.replayed), (3, 1));
     assert!(charged.lock().unwrap().values().all(|n| *n == 1));
     assert_eq!(

@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use dedup::BuildError;
 use dedup_core::Policy;
 use dedup_kafka::{
     Batching, DLQ_REASON, MissingKey, Ordering, RunnerError, RunnerStats, StatsHandle,
@@ -387,8 +386,7 @@ async fn tx_runner_settings_that_cannot_work_are_refused_by_name(pool: PgPool) {
         .batching(batching)
         .build(ledger("x"))
     {
-        Err(BuildError::Setting { setting, .. }) => setting,
-        Err(e) => panic!("{e}"),
+        Err(e) => e.setting,
         Ok(_) => panic!("accepted"),
     };
     assert_eq!(
@@ -413,8 +411,8 @@ async fn tx_runner_settings_that_cannot_work_are_refused_by_name(pool: PgPool) {
             .offsets_in_transaction(wait)
             .build(ledger("x"))
         {
-            Err(BuildError::Setting { setting, .. }) => {
-                assert_eq!(setting, "offsets_in_transaction");
+            Err(e) => {
+                assert_eq!(e.setting, "offsets_in_transaction");
             }
             other => panic!("{wait:?} accepted: {:?}", other.map(|_| ())),
         }
@@ -423,7 +421,7 @@ async fn tx_runner_settings_that_cannot_work_are_refused_by_name(pool: PgPool) {
         consumer_for(&engine, &config)
             .policy(Policy::default().with_max_attempts(0))
             .build(ledger("x")),
-        Err(BuildError::Setting {
+        Err(dedup::kafka::ConfigError {
             setting: "policy",
             ..
         })

@@ -102,7 +102,7 @@ pub(super) async fn through_kafka(
         .set("group.protocol", "consumer");
     let first = Arc::new(OnceLock::new());
     let effects = Arc::new(AtomicU64::new(0));
-    let built = |c: Result<IdempotentConsumer, dedup::BuildError>| {
+    let built = |c: Result<IdempotentConsumer, dedup::kafka::ConfigError>| {
         c.map_err(|e| CliError::Failed(format!("{name}: {e}")))
     };
     let consumer = match which {
@@ -141,6 +141,10 @@ pub(super) async fn through_kafka(
             last_change = (Instant::now(), settled);
         } else if last_change.0.elapsed() > Duration::from_secs(120) {
             let _ = stop.send(());
+            // The consumer closes before the mock cluster goes (librdkafka 2.12 dereferences a
+            // null broker when a consumer leaves a group whose coordinator is gone).
+            let _ = tokio::time::timeout(Duration::from_secs(60), task).await;
+            engine.shutdown().await;
             return Err(CliError::Failed(format!(
                 "{name}: no progress for 120 s at {settled} of {events} events settled"
             )));

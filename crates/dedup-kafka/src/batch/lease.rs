@@ -42,7 +42,7 @@ use crate::stats::{Counters, RunnerStats, StatsHandle};
 /// one key (with its repeats) and this runner is no faster than the per-message `Runner`.
 /// Offsets are committed only up to the first message not settled.
 #[derive(Debug)]
-pub struct LeaseRunner<S, H> {
+pub(crate) struct LeaseRunner<S, H> {
     config: RunnerConfig,
     batching: Batching,
     dedup: Arc<Dedup<S>>,
@@ -61,7 +61,7 @@ where
     /// # Errors
     /// A setting that cannot work, named: the runner's, the batching's, and
     /// [`MissingKey::ProcessWithoutDedup`] (every message of a batch runs under a claim).
-    pub fn new(
+    pub(crate) fn new(
         config: RunnerConfig,
         batching: Batching,
         dedup: Arc<Dedup<S>>,
@@ -82,13 +82,13 @@ where
     /// accepts, invalid) in `store`'s `dedup_dead_letters` table (`dedup dead-letters`), instead
     /// of stalling their partition.
     #[must_use]
-    pub fn with_dead_letter_table(mut self, store: dedup_pg::PgStore) -> Self {
+    pub(crate) fn with_dead_letter_table(mut self, store: dedup_pg::PgStore) -> Self {
         self.refused = Some(Arc::new(store));
         self
     }
 
     /// A handle to the runner's counters, readable while it runs.
-    pub fn stats(&self) -> StatsHandle {
+    pub(crate) fn stats(&self) -> StatsHandle {
         StatsHandle(self.counters.clone())
     }
 
@@ -97,7 +97,10 @@ where
     ///
     /// # Errors
     /// The Kafka client could not start or subscribe.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
+    pub(crate) async fn run(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<RunnerStats, RunnerError> {
         let scope = scope_of(&self.config)?;
         crate::start::adopt_at_start(&self.dedup).await;
         let Started {

@@ -19,8 +19,9 @@ mod lease;
 mod tx;
 
 pub use batching::{Batching, MAX_BATCH};
-pub use lease::LeaseRunner;
-pub use tx::{Acquired, BatchHandler, MAX_ASSIGNMENT_WAIT, TxRunner};
+pub(crate) use lease::LeaseRunner;
+pub use tx::{Acquired, MAX_ASSIGNMENT_WAIT};
+pub(crate) use tx::{BatchHandler, TxRunner};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;

@@ -58,8 +58,6 @@ pub(crate) trait RefusedTable: std::fmt::Debug + Send + Sync + 'static {
         refusal: &'a str,
     ) -> TableFuture<'a>;
 }
-
-#[cfg(feature = "pg")]
 impl RefusedTable for dedup_pg::PgStore {
     fn keep<'a>(
         &'a self,

@@ -38,7 +38,7 @@ use lanes::{Done, Event, Job, Lane, Loop, Report, count_blocked};
 /// An idempotent consumer: runs every message through [`Dedup::process`] and commits an offset
 /// only once every message before it is settled (completed, replayed, or dead-lettered).
 #[derive(Debug)]
-pub struct Runner<S, H> {
+pub(crate) struct Runner<S, H> {
     config: RunnerConfig,
     scope: Scope,
     dedup: Arc<Dedup<S>>,
@@ -57,7 +57,7 @@ where
     /// A runner over `dedup` calling `handler`. Every setting is checked here
     /// ([`RunnerConfig::validate`]), so a configuration that could fail at run time is refused
     /// now, with the setting named.
-    pub fn new(
+    pub(crate) fn new(
         config: RunnerConfig,
         dedup: Arc<Dedup<S>>,
         handler: H,
@@ -78,20 +78,22 @@ where
     /// Keeps the dead letters that the dead-letter topic refuses for good (larger than it
     /// accepts, invalid) in `store`'s `dedup_dead_letters` table (`dedup dead-letters`), instead
     /// of stalling their partition. With parking, its Postgres store keeps them already.
-    #[cfg(feature = "pg")]
     #[must_use]
-    pub fn with_dead_letter_table(mut self, store: dedup_pg::PgStore) -> Self {
+    pub(crate) fn with_dead_letter_table(mut self, store: dedup_pg::PgStore) -> Self {
         self.refused = Some(Arc::new(store));
         self
     }
 
     /// A handle to the runner's counters, readable while it runs.
-    pub fn stats(&self) -> StatsHandle {
+    pub(crate) fn stats(&self) -> StatsHandle {
         StatsHandle(self.counters.clone())
     }
 
     /// Consumes until `shutdown` completes, then drains, commits and leaves the group.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
+    pub(crate) async fn run(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<RunnerStats, RunnerError> {
         let scope = self.scope.clone();
         adopt_at_start(&self.dedup).await;
         let Started {

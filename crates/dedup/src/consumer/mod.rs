@@ -1,534 +1,90 @@
-//! Kafka consumers built from an [`Engine`]: [`Engine::consumer`] gives a [`ConsumerBuilder`];
-//! its `build(handler)` picks the mode by the handler's trait.
-//!
-//! | handler | mode | how messages run |
-//! |---|---|---|
-//! | [`TxHandler`] | transaction mode | in batches per partition (up to [`Batching`]'s size or wait), each batch one Postgres transaction |
-//! | [`LeaseHandler`] | lease mode, per message | each message on its own as soon as it arrives (lowest latency) |
-//! | [`LeaseHandler`] + [`ConsumerBuilder::batching`] | lease mode by the batch | claims and completions of a batch in one round trip each (highest throughput) |
-//!
-//! **Order.** Under [`Ordering::PerPartition`] (the default) a partition's messages settle in
-//! offset order, one at a time. Under [`Ordering::PerKey`] only the messages of one ordering key
-//! (an account, an order) keep their order, and distinct keys run concurrently: in a batch, a
-//! message whose predecessor of the same key did not settle waits for it. **Latency.** Batched
-//! modes add up to the batching wait (5 ms by default) to a message that arrives alone; under load
-//! batches fill before the wait ends. Offsets are committed only up to the first message not
-//! settled, whatever the mode.
+//! Kafka consumers built from an [`Engine`]: [`Engine::consumer`] gives a
+//! [`ConsumerBuilder`](crate::kafka::ConsumerBuilder) on the engine's Postgres, caches, policy,
+//! scope and identity; its `build(handler)` picks the mode by the handler's trait
+//! (`dedup_kafka`'s module docs have the table). The engine is the consumers' [`Host`].
 
-mod handler;
-pub mod testing;
-mod typed;
-
-pub use handler::{Answer, LeaseHandler, TxHandler};
-pub use typed::{Ignore, OnResult, Typed};
-
-use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
-use std::time::Duration;
 
-use bytes::Bytes;
-use dedup_core::{Completion, Policy};
-use dedup_kafka::{
-    Backoff, Batching, KeySource, KillSwitch, LeaseRunner, MissingKey, Ordering, OrderingKey,
-    Parking, Runner, RunnerConfig, RunnerError, RunnerStats, StatsHandle, TxRunner,
-};
+use dedup_core::{BatchCache, Dedup, Policy, Scope};
+use dedup_kafka::{ConfigError, Host, Liveness, Member, Started, StatsHandle};
+use dedup_pg::PgStore;
 
-use crate::engine::{BuildError, Engine};
+use crate::engine::{Engine, EngineStore};
 use crate::health::Registered;
-use handler::{Leased, Transactional};
 
-/// Builds a consumer on an engine's Postgres, caches, policy, scope and identity. Setters cannot
-/// fail; [`build`](Self::build) checks everything at once and names a bad setting by its method.
-#[must_use = "a consumer builder does nothing until `build` is called"]
-pub struct ConsumerBuilder {
-    engine: Engine,
-    config: RunnerConfig,
-    dead_letter_topic: Option<String>,
-    batching: Option<Batching>,
-    parking: Option<Parking>,
-    policy: Option<Policy>,
-    offsets_in_transaction: Option<Duration>,
-    static_membership: bool,
-}
-
-impl fmt::Debug for ConsumerBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ConsumerBuilder")
-            .field("config", &self.config)
-            .field("batching", &self.batching)
-            .field("parking", &self.parking)
-            .field("policy", &self.policy)
-            .finish_non_exhaustive()
-    }
-}
+/// The consumer builder of an [`Engine`].
+pub type ConsumerBuilder = dedup_kafka::ConsumerBuilder<Engine>;
 
 impl Engine {
-    /// A Kafka consumer on this engine: set at least [`brokers`](ConsumerBuilder::brokers),
-    /// [`group_id`](ConsumerBuilder::group_id) and [`topics`](ConsumerBuilder::topics).
+    /// A Kafka consumer on this engine: set at least
+    /// [`brokers`](dedup_kafka::ConsumerBuilder::brokers),
+    /// [`group_id`](dedup_kafka::ConsumerBuilder::group_id) and
+    /// [`topics`](dedup_kafka::ConsumerBuilder::topics).
     pub fn consumer(&self) -> ConsumerBuilder {
-        ConsumerBuilder {
-            engine: self.clone(),
-            config: RunnerConfig::new("", "", Vec::<String>::new()),
-            dead_letter_topic: None,
-            batching: None,
-            parking: None,
-            policy: None,
-            offsets_in_transaction: None,
-            static_membership: true,
-        }
+        dedup_kafka::ConsumerBuilder::new(self.clone())
     }
 }
 
-impl ConsumerBuilder {
-    /// `bootstrap.servers`.
-    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.config.brokers = brokers.into();
-        self
+impl Host for Engine {
+    type Store = EngineStore;
+
+    fn scope(&self) -> &Scope {
+        Engine::scope(self)
     }
 
-    /// The consumer group (`group.id`). It is not the dedup scope (the engine's): a renamed
-    /// group, or a blue/green deploy under a new one, still finds every key done.
-    pub fn group_id(mut self, group: impl Into<String>) -> Self {
-        self.config.group_id = group.into();
-        self
+    fn policy(&self) -> Policy {
+        Engine::policy(self)
     }
 
-    /// The topics to consume.
-    pub fn topics(mut self, topics: impl IntoIterator<Item = impl Into<String>>) -> Self {
-        self.config.topics = topics.into_iter().map(Into::into).collect();
-        self
+    fn postgres(&self) -> Option<&PgStore> {
+        Engine::postgres(self).ok()
     }
 
-    /// Where poison messages, permanent failures and keyless messages go (default: `<first
-    /// topic>.dlq`).
-    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
-        self.dead_letter_topic = Some(topic.into());
-        self
+    fn caches(&self) -> Arc<dyn BatchCache> {
+        Engine::caches(self)
     }
 
-    /// Where the idempotency key comes from (default: the `idempotency-key` header).
-    pub fn key(mut self, key: KeySource) -> Self {
-        self.config.key = key;
-        self
+    fn member(&self, group: &str) -> Member {
+        let m = Engine::member(self, Some(group));
+        Member::new(m.owner_prefix, m.group_instance_id)
     }
 
-    /// What happens to a message without a key: [`MissingKey::DeadLetter`] (the default), with
-    /// the reason; `ProcessWithoutDedup` (at least once) only for a per-message [`LeaseHandler`]
-    /// that implements `handle_keyless` (`RUNS_KEYLESS`).
-    pub fn missing_key(mut self, policy: MissingKey) -> Self {
-        self.config.missing_key = policy;
-        self
-    }
-
-    /// Whether a key reused with another payload is dead-lettered as a mismatch (default on).
-    pub fn payload_check(mut self, on: bool) -> Self {
-        self.config.check_payload = on;
-        self
-    }
-
-    /// Which messages may run at the same time (default: one at a time per partition).
-    pub fn ordering(mut self, ordering: Ordering) -> Self {
-        self.config.ordering = ordering;
-        self
-    }
-
-    /// What [`Ordering::PerKey`] keeps in order (default: the Kafka message key).
-    pub fn ordering_key(mut self, key: OrderingKey) -> Self {
-        self.config.ordering_key = key;
-        self
-    }
-
-    /// The most messages held at once, shared fairly between busy partitions (default 1,024).
-    pub fn max_in_flight(mut self, n: usize) -> Self {
-        self.config.max_in_flight = n;
-        self
-    }
-
-    /// The most messages held in blocked lanes (a key another holder's live lease covers, and
-    /// the messages queued behind it; default 4,096): per-message lease mode.
-    pub fn max_blocked(mut self, n: usize) -> Self {
-        self.config.max_blocked = n;
-        self
-    }
-
-    /// Static group membership: with an engine instance identity (the default then), the
-    /// consumer's `group.instance.id` is derived from it, so that a restart within the session
-    /// timeout gets its partitions back without a rebalance. Off: a dynamic member, whose
-    /// partitions move at once when it stops (a scale-down does not leave them idle for the
-    /// session timeout).
-    pub fn static_membership(mut self, on: bool) -> Self {
-        self.static_membership = on;
-        self
-    }
-
-    /// Waits between retries of a failed message.
-    pub fn backoff(mut self, backoff: Backoff) -> Self {
-        self.config.backoff = backoff;
-        self
-    }
-
-    /// How often settled offsets are committed (default 1 s).
-    pub fn commit_interval(mut self, interval: Duration) -> Self {
-        self.config.commit_interval = interval;
-        self
-    }
-
-    /// How long shutdown waits for running messages (default 30 s). A handler still running
-    /// then is not aborted: it keeps its lease, and the engine keeps its identity until the
-    /// handler ends ([`Engine::shutdown`]).
-    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
-        self.config.drain_timeout = timeout;
-        self
-    }
-
-    /// Stops taking messages while the handler fails nearly everything (see [`KillSwitch`]).
-    pub fn kill_switch(mut self, kill_switch: KillSwitch) -> Self {
-        self.config.kill_switch = Some(kill_switch);
-        self
-    }
-
-    /// A librdkafka property for the consumer and its dead-letter producer
-    /// (`auto.offset.reset`, `security.protocol`, ...), as rdkafka's `ClientConfig::set`.
-    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.config.client.push((key.into(), value.into()));
-        self
-    }
-
-    /// Takes messages in batches: lease mode by the batch for a [`LeaseHandler`] (the size and
-    /// wait of transaction mode's batches for a [`TxHandler`], which always batches).
-    pub fn batching(mut self, batching: Batching) -> Self {
-        self.batching = Some(batching);
-        self
-    }
-
-    /// Parks a key whose message keeps failing, so that the key's later messages wait in
-    /// Postgres (the engine's) and the partition goes on (see [`Parking`]). Per-message lease
-    /// mode under [`Ordering::PerKey`] only.
-    pub fn parking(mut self, parking: Parking) -> Self {
-        self.parking = Some(parking);
-        self
-    }
-
-    /// This consumer's claim policy (lease, attempts, retention) instead of the engine's.
-    pub fn policy(mut self, policy: Policy) -> Self {
-        self.policy = Some(policy);
-        self
-    }
-
-    /// Transaction mode only: each batch stores its partition's position in its own
-    /// transaction, and a partition starts from it on assignment, read within `wait`.
-    pub fn offsets_in_transaction(mut self, wait: Duration) -> Self {
-        self.offsets_in_transaction = Some(wait);
-        self
-    }
-
-    /// Builds the consumer that runs `handler`: transaction mode for a [`TxHandler`], lease mode
-    /// for a [`LeaseHandler`].
-    ///
-    /// # Errors
-    /// A setting that cannot work, or a combination this mode cannot honour, named.
-    pub fn build<H, M>(self, handler: H) -> Result<IdempotentConsumer, BuildError>
-    where
-        H: Mode<M>,
-    {
-        let parts = self.parts()?;
-        handler.consumer(parts, sealed::Token)
-    }
-
-    /// The settings every mode shares, checked.
-    fn parts(mut self) -> Result<Parts, BuildError> {
-        let engine = self.engine;
-        self.config.scope = Some(engine.scope().as_str().to_owned());
-        self.config.dead_letter_topic = match self.dead_letter_topic {
-            Some(t) => t,
-            None => format!(
-                "{}.dlq",
-                self.config.topics.first().map_or("dedup", String::as_str)
-            ),
-        };
-        let member = engine.member(Some(&self.config.group_id));
-        if let Some(id) = member
-            .group_instance_id
-            .as_ref()
-            .filter(|_| self.static_membership)
-        {
-            self.config
-                .client
-                .push(("group.instance.id".into(), id.clone()));
-        }
-        self.config
-            .validate()
-            .map_err(|e| BuildError::setting(method_of(e.setting), e.problem))?;
-        let policy = match self.policy {
-            Some(p) => {
-                p.validate().map_err(|e| BuildError::setting("policy", e))?;
-                p
-            }
-            None => engine.policy(),
-        };
-        Ok(Parts {
-            engine,
-            config: self.config,
-            batching: self.batching,
-            parking: self.parking,
-            policy,
-            offsets_in_transaction: self.offsets_in_transaction,
-            owner_prefix: member.owner_prefix,
-        })
-    }
-}
-
-/// The builder method behind a [`RunnerConfig`] field's name.
-fn method_of(field: &'static str) -> &'static str {
-    match field {
-        "client" => "set",
-        "check_payload" => "payload_check",
-        other => other,
-    }
-}
-
-fn runner_error(e: RunnerError) -> BuildError {
-    match e {
-        RunnerError::Config(c) => BuildError::setting(method_of(c.setting), c.problem),
-        other => BuildError::setting("consumer", other),
-    }
-}
-
-/// A consumer's checked settings.
-#[derive(Debug)]
-pub struct Parts {
-    engine: Engine,
-    config: RunnerConfig,
-    batching: Option<Batching>,
-    parking: Option<Parking>,
-    policy: Policy,
-    offsets_in_transaction: Option<Duration>,
-    owner_prefix: String,
-}
-
-mod sealed {
-    /// Only this crate calls [`Mode::consumer`](super::Mode::consumer).
-    #[derive(Debug)]
-    pub struct Token;
-}
-
-/// The mode a handler's trait picks: implemented for every [`TxHandler`] (marker
-/// [`Transaction`]) and every [`LeaseHandler`] (marker [`Lease`]). Not implemented by hand.
-pub trait Mode<M>: Sized {
-    #[doc(hidden)]
-    fn consumer(self, parts: Parts, token: sealed::Token)
-    -> Result<IdempotentConsumer, BuildError>;
-}
-
-/// [`Mode`]'s marker for a [`TxHandler`].
-#[derive(Debug)]
-pub enum Transaction {}
-
-/// [`Mode`]'s marker for a [`LeaseHandler`].
-#[derive(Debug)]
-pub enum Lease {}
-
-impl<H: TxHandler<Output: Into<Bytes>>> Mode<Transaction> for H {
-    fn consumer(self, p: Parts, _: sealed::Token) -> Result<IdempotentConsumer, BuildError> {
-        let who = (p.engine.clone(), p.config.group_id.clone());
-        if p.parking.is_some() {
-            return Err(BuildError::setting(
-                "parking",
-                "transaction mode does not park (a failing message is retried in its batch, then \
-                 dead-lettered); parking needs a LeaseHandler without batching",
-            ));
-        }
-        let Ok(pg) = p.engine.postgres() else {
-            return Err(BuildError::setting(
-                "in_memory",
-                "transaction mode writes its effects in Postgres: an in-memory engine runs \
-                 LeaseHandlers only",
-            ));
-        };
-        let alive = p.engine.alive();
-        let mut runner = TxRunner::new(
-            p.config,
-            p.batching.unwrap_or_default(),
-            pg.clone(),
-            Transactional(self, alive.clone()),
-        )
-        .map_err(runner_error)?
-        .with_policy(p.policy)
-        .map_err(runner_error)?
-        .with_caches(p.engine.caches())
-        .with_owner_prefix(p.owner_prefix);
-        if let Some(wait) = p.offsets_in_transaction {
-            runner = runner
-                .with_offsets_in_transaction(wait)
-                .map_err(runner_error)?;
-        }
-        let stats = runner.stats();
-        Ok(IdempotentConsumer::new(who, stats, alive, move |stop| {
-            Box::pin(async move { runner.run(stop).await })
-        }))
-    }
-}
-
-impl<H: LeaseHandler<Output: Into<Completion>>> Mode<Lease> for H {
-    fn consumer(self, p: Parts, _: sealed::Token) -> Result<IdempotentConsumer, BuildError> {
-        let who = (p.engine.clone(), p.config.group_id.clone());
-        if p.offsets_in_transaction.is_some() {
-            return Err(BuildError::setting(
-                "offsets_in_transaction",
-                "only transaction mode (a TxHandler) stores offsets in its transaction",
-            ));
-        }
-        if p.config.missing_key == MissingKey::ProcessWithoutDedup && !H::RUNS_KEYLESS {
-            return Err(BuildError::setting(
-                "missing_key",
-                "ProcessWithoutDedup needs a handler that runs keyless messages (RUNS_KEYLESS and \
-                 handle_keyless); or give them a key (KeySource::Fields), or let them be \
-                 dead-lettered",
-            ));
-        }
-        let dedup = Arc::new(p.engine.member_dedup(p.policy, p.owner_prefix)?);
-        // An in-memory engine has no table for dead letters: they go to the topic only.
-        let pg = p.engine.postgres().ok().cloned();
-        if pg.is_none() && p.parking.is_some() {
-            return Err(BuildError::setting(
-                "parking",
-                "parked keys are kept in Postgres: an in-memory engine does not park",
-            ));
-        }
-        let alive = p.engine.alive();
-        let handler = Leased(self, alive.clone());
-        match (p.batching, p.parking) {
-            (Some(_), Some(_)) => Err(BuildError::setting(
-                "parking",
-                "parking runs in per-message lease mode: drop `batching` or `parking`",
-            )),
-            (Some(batching), None) => {
-                let mut runner =
-                    LeaseRunner::new(p.config, batching, dedup, handler).map_err(runner_error)?;
-                if let Some(pg) = pg {
-                    runner = runner.with_dead_letter_table(pg);
+    fn dedup(
+        &self,
+        policy: Policy,
+        owner_prefix: String,
+    ) -> Result<Dedup<EngineStore>, ConfigError> {
+        self.member_dedup(policy, owner_prefix)
+            .map_err(|e| match e {
+                crate::BuildError::Setting { setting, problem } => {
+                    ConfigError::new(setting, problem)
                 }
-                let stats = runner.stats();
-                Ok(IdempotentConsumer::new(who, stats, alive, move |stop| {
-                    Box::pin(async move { runner.run(stop).await })
-                }))
-            }
-            (None, parking) => {
-                let mut runner = Runner::new(p.config, dedup, handler).map_err(runner_error)?;
-                if let Some(pg) = pg.clone() {
-                    runner = runner.with_dead_letter_table(pg);
-                }
-                if let (Some(parking), Some(pg)) = (parking, pg) {
-                    runner = runner
-                        .with_parking(pg, parking)
-                        .map_err(|e| BuildError::setting("parking", e))?;
-                }
-                let stats = runner.stats();
-                Ok(IdempotentConsumer::new(who, stats, alive, move |stop| {
-                    Box::pin(async move { runner.run(stop).await })
-                }))
-            }
-        }
-    }
-}
-
-type RunFuture = Pin<Box<dyn Future<Output = Result<RunnerStats, RunnerError>> + Send>>;
-type Start = Box<dyn FnOnce(crate::Stopped) -> RunFuture + Send>;
-
-/// A consumer, built: [`run`](Self::run) it until the engine shuts down, or
-/// [`run_until`](Self::run_until) its own stop signal.
-#[must_use = "a consumer does nothing until it is run"]
-pub struct IdempotentConsumer {
-    engine: Engine,
-    group: String,
-    stats: StatsHandle,
-    /// The handler's hold on the identity, armed when `run` starts.
-    alive: crate::running::Alive,
-    start: Start,
-}
-
-impl fmt::Debug for IdempotentConsumer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("IdempotentConsumer")
-            .field("stats", &self.stats.snapshot())
-            .finish_non_exhaustive()
-    }
-}
-
-impl IdempotentConsumer {
-    fn new(
-        (engine, group): (Engine, String),
-        stats: StatsHandle,
-        alive: crate::running::Alive,
-        start: impl FnOnce(crate::Stopped) -> RunFuture + Send + 'static,
-    ) -> Self {
-        Self {
-            engine,
-            group,
-            stats,
-            alive,
-            start: Box::new(start),
-        }
+                other => ConfigError::new("policy", other.to_string()),
+            })
     }
 
-    /// A handle to the consumer's counters, readable while it runs.
-    pub fn stats(&self) -> StatsHandle {
-        self.stats.clone()
+    fn liveness(&self) -> Arc<dyn Liveness> {
+        Arc::new(self.alive())
     }
 
-    /// Consumes until the engine shuts down ([`Engine::shutdown`]), then lets running messages
-    /// finish (up to the drain timeout), commits and leaves the group. From its start it counts
-    /// in [`Engine::stats`] and [`Engine::health`] (a consumer whose `run` ended is not ready).
-    /// To stop this consumer alone, use [`run_until`](Self::run_until).
-    ///
-    /// # Errors
-    /// The Kafka client could not start or subscribe, or the cluster refused it.
-    pub async fn run(self) -> Result<RunnerStats, RunnerError> {
-        let stop = self.engine.stopped();
-        self.start(stop).await
-    }
-
-    /// Consumes until `stop` completes or the engine shuts down, whichever comes first, then
-    /// stops as [`run`](Self::run) does: running messages finish (up to the drain timeout), the
-    /// offsets are committed and the consumer leaves its group. The engine and its other
-    /// consumers go on. `stop` can be any future: `tokio::signal::ctrl_c()`, a
-    /// `CancellationToken`'s `cancelled_owned()`, a oneshot receiver.
-    ///
-    /// # Errors
-    /// As [`run`](Self::run).
-    pub async fn run_until<F>(self, stop: F) -> Result<RunnerStats, RunnerError>
-    where
-        F: Future + Send + 'static,
-    {
-        let engine = self.engine.stopped();
-        let either = crate::Stopped::new(async move {
-            tokio::select! {
-                () = engine => {}
-                _ = stop => {}
-            }
-        });
-        self.start(either).await
-    }
-
-    async fn start(self, stop: crate::Stopped) -> Result<RunnerStats, RunnerError> {
-        let _running = self.engine.running();
-        // From now until the last task holding the handler ends (after `run` returns, where a
-        // handler outlived the drain), the engine's identity is not released.
-        self.alive.arm();
-        drop(self.alive);
+    fn started(&self, group: &str, stats: &StatsHandle) -> Started {
+        let counted = self.running();
         // In the engine's stats and health from now on; not running once `run` ends, however
         // it ends (an error, a panic, the future dropped).
         let running = Arc::new(AtomicBool::new(true));
-        self.engine.register(Registered {
-            group: self.group,
-            stats: self.stats,
+        self.register(Registered {
+            group: group.to_owned(),
+            stats: stats.clone(),
             running: running.clone(),
         });
-        let _down = Down(running);
-        (self.start)(stop).await
+        let engine = self.clone();
+        let flag = running.clone();
+        Started::new(self.stopped(), (counted, Down(running))).on_own_stop(move || {
+            // Stopped on its own signal: no longer one of the engine's consumers (its health
+            // does not count a consumer that was meant to stop).
+            engine.deregister(&flag);
+        })
     }
 }
 

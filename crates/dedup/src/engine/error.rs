@@ -55,3 +55,13 @@ impl BuildError {
         }
     }
 }
+
+#[cfg(feature = "kafka")]
+impl From<dedup_kafka::ConfigError> for BuildError {
+    fn from(e: dedup_kafka::ConfigError) -> Self {
+        Self::Setting {
+            setting: e.setting,
+            problem: e.problem,
+        }
+    }
+}

@@ -295,6 +295,16 @@ impl Engine {
             .push(consumer);
     }
 
+    /// Forgets a consumer that stopped on its own signal (by its running flag).
+    #[cfg(feature = "kafka")]
+    pub(crate) fn deregister(&self, running: &Arc<std::sync::atomic::AtomicBool>) {
+        self.inner
+            .consumers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|c| !Arc::ptr_eq(&c.running, running));
+    }
+
     #[cfg(feature = "kafka")]
     pub(crate) fn registered(&self) -> Vec<crate::health::Registered> {
         self.inner

@@ -76,7 +76,7 @@ impl Acquired {
 /// fails its key and dead-letters it. `Withdraw` counts as `Retryable` here (a message is retried
 /// until it settles, so a withdrawal would retry it without end). A per-message handler is a loop
 /// over `batch` inside `handle`.
-pub trait BatchHandler: Send + Sync + 'static {
+pub(crate) trait BatchHandler: Send + Sync + 'static {
     /// The handler's own error.
     type Error: fmt::Display + Send + 'static;
 
@@ -94,7 +94,7 @@ pub trait BatchHandler: Send + Sync + 'static {
 /// Offsets are committed only up to the first message not settled (completed, replayed, or
 /// acknowledged by the dead-letter topic).
 #[derive(Debug)]
-pub struct TxRunner<H> {
+pub(crate) struct TxRunner<H> {
     config: RunnerConfig,
     batching: Batching,
     scope: Scope,
@@ -119,7 +119,7 @@ impl<H: BatchHandler> TxRunner<H> {
     /// A setting that cannot work: the runner's ([`RunnerConfig::validate`]), the batching's, and
     /// [`MissingKey::ProcessWithoutDedup`], which transaction mode cannot honour (every message
     /// runs under a claim).
-    pub fn new(
+    pub(crate) fn new(
         config: RunnerConfig,
         batching: Batching,
         store: PgStore,
@@ -145,7 +145,7 @@ impl<H: BatchHandler> TxRunner<H> {
     /// (completed, failed, used with another payload) are answered without a transaction, in one
     /// L1 pass and one fast-path call per batch; after each commit the keys it completed are
     /// copied to them, in one call. Nothing is copied before the commit.
-    pub fn with_caches(mut self, caches: Arc<dyn BatchCache>) -> Self {
+    pub(crate) fn with_caches(mut self, caches: Arc<dyn BatchCache>) -> Self {
         self.caches = Some(caches);
         self
     }
@@ -160,7 +160,10 @@ impl<H: BatchHandler> TxRunner<H> {
     ///
     /// # Errors
     /// `wait` is zero or longer than [`MAX_ASSIGNMENT_WAIT`].
-    pub fn with_offsets_in_transaction(mut self, wait: Duration) -> Result<Self, RunnerError> {
+    pub(crate) fn with_offsets_in_transaction(
+        mut self,
+        wait: Duration,
+    ) -> Result<Self, RunnerError> {
         if wait.is_zero() || wait > MAX_ASSIGNMENT_WAIT {
             return Err(ConfigError {
                 setting: "offsets_in_transaction",
@@ -178,7 +181,7 @@ impl<H: BatchHandler> TxRunner<H> {
     ///
     /// # Errors
     /// A policy that cannot work.
-    pub fn with_policy(mut self, policy: Policy) -> Result<Self, RunnerError> {
+    pub(crate) fn with_policy(mut self, policy: Policy) -> Result<Self, RunnerError> {
         policy.validate().map_err(|e| ConfigError {
             setting: "policy",
             problem: e.to_string(),
@@ -190,13 +193,13 @@ impl<H: BatchHandler> TxRunner<H> {
     /// Claims under owner ids `<prefix>#<n>` (an engine's instance and incarnation) instead of
     /// this process's id and start time.
     #[must_use]
-    pub fn with_owner_prefix(mut self, prefix: impl Into<Arc<str>>) -> Self {
+    pub(crate) fn with_owner_prefix(mut self, prefix: impl Into<Arc<str>>) -> Self {
         self.owners = Arc::new(OwnerIds::with_prefix(prefix));
         self
     }
 
     /// A handle to the runner's counters, readable while it runs.
-    pub fn stats(&self) -> StatsHandle {
+    pub(crate) fn stats(&self) -> StatsHandle {
         StatsHandle(self.counters.clone())
     }
 
@@ -205,7 +208,10 @@ impl<H: BatchHandler> TxRunner<H> {
     ///
     /// # Errors
     /// The Kafka client could not start or subscribe.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunnerStats, RunnerError> {
+    pub(crate) async fn run(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<RunnerStats, RunnerError> {
         let start_offsets: Option<Arc<dyn StartOffsets>> = match self.offsets {
             Some(wait) => Some(Arc::new(
                 offsets::OffsetReader::start(

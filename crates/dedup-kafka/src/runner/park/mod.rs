@@ -31,7 +31,6 @@ use crate::config::Backoff;
 use crate::delivery::Delivery;
 
 mod drive;
-#[cfg(feature = "pg")]
 mod pg;
 mod run;
 
@@ -205,7 +204,6 @@ pub(crate) struct PartRef {
 
 /// What a park did.
 #[derive(Clone, PartialEq, Eq, Debug)]
-#[cfg_attr(not(feature = "pg"), allow(dead_code))]
 pub(crate) enum Parked {
     Written,
     Already,
@@ -217,7 +215,6 @@ pub(crate) enum Parked {
 
 /// What settling a head did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[cfg_attr(not(feature = "pg"), allow(dead_code))]
 pub(crate) enum HeadOutcome {
     Removed,
     /// Kept as the key's held marker (the hold policy).
@@ -240,7 +237,6 @@ impl HeadRun {
 
 /// What taking a head did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[cfg_attr(not(feature = "pg"), allow(dead_code))]
 pub(crate) enum Taken {
     /// Taken: run it.
     Run,
@@ -412,8 +408,7 @@ where
     /// (under partition order every later message of the partition would wait behind the parked
     /// one) and `in_place_attempts` from 1 to below the policy's `max_attempts` (the runs share one
     /// budget); otherwise a [`ConfigError`](crate::ConfigError) naming the setting.
-    #[cfg(feature = "pg")]
-    pub fn with_parking(
+    pub(crate) fn with_parking(
         mut self,
         store: dedup_pg::PgStore,
         parking: Parking,

@@ -4,23 +4,23 @@
 use std::fmt;
 use std::time::Duration;
 
-use dedup_kafka::{DEFAULT_KEY_HEADER, RunnerError, RunnerStats};
+use crate::{DEFAULT_KEY_HEADER, RunnerError, RunnerStats};
 use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 
-use super::{ConsumerBuilder, IdempotentConsumer};
-use crate::engine::Engine;
+use super::{ConsumerBuilder, Host, IdempotentConsumer};
 
 /// A one-broker Kafka cluster in this process, for tests: topics, messages carrying an
 /// idempotency key, and consumers already pointed at it. Not `Send` (librdkafka's mock is not):
-/// keep it in the test's own task. With an engine built
-/// [`in_memory`](crate::EngineBuilder::in_memory), a lease-mode handler's test needs no server
-/// at all; with one on Postgres, it runs against the real store.
+/// keep it in the test's own task. With an engine built `in_memory()` (the `dedup` crate), a
+/// lease-mode handler's test needs no server at all; with one on Postgres, it runs against the
+/// real store.
 ///
-/// ```
+/// ```ignore
+/// // With the `dedup` crate (feature `kafka`); its tests run this.
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::sync::Arc;
@@ -37,7 +37,7 @@ use crate::engine::Engine;
 ///     .build(|_m: Arc<Delivery>, _lease: LeaseContext| async {
 ///         Ok::<_, HandlerError<String>>(Bytes::new())
 ///     })?;
-/// let stats = kafka.run_until_settled(&engine, consumer, 2).await?;
+/// let stats = kafka.run_until_settled(consumer, 2).await?;
 /// assert_eq!((stats.executed, stats.replayed), (1, 1));
 /// # Ok(()) }
 /// ```
@@ -129,9 +129,8 @@ impl MockKafka {
 
     /// A consumer of `topic` on `engine`, pointed at this cluster: a group of its own, reading
     /// from the start, committing often. Set the rest as usual, then `build(handler)`.
-    pub fn consumer(&self, engine: &Engine, topic: &str) -> ConsumerBuilder {
-        engine
-            .consumer()
+    pub fn consumer<H: Host>(&self, engine: &H, topic: &str) -> ConsumerBuilder<H> {
+        ConsumerBuilder::new(engine.clone())
             .brokers(self.bootstrap())
             .group_id(format!("{topic}-test"))
             .topics([topic])
@@ -142,19 +141,19 @@ impl MockKafka {
     }
 
     /// Runs `consumer` until `messages` have settled (executed, replayed or dead-lettered), then
-    /// shuts `engine` down and answers the consumer's counters. Gives up after a minute.
+    /// stops it (its engine goes on) and answers its counters. Gives up after a minute.
     ///
     /// # Errors
     /// The consumer failed, or the messages did not settle in time.
     pub async fn run_until_settled(
         &self,
-        engine: &Engine,
         consumer: IdempotentConsumer,
         messages: u64,
     ) -> Result<RunnerStats, RunError> {
         const WITHIN: Duration = Duration::from_secs(60);
         let stats = consumer.stats();
-        let run = tokio::spawn(consumer.run());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(consumer.run_until(stopped));
         let settled = |s: &RunnerStats| s.executed + s.replayed + s.dead_lettered;
         let deadline = tokio::time::Instant::now() + WITHIN;
         while settled(&stats.snapshot()) < messages && tokio::time::Instant::now() < deadline {
@@ -163,7 +162,7 @@ impl MockKafka {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        engine.shutdown().await;
+        let _ = stop.send(());
         let ended = match run.await {
             Ok(ended) => ended?,
             Err(e) => std::panic::resume_unwind(e.into_panic()),

@@ -3,10 +3,10 @@
 use std::fmt;
 use std::sync::Arc;
 
+use crate::{Acquired, Delivery};
 use bytes::Bytes;
 use dedup_core::typed::{Codec, CodecError, ResultCodec, TypedError};
 use dedup_core::{HandlerError, LeaseContext, Processed, TypedProcessed};
-use dedup_kafka::{Acquired, Delivery};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
@@ -25,25 +25,25 @@ use super::{LeaseHandler, TxHandler};
 /// mode its effect ran and is not run again; in transaction mode the message's writes roll back
 /// with it).
 ///
-/// ```no_run
+/// ```
 /// # use std::sync::Arc;
-/// # use dedup::typed::{ResultCodec, TypedProcessed};
-/// # use dedup::{HandlerError, LeaseContext};
-/// # use dedup::kafka::{Delivery, Typed};
-/// #[derive(serde::Serialize, serde::Deserialize)]
-/// struct Receipt { charged: i64 }
-///
-/// # fn f(engine: dedup::Engine) -> Result<(), Box<dyn std::error::Error>> {
-/// let codec = ResultCodec::<Receipt, _>::bincode("receipt/v1")?;
+/// # use dedup_core::typed::{ResultCodec, TypedProcessed};
+/// # use dedup_core::{HandlerError, LeaseContext};
+/// # use dedup_kafka::{Delivery, Typed};
+/// # fn f() -> Result<(), Box<dyn std::error::Error>> {
+/// // The amount charged, stored with the key and given back to every duplicate.
+/// let codec = ResultCodec::<u64, _>::bincode("charged/v1")?;
 /// let handler = Typed::new(codec, |_m: Arc<Delivery>, _lease: LeaseContext| async move {
 ///     // The effect, once per key.
-///     Ok::<_, HandlerError<String>>(Receipt { charged: 100 })
+///     Ok::<_, HandlerError<String>>(100_u64)
 /// })
-/// .on_result(|_m: &Delivery, r: &TypedProcessed<Receipt>| {
+/// .on_result(|_m: &Delivery, r: &TypedProcessed<u64>| {
 ///     // Every delivery, fresh or duplicate: reply with r.value().
 /// });
-/// let consumer = engine.consumer().brokers("kafka:9092").group_id("g").topics(["t"]).build(handler)?;
+/// // engine.consumer().brokers("kafka:9092").group_id("g").topics(["t"]).build(handler)?
+/// # let _ = handler;
 /// # Ok(()) }
+/// # f().unwrap();
 /// ```
 pub struct Typed<T, C, H, R = Ignore> {
     codec: ResultCodec<T, C>,

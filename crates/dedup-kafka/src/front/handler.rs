@@ -6,14 +6,14 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
+use crate::{Acquired, BatchHandler, Delivery, Handler};
 use bytes::Bytes;
 use dedup_core::typed::CodecError;
 use dedup_core::{Completion, HandlerError, LeaseContext, Processed};
-use dedup_kafka::{Acquired, BatchHandler, Delivery, Handler};
 use dedup_pg::{BatchBody, ItemResult};
 use sqlx::postgres::PgConnection;
 
-use crate::running::Alive;
+use super::{Call, Liveness};
 
 /// A consumer whose effect is a write in the engine's Postgres: **transaction mode**. The
 /// message's claim, the handler's writes, the completion (and, if asked, the consumer's position)
@@ -27,14 +27,14 @@ use crate::running::Alive;
 /// in one statement.
 ///
 /// A consumer takes a handler whose `Output` is `Bytes` (the result as stored); one whose
-/// `Output` is a value of its own is wrapped in [`Typed`](crate::kafka::Typed), which stores it
+/// `Output` is a value of its own is wrapped in [`Typed`](super::Typed), which stores it
 /// with a codec.
 pub trait TxHandler: Send + Sync + 'static {
     /// The handler's own error.
     type Error: fmt::Display + Send + 'static;
 
     /// What it returns for each message: the result to store (`Bytes`), or a value for
-    /// [`Typed`](crate::kafka::Typed) to encode.
+    /// [`Typed`](super::Typed) to encode.
     type Output: Send;
 
     /// Writes one message's effect on `tx`, the batch's transaction, and returns the result to
@@ -85,13 +85,13 @@ pub type Answer<H> = Result<<H as TxHandler>::Output, HandlerError<<H as TxHandl
 /// A handler that writes its effect in a Postgres transaction of its own and completes the key
 /// inside it (`engine.postgres()?.transact(&lease, ..)`) returns that `Completion` instead of
 /// `Bytes`: then nothing is left to record after it. One whose `Output` is a value of its own is
-/// wrapped in [`Typed`](crate::kafka::Typed).
+/// wrapped in [`Typed`](super::Typed).
 pub trait LeaseHandler: Send + Sync + 'static {
     /// The handler's own error.
     type Error: fmt::Display + Send + 'static;
 
     /// What it returns: the result to store (`Bytes`), a `Completion`, or a value for
-    /// [`Typed`](crate::kafka::Typed) to encode.
+    /// [`Typed`](super::Typed) to encode.
     type Output: Send;
 
     /// Makes one message's effect and returns the result to store (replayed to every duplicate).
@@ -118,7 +118,7 @@ pub trait LeaseHandler: Send + Sync + 'static {
 
     /// Looks at a keyed message's result, fresh or replayed, before the message settles; an
     /// error dead-letters the message with the reason. The default accepts every result;
-    /// [`Typed`](crate::kafka::Typed) decodes it.
+    /// [`Typed`](super::Typed) decodes it.
     ///
     /// # Errors
     /// The result cannot be used.
@@ -149,7 +149,7 @@ where
 
 /// A [`TxHandler`] as the transaction-mode loop calls it.
 #[derive(Debug)]
-pub(crate) struct Transactional<H>(pub(crate) H, pub(crate) Alive);
+pub(crate) struct Transactional<H>(pub(crate) H, pub(crate) Arc<dyn Liveness>);
 
 impl<H: TxHandler<Output: Into<Bytes>>> BatchHandler for Transactional<H> {
     type Error = H::Error;
@@ -160,7 +160,7 @@ impl<H: TxHandler<Output: Into<Bytes>>> BatchHandler for Transactional<H> {
         batch: &'c [Acquired],
     ) -> BatchBody<'c, Self::Error> {
         Box::pin(async move {
-            let _call = self.1.call();
+            let _call = Call::new(&*self.1);
             let answers = self.0.handle_batch(tx, batch).await?;
             Ok(answers
                 .into_iter()
@@ -172,7 +172,7 @@ impl<H: TxHandler<Output: Into<Bytes>>> BatchHandler for Transactional<H> {
 
 /// A [`LeaseHandler`] as the lease-mode loops call it.
 #[derive(Debug)]
-pub(crate) struct Leased<H>(pub(crate) H, pub(crate) Alive);
+pub(crate) struct Leased<H>(pub(crate) H, pub(crate) Arc<dyn Liveness>);
 
 impl<H: LeaseHandler<Output: Into<Completion>>> Handler for Leased<H> {
     type Error = H::Error;
@@ -182,7 +182,7 @@ impl<H: LeaseHandler<Output: Into<Completion>>> Handler for Leased<H> {
         delivery: Arc<Delivery>,
         lease: Option<LeaseContext>,
     ) -> Result<Completion, HandlerError<H::Error>> {
-        let _call = self.1.call();
+        let _call = Call::new(&*self.1);
         match lease {
             Some(lease) => self.0.handle(delivery, lease).await.map(Into::into),
             // Keyless, under `ProcessWithoutDedup` (which the builder allows only where
