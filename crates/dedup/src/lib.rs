@@ -76,7 +76,31 @@ mod layer;
 #[cfg(feature = "pg")]
 mod running;
 
-/// Kafka consumers built from an [`Engine`]: the handler traits, the builder and its settings.
+/// Kafka consumers built from an [`Engine`]: the handler traits, the builder and its settings,
+/// and a test kit. A lease-mode handler tested on an in-memory engine and a Kafka cluster inside
+/// the test process, with no server at all:
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use dedup::kafka::{Delivery, testing::MockKafka};
+/// use dedup::{Bytes, Engine, HandlerError, LeaseContext};
+///
+/// let engine = Engine::builder().in_memory().scope("test").build().await?;
+/// let kafka = MockKafka::new()?;
+/// kafka.create_topic("orders", 2)?;
+/// kafka.send("orders", "order-1", r#"{"cents":1250}"#).await?;
+/// kafka.send("orders", "order-1", r#"{"cents":1250}"#).await?; // a duplicate
+/// let consumer = kafka
+///     .consumer(&engine, "orders")
+///     .build(|_m: Arc<Delivery>, _lease: LeaseContext| async {
+///         Ok::<_, HandlerError<String>>(Bytes::new())
+///     })?;
+/// let stats = kafka.run_until_settled(consumer, 2).await?;
+/// assert_eq!((stats.executed, stats.replayed), (1, 1));
+/// # Ok(()) }
+/// ```
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka {

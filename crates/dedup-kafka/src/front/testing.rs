@@ -20,7 +20,7 @@ use super::{ConsumerBuilder, Host, IdempotentConsumer};
 /// real store.
 ///
 /// ```ignore
-/// // With the `dedup` crate (feature `kafka`); its tests run this.
+/// // With the `dedup` crate (feature `kafka`), whose `kafka` module's docs run this.
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::sync::Arc;
