@@ -15,153 +15,30 @@
 //! batches fill before the wait ends. Offsets are committed only up to the first message not
 //! settled, whatever the mode.
 
+mod consumer;
 mod handler;
+mod host;
 pub mod testing;
 mod typed;
 
+pub use consumer::IdempotentConsumer;
 pub use handler::{Answer, LeaseHandler, TxHandler};
+pub(crate) use host::Call;
+pub use host::{Host, Liveness, Member, Started};
 pub use typed::{Ignore, OnResult, Typed};
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dedup_core::{BatchCache, Completion, Dedup, Policy, Scope, Store};
-use dedup_pg::PgStore;
+use dedup_core::{Completion, Policy};
 
 use crate::{
     Backoff, Batching, ConfigError, KeySource, KillSwitch, LeaseRunner, MissingKey, Ordering,
-    OrderingKey, Parking, Runner, RunnerConfig, RunnerError, RunnerStats, StatsHandle, TxRunner,
+    OrderingKey, Parking, Runner, RunnerConfig, RunnerError, TxRunner,
 };
 use handler::{Leased, Transactional};
-
-/// What a consumer takes from the engine that builds it: the scope, the default policy, the
-/// Postgres store and the caches, the member's identity, a `Dedup` on the engine's store, and
-/// the engine's accounting of what runs. The `dedup` crate's `Engine` is one; a host of your own
-/// builds consumers on a `Dedup` of your own.
-pub trait Host: Clone + Send + Sync + 'static {
-    /// The store lease-mode consumers claim through.
-    type Store: Store + 'static;
-
-    /// The dedup scope every key of the host lives in.
-    fn scope(&self) -> &Scope;
-
-    /// The default policy.
-    fn policy(&self) -> Policy;
-
-    /// The Postgres store (transaction mode, parking, kept dead letters); `None` for a host
-    /// without one (an in-memory engine), which runs lease-mode handlers only.
-    fn postgres(&self) -> Option<&PgStore>;
-
-    /// The caches transaction mode answers settled keys from and copies its commits to.
-    fn caches(&self) -> Arc<dyn BatchCache>;
-
-    /// A new member of `group`: its owner ids' prefix and its static `group.instance.id`.
-    fn member(&self, group: &str) -> Member;
-
-    /// A `Dedup` on the host's store under `policy`, claiming under `owner_prefix`.
-    ///
-    /// # Errors
-    /// A policy the host cannot use, named.
-    fn dedup(
-        &self,
-        policy: Policy,
-        owner_prefix: String,
-    ) -> Result<Dedup<Self::Store>, ConfigError>;
-
-    /// The token a consumer's handler holds while it may hold a lease.
-    fn liveness(&self) -> Arc<dyn Liveness>;
-
-    /// A consumer of `group` starts running: the host's stop signal (its shutdown), and what the
-    /// host keeps while the consumer runs (dropped when `run` ends, however it ends).
-    fn started(&self, group: &str, stats: &StatsHandle) -> Started;
-}
-
-/// A member of a consumer group, as its [`Host`] names it.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct Member {
-    /// The prefix of the member's owner ids.
-    pub owner_prefix: String,
-    /// Its static `group.instance.id`, if the host has an instance identity.
-    pub group_instance_id: Option<String>,
-}
-
-impl Member {
-    /// A member claiming under `owner_prefix`, with `group_instance_id` if any.
-    pub fn new(owner_prefix: impl Into<String>, group_instance_id: Option<String>) -> Self {
-        Self {
-            owner_prefix: owner_prefix.into(),
-            group_instance_id,
-        }
-    }
-}
-
-/// A consumer's handler's hold on its host: counted as alive from [`arm`](Self::arm) until the
-/// value drops, and each handler call counted while it runs.
-pub trait Liveness: Send + Sync + fmt::Debug + 'static {
-    /// The handler is alive from now until this value drops (once, however often called).
-    fn arm(&self);
-    /// A handler call starts.
-    fn enter(&self);
-    /// A handler call ends.
-    fn exit(&self);
-}
-
-/// One handler call, counted by its consumer's [`Liveness`] until it drops.
-pub(crate) struct Call<'a>(&'a dyn Liveness);
-
-impl<'a> Call<'a> {
-    pub(crate) fn new(liveness: &'a dyn Liveness) -> Self {
-        liveness.enter();
-        Self(liveness)
-    }
-}
-
-impl Drop for Call<'_> {
-    fn drop(&mut self) {
-        self.0.exit();
-    }
-}
-
-/// What [`Host::started`] gives a consumer that starts running.
-pub struct Started {
-    stop: Stop,
-    running: Box<dyn Send>,
-    own_stop: Option<Box<dyn FnOnce() + Send>>,
-}
-
-impl Started {
-    /// A consumer that stops when `stop` (the host's shutdown) completes, with `running` kept
-    /// while it runs (dropped when `run` ends, however it ends).
-    pub fn new(
-        stop: impl Future<Output = ()> + Send + 'static,
-        running: impl Send + 'static,
-    ) -> Self {
-        Self {
-            stop: Box::pin(stop),
-            running: Box::new(running),
-            own_stop: None,
-        }
-    }
-
-    /// Calls `f` once the consumer has stopped cleanly on its own signal
-    /// ([`IdempotentConsumer::run_until`]) rather than the host's.
-    #[must_use]
-    pub fn on_own_stop(mut self, f: impl FnOnce() + Send + 'static) -> Self {
-        self.own_stop = Some(Box::new(f));
-        self
-    }
-}
-
-impl fmt::Debug for Started {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Started")
-    }
-}
 
 /// Builds a consumer on an engine's Postgres, caches, policy, scope and identity. Setters cannot
 /// fail; [`build`](Self::build) checks everything at once and names a bad setting by its method.
@@ -559,121 +436,5 @@ impl<E: Host, H: LeaseHandler<Output: Into<Completion>>> Mode<E, Lease> for H {
                 }))
             }
         }
-    }
-}
-
-type RunFuture = Pin<Box<dyn Future<Output = Result<RunnerStats, RunnerError>> + Send>>;
-type Stop = Pin<Box<dyn Future<Output = ()> + Send>>;
-type Start = Box<dyn FnOnce(Stop) -> RunFuture + Send>;
-type Begin = Box<dyn FnOnce(&StatsHandle) -> Started + Send>;
-
-/// A consumer, built: [`run`](Self::run) it until its host (the engine) shuts down, or
-/// [`run_until`](Self::run_until) its own stop signal.
-#[must_use = "a consumer does nothing until it is run"]
-pub struct IdempotentConsumer {
-    stats: StatsHandle,
-    /// The handler's hold on its host, armed when `run` starts.
-    alive: Arc<dyn Liveness>,
-    begin: Begin,
-    start: Start,
-}
-
-impl fmt::Debug for IdempotentConsumer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("IdempotentConsumer")
-            .field("stats", &self.stats.snapshot())
-            .finish_non_exhaustive()
-    }
-}
-
-impl IdempotentConsumer {
-    fn new<H: Host>(
-        (host, group): (H, String),
-        stats: StatsHandle,
-        alive: Arc<dyn Liveness>,
-        start: impl FnOnce(Stop) -> RunFuture + Send + 'static,
-    ) -> Self {
-        Self {
-            stats,
-            alive,
-            begin: Box::new(move |stats| host.started(&group, stats)),
-            start: Box::new(start),
-        }
-    }
-
-    /// A handle to the consumer's counters, readable while it runs.
-    pub fn stats(&self) -> StatsHandle {
-        self.stats.clone()
-    }
-
-    /// Consumes until the engine shuts down (`Engine::shutdown`), then lets running messages
-    /// finish (up to the drain timeout), commits and leaves the group. From its start it counts
-    /// in the engine's stats and health (a consumer whose `run` ended is not ready). To stop
-    /// this consumer alone, use [`run_until`](Self::run_until).
-    ///
-    /// # Errors
-    /// The Kafka client could not start or subscribe, or the cluster refused it.
-    pub async fn run(self) -> Result<RunnerStats, RunnerError> {
-        self.start_with(None).await
-    }
-
-    /// Consumes until `stop` completes or the engine shuts down, whichever comes first, then
-    /// stops as [`run`](Self::run) does: running messages finish (up to the drain timeout), the
-    /// offsets are committed and the consumer leaves its group. The engine and its other
-    /// consumers go on, and the engine's health no longer counts this one. `stop` can be any
-    /// future (its output is ignored, so a oneshot receiver whose sender is dropped stops the
-    /// consumer too): `tokio::signal::ctrl_c()`, a `CancellationToken`'s `cancelled_owned()`.
-    ///
-    /// A static member (an engine with an instance identity, unless
-    /// [`static_membership(false)`](ConsumerBuilder::static_membership)) sends no LeaveGroup:
-    /// its partitions wait for the session timeout, as on a restart. Turn static membership off
-    /// for a consumer stopped for good while its group goes on.
-    ///
-    /// # Errors
-    /// As [`run`](Self::run).
-    pub async fn run_until<F>(self, stop: F) -> Result<RunnerStats, RunnerError>
-    where
-        F: Future + Send + 'static,
-    {
-        self.start_with(Some(Box::pin(async move {
-            let _ = stop.await;
-        })))
-        .await
-    }
-
-    async fn start_with(self, own: Option<Stop>) -> Result<RunnerStats, RunnerError> {
-        // In the host's stats and health, and counted as running, from now until `run` ends,
-        // however it ends (an error, a panic, the future dropped).
-        let Started {
-            stop,
-            running,
-            own_stop,
-        } = (self.begin)(&self.stats);
-        let _running = running;
-        // From now until the last task holding the handler ends (after `run` returns, where a
-        // handler outlived the drain), the host keeps its identity.
-        self.alive.arm();
-        drop(self.alive);
-        let by_own = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let stop: Stop = match own {
-            None => stop,
-            Some(own) => {
-                let by_own = by_own.clone();
-                Box::pin(async move {
-                    tokio::select! {
-                        () = stop => {}
-                        () = own => by_own.store(true, std::sync::atomic::Ordering::Release),
-                    }
-                })
-            }
-        };
-        let ended = (self.start)(stop).await;
-        if ended.is_ok()
-            && by_own.load(std::sync::atomic::Ordering::Acquire)
-            && let Some(f) = own_stop
-        {
-            f();
-        }
-        ended
     }
 }
