@@ -70,7 +70,7 @@ impl IdempotentConsumer {
     /// consumer too): `tokio::signal::ctrl_c()`, a `CancellationToken`'s `cancelled_owned()`.
     ///
     /// A static member (an engine with an instance identity, unless
-    /// [`static_membership(false)`](ConsumerBuilder::static_membership)) sends no LeaveGroup:
+    /// [`static_membership(false)`](super::ConsumerBuilder::static_membership)) sends no LeaveGroup:
     /// its partitions wait for the session timeout, as on a restart. Turn static membership off
     /// for a consumer stopped for good while its group goes on.
     ///

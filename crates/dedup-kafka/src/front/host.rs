@@ -124,7 +124,7 @@ impl Started {
     }
 
     /// Calls `f` once the consumer has stopped cleanly on its own signal
-    /// ([`IdempotentConsumer::run_until`]) rather than the host's.
+    /// ([`IdempotentConsumer::run_until`](super::IdempotentConsumer::run_until)) rather than the host's.
     #[must_use]
     pub fn on_own_stop(mut self, f: impl FnOnce() + Send + 'static) -> Self {
         self.own_stop = Some(Box::new(f));
