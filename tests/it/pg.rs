@@ -545,3 +545,96 @@ async fn a_cancelled_batch_leader_strands_nobody(pool: PgPool) {
     tx.rollback().await.unwrap();
     drop(held);
 }
+
+/// Invariant 23, durability is never the lever: nothing dedup ships sets `synchronous_commit` or
+/// `fsync` (a statement, a migration, a script, a connection option), and an engine's sessions,
+/// after claims, batches and completions, still run with both on.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn dedup_never_turns_durability_off(pool: PgPool) {
+    fn files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                files(&path, out);
+            } else if path
+                .extension()
+                .is_some_and(|e| e == "rs" || e == "sql" || e == "lua")
+            {
+                out.push(path);
+            }
+        }
+    }
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crates");
+    let mut shipped = Vec::new();
+    for c in [
+        "dedup-core",
+        "dedup-pg",
+        "dedup-redis",
+        "dedup-kafka",
+        "dedup-http",
+        "dedup",
+    ] {
+        files(&crates.join(c), &mut shipped);
+    }
+    assert!(shipped.len() > 50, "the crates' sources were not found");
+    let mut settings = Vec::new();
+    for path in &shipped {
+        let text = std::fs::read_to_string(path).unwrap().to_lowercase();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            let code = code.split("--").next().unwrap_or_default();
+            if (code.contains("synchronous_commit") || code.contains("fsync"))
+                && !code.contains("show synchronous_commit")
+            {
+                settings.push(format!("{}:{}: {line}", path.display(), n + 1));
+            }
+        }
+    }
+    assert!(
+        settings.is_empty(),
+        "dedup touches durability: {settings:#?}"
+    );
+
+    // An engine's sessions after a claim, a completion and a batch through group commit.
+    let engine = dedup::Engine::builder()
+        .postgres(pool.clone())
+        .scope("durability")
+        .build()
+        .await
+        .unwrap();
+    let runs = (0..64).map(|i| {
+        let engine = engine.clone();
+        async move {
+            let k = key(format!("d-{i}"));
+            engine
+                .dedup()
+                .process(&k, None, |_lease| async {
+                    Ok::<_, HandlerError<String>>(dedup_core::Completion::store(
+                        Bytes::from_static(b"ok"),
+                    ))
+                })
+                .await
+                .unwrap();
+        }
+    });
+    futures_util::future::join_all(runs).await;
+    let pg = engine.pool().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..pg.size() {
+        let Ok(mut conn) = pg.try_acquire().ok_or(()) else {
+            break;
+        };
+        for (setting, show) in [
+            ("synchronous_commit", "SHOW synchronous_commit"),
+            ("fsync", "SHOW fsync"),
+        ] {
+            let value: String = sqlx::query_scalar(show)
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+            assert_eq!(value, "on", "{setting} on an engine session");
+        }
+        held.push(conn);
+    }
+    assert!(!held.is_empty(), "no engine session was checked");
+}
