@@ -437,6 +437,7 @@ async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads
     broker: &Broker,
     pool: PgPool,
 ) {
+    let t0 = std::time::Instant::now();
     effects_table(&pool).await;
     let redis = crate::support::RedisServer::start();
     let topic = unique("tx-offsets");
@@ -473,11 +474,20 @@ async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads
             .map(|p| rows.iter().find(|r| r.0 == p).map_or(-1, |r| r.1))
             .collect::<Vec<i64>>()
     };
-    eventually(60, "every batch and position committed in Postgres", || {
-        let (pool, group, topic, ends) = (pool.clone(), group.clone(), topic.clone(), ends.clone());
-        async move { stored(pool, group, topic).await == ends }
-    })
+    eventually(
+        120,
+        "every batch and position committed in Postgres",
+        || {
+            let (pool, group, topic, ends) =
+                (pool.clone(), group.clone(), topic.clone(), ends.clone());
+            async move { stored(pool, group, topic).await == ends }
+        },
+    )
     .await;
+    eprintln!(
+        "{:?}: the child committed everything in Postgres",
+        t0.elapsed()
+    );
     child.kill().await.unwrap();
     assert!(!child.wait().await.unwrap().success());
     assert_eq!(
@@ -495,12 +505,15 @@ async fn tx_with_offsets_in_the_transaction_a_kill_before_the_kafka_commit_reads
     let calls = handler.calls.clone();
     let second = RunningTx::spawn_with(config, &pool, handler, true).await;
     let stats = second.stats.clone();
-    eventually(60, "the restarted runner assigned", || {
+    eprintln!("{:?}: the second runner spawned", t0.elapsed());
+    eventually(120, "the restarted runner assigned", || {
         let s = stats.snapshot();
         async move { s.assigned > 0 }
     })
     .await;
-    committed_to_the_end(broker, &group, &topic, 4).await;
+    eprintln!("{:?}: the second runner assigned", t0.elapsed());
+    super::committed_to_the_end_within(broker, &group, &topic, 4, 120).await;
+    eprintln!("{:?}: Kafka's offsets caught up", t0.elapsed());
     let s = second.stop().await;
     assert_eq!(s.received, 0, "nothing was read again: {s:?}");
     assert_eq!(
