@@ -12,7 +12,8 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::Args;
-use dedup_pg::{PgStore, RefusedDeadLetter};
+use dedup_kafka::{KeptDeadLetters, RefusedDeadLetter};
+use dedup_pg::PgStore;
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg};
@@ -147,10 +148,11 @@ fn pick<'a>(
 
 pub(crate) async fn run(args: DeadLettersArgs) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
-    let store = PgStore::new(pool);
+    let pg = PgStore::new(pool);
+    let store = KeptDeadLetters::new(&pg);
     if let Some(age) = args.purge_older_than {
         let n = store
-            .purge_refused_dead_letters(&args.group, age)
+            .purge(&args.group, age)
             .await
             .map_err(|e| CliError::Failed(format!("purging kept dead letters: {e}")))?;
         println!(
@@ -161,13 +163,13 @@ pub(crate) async fn run(args: DeadLettersArgs) -> Result<ExitCode, CliError> {
         return Ok(ExitCode::SUCCESS);
     }
     let kept = store
-        .refused_dead_letters(&args.group)
+        .list(&args.group)
         .await
         .map_err(|e| CliError::Failed(format!("reading kept dead letters: {e}")))?;
     if let Some(given) = &args.remove {
         let d = pick(&kept, &at(given)?, given, &args.group)?;
         let removed = store
-            .remove_refused_dead_letter(&args.group, &d.topic, d.partition, d.offset, &d.digest)
+            .remove(&args.group, &d.topic, d.partition, d.offset, &d.digest)
             .await
             .map_err(|e| CliError::Failed(format!("removing a kept dead letter: {e}")))?;
         if !removed {

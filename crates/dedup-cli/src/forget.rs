@@ -176,8 +176,8 @@ async fn kept_keys(
     store: &PgStore,
     group: &str,
 ) -> Result<(Vec<IdempotencyKey>, Skipped), CliError> {
-    let kept = store
-        .refused_dead_letters(group)
+    let kept = dedup_kafka::KeptDeadLetters::new(store)
+        .list(group)
         .await
         .map_err(|e| CliError::Failed(format!("reading kept dead letters: {e}")))?;
     println!(

@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::Args;
-use dedup_pg::{ParkedFilter, PgStore};
+use dedup_kafka::{ParkedFilter, ParkedQueue};
+use dedup_pg::PgStore;
 
 use crate::PgArgs;
 use crate::connect::{CliError, connect_pg};
@@ -133,8 +134,8 @@ fn relative(t: SystemTime) -> String {
 
 pub(crate) async fn list(args: ParkedArgs) -> Result<ExitCode, CliError> {
     let pool = connect_pg(&args.pg.database_url, 2).await?;
-    let keys = PgStore::new(pool)
-        .parked()
+    let store = PgStore::new(pool);
+    let keys = ParkedQueue::new(&store)
         .parked_summary(&args.group, &args.at.filter())
         .await
         .map_err(|e| CliError::Failed(format!("reading parked keys: {e}")))?;
@@ -197,14 +198,12 @@ async fn on_key(args: &KeyArgs, op: Op) -> Result<ExitCode, CliError> {
     let filter = args.at.filter();
     let n = match op {
         Op::Unpark => {
-            store
-                .parked()
+            ParkedQueue::new(&store)
                 .unpark(&args.group, args.key(), &filter)
                 .await
         }
         Op::Drop => {
-            store
-                .parked()
+            ParkedQueue::new(&store)
                 .drop_parked(&args.group, args.key(), &filter)
                 .await
         }

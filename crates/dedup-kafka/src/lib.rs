@@ -137,14 +137,15 @@ pub use config::{
     MAX_SETTING_DURATION, MissingKey, Ordering, OrderingKey,
 };
 pub use dead_letter::{
-    DLQ_ATTEMPTS, DLQ_HEADERS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE, DLQ_TOPIC,
+    DLQ_ATTEMPTS, DLQ_HEADERS, DLQ_KEY, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_SCOPE,
+    DLQ_TOPIC, KeptDeadLetters, RefusedDeadLetter,
 };
 pub use delivery::{Delivery, KeyError, event_time_ms, extract_key, ordering_key};
 pub use front::{
     Answer, ConsumerBuilder, Host, IdempotentConsumer, Ignore, LeaseHandler, Liveness, Member,
     OnResult, Started, TxHandler, Typed, testing,
 };
-pub use runner::{AfterGiveUp, Parking};
+pub use runner::{AfterGiveUp, ParkedFilter, ParkedKey, ParkedKeySummary, ParkedQueue, Parking};
 pub use start::RunnerError;
 pub use stats::{RunnerStats, StatsHandle};
 

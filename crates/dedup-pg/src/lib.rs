@@ -88,8 +88,6 @@ mod instance;
 mod layout;
 mod migrate;
 mod offsets;
-mod parked;
-mod refused;
 mod retention;
 mod rows;
 mod sql;
@@ -99,10 +97,6 @@ mod text;
 pub use admin::ForgetReport;
 pub use batch_tx::{BatchAnswer, BatchBody, BatchRequest, ItemResult, TxBatchConfig};
 pub use offsets::{TxOffsets, stored_offsets_on};
-pub use parked::{
-    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, Parked, ParkedFilter, ParkedGauges, ParkedHead,
-    ParkedKey, ParkedKeySummary, ParkedMessage, ParkedPartition,
-};
 
 use claim::claim_counted;
 pub use classify::{classify, is_passing, sqlstate};
@@ -113,11 +107,10 @@ pub use migrate::{
     MIGRATIONS_TABLE, MIGRATOR, MigrationMode, ParseMigrationModeError, SCHEMA_GENERATION,
     SchemaError, SchemaStatus, SchemaVersion, migrate, prepare,
 };
-pub use refused::RefusedDeadLetter;
 pub use retention::{Retention, RetentionConfig, RetentionRound, RetentionState, RetentionStats};
 use rows::record_from_row;
 use sql::GET_MANY_SQL;
-use store::Conn;
+pub use store::PgConn;
 pub use text::{MAX_TEXT_BYTES, safe_text};
 
 /// How many times a claim that lost a race to a concurrent writer is re-run before giving up
@@ -153,15 +146,22 @@ impl PgStore {
         self.statements.load(Ordering::Relaxed)
     }
 
-    fn count(&self, n: u64) {
+    /// Adds `n` to [`statements`](Self::statements): for the crates that keep their own tables
+    /// beside the records (the Kafka consumer's parked messages) through [`conn`](Self::conn).
+    pub fn count(&self, n: u64) {
         self.statements.fetch_add(n, Ordering::Relaxed);
     }
 
-    async fn conn(&self) -> Result<Conn, StoreError> {
+    /// A connection from the store's pool, closed instead of returned once an error says it must
+    /// not be reused ([`PgConn::checked`]).
+    ///
+    /// # Errors
+    /// The pool's, classified ([`classify`]).
+    pub async fn conn(&self) -> Result<PgConn, StoreError> {
         self.pool
             .acquire()
             .await
-            .map(Conn)
+            .map(PgConn)
             .map_err(|e| classify(e, false))
     }
 

@@ -295,14 +295,16 @@ impl Store for PgStore {
     }
 }
 
-/// A pooled connection that is closed, instead of returned to the pool, once an error says it
-/// must not be reused: 25006 (it reaches a server that cannot write, such as a primary demoted in
-/// a failover), or a session the server ended. See [`classify`](mod@classify).
-pub(crate) struct Conn(pub(crate) sqlx::pool::PoolConnection<Postgres>);
+/// A pooled connection ([`PgStore::conn`](crate::PgStore::conn)) that is closed, instead of
+/// returned to the pool, once an error says it must not be reused: 25006 (it reaches a server
+/// that cannot write, such as a primary demoted in a failover), or a session the server ended.
+/// See [`classify`](crate::classify()).
+#[derive(Debug)]
+pub struct PgConn(pub(crate) sqlx::pool::PoolConnection<Postgres>);
 
-impl Conn {
+impl PgConn {
     /// Marks the connection for closing if `e` says it must not be reused.
-    pub(crate) fn saw(&mut self, e: &StoreError) {
+    pub fn saw(&mut self, e: &StoreError) {
         if must_discard(e) {
             warn!(error = %e, "closing a Postgres connection that must not be reused");
             self.0.close_on_drop();
@@ -310,7 +312,7 @@ impl Conn {
     }
 
     /// `r`, after [`saw`](Self::saw) its error.
-    pub(crate) fn checked<T>(&mut self, r: Result<T, StoreError>) -> Result<T, StoreError> {
+    pub fn checked<T>(&mut self, r: Result<T, StoreError>) -> Result<T, StoreError> {
         if let Err(e) = &r {
             self.saw(e);
         }
@@ -318,7 +320,7 @@ impl Conn {
     }
 }
 
-impl std::ops::Deref for Conn {
+impl std::ops::Deref for PgConn {
     type Target = sqlx::pool::PoolConnection<Postgres>;
 
     fn deref(&self) -> &Self::Target {
@@ -326,7 +328,7 @@ impl std::ops::Deref for Conn {
     }
 }
 
-impl std::ops::DerefMut for Conn {
+impl std::ops::DerefMut for PgConn {
     fn deref_mut(&mut self) -> &mut Self::Target {
         &mut self.0
     }

@@ -307,7 +307,7 @@ where
             .collect()
     }
 
-    /// One store script call per [`STORE_CHUNK`] copies or about [`STORE_CHUNK_BYTES`] (or, on a
+    /// One store script call per 128 copies or about 1 MiB (or, on a
     /// cluster, concurrent calls of one copy each), all in one pipeline. A pipeline does not load
     /// a script Redis lacks (after a restart, or on a just-started server): on NOSCRIPT the script
     /// is loaded and the pipeline sent once more. The items of a call that failed (one that met

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{Completion, HandlerError, LeaseContext};
-use dedup_kafka::Delivery;
+use dedup_kafka::{Delivery, KeptDeadLetters};
 use dedup_pg::PgStore;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
@@ -86,14 +86,15 @@ async fn a_dead_letter_refused_for_good_stalls_without_a_table_and_is_kept_with_
     );
 
     // Built from an engine: kept whole in its table, and the stream goes on to the end.
-    let store = PgStore::new(pool.clone());
+    let pg = PgStore::new(pool.clone());
+    let store = KeptDeadLetters::new(&pg);
     let run = Running::spawn(config, setup(&pool, &redis), "b").await;
     let stats = run.stats.clone();
     committed_to_the_end(broker, &group, &topic, 1).await;
     let s = run.stop().await;
     assert_eq!(s.dead_letters_kept, 1);
     assert_eq!(stats.snapshot().dead_letters_kept, 1);
-    let kept = store.refused_dead_letters(&group).await.unwrap();
+    let kept = store.list(&group).await.unwrap();
     assert_eq!(kept.len(), 1);
     let d = &kept[0];
     assert_eq!(
@@ -123,13 +124,8 @@ async fn a_dead_letter_refused_for_good_stalls_without_a_table_and_is_kept_with_
         .filter(|(i, _)| *i != 2)
         .filter_map(|(_, e)| e.key.clone());
     assert_one_row_per_key(&pool, good).await;
-    assert!(
-        store
-            .remove_refused_dead_letter(&group, &topic, 0, 2, &d.digest)
-            .await
-            .unwrap()
-    );
-    assert!(store.refused_dead_letters(&group).await.unwrap().is_empty());
+    assert!(store.remove(&group, &topic, 0, 2, &d.digest).await.unwrap());
+    assert!(store.list(&group).await.unwrap().is_empty());
 }
 
 /// Issue #57, item 3: the group's table holds a letter at (group, topic, 0, 0), kept before the
@@ -183,8 +179,9 @@ async fn a_dead_letter_refused_for_good_is_kept_beside_an_old_one_at_its_coordin
         at_zero, 2,
         "the new topic's dead letter at offset 0 is kept beside the old one, not lost"
     );
-    let store = PgStore::new(pool.clone());
-    let kept = store.refused_dead_letters(&group).await.unwrap();
+    let pg = PgStore::new(pool.clone());
+    let store = KeptDeadLetters::new(&pg);
+    let kept = store.list(&group).await.unwrap();
     let mut sizes: Vec<usize> = kept
         .iter()
         .map(|d| d.payload.as_ref().map_or(0, Vec::len))

@@ -18,7 +18,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use dedup_core::{HandlerError, LeaseContext, Policy};
 use dedup_kafka::{
-    AfterGiveUp, Backoff, DLQ_ATTEMPTS, DLQ_REASON, Delivery, Ordering as KeyOrdering, Parking,
+    AfterGiveUp, Backoff, DLQ_ATTEMPTS, DLQ_REASON, Delivery, Ordering as KeyOrdering,
+    ParkedFilter, ParkedQueue, Parking,
 };
 use dedup_pg::PgStore;
 use sqlx::PgPool;
@@ -243,9 +244,8 @@ pub(super) async fn spawn_parking_config(
 
 /// `group`'s parked messages per ordering key.
 async fn parked(pool: &PgPool, group: &str) -> HashMap<String, u64> {
-    PgStore::new(pool.clone())
-        .parked()
-        .parked_summary(group, &dedup_pg::ParkedFilter::all())
+    ParkedQueue::new(&PgStore::new(pool.clone()))
+        .parked_summary(group, &ParkedFilter::all())
         .await
         .unwrap()
         .into_iter()
@@ -512,9 +512,8 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
         let pool = pool.clone();
         let group = group.clone();
         async move {
-            PgStore::new(pool)
-                .parked()
-                .parked_summary(&group, &dedup_pg::ParkedFilter::all())
+            ParkedQueue::new(&PgStore::new(pool))
+                .parked_summary(&group, &ParkedFilter::all())
                 .await
                 .unwrap()
                 .iter()
@@ -533,9 +532,8 @@ async fn under_the_hold_policy_a_keys_later_messages_wait_for_an_operator(
     })
     .await;
     assert_eq!(
-        PgStore::new(pool.clone())
-            .parked()
-            .unpark(&group, Some(b"acct-bad"), &dedup_pg::ParkedFilter::all())
+        ParkedQueue::new(&PgStore::new(pool.clone()))
+            .unpark(&group, Some(b"acct-bad"), &ParkedFilter::all())
             .await
             .unwrap(),
         3
@@ -908,9 +906,8 @@ async fn under_the_hold_policy_a_message_failing_in_place_for_good_holds_its_key
     assert!(booked_of(&pool, "acct-bad").await.is_empty(), "bad-2 waits");
     assert_eq!(switches.calls("bad-2"), 0);
     assert_eq!(
-        PgStore::new(pool.clone())
-            .parked()
-            .unpark(&group, Some(b"acct-bad"), &dedup_pg::ParkedFilter::all())
+        ParkedQueue::new(&PgStore::new(pool.clone()))
+            .unpark(&group, Some(b"acct-bad"), &ParkedFilter::all())
             .await
             .unwrap(),
         2
@@ -1058,14 +1055,21 @@ async fn a_park_fenced_while_the_partition_is_still_ours_keeps_order_and_moves_t
     .await;
     until_parked(&pool, &group, "acct-bad", 1).await;
     // A late bump from elsewhere: this consumer's epoch is stale from now.
-    PgStore::new(pool.clone())
-        .parked()
-        .acquire_parked(
-            &dedup_pg::ParkedPartition::new(group.clone(), topic.clone(), 0),
-            "late-bump#1",
-        )
-        .await
-        .unwrap();
+    // (What a new owner's assignment does: `dedup_parked_owners`' epoch bumped.)
+    let bumped = sqlx::query(
+        "UPDATE dedup_parked_owners SET epoch = epoch + 1, owner = 'late-bump#1' \
+         WHERE consumer_group = $1 AND topic = $2 AND partition = 0",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        bumped.rows_affected(),
+        1,
+        "the consumer owned the partition"
+    );
     produce(
         broker,
         &topic,

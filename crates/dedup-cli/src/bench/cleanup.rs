@@ -155,7 +155,7 @@ pub(super) fn unix_ms_now() -> u64 {
 
 /// The text every UUIDv7 made at `unix_ms` or later sorts at or after: its first 48 bits, as
 /// the key's text writes them (`tttttttt-tttt`). Every time-ordered key of this bench is made
-/// at its start or later ([`EventKeys::new`]).
+/// at its start or later ([`EventKeys::new`](super::args::EventKeys::new)).
 pub(super) fn keys_floor(unix_ms: u64) -> String {
     format!("{:08x}-{:04x}", unix_ms >> 16, unix_ms & 0xffff)
 }

@@ -469,7 +469,7 @@ struct Ctx {
 }
 
 impl Ctx {
-    /// The scope of the contender tagged `tag` (one of [`SCOPE_TAGS`]) in this run.
+    /// The scope of the contender tagged `tag` (one of [`SCOPE_TAGS`](cleanup::SCOPE_TAGS)) in this run.
     fn scope(&self, tag: &str) -> String {
         format!("bench-{tag}-{}", self.scopes)
     }

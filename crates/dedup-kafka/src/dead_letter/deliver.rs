@@ -70,7 +70,7 @@ impl RefusedTable for dedup_pg::PgStore {
         refusal: &'a str,
     ) -> TableFuture<'a> {
         Box::pin(async move {
-            let mut row = dedup_pg::RefusedDeadLetter::new(group, &d.topic, d.partition, d.offset);
+            let mut row = super::RefusedDeadLetter::new(group, &d.topic, d.partition, d.offset);
             row.message_key = d.key.as_ref().map(|k| k.to_vec());
             row.payload = d.payload.as_ref().map(|p| p.to_vec());
             row.headers = d
@@ -85,7 +85,10 @@ impl RefusedTable for dedup_pg::PgStore {
             row.dead_letter_topic = dead_letter_topic.to_owned();
             row.refusal = refusal.to_owned();
             // Written now, or the same letter was kept before (a replay after a crash).
-            self.keep_refused_dead_letter(&row).await.map(|_| ())
+            super::KeptDeadLetters::new(self)
+                .keep(&row)
+                .await
+                .map(|_| ())
         })
     }
 }

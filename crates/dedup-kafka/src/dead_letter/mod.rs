@@ -16,9 +16,11 @@ use dedup_core::IdempotencyKey;
 use crate::delivery::Delivery;
 
 mod deliver;
+mod kept;
 mod limits;
 
 pub(crate) use deliver::{DeadLetters, Owner, RefusedTable};
+pub use kept::{KeptDeadLetters, RefusedDeadLetter};
 pub(crate) use limits::check_at_start;
 
 /// Dead-letter header: why the message was dead-lettered (at most 1,024 bytes).

@@ -27,6 +27,7 @@ use crate::stats::{Counters, RunnerStats, StatsHandle};
 mod job;
 mod lanes;
 mod park;
+pub use park::store::{ParkedFilter, ParkedKey, ParkedKeySummary, ParkedQueue};
 pub use park::{AfterGiveUp, Parking};
 
 // What `park` reaches through `super::super`.

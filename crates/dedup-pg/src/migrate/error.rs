@@ -3,7 +3,7 @@
 
 use sqlx::migrate::MigrateError;
 
-/// Why [`prepare`] refused the database.
+/// Why [`prepare`](super::prepare) refused the database.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SchemaError {
@@ -18,7 +18,7 @@ pub enum SchemaError {
         schema_generation: i32,
         /// The schema's compatibility floor.
         compat_floor: i32,
-        /// This binary's generation ([`SCHEMA_GENERATION`]).
+        /// This binary's generation ([`SCHEMA_GENERATION`](super::SCHEMA_GENERATION)).
         binary_generation: i32,
     },
     /// The schema is older than this binary: a migration this binary needs has not been applied
@@ -31,7 +31,7 @@ pub enum SchemaError {
     SchemaTooOld {
         /// The schema's generation.
         schema_generation: i32,
-        /// This binary's generation ([`SCHEMA_GENERATION`]).
+        /// This binary's generation ([`SCHEMA_GENERATION`](super::SCHEMA_GENERATION)).
         binary_generation: i32,
     },
     /// An embedded migration is not recorded in `dedup_migrations` (verify).
@@ -67,7 +67,7 @@ pub enum SchemaError {
         /// Its version.
         version: i64,
     },
-    /// The database was never migrated by dedup ([`MigrationMode::Off`], which changes
+    /// The database was never migrated by dedup ([`MigrationMode::Off`](super::MigrationMode::Off), which changes
     /// nothing): the tables named are missing. Run `dedup migrate`, or start a binary in apply
     /// mode, first.
     #[error(
@@ -92,7 +92,7 @@ pub enum SchemaError {
         versions: Vec<i64>,
         /// The schema's generation.
         schema_generation: i32,
-        /// This binary's generation ([`SCHEMA_GENERATION`]).
+        /// This binary's generation ([`SCHEMA_GENERATION`](super::SCHEMA_GENERATION)).
         binary_generation: i32,
     },
     /// An embedded migration that is not applied is older than one that is (apply): running it

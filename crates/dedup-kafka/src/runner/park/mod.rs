@@ -33,6 +33,7 @@ use crate::delivery::Delivery;
 mod drive;
 mod pg;
 mod run;
+pub(crate) mod store;
 
 /// What happens to a key's later messages once its head was dead-lettered (its attempts spent,
 /// or a permanent failure).

@@ -1,9 +1,11 @@
-//! The parked queue on Postgres: [`ParkStore`] for `dedup_pg::PgStore`.
+//! The parked queue on Postgres: [`ParkStore`] for `dedup_pg::PgStore`, through `store`.
 
 use std::time::Duration;
 
-use dedup_pg::{
-    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, PgStore,
+use dedup_pg::PgStore;
+
+use super::store::{
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedMessage, ParkedPartition, ParkedQueue,
 };
 
 use super::{Barrier, Head, HeadOutcome, ParkStore, Parked, PartRef, StoreFuture, Taken};
@@ -25,8 +27,7 @@ impl ParkStore for PgStore {
         owned: &'a (dyn Fn() -> bool + Send + Sync),
     ) -> StoreFuture<'a, Option<Barrier>> {
         Box::pin(async move {
-            Ok(self
-                .parked()
+            Ok(ParkedQueue::new(self)
                 .acquire_parked_while(&part(p), owner, owned)
                 .await?
                 .map(|(epoch, keys)| (epoch.0, keys)))
@@ -61,10 +62,9 @@ impl ParkStore for PgStore {
             if marker {
                 // Dead-lettered already: the row only holds its key; nothing of it runs again.
                 message = message.with_message(None, None, Vec::new(), d.timestamp_ms);
-                message = message.as_held_marker();
+                message = message.into_held_marker();
             }
-            match self
-                .parked()
+            match ParkedQueue::new(self)
                 .park(&part(p), ParkEpoch(epoch), &message, due_in)
                 .await
             {
@@ -92,7 +92,9 @@ impl ParkStore for PgStore {
         limit: u32,
     ) -> StoreFuture<'a, Vec<Head>> {
         Box::pin(async move {
-            let heads = self.parked().due_heads(group, parts, limit).await?;
+            let heads = ParkedQueue::new(self)
+                .due_heads(group, parts, limit)
+                .await?;
             Ok(heads
                 .into_iter()
                 .map(|h| {
@@ -131,8 +133,7 @@ impl ParkStore for PgStore {
     ) -> StoreFuture<'a, Taken> {
         Box::pin(async move {
             Ok(
-                match self
-                    .parked()
+                match ParkedQueue::new(self)
                     .take_head(&part(p), ParkEpoch(epoch), offset, bound)
                     .await?
                 {
@@ -153,8 +154,7 @@ impl ParkStore for PgStore {
     ) -> StoreFuture<'a, HeadOutcome> {
         Box::pin(async move {
             Ok(
-                match self
-                    .parked()
+                match ParkedQueue::new(self)
                     .settle_head(&part(p), ParkEpoch(epoch), offset, hold_rest)
                     .await?
                 {
@@ -177,7 +177,7 @@ impl ParkStore for PgStore {
         due_in: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            self.parked()
+            ParkedQueue::new(self)
                 .defer_head(&part(p), ParkEpoch(epoch), offset, error, attempts, due_in)
                 .await
         })
@@ -189,7 +189,7 @@ impl ParkStore for PgStore {
         parts: &'a [(String, i32)],
     ) -> StoreFuture<'a, (u64, u64, Duration)> {
         Box::pin(async move {
-            let g = self.parked().parked_gauges(group, parts).await?;
+            let g = ParkedQueue::new(self).parked_gauges(group, parts).await?;
             Ok((g.keys, g.messages, g.oldest))
         })
     }

@@ -8,9 +8,9 @@ use std::time::Duration;
 use dedup_core::StoreError;
 use sqlx::Row;
 
-use super::Parked;
+use super::ParkedQueue;
 use super::{ParkedGauges, ParkedKeySummary, attempts_of, key_of, sql, time_of};
-use crate::classify::classify;
+use dedup_pg::classify;
 
 /// Which of a group's partitions an operator's command looks at: every one by default, or one
 /// topic, or one partition of it.
@@ -44,7 +44,7 @@ impl ParkedFilter {
     }
 }
 
-impl Parked<'_> {
+impl ParkedQueue<'_> {
     /// `group`'s parked keys over the partitions `filter` names, oldest first (`dedup parked`).
     pub async fn parked_summary(
         &self,
@@ -125,7 +125,7 @@ impl Parked<'_> {
     }
 
     /// Parked keys, messages and the oldest park's age over `partitions` of `group`.
-    pub async fn parked_gauges(
+    pub(crate) async fn parked_gauges(
         &self,
         group: &str,
         partitions: &[(String, i32)],

@@ -4,17 +4,32 @@
 //! Parked once and read back whole; each key's head in offset order, deferred, released, taken
 //! and settled until the key is free; a revoked owner fenced from parking, taking, deferring and
 //! settling, and a head its dead run took picked at once by the next owner; the purge keeping a
-//! parked message's dedup record. Parking through the runner is `kafka/parked.rs`; the operator
-//! commands are tested in `crates/dedup-cli/tests/cli.rs`.
+//! parked message's dedup record, in both layouts of the records. Parking through the runner is
+//! `tests/it/kafka/parked.rs`; the operator commands are tested in `crates/dedup-cli/tests/cli.rs`.
+//!
+//! Against a real Postgres (`DATABASE_URL`, as every `#[sqlx::test]`): `scripts/test` starts one.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use dedup_pg::{
-    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedFilter, ParkedMessage, ParkedPartition,
-    PgStore,
-};
+use dedup_pg::PgStore;
 use sqlx::PgPool;
+
+use super::{
+    HeadSettled, HeadTaken, ParkEpoch, ParkOutcome, ParkedFilter, ParkedMessage, ParkedPartition,
+    ParkedQueue,
+};
+
+/// `store.parked()`: the queue of the store's database.
+trait Queue {
+    fn parked(&self) -> ParkedQueue<'_>;
+}
+
+impl Queue for PgStore {
+    fn parked(&self) -> ParkedQueue<'_> {
+        ParkedQueue::new(self)
+    }
+}
 
 fn msg(offset: i64, key: &str, error: &str) -> ParkedMessage {
     ParkedMessage::new(offset, Some(key.as_bytes().to_vec()), error, 3).with_message(
@@ -415,10 +430,10 @@ async fn a_parked_messages_dedup_record_outlives_its_retention(pool: PgPool) {
     let store = PgStore::new(pool);
     let gone = Policy::default().with_retention(Duration::ZERO);
     for name in ["evt-parked", "evt-free"] {
-        let k = crate::support::key(name);
-        let lease = crate::support::acquired(
+        let k = support::key(name);
+        let lease = support::acquired(
             store
-                .claim(&crate::support::req(&k, "w#1").with_policy(gone))
+                .claim(&support::req(&k, "w#1").with_policy(gone))
                 .await
                 .unwrap(),
         );
@@ -434,7 +449,7 @@ async fn a_parked_messages_dedup_record_outlives_its_retention(pool: PgPool) {
     tokio::time::sleep(Duration::from_millis(20)).await;
 
     assert_eq!(store.purge(10).await.unwrap(), 1, "only the free one");
-    let parked_key = crate::support::key("evt-parked");
+    let parked_key = support::key("evt-parked");
     assert!(store.get(&parked_key).await.unwrap().is_some());
     assert_eq!(
         store.parked().due_heads("g", &owned(), 10).await.unwrap()[0]
@@ -476,9 +491,9 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired(pool:
 async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_partitioned(
     pool: PgPool,
 ) {
-    crate::support::partition_records(&pool).await;
+    support::partition_records(&pool).await;
     a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(pool.clone()).await;
-    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+    assert_eq!(support::misplaced_records(&pool).await, 0);
 }
 
 async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(pool: PgPool) {
@@ -489,19 +504,19 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(po
         .with_retention(Duration::from_millis(800))
         .with_lease(Duration::from_millis(500));
     // X completed in place; a resent copy of X parks behind its key.
-    let x = crate::support::key("evt-x");
-    let lease = crate::support::acquired(
+    let x = support::key("evt-x");
+    let lease = support::acquired(
         store
-            .claim(&crate::support::req(&x, "w#1").with_policy(short))
+            .claim(&support::req(&x, "w#1").with_policy(short))
             .await
             .unwrap(),
     );
     store.complete(&lease, b"x done").await.unwrap();
     // Y failed once (retryably) and is parked as its key's head.
-    let y = crate::support::key("evt-y");
-    let lease = crate::support::acquired(
+    let y = support::key("evt-y");
+    let lease = support::acquired(
         store
-            .claim(&crate::support::req(&y, "w#1").with_policy(short))
+            .claim(&support::req(&y, "w#1").with_policy(short))
             .await
             .unwrap(),
     );
@@ -528,9 +543,9 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(po
     tokio::time::sleep(Duration::from_millis(1500)).await;
     store.purge(100).await.unwrap();
     // The head Y runs again: its attempts go on from 1, they do not start over.
-    let lease = crate::support::acquired(
+    let lease = support::acquired(
         store
-            .claim(&crate::support::req(&y, "w#2").with_policy(short))
+            .claim(&support::req(&y, "w#2").with_policy(short))
             .await
             .unwrap(),
     );
@@ -557,7 +572,7 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(po
     // The copy of X reaches the head: the claim answers X's stored result, it does not take X
     // over as fresh.
     match store
-        .claim(&crate::support::req(&x, "w#2").with_policy(short))
+        .claim(&support::req(&x, "w#2").with_policy(short))
         .await
         .unwrap()
     {
@@ -593,9 +608,9 @@ async fn a_record_named_by_a_parked_message_is_never_taken_over_as_expired_in(po
     .unwrap();
     assert!(pinned.is_none());
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let lease = crate::support::acquired(
+    let lease = support::acquired(
         store
-            .claim(&crate::support::req(&x, "w#3").with_policy(short))
+            .claim(&support::req(&x, "w#3").with_policy(short))
             .await
             .unwrap(),
     );
@@ -614,18 +629,17 @@ async fn a_record_stays_pinned_until_its_last_parked_message_settles(pool: PgPoo
 /// The same over `dedup_records` partitioned by `kt` (`support::partition_records`).
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_record_stays_pinned_until_its_last_parked_message_settles_partitioned(pool: PgPool) {
-    crate::support::partition_records(&pool).await;
+    support::partition_records(&pool).await;
     a_record_stays_pinned_until_its_last_parked_message_settles_in(pool.clone()).await;
-    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+    assert_eq!(support::misplaced_records(&pool).await, 0);
 }
 
 async fn a_record_stays_pinned_until_its_last_parked_message_settles_in(pool: PgPool) {
     use dedup_core::Store;
 
     let store = PgStore::new(pool.clone());
-    let x = crate::support::key("evt-x");
-    let lease =
-        crate::support::acquired(store.claim(&crate::support::req(&x, "w#1")).await.unwrap());
+    let x = support::key("evt-x");
+    let lease = support::acquired(store.claim(&support::req(&x, "w#1")).await.unwrap());
     store.complete(&lease, b"x done").await.unwrap();
     let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     for offset in [1, 2] {
@@ -663,9 +677,8 @@ async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
     use dedup_core::{Policy, Store};
 
     let store = PgStore::new(pool.clone());
-    let k = crate::support::key("evt-nul");
-    let lease =
-        crate::support::acquired(store.claim(&crate::support::req(&k, "w#1")).await.unwrap());
+    let k = support::key("evt-nul");
+    let lease = support::acquired(store.claim(&support::req(&k, "w#1")).await.unwrap());
     store
         .fail_permanent(&lease, "the payload \0 echoed back")
         .await
@@ -681,16 +694,16 @@ async fn text_postgres_refuses_is_made_safe_or_refused_for_good(pool: PgPool) {
     let once = Policy::default()
         .with_max_attempts(1)
         .with_lease(Duration::from_millis(1));
-    let k2 = crate::support::key("evt-nul-2");
-    let lease = crate::support::acquired(
+    let k2 = support::key("evt-nul-2");
+    let lease = support::acquired(
         store
-            .claim(&crate::support::req(&k2, "w#1").with_policy(once))
+            .claim(&support::req(&k2, "w#1").with_policy(once))
             .await
             .unwrap(),
     );
     store.fail_retryable(&lease, "down \0 again").await.unwrap();
     let out = store
-        .claim(&crate::support::req(&k2, "w#2").with_policy(once))
+        .claim(&support::req(&k2, "w#2").with_policy(once))
         .await
         .unwrap();
     assert!(
@@ -775,7 +788,7 @@ async fn a_held_marker_holds_its_key_until_an_operator_releases_it(pool: PgPool)
     let store = PgStore::new(pool);
     let (e, keys) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     assert!(keys.is_empty());
-    let marker = msg(1, "acct-1", "permanent").as_held_marker();
+    let marker = msg(1, "acct-1", "permanent").into_held_marker();
     assert_eq!(
         store
             .parked()
@@ -856,18 +869,17 @@ async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned(pool:
 async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_partitioned(
     pool: PgPool,
 ) {
-    crate::support::partition_records(&pool).await;
+    support::partition_records(&pool).await;
     a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_in(pool.clone()).await;
-    assert_eq!(crate::support::misplaced_records(&pool).await, 0);
+    assert_eq!(support::misplaced_records(&pool).await, 0);
 }
 
 async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_in(pool: PgPool) {
     use dedup_core::Store;
 
     let store = PgStore::new(pool.clone());
-    let x = crate::support::key("evt-x");
-    let lease =
-        crate::support::acquired(store.claim(&crate::support::req(&x, "w#1")).await.unwrap());
+    let x = support::key("evt-x");
+    let lease = support::acquired(store.claim(&support::req(&x, "w#1")).await.unwrap());
     store.complete(&lease, b"x done").await.unwrap();
     let (e, _) = store.parked().acquire_parked(&part(), "a#1").await.unwrap();
     let m = msg(1, "acct-1", "down").with_dedup_key("test", b"evt-x".to_vec());
@@ -911,4 +923,92 @@ async fn a_park_that_commits_while_a_settle_waits_leaves_the_record_pinned_in(po
         "infinity",
         "offset 9 names the record: it stays pinned"
     );
+}
+
+/// What the tests crate's `support` module has, for these tests.
+mod support {
+    use dedup_core::{ClaimOutcome, ClaimRequest, IdempotencyKey, Lease, OwnerId, Scope};
+    use sqlx::PgPool;
+
+    pub(super) fn key(name: &str) -> IdempotencyKey {
+        IdempotencyKey::new(Scope::new("test").unwrap(), name).unwrap()
+    }
+
+    pub(super) fn req(key: &IdempotencyKey, owner: &str) -> ClaimRequest {
+        ClaimRequest::new(key.clone(), OwnerId::new(owner))
+    }
+
+    pub(super) fn acquired(outcome: ClaimOutcome) -> Lease {
+        match outcome {
+            ClaimOutcome::Acquired(lease) => lease,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    /// `dedup_records` partitioned by a stand-in key time (a hash of the key's bytes, so that the
+    /// keys here spread over three day partitions and the untimed one), with `kt` left without a
+    /// default: a statement that writes a record without naming `kt` fails, and one that names
+    /// another `kt` than `dedup_kt` gives is counted by [`misplaced_records`]. The tests crate's
+    /// `support/partitioned.rs` documents the layout.
+    pub(super) async fn partition_records(pool: &PgPool) {
+        let mut tx = pool.begin().await.unwrap();
+        let mut steps: Vec<String> = [
+            "LOCK TABLE dedup_records IN ACCESS EXCLUSIVE MODE",
+            "ALTER TABLE dedup_records RENAME TO dedup_records_untimed",
+            "ALTER INDEX dedup_records_pkey RENAME TO dedup_records_untimed_pkey",
+            "ALTER INDEX dedup_records_expires_at_idx RENAME TO dedup_records_untimed_expires_at_idx",
+            "ALTER INDEX dedup_records_live_owner_idx RENAME TO dedup_records_untimed_live_owner_idx",
+            "CREATE TABLE dedup_records (LIKE dedup_records_untimed INCLUDING DEFAULTS \
+             INCLUDING CONSTRAINTS) PARTITION BY RANGE (kt)",
+            "ALTER TABLE dedup_records_untimed ADD CONSTRAINT dedup_records_untimed_kt \
+             CHECK (kt < '1970-01-01')",
+            "ALTER TABLE dedup_records ATTACH PARTITION dedup_records_untimed \
+             FOR VALUES FROM (MINVALUE) TO ('1970-01-01')",
+        ]
+        .map(String::from)
+        .to_vec();
+        for (name, from, to) in [
+            ("dedup_records_d0", "2026-01-01", "2026-01-03"),
+            ("dedup_records_d1", "2026-01-03", "2026-01-05"),
+            ("dedup_records_d2", "2026-01-05", "2026-01-07"),
+        ] {
+            steps.push(format!(
+                "CREATE TABLE {name} (LIKE dedup_records INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+            ));
+            steps.push(format!("ALTER TABLE {name} ADD PRIMARY KEY (scope, key)"));
+            steps.push(format!(
+                "ALTER TABLE dedup_records ATTACH PARTITION {name} FOR VALUES FROM ('{from}') TO ('{to}')"
+            ));
+        }
+        steps.extend(
+            [
+                "CREATE INDEX dedup_records_expires_at_idx ON dedup_records (expires_at)",
+                "CREATE INDEX dedup_records_live_owner_idx ON dedup_records \
+                 (owner text_pattern_ops) WHERE state = 'in_progress'",
+                "CREATE OR REPLACE FUNCTION dedup_kt(p_key bytea) RETURNS date \
+                 LANGUAGE sql IMMUTABLE PARALLEL SAFE \
+                 RETURN CASE WHEN (hashtext(encode(p_key, 'hex')) & 7) < 6 \
+                 THEN date '2026-01-01' + (hashtext(encode(p_key, 'hex')) & 7) \
+                 ELSE '-infinity'::date END",
+                "ALTER TABLE dedup_records ALTER COLUMN kt DROP DEFAULT",
+            ]
+            .map(String::from),
+        );
+        for step in steps {
+            // Fixed identifiers and literals of this file only.
+            sqlx::query(sqlx::AssertSqlSafe(step.clone()))
+                .execute(&mut *tx)
+                .await
+                .unwrap_or_else(|e| panic!("{step}: {e}"));
+        }
+        tx.commit().await.unwrap();
+    }
+
+    /// Records whose `kt` is not what `dedup_kt` says of their key.
+    pub(super) async fn misplaced_records(pool: &PgPool) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM dedup_records WHERE kt <> dedup_kt(key)")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
 }

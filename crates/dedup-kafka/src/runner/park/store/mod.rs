@@ -3,7 +3,7 @@
 //! A consumer parks a message that keeps failing (and every later message of its ordering key)
 //! here before it moves its offset past it; the partition's owner re-runs each key's head through
 //! the same claim, then the next, and the key is free when its queue is empty. Ownership is an
-//! epoch per partition ([`Parked::acquire_parked`]), bumped by each new owner: every write of an
+//! epoch per partition ([`ParkedQueue::acquire_parked`]), bumped by each new owner: every write of an
 //! owner names its epoch and changes nothing once another owner took the partition. The count of
 //! a key's messages is its row count, so nothing can drift, and an assignment's sync barrier is
 //! one query. docs/PARKING.md has the semantics.
@@ -22,24 +22,28 @@
 
 mod ops;
 mod sql;
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests;
 
 pub use ops::ParkedFilter;
 
-/// The parked-message store of a [`PgStore`] ([`PgStore::parked`]): what a consumer that parks
-/// calls (the partition's epoch, park, the heads), and what operators and metrics call (the
-/// summary, unpark, drop, the gauges).
+/// The parked messages (`dedup_parked`) in a [`PgStore`]'s database: what operators call (the
+/// summary, unpark, drop) and, inside this crate, what a consumer that parks calls (the
+/// partition's epoch, park, the heads) and the metrics (the gauges).
 #[derive(Clone, Copy, Debug)]
-pub struct Parked<'a>(&'a PgStore);
+pub struct ParkedQueue<'a>(&'a PgStore);
 
-impl PgStore {
-    /// Its parked messages (`dedup_parked`).
-    pub fn parked(&self) -> Parked<'_> {
-        Parked(self)
+impl<'a> ParkedQueue<'a> {
+    /// The parked messages of `store`'s database.
+    #[must_use]
+    pub fn new(store: &'a PgStore) -> Self {
+        Self(store)
     }
 }
 
-impl Parked<'_> {
-    async fn conn(&self) -> Result<crate::store::Conn, StoreError> {
+impl ParkedQueue<'_> {
+    async fn conn(&self) -> Result<PgConn, StoreError> {
         self.0.conn().await
     }
 
@@ -59,25 +63,23 @@ use dedup_core::StoreError;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::PgStore;
-use crate::classify::classify;
-use crate::text::safe_text;
+use dedup_pg::{PgConn, PgStore, classify, safe_text};
 
 /// One partition of one consumer group: where parked messages belong, whoever owns it.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 #[non_exhaustive]
-pub struct ParkedPartition {
+pub(crate) struct ParkedPartition {
     /// The consumer group (parked queues are scoped by it).
-    pub group: String,
+    pub(crate) group: String,
     /// The topic.
-    pub topic: String,
+    pub(crate) topic: String,
     /// The partition.
-    pub partition: i32,
+    pub(crate) partition: i32,
 }
 
 impl ParkedPartition {
     /// `topic`/`partition` of `group`.
-    pub fn new(group: impl Into<String>, topic: impl Into<String>, partition: i32) -> Self {
+    pub(crate) fn new(group: impl Into<String>, topic: impl Into<String>, partition: i32) -> Self {
         Self {
             group: group.into(),
             topic: topic.into(),
@@ -89,7 +91,7 @@ impl ParkedPartition {
 /// An owner's epoch of a partition: every write it makes names it, and fails once a later owner
 /// bumped it.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
-pub struct ParkEpoch(pub i64);
+pub(crate) struct ParkEpoch(pub(crate) i64);
 
 /// An ordering key as parked: `None` for a partition's messages without one (they share a
 /// queue).
@@ -98,35 +100,35 @@ pub type ParkedKey = Option<Vec<u8>>;
 /// A message to park, or a parked head to re-run: what the consumer needs to run it again.
 #[derive(Clone, PartialEq, Eq, Debug, Default)]
 #[non_exhaustive]
-pub struct ParkedMessage {
+pub(crate) struct ParkedMessage {
     /// Its offset in its partition.
-    pub offset: i64,
+    pub(crate) offset: i64,
     /// Its ordering key (see [`ParkedKey`]).
-    pub ordering_key: ParkedKey,
+    pub(crate) ordering_key: ParkedKey,
     /// The Kafka message key.
-    pub message_key: Option<Vec<u8>>,
+    pub(crate) message_key: Option<Vec<u8>>,
     /// The payload.
-    pub payload: Option<Vec<u8>>,
+    pub(crate) payload: Option<Vec<u8>>,
     /// The headers, in order.
-    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    pub(crate) headers: Vec<(String, Option<Vec<u8>>)>,
     /// The message's timestamp (ms since the Unix epoch).
-    pub timestamp_ms: Option<i64>,
+    pub(crate) timestamp_ms: Option<i64>,
     /// The last failure.
-    pub error: String,
+    pub(crate) error: String,
     /// Attempts made so far, in place and parked.
-    pub attempts: u32,
+    pub(crate) attempts: u32,
     /// Its dedup record's scope and key, if it had a usable one: the record is pinned while the
     /// message is parked (no claim takes it over as expired, no purge deletes it).
-    pub dedup_key: Option<(String, Vec<u8>)>,
+    pub(crate) dedup_key: Option<(String, Vec<u8>)>,
     /// A held marker: the message was dead-lettered already (in place, under the hold policy);
     /// its row only keeps its key's later messages back until an operator releases the key,
     /// and is then removed without running.
-    pub held_marker: bool,
+    pub(crate) held_marker: bool,
 }
 
 impl ParkedMessage {
     /// A message at `offset` with `ordering_key`, failed with `error` after `attempts`.
-    pub fn new(
+    pub(crate) fn new(
         offset: i64,
         ordering_key: ParkedKey,
         error: impl Into<String>,
@@ -143,21 +145,25 @@ impl ParkedMessage {
 
     /// With its dedup record's scope and key.
     #[must_use]
-    pub fn with_dedup_key(mut self, scope: impl Into<String>, key: impl Into<Vec<u8>>) -> Self {
+    pub(crate) fn with_dedup_key(
+        mut self,
+        scope: impl Into<String>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
         self.dedup_key = Some((scope.into(), key.into()));
         self
     }
 
     /// As a held marker (see [`held_marker`](Self::held_marker)).
     #[must_use]
-    pub fn as_held_marker(mut self) -> Self {
+    pub(crate) fn into_held_marker(mut self) -> Self {
         self.held_marker = true;
         self
     }
 
     /// With the message's key, payload, headers and timestamp.
     #[must_use]
-    pub fn with_message(
+    pub(crate) fn with_message(
         mut self,
         message_key: Option<Vec<u8>>,
         payload: Option<Vec<u8>>,
@@ -175,7 +181,7 @@ impl ParkedMessage {
 /// What a park did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
-pub enum ParkOutcome {
+pub(crate) enum ParkOutcome {
     /// Written now.
     Parked,
     /// The offset was parked before (a replay after a crash): nothing written.
@@ -184,27 +190,27 @@ pub enum ParkOutcome {
     Fenced,
 }
 
-/// A head to run now, from [`Parked::due_heads`].
+/// A head to run now, from [`ParkedQueue::due_heads`].
 #[derive(Clone, PartialEq, Eq, Debug)]
 #[non_exhaustive]
-pub struct ParkedHead {
+pub(crate) struct ParkedHead {
     /// Its topic.
-    pub topic: String,
+    pub(crate) topic: String,
     /// Its partition.
-    pub partition: i32,
+    pub(crate) partition: i32,
     /// The message.
-    pub message: ParkedMessage,
+    pub(crate) message: ParkedMessage,
     /// An operator asked for the key's queue to be dead-lettered.
-    pub dropped: bool,
+    pub(crate) dropped: bool,
     /// It was dead-lettered already under the hold policy and an operator released or dropped
     /// its key: it is to be removed without running.
-    pub gave_up: bool,
+    pub(crate) gave_up: bool,
 }
 
 /// What taking a head did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
-pub enum HeadTaken {
+pub(crate) enum HeadTaken {
     /// Taken: run it.
     Taken,
     /// It had gone (settled meanwhile).
@@ -216,7 +222,7 @@ pub enum HeadTaken {
 /// What settling a head did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
-pub enum HeadSettled {
+pub(crate) enum HeadSettled {
     /// Its row went.
     Removed,
     /// Under the hold policy: its row stays as the key's held marker, and the key's other
@@ -257,13 +263,13 @@ pub struct ParkedKeySummary {
 /// Parked keys, messages and the age of the oldest park, over some partitions (the metrics).
 #[derive(Clone, Copy, PartialEq, Debug, Default)]
 #[non_exhaustive]
-pub struct ParkedGauges {
+pub(crate) struct ParkedGauges {
     /// Keys with something parked.
-    pub keys: u64,
+    pub(crate) keys: u64,
     /// Messages parked.
-    pub messages: u64,
+    pub(crate) messages: u64,
     /// How long the oldest has been parked.
-    pub oldest: Duration,
+    pub(crate) oldest: Duration,
 }
 
 fn secs(d: Duration) -> f64 {
@@ -320,13 +326,14 @@ fn head_of(row: &PgRow) -> Result<ParkedHead, sqlx::Error> {
     })
 }
 
-impl Parked<'_> {
+impl ParkedQueue<'_> {
     /// Takes `partition`'s parked keys over for `owner` (when the partition is assigned): bumps
     /// its epoch, so the previous owner's writes are refused from now on, then reads its parked
     /// keys and how many messages each has, in a snapshot taken after the bump (it saw every park
     /// the bump waited for). The caller keeps the counts true for as long as it owns the
     /// partition: it parks and settles through this store with the epoch.
-    pub async fn acquire_parked(
+    #[cfg(test)]
+    pub(crate) async fn acquire_parked(
         &self,
         partition: &ParkedPartition,
         owner: &str,
@@ -340,7 +347,7 @@ impl Parked<'_> {
     /// a connection is in hand, right before the statement (`None` otherwise). A consumer passes
     /// its own view of the assignment: an acquire that waited for a connection past a revocation
     /// must not bump after the next owner did, or it would fence that owner out.
-    pub async fn acquire_parked_while(
+    pub(crate) async fn acquire_parked_while(
         &self,
         partition: &ParkedPartition,
         owner: &str,
@@ -381,7 +388,7 @@ impl Parked<'_> {
 
     /// Parks `message` in `partition` under `epoch`, due in `due_in` (zero for a message parked
     /// behind its key's head: it runs when it becomes the head). At most once per offset.
-    pub async fn park(
+    pub(crate) async fn park(
         &self,
         partition: &ParkedPartition,
         epoch: ParkEpoch,
@@ -447,7 +454,7 @@ impl Parked<'_> {
     /// The heads to run now over `partitions` of `group` (topic, partition): each parked key's
     /// lowest offset where it is due and not held, or its key was dropped by an operator; at most
     /// `limit`, in partition and offset order.
-    pub async fn due_heads(
+    pub(crate) async fn due_heads(
         &self,
         group: &str,
         partitions: &[(String, i32)],
@@ -476,7 +483,7 @@ impl Parked<'_> {
 
     /// Takes the head at `offset` to run it: this owner's later looks do not pick it again for
     /// `bound` (how long a run may take), a later owner's do.
-    pub async fn take_head(
+    pub(crate) async fn take_head(
         &self,
         partition: &ParkedPartition,
         epoch: ParkEpoch,
@@ -509,7 +516,7 @@ impl Parked<'_> {
     /// With `hold_rest` (the hold policy, after a dead letter) the row stays as the key's held
     /// marker and the key's other messages wait with it for an operator (`dedup unpark`, `dedup
     /// drop`); the owner then removes the marker without running it.
-    pub async fn settle_head(
+    pub(crate) async fn settle_head(
         &self,
         partition: &ParkedPartition,
         epoch: ParkEpoch,
@@ -541,7 +548,7 @@ impl Parked<'_> {
 
     /// The head at `offset` failed again: records `error` and `attempts`, due again in `due_in`.
     /// False: another owner took the partition, or the head went.
-    pub async fn defer_head(
+    pub(crate) async fn defer_head(
         &self,
         partition: &ParkedPartition,
         epoch: ParkEpoch,

@@ -9,8 +9,8 @@
 //! nothing, while a different letter at the same coordinates (a topic deleted and made again,
 //! whose offsets start at 0 again; two clusters' topics of one name) is kept beside it. A row
 //! also names the message's idempotency key where it had one (`dedup forget
-//! --kept-dead-letters`). `keep_refused_dead_letter`, `refused_dead_letters`,
-//! `remove_refused_dead_letter` and `purge_refused_dead_letters` are the calls.
+//! --kept-dead-letters`). [`KeptDeadLetters`] has the calls: `keep` (the consumer's), `list`,
+//! `remove` and `purge` (operators').
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -18,9 +18,7 @@ use dedup_core::{IdempotencyKey, Scope, StoreError};
 use sha2::{Digest, Sha256};
 use sqlx::Row;
 
-use crate::PgStore;
-use crate::classify::classify;
-use crate::text::safe_text;
+use dedup_pg::{PgStore, classify, safe_text};
 
 /// The same content as the letter bound to $6 to $10 (message key, payload, header names, header
 /// values, timestamp), in the row `o`.
@@ -189,7 +187,22 @@ struct DigestTaken {
     offset: i64,
 }
 
-impl PgStore {
+/// The dead letters kept in a [`PgStore`]'s database (`dedup_dead_letters`) because their
+/// dead-letter topic refused them for good: what operators call (`dedup dead-letters`).
+#[derive(Clone, Copy, Debug)]
+pub struct KeptDeadLetters<'a>(&'a PgStore);
+
+impl<'a> KeptDeadLetters<'a> {
+    /// The kept dead letters of `store`'s database.
+    #[must_use]
+    pub fn new(store: &'a PgStore) -> Self {
+        Self(store)
+    }
+
+    fn pool(&self) -> &'a sqlx::PgPool {
+        self.0.pool()
+    }
+
     /// Keeps a dead letter the dead-letter topic refused, under its
     /// [`content_digest`](RefusedDeadLetter::content_digest): the same letter written again
     /// (a replay after a crash) writes nothing twice, and another letter at the same coordinates
@@ -197,11 +210,8 @@ impl PgStore {
     /// whether this call wrote it (false: the same letter was kept already). A letter that
     /// cannot be kept (a row of its digest holds another content) is an error that retrying does
     /// not cure.
-    pub async fn keep_refused_dead_letter(
-        &self,
-        d: &RefusedDeadLetter,
-    ) -> Result<bool, StoreError> {
-        self.count(1);
+    pub(crate) async fn keep(&self, d: &RefusedDeadLetter) -> Result<bool, StoreError> {
+        self.0.count(1);
         let names: Vec<&[u8]> = d.headers.iter().map(|h| h.0.as_slice()).collect();
         let values: Vec<Option<&[u8]>> = d.headers.iter().map(|h| h.1.as_deref()).collect();
         let digest = d.content_digest();
@@ -240,10 +250,7 @@ impl PgStore {
     }
 
     /// `group`'s kept dead letters, oldest first (`dedup dead-letters`).
-    pub async fn refused_dead_letters(
-        &self,
-        group: &str,
-    ) -> Result<Vec<RefusedDeadLetter>, StoreError> {
+    pub async fn list(&self, group: &str) -> Result<Vec<RefusedDeadLetter>, StoreError> {
         let rows = sqlx::query(LIST_SQL)
             .bind(group)
             .fetch_all(self.pool())
@@ -282,7 +289,7 @@ impl PgStore {
     /// Removes one kept dead letter (once an operator has re-driven or dealt with it): the one
     /// at its coordinates kept under `digest` (its [`RefusedDeadLetter::digest`] as read back).
     /// Answers whether it was there.
-    pub async fn remove_refused_dead_letter(
+    pub async fn remove(
         &self,
         group: &str,
         topic: &str,
@@ -305,11 +312,7 @@ impl PgStore {
     /// Removes `group`'s dead letters kept more than `older_than` ago (`dedup dead-letters
     /// --purge-older-than`): the retention of `dedup_dead_letters`, which nothing else purges.
     /// Answers how many were removed.
-    pub async fn purge_refused_dead_letters(
-        &self,
-        group: &str,
-        older_than: Duration,
-    ) -> Result<u64, StoreError> {
+    pub async fn purge(&self, group: &str, older_than: Duration) -> Result<u64, StoreError> {
         let done = sqlx::query(PURGE_SQL)
             .bind(group)
             .bind(older_than.as_secs_f64())
@@ -321,7 +324,8 @@ impl PgStore {
 }
 
 #[cfg(test)]
-mod tests {
+#[allow(clippy::unwrap_used)]
+mod digest_tests {
     use super::*;
 
     fn letter() -> RefusedDeadLetter {
@@ -371,3 +375,7 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests;

@@ -1,17 +1,19 @@
 //! Dead letters kept in Postgres because their dead-letter topic refused them for good
-//! (`dedup_dead_letters`, `dedup_pg::refused`): each is kept under its coordinates and the digest
+//! (`dedup_dead_letters`): each is kept under its coordinates and the digest
 //! of its content, so a different letter at the coordinates of an old one (a topic deleted and
 //! made again, whose offsets start at 0 again) is kept beside it while the same letter written
 //! again after a crash is kept once; rows name their idempotency key; one is removed exactly by
 //! its digest; the old ones are purged by age; a letter that cannot be kept is an error, not a
 //! silent loss; and a binary of generation 11 still works on the table. Keeping them through the
-//! runner is `kafka/dead_letters.rs`; `dedup dead-letters` and `dedup forget
+//! runner is `tests/it/kafka/dead_letters.rs`; `dedup dead-letters` and `dedup forget
 //! --kept-dead-letters` are tested in `crates/dedup-cli/tests/dead_letters.rs`.
 
 use std::time::Duration;
 
 use dedup_core::{IdempotencyKey, Scope};
-use dedup_pg::{PgStore, RefusedDeadLetter};
+use dedup_pg::PgStore;
+
+use super::{KeptDeadLetters, RefusedDeadLetter};
 use sqlx::PgPool;
 
 /// A dead letter of group `g` at `t`/0/`offset` holding `payload`.
@@ -48,11 +50,12 @@ async fn rows_at(pool: &PgPool, offset: i64) -> i64 {
 async fn a_letter_at_the_coordinates_of_an_old_one_is_kept_beside_it_and_the_same_one_once(
     pool: PgPool,
 ) {
-    let store = PgStore::new(pool.clone());
+    let pg = PgStore::new(pool.clone());
+    let store = KeptDeadLetters::new(&pg);
     let old = letter(0, "the old topic's letter", 1_700_000_000_000);
-    store.keep_refused_dead_letter(&old).await.unwrap();
+    store.keep(&old).await.unwrap();
     let new = letter(0, "the new topic's letter", 1_800_000_000_000);
-    store.keep_refused_dead_letter(&new).await.unwrap();
+    store.keep(&new).await.unwrap();
     assert_eq!(
         rows_at(&pool, 0).await,
         2,
@@ -61,11 +64,11 @@ async fn a_letter_at_the_coordinates_of_an_old_one_is_kept_beside_it_and_the_sam
     let mut again = new.clone();
     again.attempts = 2;
     again.reason = "written again after a crash".into();
-    store.keep_refused_dead_letter(&again).await.unwrap();
-    store.keep_refused_dead_letter(&old).await.unwrap();
+    store.keep(&again).await.unwrap();
+    store.keep(&old).await.unwrap();
     assert_eq!(rows_at(&pool, 0).await, 2, "the same letter is kept once");
     let mut payloads: Vec<Vec<u8>> = store
-        .refused_dead_letters("g")
+        .list("g")
         .await
         .unwrap()
         .into_iter()
@@ -83,19 +86,20 @@ async fn a_letter_at_the_coordinates_of_an_old_one_is_kept_beside_it_and_the_sam
 /// removed by its digest, and the purge removes only the group's letters older than it is given.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn rows_name_their_key_are_removed_one_by_one_and_purged_by_age(pool: PgPool) {
-    let store = PgStore::new(pool.clone());
+    let pg = PgStore::new(pool.clone());
+    let store = KeptDeadLetters::new(&pg);
     let key = IdempotencyKey::new(Scope::new("payments").unwrap(), "evt-1").unwrap();
     let mut keyed = letter(0, "first", 1);
     keyed.idempotency_key = Some(key.clone());
     let keyless = letter(0, "second", 2);
-    assert!(store.keep_refused_dead_letter(&keyed).await.unwrap());
-    assert!(!store.keep_refused_dead_letter(&keyed).await.unwrap());
-    assert!(store.keep_refused_dead_letter(&keyless).await.unwrap());
+    assert!(store.keep(&keyed).await.unwrap());
+    assert!(!store.keep(&keyed).await.unwrap());
+    assert!(store.keep(&keyless).await.unwrap());
     let mut other_group = letter(5, "another group's", 3);
     other_group.group = "h".into();
-    store.keep_refused_dead_letter(&other_group).await.unwrap();
+    store.keep(&other_group).await.unwrap();
 
-    let kept = store.refused_dead_letters("g").await.unwrap();
+    let kept = store.list("g").await.unwrap();
     assert_eq!(kept.len(), 2);
     let by_payload = |p: &str| {
         kept.iter()
@@ -108,27 +112,14 @@ async fn rows_name_their_key_are_removed_one_by_one_and_purged_by_age(pool: PgPo
     assert_eq!(first.digest, keyed.content_digest());
     assert_ne!(first.digest, second.digest);
 
-    assert!(
-        store
-            .remove_refused_dead_letter("g", "t", 0, 0, &second.digest)
-            .await
-            .unwrap()
-    );
-    assert!(
-        !store
-            .remove_refused_dead_letter("g", "t", 0, 0, &second.digest)
-            .await
-            .unwrap()
-    );
-    let left = store.refused_dead_letters("g").await.unwrap();
+    assert!(store.remove("g", "t", 0, 0, &second.digest).await.unwrap());
+    assert!(!store.remove("g", "t", 0, 0, &second.digest).await.unwrap());
+    let left = store.list("g").await.unwrap();
     assert_eq!(left.len(), 1);
     assert_eq!(left[0].payload.as_deref(), Some(&b"first"[..]));
 
     // One letter of each group kept two days ago, and one of `g` now.
-    store
-        .keep_refused_dead_letter(&letter(1, "recent", 4))
-        .await
-        .unwrap();
+    store.keep(&letter(1, "recent", 4)).await.unwrap();
     sqlx::query(
         "UPDATE dedup_dead_letters SET stored_at = now() - interval '2 days' \
          WHERE \"offset\" IN (0, 5)",
@@ -137,19 +128,16 @@ async fn rows_name_their_key_are_removed_one_by_one_and_purged_by_age(pool: PgPo
     .await
     .unwrap();
     assert_eq!(
-        store
-            .purge_refused_dead_letters("g", Duration::from_secs(86_400))
-            .await
-            .unwrap(),
+        store.purge("g", Duration::from_secs(86_400)).await.unwrap(),
         1
     );
-    let left = store.refused_dead_letters("g").await.unwrap();
+    let left = store.list("g").await.unwrap();
     assert_eq!(
         left.iter().map(|d| d.offset).collect::<Vec<_>>(),
         [1],
         "the recent one stays"
     );
-    assert_eq!(store.refused_dead_letters("h").await.unwrap().len(), 1);
+    assert_eq!(store.list("h").await.unwrap().len(), 1);
 }
 
 /// A letter that cannot be kept (a row under its digest holds another content: a digest
@@ -157,14 +145,15 @@ async fn rows_name_their_key_are_removed_one_by_one_and_purged_by_age(pool: PgPo
 /// coordinates; the runner stalls its partition on it, loudly, rather than moving on.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_letter_that_cannot_be_kept_is_an_error(pool: PgPool) {
-    let store = PgStore::new(pool.clone());
+    let pg = PgStore::new(pool.clone());
+    let store = KeptDeadLetters::new(&pg);
     let d = letter(3, "mine", 1);
-    store.keep_refused_dead_letter(&d).await.unwrap();
+    store.keep(&d).await.unwrap();
     sqlx::query("UPDATE dedup_dead_letters SET payload = 'someone else''s'")
         .execute(&pool)
         .await
         .unwrap();
-    let err = store.keep_refused_dead_letter(&d).await.unwrap_err();
+    let err = store.keep(&d).await.unwrap_err();
     assert!(!err.is_retryable(), "{err:?}");
     let message = err.to_string();
     assert!(
@@ -208,23 +197,19 @@ async fn a_generation_11_binary_still_keeps_reads_and_removes(pool: PgPool) {
                 .rows_affected()
         }
     };
-    let store = PgStore::new(pool.clone());
+    let pg = PgStore::new(pool.clone());
+    let store = KeptDeadLetters::new(&pg);
     let d = letter(7, "kept by the old binary", 1);
     assert_eq!(old_keep(d.clone()).await, 1);
     assert_eq!(old_keep(d.clone()).await, 0, "its own row again");
     assert!(
-        !store.keep_refused_dead_letter(&d).await.unwrap(),
+        !store.keep(&d).await.unwrap(),
         "the same letter, kept by the old binary, is not kept twice"
     );
     assert_eq!(rows_at(&pool, 7).await, 1);
-    let kept = store.refused_dead_letters("g").await.unwrap();
+    let kept = store.list("g").await.unwrap();
     assert!(kept[0].digest.is_empty(), "{:?}", kept[0].digest);
-    assert!(
-        store
-            .keep_refused_dead_letter(&letter(7, "a new letter", 2))
-            .await
-            .unwrap()
-    );
+    assert!(store.keep(&letter(7, "a new letter", 2)).await.unwrap());
     assert_eq!(rows_at(&pool, 7).await, 2);
     // The old binary lists by group (the columns it names) and deletes by coordinates.
     let listed: i64 = sqlx::query_scalar(
