@@ -9,8 +9,9 @@
 //! in its transaction past its bound is rolled back by the server; concurrent batches in opposite
 //! orders run each key once; ordering groups held back after a failure, a held key and a poisoned
 //! message; a fresh key taken by a lease-mode claim mid-batch fails the batch whole; a handler
-//! that leaves the transaction aborted fails only its message; the stored position stops at
-//! unsettled messages and never moves back.
+//! that leaves the transaction aborted fails only its message; the caller's own writes are told
+//! which messages settle and commit with the batch or not at all (the Kafka consumer's stored
+//! position is built on them: `crates/dedup-kafka/src/batch/tx/offsets/tests.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -19,7 +20,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use dedup_core::{AfterHandlerError, ClaimRequest, Fingerprint, HandlerError, Lease, State, Store};
 use dedup_pg::{
-    BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore, TxBatchConfig, TxOffsets,
+    BatchAnswer, BatchBody, BatchRequest, BatchWrites, BatchWritesFuture, ItemResult, PgStore,
+    TxBatchConfig,
 };
 use sqlx::{PgConnection, PgPool};
 
@@ -782,106 +784,140 @@ fn racing(
     }
 }
 
-/// Offsets in the transaction: the batch stores its partition's position with its effects, up
-/// to its first message that did not settle (a retryable failure, a failure to be dead-lettered),
-/// and never moves it back (an instance that lost the partition cannot rewind it).
+/// Writes of the test's own in a batch's transaction: each call is noted with what it was told
+/// settles, and writes a row of it (`batch_writes`), or fails when `fail` is set.
+#[derive(Debug, Default)]
+struct Noting {
+    told: std::sync::Mutex<Vec<Vec<bool>>>,
+    fail: bool,
+}
+
+impl BatchWrites for Noting {
+    fn write<'c>(&'c self, tx: &'c mut PgConnection, settled: &'c [bool]) -> BatchWritesFuture<'c> {
+        Box::pin(async move {
+            self.told.lock().unwrap().push(settled.to_vec());
+            if self.fail {
+                // A statement that fails: the transaction is aborted and the batch fails.
+                sqlx::query("SELECT 1 / 0")
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| dedup_pg::classify(e, false))?;
+            }
+            sqlx::query("INSERT INTO batch_writes (settled) VALUES ($1)")
+                .bind(settled.to_vec())
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| dedup_pg::classify(e, true))?;
+            Ok(1)
+        })
+    }
+}
+
+/// What the batches' own writes committed, in order.
+async fn committed_writes(pool: &PgPool) -> Vec<Vec<bool>> {
+    sqlx::query_scalar("SELECT settled FROM batch_writes ORDER BY n")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// The caller's own writes (`BatchRequest::with_writes`) in an ordered batch: told which messages
+/// settle (executed or replayed; not one that failed, retryably or to be dead-lettered, nor one
+/// held behind its group), made in the transaction that commits, once; a write that fails fails
+/// the batch whole, effects included.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(pool: PgPool) {
+async fn a_batchs_own_writes_are_told_what_settles_and_commit_with_it(pool: PgPool) {
     effects_table(&pool).await;
+    sqlx::query("CREATE TABLE batch_writes (n bigserial PRIMARY KEY, settled bool[] NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
     let store = PgStore::new(pool.clone());
-    let position = || async {
-        store
-            .stored_offsets("g", &[("t".to_owned(), 0)])
-            .await
-            .unwrap()
-            .get(&("t".to_owned(), 0))
-            .copied()
-    };
     let calls = Arc::new(AtomicU32::new(0));
-    let batch = |names: &[&str], offsets: Vec<i64>, end: i64| {
-        (
-            reqs(names),
-            (0..names.len() as u64).collect::<Vec<u64>>(),
-            TxOffsets::new("g", "t", 0, offsets, end),
-        )
-    };
-    // "c" fails retryably: the position stops at it.
-    let (r, g, o) = batch(&["a", "b", "c", "d"], vec![10, 11, 12, 13], 14);
+    // "c" fails retryably; "d" is in a group of its own and runs; "e" waits behind "c".
+    let r = reqs(&["a", "b", "c", "d", "e"]);
+    let noting = Noting::default();
     store
         .transact_batch(
-            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
+            BatchRequest::new(&r)
+                .ordered(&[0, 1, 2, 3, 2])
+                .with_writes(&noting),
             ledger(calls.clone(), &[], &["c"]),
         )
         .await
         .unwrap();
-    assert_eq!(position().await, Some(12));
-    // Then everything settles: the position is the batch's end.
-    let (r, g, o) = batch(&["c", "e"], vec![12, 14], 15);
-    store
-        .transact_batch(
-            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
-            ledger(calls.clone(), &[], &[]),
-        )
-        .await
-        .unwrap();
-    assert_eq!(position().await, Some(15));
-    // A late batch of an earlier owner cannot move it back.
-    let (r, g, o) = batch(&["f"], vec![5], 6);
-    store
-        .transact_batch(
-            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
-            ledger(calls.clone(), &[], &[]),
-        )
-        .await
-        .unwrap();
-    assert_eq!(position().await, Some(15));
-    // A message to be dead-lettered holds the position until its dead letter is acknowledged.
-    let (r, g, o) = batch(&["p", "h"], vec![15, 16], 17);
+    let settled = vec![true, true, false, true, false];
+    assert_eq!(committed_writes(&pool).await, vec![settled.clone()]);
+    assert_eq!(noting.told.lock().unwrap().last(), Some(&settled));
+    // Replays settle; a message failing for good (to be dead-lettered) does not.
+    let r = reqs(&["a", "p", "h"]);
+    let noting = Noting::default();
     let answers = store
         .transact_batch(
-            BatchRequest::new(&r).ordered(&g).with_offsets(&o),
-            ledger(calls, &["p"], &[]),
+            BatchRequest::new(&r)
+                .ordered(&[0, 1, 2])
+                .with_writes(&noting),
+            ledger(calls.clone(), &["p"], &[]),
         )
         .await
         .unwrap();
-    assert!(matches!(
-        answers[0],
-        BatchAnswer::Handler {
-            after: AfterHandlerError::Failed { .. },
-            ..
-        }
-    ));
-    assert_eq!(position().await, Some(15));
-    store.store_offsets("g", &[("t", 0, 17)]).await.unwrap();
-    assert_eq!(position().await, Some(17));
-    store.store_offsets("g", &[("t", 0, 3)]).await.unwrap();
-    assert_eq!(position().await, Some(17), "never back");
-    // A mismatched offset list is refused before anything runs.
+    assert!(
+        matches!(answers[0], BatchAnswer::Replayed { .. }),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(
+            answers[1],
+            BatchAnswer::Handler {
+                after: AfterHandlerError::Failed { .. },
+                ..
+            }
+        ),
+        "{answers:?}"
+    );
+    assert_eq!(
+        committed_writes(&pool).await.last(),
+        Some(&vec![true, false, true])
+    );
+    // A write that fails fails the batch: nothing of it commits.
+    let before = effect_rows(&pool).await.len();
+    let r = reqs(&["x", "y"]);
+    let failing = Noting {
+        fail: true,
+        ..Noting::default()
+    };
     let err = store
         .transact_batch(
-            BatchRequest::new(&reqs(&["x"]))
-                .ordered(&[0])
-                .with_offsets(&TxOffsets::new("g", "t", 0, vec![], 1)),
-            ledger(Arc::new(AtomicU32::new(0)), &[], &[]),
+            BatchRequest::new(&r).with_writes(&failing),
+            ledger(calls, &[], &[]),
         )
-        .await
-        .unwrap_err();
-    assert!(matches!(err, dedup_core::StoreError::Input(_)), "{err:?}");
+        .await;
+    assert!(err.is_err(), "{err:?}");
+    assert_eq!(
+        effect_rows(&pool).await.len(),
+        before,
+        "no effect of it committed"
+    );
+    assert_eq!(committed_writes(&pool).await.len(), 2);
+    assert!(!failing.told.lock().unwrap().is_empty());
 }
 
-/// Offsets in the transaction without ordering groups: the messages are independent (a failed
-/// one holds back no other's effect), and the position still stops at the first that did not
-/// settle.
+/// The caller's own writes in a batch without ordering groups: a failed message holds back no
+/// other, and the writes are told so (the one after it settled).
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
-async fn independent_messages_store_their_position_up_to_the_first_unsettled(pool: PgPool) {
+async fn independent_messages_are_told_apart_to_the_batchs_own_writes(pool: PgPool) {
     effects_table(&pool).await;
+    sqlx::query("CREATE TABLE batch_writes (n bigserial PRIMARY KEY, settled bool[] NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
     let store = PgStore::new(pool.clone());
     let calls = Arc::new(AtomicU32::new(0));
     let r = reqs(&["a", "b", "c"]);
-    let o = TxOffsets::new("g", "t", 0, vec![20, 21, 22], 23);
+    let noting = Noting::default();
     let answers = store
         .transact_batch(
-            BatchRequest::new(&r).with_offsets(&o),
+            BatchRequest::new(&r).with_writes(&noting),
             ledger(calls, &[], &["b"]),
         )
         .await
@@ -899,11 +935,7 @@ async fn independent_messages_store_their_position_up_to_the_first_unsettled(poo
         matches!(answers[2], BatchAnswer::Executed { .. }),
         "{answers:?}"
     );
-    let stored = store
-        .stored_offsets("g", &[("t".to_owned(), 0)])
-        .await
-        .unwrap();
-    assert_eq!(stored.get(&("t".to_owned(), 0)).copied(), Some(21));
+    assert_eq!(committed_writes(&pool).await, vec![vec![true, false, true]]);
 }
 
 /// A handler that answers every message as done but left the transaction aborted (it ignored a

@@ -87,7 +87,6 @@ mod connect;
 mod instance;
 mod layout;
 mod migrate;
-mod offsets;
 mod retention;
 mod rows;
 mod sql;
@@ -95,8 +94,9 @@ mod store;
 mod text;
 
 pub use admin::ForgetReport;
-pub use batch_tx::{BatchAnswer, BatchBody, BatchRequest, ItemResult, TxBatchConfig};
-pub use offsets::{TxOffsets, stored_offsets_on};
+pub use batch_tx::{
+    BatchAnswer, BatchBody, BatchRequest, BatchWrites, BatchWritesFuture, ItemResult, TxBatchConfig,
+};
 
 use claim::claim_counted;
 pub use classify::{classify, is_passing, sqlstate};

@@ -290,25 +290,6 @@ pub(crate) const INSERT_CLAIMED_SQL: &str = concat!(
     " ON CONFLICT DO NOTHING RETURNING r.scope, r.key"
 );
 
-/// Moves consumer positions forward, never back. $1 group, $2 topics, $3 partitions, $4 next
-/// offsets.
-pub(crate) const STORE_OFFSETS_SQL: &str = concat!(
-    "INSERT INTO dedup_offsets AS o (consumer_group, topic, partition, next_offset, updated_at)",
-    " SELECT $1, q.topic, q.partition, q.next_offset, statement_timestamp()",
-    " FROM unnest($2::text[], $3::int4[], $4::int8[]) AS q(topic, partition, next_offset)",
-    " ORDER BY q.topic, q.partition",
-    " ON CONFLICT (consumer_group, topic, partition) DO UPDATE",
-    " SET next_offset = GREATEST(o.next_offset, EXCLUDED.next_offset), updated_at = EXCLUDED.updated_at",
-    " WHERE EXCLUDED.next_offset > o.next_offset"
-);
-
-/// A consumer group's stored positions for some partitions. $1 group, $2 topics, $3 partitions.
-pub(crate) const STORED_OFFSETS_SQL: &str = concat!(
-    "SELECT o.topic, o.partition, o.next_offset FROM dedup_offsets o",
-    " JOIN unnest($2::text[], $3::int4[]) AS q(topic, partition)",
-    " ON o.topic = q.topic AND o.partition = q.partition WHERE o.consumer_group = $1"
-);
-
 /// [`EXTEND_SQL`] for many leases at once (a heartbeat for a whole batch); answers the keys it
 /// extended, with their new lease end. $1 scopes, $2 keys, $3 tokens, $4 leases (µs),
 /// $5 retentions (µs). Through `dedup_extend_batch` (migration 20261202000001), whose kept plan

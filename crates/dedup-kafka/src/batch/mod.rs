@@ -283,7 +283,7 @@ impl<X: Exec> Loop<X> {
                 .iter()
                 .map(|((t, p), o)| (t.as_str(), *p, *o))
                 .collect();
-            match store.store_offsets(&group, &positions).await {
+            match tx::offsets::store_offsets(&store, &group, &positions).await {
                 Ok(()) => {
                     let mut stored = stored
                         .lock()

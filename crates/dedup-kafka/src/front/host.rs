@@ -8,7 +8,7 @@ use std::sync::Arc;
 use dedup_core::{BatchCache, Dedup, Policy, Scope, Store};
 use dedup_pg::PgStore;
 
-use crate::{ConfigError, StatsHandle};
+use crate::{ConfigError, ConsumerBuilder, StatsHandle};
 
 /// A stop signal.
 pub(crate) type Stop = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -53,6 +53,14 @@ pub trait Host: Clone + Send + Sync + 'static {
     /// A consumer of `group` starts running: the host's stop signal (its shutdown), and what the
     /// host keeps while the consumer runs (dropped when `run` ends, however it ends).
     fn started(&self, group: &str, stats: &StatsHandle) -> Started;
+
+    /// A consumer on this host: set at least [`brokers`](ConsumerBuilder::brokers),
+    /// [`group_id`](ConsumerBuilder::group_id) and [`topics`](ConsumerBuilder::topics), then
+    /// [`build`](ConsumerBuilder::build) it with a handler. (The `dedup` crate's
+    /// `Engine::consumer` is this.)
+    fn consumer(&self) -> ConsumerBuilder<Self> {
+        ConsumerBuilder::new(self.clone())
+    }
 }
 
 /// A member of a consumer group, as its [`Host`] names it.

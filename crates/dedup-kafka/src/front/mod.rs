@@ -66,9 +66,8 @@ impl<H: Host> fmt::Debug for ConsumerBuilder<H> {
 }
 
 impl<H: Host> ConsumerBuilder<H> {
-    /// A consumer on `host`: set at least [`brokers`](Self::brokers),
-    /// [`group_id`](Self::group_id) and [`topics`](Self::topics).
-    pub fn new(host: H) -> Self {
+    /// A consumer on `host` ([`Host::consumer`]).
+    pub(crate) fn new(host: H) -> Self {
         Self {
             host,
             config: RunnerConfig::new("", "", Vec::<String>::new()),

@@ -40,8 +40,9 @@
 //! batch rolls back whole, and nothing it wrote survives.
 //!
 //! `PgStore::transact_batch` is the one entry point, given a `BatchRequest`: the claim requests,
-//! and optionally ordering groups (`BatchRequest::ordered`), the position to store in the same
-//! transaction (`BatchRequest::with_offsets`, forward only with `GREATEST`) and the timeouts;
+//! and optionally ordering groups (`BatchRequest::ordered`), writes of the caller's own made in the
+//! same transaction knowing what settles (`BatchRequest::with_writes`: the Kafka consumer's
+//! position) and the timeouts;
 //! built in steps that cannot fail, the lengths checked when it runs. Repeats of a key are
 //! answered after the commit. The Kafka `TxRunner` and the demo use it. Here: the API and the
 //! repeats; one transaction in `pass.rs`; fresh keys in `fresh.rs`; the handler call, the second
@@ -64,7 +65,6 @@ use dedup_core::{
 use sqlx::postgres::PgConnection;
 
 use crate::PgStore;
-use crate::offsets::TxOffsets;
 use parts::handler_reason;
 use pass::{Pass, Plan};
 
@@ -174,9 +174,29 @@ impl<E> BatchAnswer<E> {
     }
 }
 
+/// What [`BatchWrites::write`] answers: how many statements it ran.
+pub type BatchWritesFuture<'c> = Pin<Box<dyn Future<Output = Result<u64, StoreError>> + Send + 'c>>;
+
+/// Writes of the caller's own in a batch's transaction ([`BatchRequest::with_writes`]), made
+/// after its completions and before its COMMIT, knowing which of its requests settle if it
+/// commits: they commit with the batch's effects or not at all. The Kafka consumer stores its
+/// position so (the offset before which every message settled).
+pub trait BatchWrites: std::fmt::Debug + Send + Sync {
+    /// Makes the writes on `tx`, the batch's transaction. `settled[i]` says whether request `i`
+    /// settles if the batch commits (it ran, or was answered from its record: nothing about it
+    /// is left to do); a request that failed (to be retried or dead-lettered), answered InFlight
+    /// or waited behind its group does not. Answers how many statements it ran (counted in
+    /// [`PgStore::statements`]).
+    ///
+    /// # Errors
+    /// A statement that failed: the batch fails with it (or, where it found the transaction
+    /// aborted by a handler's statement, runs again in parts).
+    fn write<'c>(&'c self, tx: &'c mut PgConnection, settled: &'c [bool]) -> BatchWritesFuture<'c>;
+}
+
 /// What one batch transaction is asked to run ([`PgStore::transact_batch`]): the claim requests,
-/// and, where the batch needs them, the ordering group of each request, the consumer position to
-/// store in the same transaction, and the timeouts. Built in steps that cannot fail; the lengths
+/// and, where the batch needs them, the ordering group of each request, writes of the caller's
+/// own in the same transaction, and the timeouts. Built in steps that cannot fail; the lengths
 /// are checked when the batch runs.
 ///
 /// ```
@@ -197,7 +217,7 @@ impl<E> BatchAnswer<E> {
 pub struct BatchRequest<'a> {
     reqs: &'a [ClaimRequest],
     groups: Option<&'a [u64]>,
-    offsets: Option<&'a TxOffsets>,
+    writes: Option<&'a dyn BatchWrites>,
     config: TxBatchConfig,
 }
 
@@ -207,7 +227,7 @@ impl<'a> BatchRequest<'a> {
         Self {
             reqs,
             groups: None,
-            offsets: None,
+            writes: None,
             config: TxBatchConfig::default(),
         }
     }
@@ -227,18 +247,13 @@ impl<'a> BatchRequest<'a> {
         self
     }
 
-    /// Also stores the consumer's position in the batch's transaction (`dedup_offsets`): the
-    /// batch's effects and the position commit together, so a consumer restarted from the
-    /// stored position never hands a committed batch to its handler again. The position stored
-    /// is `offsets.end`, or the offset of the batch's first message that did not settle
-    /// (InFlight, deferred, failed or to be dead-lettered: a dead letter moves the position only
-    /// once it is acknowledged, with [`store_offsets`](PgStore::store_offsets)), whichever is
-    /// lower; it only ever moves forward.
-    ///
-    /// `offsets.offsets` must have one entry per request ([`InputError::Setting`] when the batch
-    /// runs).
-    pub fn with_offsets(mut self, offsets: &'a TxOffsets) -> Self {
-        self.offsets = Some(offsets);
+    /// Also makes `writes` in the batch's transaction, after its completions and before its
+    /// COMMIT, told which requests settle if it commits: they commit with the batch's effects
+    /// or not at all (the Kafka consumer stores its position so, and a consumer restarted from
+    /// the stored position never hands a committed batch to its handler again). A pass that
+    /// rolls back takes them with it; the pass that commits makes them again.
+    pub fn with_writes(mut self, writes: &'a dyn BatchWrites) -> Self {
+        self.writes = Some(writes);
         self
     }
 
@@ -257,12 +272,6 @@ impl<'a> BatchRequest<'a> {
                 problem: "needs one ordering group per request",
             }));
         }
-        if self.offsets.is_some_and(|o| o.offsets.len() != n) {
-            return Err(StoreError::Input(InputError::Setting {
-                setting: "offsets",
-                problem: "needs one offset per request",
-            }));
-        }
         Ok(())
     }
 }
@@ -272,8 +281,7 @@ impl PgStore {
     /// writes for every acquired message, and the completions commit together, with one WAL
     /// flush. One answer per request, in order; a key that appears twice is answered after the
     /// commit as the duplicate of its first appearance. [`BatchRequest`] says whether the
-    /// messages are independent or keep an order, and whether the consumer's position commits
-    /// with them.
+    /// messages are independent or keep an order, and what else commits with them.
     ///
     /// `handler` may be called more than once (the retry in parts after a failure), each time on
     /// a subset of the acquired messages, and only ever sees writes of the current attempt. An
@@ -297,7 +305,7 @@ impl PgStore {
         let BatchRequest {
             reqs,
             groups,
-            offsets,
+            writes,
             config,
         } = batch;
         for req in reqs {
@@ -322,7 +330,7 @@ impl PgStore {
                     &Plan {
                         reqs,
                         groups,
-                        offsets,
+                        writes,
                         distinct: &distinct,
                         config,
                     },

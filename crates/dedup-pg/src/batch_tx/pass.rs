@@ -1,5 +1,5 @@
 //! One pass of a batch transaction: BEGIN, the locks, the claims (fresh keys need none), the
-//! handler (whole, or in parts after a failure), the completions, the position, COMMIT.
+//! handler (whole, or in parts after a failure), the completions, the caller's own writes, COMMIT.
 //!
 //! `run_once` runs the stages. The transaction's bounds (`idle_in_transaction_session_timeout`,
 //! `lock_timeout`) are set with BEGIN, in its round trip, so they cover the whole transaction. A
@@ -20,12 +20,11 @@ use tracing::debug;
 use super::fresh::{insert_claimed, insert_completed, read_fresh};
 use super::parts::{call, handler_reason, record_failure, withdraw};
 
-use super::{BatchAnswer, BatchBody, BatchRetried, ItemResult, TxBatchConfig};
+use super::{BatchAnswer, BatchBody, BatchRetried, BatchWrites, ItemResult, TxBatchConfig};
 use crate::PgStore;
 use crate::claim::{claim_counted, claim_many};
 use crate::classify::classify;
 use crate::complete::complete_many;
-use crate::offsets::{TxOffsets, store_offsets_on};
 use crate::sql::TRY_LOCK_SQL;
 
 /// Whether `e` says the transaction was aborted by an earlier failed statement (SQLSTATE 25P02).
@@ -71,13 +70,13 @@ impl From<StoreError> for Stop {
     }
 }
 
-/// What a pass runs over: the requests, their ordering groups and the position to store, if
+/// What a pass runs over: the requests, their ordering groups and the caller's own writes, if
 /// any; `distinct` the first appearance of each key.
 #[derive(Clone, Copy)]
 pub(super) struct Plan<'a> {
     pub(super) reqs: &'a [ClaimRequest],
     pub(super) groups: Option<&'a [u64]>,
-    pub(super) offsets: Option<&'a TxOffsets>,
+    pub(super) writes: Option<&'a dyn BatchWrites>,
     pub(super) distinct: &'a [usize],
     pub(super) config: TxBatchConfig,
 }
@@ -99,7 +98,7 @@ impl PgStore {
         let Plan {
             reqs,
             groups,
-            offsets,
+            writes,
             distinct,
             config,
         } = *plan;
@@ -176,27 +175,25 @@ impl PgStore {
                 }
                 Err(Stop::Fail(e)) => return Err(e),
             };
-            // The consumer's position, with the effects.
-            if let Some(offsets) = offsets {
+            // The caller's own writes (the consumer's position), with the effects.
+            if let Some(writes) = writes {
                 let first: HashMap<&dedup_core::IdempotencyKey, usize> = distinct
                     .iter()
                     .enumerate()
                     .map(|(n, &i)| (&reqs[i].key, n))
                     .collect();
-                let position = offsets.position(|i| settles(reqs, distinct, &first, &answers, i));
-                self.count(1);
-                if let Err(e) = store_offsets_on(
-                    &mut tx,
-                    &offsets.consumer_group,
-                    &[(&offsets.topic, offsets.partition, position)],
-                )
-                .await
-                {
-                    if retry_whole && aborted(&e) {
-                        tx.rollback().await.map_err(|e| classify(e, false))?;
-                        return Ok(Pass::Retry(Vec::new()));
+                let settled: Vec<bool> = (0..reqs.len())
+                    .map(|i| settles(reqs, distinct, &first, &answers, i))
+                    .collect();
+                match writes.write(&mut tx, &settled).await {
+                    Ok(statements) => self.count(statements),
+                    Err(e) => {
+                        if retry_whole && aborted(&e) {
+                            tx.rollback().await.map_err(|e| classify(e, false))?;
+                            return Ok(Pass::Retry(Vec::new()));
+                        }
+                        return Err(e);
                     }
-                    return Err(e);
                 }
             }
             // A commit whose reply is lost is read back through one completed lease (a

@@ -22,7 +22,7 @@ impl Engine {
     /// [`group_id`](dedup_kafka::ConsumerBuilder::group_id) and
     /// [`topics`](dedup_kafka::ConsumerBuilder::topics).
     pub fn consumer(&self) -> ConsumerBuilder {
-        dedup_kafka::ConsumerBuilder::new(self.clone())
+        Host::consumer(self)
     }
 }
 

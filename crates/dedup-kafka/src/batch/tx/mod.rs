@@ -22,7 +22,7 @@
 //! on assignment the rebalance callback (`pre_rebalance`) sets each partition's start from the
 //! stored positions. A partition started from a stored position commits it to Kafka too.
 
-mod offsets;
+pub(super) mod offsets;
 mod run;
 
 use std::fmt;

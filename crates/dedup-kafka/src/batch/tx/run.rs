@@ -21,7 +21,9 @@ use dedup_core::{
     AfterHandlerError, BatchCache, Cached, ClaimOutcome, ClaimRequest, HandlerError,
     IdempotencyKey, Lease, OwnerId, OwnerIds, Policy, State, StoreError,
 };
-use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore, TxOffsets};
+use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore};
+
+use super::offsets::TxOffsets;
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use sqlx::PgConnection;
@@ -255,7 +257,7 @@ impl<H: BatchHandler> Inner<H> {
             .ordered(&groups)
             .with_config(self.common.batching.transaction);
         if let Some(position) = &position {
-            batch = batch.with_offsets(position);
+            batch = batch.with_writes(position);
         }
         self.store.transact_batch(batch, body).await
     }
