@@ -166,7 +166,7 @@ impl Keys {
         }
     }
 
-    /// Whether the keys are UUIDv7s (a time-ordered window, made by `window.rs` in their shape).
+    /// Whether the keys are UUIDv7s (a time-ordered window, made by `window/` in their shape).
     pub(super) fn time_ordered(self) -> bool {
         matches!(self, Self::Uuidv7 | Self::Timed)
     }

@@ -45,6 +45,8 @@
 //! time, and gives way in between, so writers are not held behind a long transaction of someone
 //! else's for longer than that.
 
+mod carve;
+mod days;
 mod drop;
 mod expiry;
 mod freeze;

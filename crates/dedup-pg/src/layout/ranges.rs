@@ -18,30 +18,31 @@
 //! them first. A table it needs is made (empty, with its primary key) in a transaction of its
 //! own before it; a run killed between the two leaves that table unattached, and the next run
 //! takes it up. Killed anywhere else, the transaction rolls back whole.
+//!
+//! Here: the partitions as read (`Parts`), the maintainer's round and its tally, and what the
+//! changes share (`Step`, `lock_busy`, `count_limit`, `look_alike`). A range's making is
+//! `carve.rs`; the days, their boundaries and the ranges' names are `days.rs`.
 
 use std::time::SystemTime;
 
-use sqlx::Executor;
 use sqlx::postgres::PgConnection;
 use tracing::{info, warn};
 
 use dedup_core::StoreError;
 
+use super::carve::carve;
+use super::days::{day_of, next_boundary};
 use super::drop::{self, Due, clear_gone};
-use super::expiry::{self, Expiry};
+use super::expiry;
 use super::freeze;
 use super::guards;
-use super::locks::{
-    Busy, MAKER_LOCK_CLASS, MAKER_LOCK_SQL, Touched, lock_busy_why, lock_unchanged, locked,
-};
+use super::locks::{Busy, lock_busy_why};
 use super::policy::{MOST_AHEAD, RangePolicy, RangeReport};
 use crate::classify::classify;
 
-/// Milliseconds in a day.
-pub(super) const DAY_MS: i64 = 86_400_000;
-
-/// Days from the Unix epoch to Monday 1970-01-05, where ranges count their boundaries from.
-const MONDAY: i32 = 4;
+// What `drop.rs` and `freeze.rs` import from here, though `carve.rs` and `days.rs` hold it.
+pub(super) use super::carve::make_table;
+pub(super) use super::days::{DAY_MS, civil};
 
 /// The most ranges one call makes, and the most it drops (a clock that jumped years would
 /// otherwise make a partition for every week between).
@@ -88,18 +89,6 @@ const SCHEMA_SQL: &str = "SELECT quote_ident(n.nspname), (SELECT string_agg(quot
      ',' ORDER BY a.attnum) FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 \
      AND NOT a.attisdropped) FROM pg_class c \
      JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'dedup_records'::regclass";
-
-/// Gives the table just made (setting `dedup.made`) the storage settings of `future` (setting
-/// `dedup.future`) and the parent's owner. Each name is read as a `regclass` and printed back
-/// by Postgres, quoted.
-const CARRY_SQL: &str = "DO $s$ DECLARE \
-     made regclass := current_setting('dedup.made')::regclass; \
-     o text[] := (SELECT reloptions FROM pg_class \
-         WHERE oid = current_setting('dedup.future')::regclass); BEGIN \
-     IF o IS NOT NULL THEN EXECUTE format('ALTER TABLE %s SET (%s)', made, \
-         array_to_string(o, ', ')); END IF; \
-     EXECUTE format('ALTER TABLE %s OWNER TO %s', made, (SELECT relowner::regrole \
-         FROM pg_class WHERE oid = 'dedup_records'::regclass)); END $s$";
 
 /// A partition and its bounds in days since the Unix epoch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -420,122 +409,9 @@ pub(super) enum Step {
     Raced,
 }
 
-/// The day (since the Unix epoch) of a time in milliseconds.
-fn day_of(ms: i64) -> i32 {
-    i32::try_from(ms.div_euclid(DAY_MS)).unwrap_or(i32::MAX)
-}
-
-/// The first boundary after `day`, boundaries being every `days` days from Monday 1970-01-05.
-fn next_boundary(day: i32, days: i32) -> i32 {
-    day + days - (day - MONDAY).rem_euclid(days)
-}
-
-/// The range's table name: `dedup_records_` and its first day, `YYYYMMDD`.
-fn range_name(day: i32) -> String {
-    let (y, m, d) = civil(day);
-    format!("dedup_records_{y:04}{m:02}{d:02}")
-}
-
-/// The proleptic Gregorian date of a day since the Unix epoch (H. Hinnant's `civil_from_days`).
-pub(super) fn civil(day: i32) -> (i32, u32, u32) {
-    let z = day + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i32::from(m <= 2);
-    (
-        y,
-        u32::try_from(m).unwrap_or(1),
-        u32::try_from(d).unwrap_or(1),
-    )
-}
-
-/// Makes `table` in the parent's schema (empty, the parent's columns, defaults and checks, its
-/// own primary key and index on `expires_at` of the `kind` given, `future`'s storage settings,
-/// the parent's owner) if it is not there: in a
-/// transaction of its own, so the table is there whole or not at all. The role that runs this
-/// must be able to give it to the parent's owner (be it, or a member of it) and to create in
-/// the schema; grants on the table do not matter, since every statement goes through the
-/// parent. None if the makers' lock was not had.
-pub(super) async fn make_table(
-    conn: &mut PgConnection,
-    parts: &Parts,
-    name: &str,
-    kind: Expiry,
-) -> Result<Result<(), Busy>, StoreError> {
-    let table = parts.q(name);
-    let future = parts.q("dedup_records_future");
-    let index = expiry::index_sql(&table, name, kind);
-    locked(conn, |tx| {
-        let (table, future, index) = (table.clone(), future.clone(), index.clone());
-        Box::pin(async move {
-            // Two `CREATE TABLE` of one name at once: one fails on the catalog's unique index.
-            // One maker at a time; the second then finds the table there.
-            sqlx::query(MAKER_LOCK_SQL)
-                .bind(MAKER_LOCK_CLASS)
-                .execute(&mut *tx)
-                .await?;
-            // Made already (by a maintainer that read the partitions after this one did, or a
-            // run killed before its attach): whole, since it is made in one transaction. Left
-            // alone: an index or owner change on it now would take its lock in steps, and
-            // writers may be using it.
-            let there: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-                .bind(&table)
-                .fetch_one(&mut *tx)
-                .await?;
-            if there {
-                return Ok(());
-            }
-            // The schema's quoted name and a fixed prefix and a date: nothing from outside. The
-            // primary key leads with the key: time-ordered keys of every scope then land at its
-            // right edge, whose pages split full. Led by the scope, each scope but the last
-            // sorting one inserts in the middle, where a page splits in halves that stay half
-            // full (116 bytes a record against 74 for three scopes, docs/PERFORMANCE.md). Both
-            // orders find a key by its scope and key alike, and the parent has no index whose
-            // columns a partition's must match.
-            tx.execute(sqlx::AssertSqlSafe(format!(
-                "CREATE TABLE {table} (LIKE dedup_records INCLUDING DEFAULTS \
-                 INCLUDING CONSTRAINTS, PRIMARY KEY (key, scope))"
-            )))
-            .await?;
-            tx.execute(sqlx::AssertSqlSafe(index)).await?;
-            // The storage settings the table had before the switch (a fillfactor that leaves
-            // room for the completion's update), which `future` carries; the parent's owner.
-            // The names go in bound, through the transaction's settings: none is formatted
-            // into a literal, and the DO block is the same text whatever they are.
-            sqlx::query(
-                "SELECT set_config('dedup.made', $1, true), set_config('dedup.future', $2, true)",
-            )
-            .bind(&table)
-            .bind(&future)
-            .execute(&mut *tx)
-            .await?;
-            tx.execute(CARRY_SQL).await.map(drop)
-        })
-    })
-    .await
-}
-
 /// Why a change was held back when the parent's lock was not had.
 pub(super) fn lock_busy(what: &str, busy: &Busy) -> Step {
     Step::HeldBack(lock_busy_why(what, busy))
-}
-
-/// Moves the rows of `from` that `filter` (a condition on `r`) picks into the parent, every
-/// column as it was: the parent routes them by their `kt`. Answers how many.
-fn move_sql(parts: &Parts, from: &str, filter: &str) -> String {
-    format!(
-        "WITH m AS (DELETE FROM {from} r WHERE {filter} RETURNING {}), \
-         i AS (INSERT INTO dedup_records ({}) SELECT {} FROM m RETURNING 1) \
-         SELECT count(*) FROM i",
-        parts.cols("r"),
-        parts.2,
-        parts.cols("m"),
-    )
 }
 
 /// The `LIMIT` of a count that only needs to know whether more than `max_move` rows are there.
@@ -543,100 +419,4 @@ pub(super) fn count_limit(max_move: u64) -> i64 {
     i64::try_from(max_move)
         .unwrap_or(i64::MAX)
         .saturating_add(1)
-}
-
-/// Makes the range `[lo, hi)` out of `dedup_records_future`: detach `future`, attach the range,
-/// move `future`'s records of those days into it, attach `future` again from `hi`.
-async fn carve(
-    conn: &mut PgConnection,
-    seen: &Parts,
-    lo: i32,
-    hi: i32,
-    max_move: u64,
-) -> Result<Step, StoreError> {
-    let e = |e: sqlx::Error| classify(e, true);
-    let name = range_name(lo);
-    let (range, future) = (seen.q(&name), seen.q("dedup_records_future"));
-    // Counted before the lock; under it the same condition moves whatever is there by then.
-    let due: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM (SELECT 1 FROM {future} \
-         WHERE kt < date '1970-01-01' + $1 LIMIT $2) s"
-    )))
-    .bind(hi)
-    .bind(count_limit(max_move))
-    .fetch_one(&mut *conn)
-    .await
-    .map_err(e)?;
-    if u64::try_from(due).unwrap_or(0) > max_move {
-        return Ok(Step::HeldBack(format!(
-            "dedup_records_future holds more than {max_move} records of the days of {name}: \
-             making it would move them under the table's lock (the retention did not run for \
-             longer than `ahead`; raise max_move to make it at a quiet hour)"
-        )));
-    }
-    if let Err(busy) = make_table(conn, seen, &name, Expiry::Brin).await? {
-        return Ok(lock_busy(&name, &busy));
-    }
-    let seen = seen.clone();
-    let moved = locked(conn, |tx| {
-        let (seen, range, future) = (seen.clone(), range.clone(), future.clone());
-        Box::pin(async move {
-            if !lock_unchanged(tx, &seen, Touched::Only(&[future.clone(), range.clone()])).await? {
-                return Ok(None);
-            }
-            // Day numbers and the schema's quoted name: nothing from outside.
-            for step in [
-                format!("ALTER TABLE dedup_records DETACH PARTITION {future}"),
-                format!(
-                    "ALTER TABLE dedup_records ATTACH PARTITION {range} FOR VALUES \
-                     FROM (date '1970-01-01' + {lo}) TO (date '1970-01-01' + {hi})"
-                ),
-            ] {
-                tx.execute(sqlx::AssertSqlSafe(step)).await?;
-            }
-            let moved: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(move_sql(
-                &seen,
-                &future,
-                &format!("r.kt < date '1970-01-01' + {hi}"),
-            )))
-            .fetch_one(&mut *tx)
-            .await?;
-            tx.execute(sqlx::AssertSqlSafe(format!(
-                "ALTER TABLE dedup_records ATTACH PARTITION {future} FOR VALUES \
-                 FROM (date '1970-01-01' + {hi}) TO (MAXVALUE)"
-            )))
-            .await?;
-            Ok(Some(u64::try_from(moved).unwrap_or(0)))
-        })
-    })
-    .await?;
-    Ok(match moved {
-        Err(busy) => lock_busy(&name, &busy),
-        Ok(None) => Step::Raced,
-        Ok(Some(moved)) => Step::Done { name, moved },
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{civil, next_boundary, range_name};
-
-    #[test]
-    fn ranges_are_named_after_their_first_day() {
-        assert_eq!(civil(0), (1970, 1, 1));
-        assert_eq!(civil(-1), (1969, 12, 31));
-        assert_eq!(civil(20_419), (2025, 11, 27));
-        assert_eq!(civil(11_016), (2000, 2, 29));
-        assert_eq!(range_name(20_784), "dedup_records_20261127");
-    }
-
-    #[test]
-    fn weeks_end_on_mondays() {
-        // 2026-11-27 is a Friday; the next Monday is 2026-11-30, day 20,787.
-        assert_eq!(next_boundary(20_784, 7), 20_787);
-        assert_eq!(next_boundary(20_787, 7), 20_794);
-        assert_eq!(next_boundary(20_784, 1), 20_785);
-        assert_eq!(next_boundary(4, 7), 11);
-        assert_eq!(next_boundary(3, 7), 4);
-    }
 }

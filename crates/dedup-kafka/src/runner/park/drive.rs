@@ -1,18 +1,16 @@
-//! The loop's side of parking: barriers, admission, parking behind a key, driving heads.
+//! The loop's side of parking, its messages: barriers, admission, parking behind a key, the
+//! counts, and refencing (the tick and due heads are `heads.rs`).
 //!
-//! Each tick (`park_tick`) follows the assignment (a barrier per partition newly owned; its
-//! messages wait for it), asks for due heads and starts a run per key not already running (at
-//! most 64 at once), and refreshes the gauges. `admit` (in `place`, before a lane) holds a
-//! message back until its partition's barrier answered, or behind messages waiting for room;
-//! every other message goes to its lane, and `parks_instead` (in `start`) parks a lane's next
-//! message when its key has anything parked, so a key's parks are written one at a time, in
-//! offset order (past a bound the lane's head and queue wait for room with the partition paused
-//! for that reason, whatever else lets go). Counts go up when a park is decided
-//! (`Event::Parking` for a message that parks itself, before its row) and down when a head's row
-//! is removed, a park is refused (`Settled::ParkRefused`) or finds its row written before
-//! (`Settled::ParkedAlready`, a replay), or a park announced is refused for good
-//! (`Event::ParkUndone`). The barrier bumps the epoch only while the partition is still owned
-//! (`acquire_parked_while`).
+//! `admit` (in `place`, before a lane) holds a message back until its partition's barrier
+//! answered (`sync`), or behind messages waiting for room; every other message goes to its lane,
+//! and `parks_instead` (in `start`) parks a lane's next message when its key has anything parked,
+//! so a key's parks are written one at a time, in offset order (past a bound the lane's head and
+//! queue wait for room with the partition paused for that reason, whatever else lets go). Counts
+//! go up when a park is decided (`Event::Parking` for a message that parks itself, before its
+//! row) and down when a head's row is removed (`heads.rs`), a park is refused
+//! (`Settled::ParkRefused`) or finds its row written before (`Settled::ParkedAlready`, a replay),
+//! or a park announced is refused for good (`Event::ParkUndone`). The barrier bumps the epoch only
+//! while the partition is still owned (`acquire_parked_while`).
 //!
 //! A park fenced while the partition is still owned (`Settled::ParkFenced`) hands its message back
 //! (`Event::Refenced`): `refence` puts it and its lane's queue first in line to wait, and the
@@ -20,32 +18,24 @@
 //! count). The partition is then `stale`: it keeps its old epoch for messages already in lanes
 //! (their parks are fenced and handed back in turn), lets nothing waiting in until a barrier
 //! started after the last fence answers, and every count change carries the epoch it was made
-//! under (applied only under that epoch: a newer barrier counted the rows afresh). Each parked
-//! head's run is a `dedup.kafka.parked_retry` span.
+//! under (applied only under that epoch: a newer barrier counted the rows afresh).
 
-use std::collections::HashSet;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 
 use dedup_core::Store;
-use tracing::{Instrument, debug, info_span, warn};
-
-use futures_util::FutureExt;
+use tracing::warn;
 
 use super::super::{Done, Event, Handler, Job, Lane, Loop, Report, Settled};
-use super::{Head, HeadRun, ParkCtx, ParkEvent, PartParks, PartRef};
+use super::{ParkCtx, ParkEvent, PartParks, PartRef};
 use crate::consumer::{PauseReason, lock};
-
-/// Parked heads run at once at most, over the runner's partitions.
-const MAX_RUNNING: usize = 64;
 
 impl<S, H> Loop<S, H>
 where
     S: Store + Send + Sync + 'static,
     H: Handler,
 {
-    fn park_ctx(&self) -> Option<Arc<ParkCtx>> {
+    pub(super) fn park_ctx(&self) -> Option<Arc<ParkCtx>> {
         self.inner.park.clone()
     }
 
@@ -70,84 +60,12 @@ where
     }
 
     /// Sends a parking event to the loop.
-    fn park_event(&self) -> Option<tokio::sync::mpsc::UnboundedSender<Event>> {
+    pub(super) fn park_event(&self) -> Option<tokio::sync::mpsc::UnboundedSender<Event>> {
         self.done_tx.clone()
     }
 
-    /// Every `poll`: follows the assignment (a sync barrier for each partition newly owned; the
-    /// parked keys of revoked ones are let go), looks for due heads, refreshes the gauges, and
-    /// lets messages waiting for room in.
-    pub(in crate::runner) fn park_tick(&mut self) {
-        let Some(ctx) = self.park_ctx() else {
-            return;
-        };
-        let owned: Vec<((String, i32), u64, bool)> = lock(&self.shared)
-            .parts
-            .iter()
-            .map(|(tp, p)| {
-                (
-                    tp.clone(),
-                    p.generation,
-                    p.revoked.load(AtomicOrdering::Acquire),
-                )
-            })
-            .collect();
-        let live: HashSet<(String, i32)> = owned
-            .iter()
-            .filter(|(_, _, revoked)| !revoked)
-            .map(|(tp, _, _)| tp.clone())
-            .collect();
-        let gone: Vec<(String, i32)> = self
-            .parks
-            .parts
-            .keys()
-            .filter(|tp| !live.contains(*tp))
-            .cloned()
-            .collect();
-        for tp in gone {
-            if let Some(p) = self.parks.parts.remove(&tp) {
-                self.held -= p.waiting.len();
-                self.inner.counters.abandoned.add(p.waiting.len() as u64);
-            }
-        }
-        for (tp, generation, revoked) in owned {
-            if !revoked {
-                self.sync(&tp, generation);
-            }
-        }
-        ctx.total.store(self.parks.total(), AtomicOrdering::Relaxed);
-        self.let_waiting_in();
-        let synced: Vec<(String, i32)> = self
-            .parks
-            .parts
-            .iter()
-            .filter(|(_, p)| p.epoch.is_some())
-            .map(|(tp, _)| tp.clone())
-            .collect();
-        self.parks.ticks += 1;
-        let Some(tx) = self.park_event() else {
-            return;
-        };
-        // An open kill switch runs no parked head either.
-        if !synced.is_empty() && !self.parks.heads_running && !self.inner.breaker.is_open() {
-            self.parks.heads_running = true;
-            let (ctx, tx, parts) = (ctx.clone(), tx.clone(), synced.clone());
-            tokio::spawn(async move {
-                let heads = ctx.store.due_heads(&ctx.group, &parts, 256).await;
-                let _ = tx.send(Event::Park(ParkEvent::Heads(heads)));
-            });
-        }
-        if self.parks.ticks.is_multiple_of(8) {
-            tokio::spawn(async move {
-                if let Ok(g) = ctx.store.gauges(&ctx.group, &synced).await {
-                    let _ = tx.send(Event::Park(ParkEvent::Gauges(g)));
-                }
-            });
-        }
-    }
-
     /// Starts `tp`'s sync barrier for `generation` unless it runs or ran.
-    fn sync(&mut self, tp: &(String, i32), generation: u64) {
+    pub(super) fn sync(&mut self, tp: &(String, i32), generation: u64) {
         let Some(ctx) = self.park_ctx() else {
             return;
         };
@@ -197,94 +115,9 @@ where
         });
     }
 
-    pub(in crate::runner) fn on_park_event(&mut self, event: ParkEvent) {
-        match event {
-            ParkEvent::Synced {
-                tp,
-                generation,
-                result,
-            } => {
-                let Some(p) = self.parks.parts.get_mut(&tp) else {
-                    return;
-                };
-                if p.generation != generation {
-                    return;
-                }
-                p.syncing = false;
-                match result {
-                    // Revoked before the bump: the next tick lets the partition go.
-                    Ok(None) => {}
-                    Ok(Some((epoch, keys))) => {
-                        debug!(topic = %tp.0, partition = tp.1, epoch, parked_keys = keys.len(), "parked keys loaded");
-                        p.epoch = Some(epoch);
-                        p.keys = keys;
-                        if p.stale {
-                            // Fenced again while this barrier ran: its answer may be behind.
-                            self.sync(&tp, generation);
-                        } else {
-                            self.let_waiting_in();
-                        }
-                    }
-                    Err(e) => {
-                        // Tried again on the next tick.
-                        self.inner.counters.store_errors.add(1);
-                        warn!(topic = %tp.0, partition = tp.1, error = %e, "loading parked keys failed; retrying");
-                    }
-                }
-            }
-            ParkEvent::Heads(heads) => {
-                self.parks.heads_running = false;
-                match heads {
-                    Ok(heads) => {
-                        for head in heads {
-                            self.drive(head);
-                        }
-                    }
-                    Err(e) => {
-                        self.inner.counters.store_errors.add(1);
-                        warn!(error = %e, "looking for due parked heads failed");
-                    }
-                }
-            }
-            ParkEvent::HeadDone {
-                tp,
-                generation,
-                epoch,
-                key,
-                run,
-            } => {
-                self.parks
-                    .driving
-                    .remove(&(tp.0.clone(), tp.1, generation, key.clone()));
-                // Under a newer epoch the barrier counted the rows afresh: a removal made
-                // before it is in its count already.
-                if run.removed
-                    && let Some(p) = self.parks.parts.get_mut(&tp)
-                    && p.generation == generation
-                    && p.epoch == Some(epoch)
-                    && let Some(n) = p.keys.get_mut(&key)
-                {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        p.keys.remove(&key);
-                    }
-                }
-                self.let_waiting_in();
-            }
-            ParkEvent::Resync(lane) => self.resync(&lane, Vec::new()),
-            ParkEvent::Gauges((keys, messages, oldest)) => {
-                let c = &self.inner.counters;
-                c.parked_keys.set(keys);
-                c.parked_messages.set(messages);
-                c.parked_oldest_ms
-                    .set(u64::try_from(oldest.as_millis()).unwrap_or(u64::MAX));
-            }
-        }
-    }
-
     /// Lets in the messages that waited for a barrier or for room: each goes through
     /// [`admit`](Self::admit) again, in the order received.
-    fn let_waiting_in(&mut self) {
+    pub(super) fn let_waiting_in(&mut self) {
         let Some(ctx) = self.park_ctx() else {
             return;
         };
@@ -519,7 +352,7 @@ where
 
     /// Reads `lane`'s partition's parked keys again under a new epoch; `jobs` (counted in
     /// `held`) wait for it, first in line.
-    fn resync(&mut self, lane: &Lane, jobs: Vec<Job>) {
+    pub(super) fn resync(&mut self, lane: &Lane, jobs: Vec<Job>) {
         let tp = (lane.topic.clone(), lane.partition);
         match self.parks.parts.get_mut(&tp) {
             Some(p) if p.generation == lane.generation => {
@@ -538,67 +371,5 @@ where
                 self.inner.counters.abandoned.add(jobs.len() as u64);
             }
         }
-    }
-
-    /// Starts a due head's run unless its key's head runs already (and not while stopping, nor
-    /// past [`MAX_RUNNING`] runs at once).
-    fn drive(&mut self, head: Head) {
-        let Some(ctx) = self.park_ctx() else {
-            return;
-        };
-        if *self.inner.stopping.borrow() || self.parks.driving.len() >= MAX_RUNNING {
-            return;
-        }
-        let tp = (head.delivery.topic.clone(), head.delivery.partition);
-        let Some(p) = self.parks.parts.get(&tp) else {
-            return;
-        };
-        let Some(epoch) = p.epoch else {
-            return;
-        };
-        let generation = p.generation;
-        if !self
-            .parks
-            .driving
-            .insert((tp.0.clone(), tp.1, generation, head.key.clone()))
-        {
-            return;
-        }
-        let Some(tx) = self.done_tx.clone() else {
-            return;
-        };
-        let inner = self.inner.clone();
-        let scope = self.scope.clone();
-        tokio::spawn(async move {
-            let key = head.key.clone();
-            let span = info_span!(
-                "dedup.kafka.parked_retry",
-                "messaging.destination.name" = %tp.0,
-                "messaging.kafka.partition" = tp.1,
-                "messaging.kafka.offset" = head.delivery.offset,
-                attempts = head.attempts,
-                outcome = tracing::field::Empty,
-            );
-            // Whatever happens in the run, the loop hears of it, or the key would never be
-            // driven again.
-            let run = AssertUnwindSafe(inner.run_head(&ctx, &scope, epoch, head).instrument(span))
-                .catch_unwind()
-                .await
-                .unwrap_or_else(|panic| {
-                    inner.counters.panics.add(1);
-                    warn!(
-                        panic = super::super::panic_message(&*panic),
-                        "a parked head's run panicked; it runs again"
-                    );
-                    HeadRun::KEPT
-                });
-            let _ = tx.send(Event::Park(ParkEvent::HeadDone {
-                tp,
-                generation,
-                epoch,
-                key,
-                run,
-            }));
-        });
     }
 }

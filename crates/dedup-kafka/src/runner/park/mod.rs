@@ -14,8 +14,8 @@
 //! Here: `Parking` (`Runner::with_parking`, feature `pg`), `AfterGiveUp`, the `ParkStore` trait
 //! the loop calls (so the loop needs no feature; `pg.rs` implements it on `PgStore`), and the
 //! loop's state (`Parks`: per owned partition its generation, epoch, parked keys with counts, and
-//! the messages waiting for the barrier or for room). The loop's side is `drive.rs`, a task's side
-//! `run.rs`.
+//! the messages waiting for the barrier or for room). The loop's side is `drive.rs` (barriers,
+//! admission, parking behind a key) and `heads.rs` (its tick, due heads), a task's side `run.rs`.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -31,6 +31,7 @@ use crate::config::Backoff;
 use crate::delivery::Delivery;
 
 mod drive;
+mod heads;
 mod pg;
 mod run;
 pub(crate) mod store;
