@@ -29,6 +29,7 @@ on_brokers!(
     a_lease_handler_runs_each_key_once_per_message_and_by_the_batch,
     a_handler_past_the_drain_timeout_keeps_the_identity_from_a_successor,
     a_consumer_stopped_by_its_own_signal_commits_and_leaves_the_others_running,
+    a_consumer_whose_run_is_dropped_or_whose_stop_panics_loses_and_doubles_nothing,
 );
 
 /// 300 payments over 200 keys on 3 partitions: every third a redelivery of an earlier one.
@@ -529,6 +530,152 @@ async fn a_consumer_stopped_by_its_own_signal_commits_and_leaves_the_others_runn
         effects.lock().unwrap().values().all(|n| *n == 1),
         "an effect ran twice"
     );
+}
+
+/// A transaction-mode handler that books each payment in `cut_short`, slowly enough that a
+/// consumer cut short has batches in flight.
+struct SlowBooking;
+
+impl TxHandler for SlowBooking {
+    type Error = String;
+    type Output = Bytes;
+
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        message: &dedup::kafka::Acquired,
+    ) -> Result<Bytes, HandlerError<String>> {
+        sqlx::query("INSERT INTO cut_short (payment) VALUES ($1)")
+            .bind(String::from_utf8_lossy(message.lease().key.key_bytes()).into_owned())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| HandlerError::Retryable(e.to_string()))?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(Bytes::new())
+    }
+}
+
+/// `run_until`, ended without its drain: a stop future that panics (the panic comes out of
+/// `run_until`), then a `run_until` future dropped mid-stream (its task aborted). Neither drains
+/// nor commits what is in flight (its batch's transaction rolls back with its connection), and
+/// the engine's health says each is not running (it did not stop on its own signal). A
+/// successor in the same group finishes the stream from the committed offsets: every payment
+/// booked once, none lost.
+async fn a_consumer_whose_run_is_dropped_or_whose_stop_panics_loses_and_doubles_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    sqlx::query("CREATE TABLE cut_short (payment text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let topic = unique("cut-short");
+    broker.create_topic(&topic, 3).await;
+    let (events, keys) = payments();
+    produce(broker, &topic, &events).await;
+    let engine = Engine::builder()
+        .postgres(pool.clone())
+        .scope(unique("cut-short"))
+        .build()
+        .await
+        .unwrap();
+    let group = unique("g");
+    let consumer = || {
+        let mut consumer = engine
+            .consumer()
+            .brokers(broker.bootstrap())
+            .group_id(&group)
+            .topics([&topic])
+            .commit_interval(Duration::from_millis(200))
+            .batching(Batching::new(10, Duration::from_millis(5)))
+            // The next member is not held up by the one cut short.
+            .static_membership(false)
+            .set("auto.offset.reset", "earliest");
+        for (k, v) in broker.client() {
+            consumer = consumer.set(k, v);
+        }
+        for (k, v) in broker.fast_failover() {
+            consumer = consumer.set(k, v);
+        }
+        consumer.build(SlowBooking).unwrap()
+    };
+    let booked = |pool: PgPool| async move {
+        let n: i64 = sqlx::query_scalar("SELECT count(DISTINCT payment) FROM cut_short")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        usize::try_from(n).unwrap()
+    };
+    let not_running = |engine: &Engine| {
+        let h = engine.health(Duration::from_secs(60));
+        assert!(!h.ready, "{h}");
+        assert!(h.consumers.iter().all(|c| !c.running), "{h}");
+    };
+
+    // A stop future that panics once a third of the payments are booked.
+    let (panic_now, panicking) = oneshot::channel::<()>();
+    let first = tokio::spawn(consumer().run_until(async move {
+        let _ = panicking.await;
+        panic!("the stop signal's own bug");
+    }));
+    eventually(60, "a third of the payments booked", || {
+        let pool = pool.clone();
+        let want = keys.len() / 3;
+        async move { booked(pool).await >= want }
+    })
+    .await;
+    panic_now.send(()).unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(60), first)
+        .await
+        .expect("the panic ended the consumer");
+    assert!(ended.is_err_and(|e| e.is_panic()));
+    not_running(&engine);
+
+    // A `run_until` future dropped while a third of the payments are still to book.
+    let second = tokio::spawn(consumer().run_until(std::future::pending::<()>()));
+    eventually(90, "two thirds of the payments booked", || {
+        let pool = pool.clone();
+        let want = keys.len() * 2 / 3;
+        async move { booked(pool).await >= want }
+    })
+    .await;
+    second.abort();
+    assert!(second.await.is_err_and(|e| e.is_cancelled()));
+    not_running(&engine);
+
+    // A successor finishes the stream.
+    let (stop, stopped) = oneshot::channel::<()>();
+    let third = tokio::spawn(consumer().run_until(stopped));
+    eventually(90, "every payment booked", || {
+        let pool = pool.clone();
+        let want = keys.len();
+        async move { booked(pool).await == want }
+    })
+    .await;
+    committed_to_the_end(broker, &group, &topic, 3).await;
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(60), third)
+        .await
+        .expect("the successor stopped on its own signal")
+        .unwrap()
+        .unwrap();
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT payment, count(*) FROM cut_short GROUP BY payment")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        rows.iter()
+            .map(|r| r.0.clone())
+            .collect::<BTreeSet<String>>(),
+        keys,
+        "every payment booked"
+    );
+    assert!(
+        rows.iter().all(|r| r.1 == 1),
+        "a payment booked twice: {rows:?}"
+    );
+    engine.shutdown().await;
 }
 
 /// The setting a builder refused: the engine's (`BuildError`) or a consumer's (`ConfigError`).
