@@ -1,7 +1,7 @@
 //! The store's statements, each a `const`: plain `sqlx::query` strings (not the compile-time
-//! checked macros), each exercised by the tests against a real server. Parking's are in
-//! `parked/sql.rs`; `admin.rs`, `refused.rs` and `migrate/` keep theirs beside the code that
-//! runs them. `WITHDRAW_SQL` gives a lease back.
+//! checked macros), each exercised by the tests against a real server. `admin.rs` and
+//! `migrate/` keep theirs beside the code that runs them (and the Kafka crate its own tables'
+//! statements: parking, kept dead letters, offsets). `WITHDRAW_SQL` gives a lease back.
 //!
 //! Leases are granted from `statement_timestamp()`. A claim that waited on a lock (an
 //! uncommitted claim of the same key, a row lock) has values computed before the wait, so every

@@ -550,17 +550,18 @@ impl TxHandler for SlowBooking {
             .execute(&mut *tx)
             .await
             .map_err(|e| HandlerError::Retryable(e.to_string()))?;
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
         Ok(Bytes::new())
     }
 }
 
 /// `run_until`, ended without its drain: a stop future that panics (the panic comes out of
-/// `run_until`), then a `run_until` future dropped mid-stream (its task aborted). Neither drains
-/// nor commits what is in flight (its batch's transaction rolls back with its connection), and
-/// the engine's health says each is not running (it did not stop on its own signal). A
-/// successor in the same group finishes the stream from the committed offsets: every payment
-/// booked once, none lost.
+/// `run_until`), then a `run_until` future dropped mid-stream (its task aborted), each while
+/// payments are still to book. Neither drains nor commits its offsets (a batch already running
+/// may still finish on its own: its effects and completions commit together, so the successor
+/// replays it), and the engine's health says each is not running (it did not stop on its own
+/// signal). A successor in the same group finishes the stream from the committed offsets:
+/// every payment booked once, none lost.
 async fn a_consumer_whose_run_is_dropped_or_whose_stop_panics_loses_and_doubles_nothing(
     broker: &Broker,
     pool: PgPool,
@@ -624,6 +625,10 @@ async fn a_consumer_whose_run_is_dropped_or_whose_stop_panics_loses_and_doubles_
         async move { booked(pool).await >= want }
     })
     .await;
+    assert!(
+        booked(pool.clone()).await < keys.len(),
+        "cut short mid-stream"
+    );
     panic_now.send(()).unwrap();
     let ended = tokio::time::timeout(Duration::from_secs(60), first)
         .await
@@ -639,6 +644,10 @@ async fn a_consumer_whose_run_is_dropped_or_whose_stop_panics_loses_and_doubles_
         async move { booked(pool).await >= want }
     })
     .await;
+    assert!(
+        booked(pool.clone()).await < keys.len(),
+        "cut short mid-stream"
+    );
     second.abort();
     assert!(second.await.is_err_and(|e| e.is_cancelled()));
     not_running(&engine);

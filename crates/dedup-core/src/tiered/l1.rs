@@ -44,7 +44,7 @@ impl Weighter<IdempotencyKey, Arc<Entry>> for Weigh {
 }
 
 /// Passes an `IdempotencyKey`'s digest through: the key is already hashed once, with a keyed
-/// SipHash, when it is built (see `key.rs`), so hashing it again would only cost.
+/// SipHash, when it is built (see `key/`), so hashing it again would only cost.
 #[derive(Default)]
 struct Digest(u64);
 

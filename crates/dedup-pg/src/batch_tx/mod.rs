@@ -186,7 +186,7 @@ pub trait BatchWrites: std::fmt::Debug + Send + Sync {
     /// settles if the batch commits (it ran, or was answered from its record: nothing about it
     /// is left to do); a request that failed (to be retried or dead-lettered), answered InFlight
     /// or waited behind its group does not. Answers how many statements it ran (counted in
-    /// [`PgStore::statements`]).
+    /// [`PgStore::statements`]; a write that fails counts as one).
     ///
     /// # Errors
     /// A statement that failed: the batch fails with it (or, where it found the transaction

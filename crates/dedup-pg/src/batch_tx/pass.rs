@@ -188,6 +188,8 @@ impl PgStore {
                 match writes.write(&mut tx, &settled).await {
                     Ok(statements) => self.count(statements),
                     Err(e) => {
+                        // At least the statement that failed.
+                        self.count(1);
                         if retry_whole && aborted(&e) {
                             tx.rollback().await.map_err(|e| classify(e, false))?;
                             return Ok(Pass::Retry(Vec::new()));

@@ -12,7 +12,8 @@
 //! ```
 //!
 //! `run.rs` is one batch (its transaction, what each answer means, its dead letters);
-//! `offsets.rs` reads stored positions at assignment (offsets in the transaction).
+//! `offsets/` is offsets in the transaction: the position each batch stores with its effects,
+//! those stored on their own, and the read at assignment.
 //!
 //! The ordering groups are the partition (`Ordering::PerPartition`) or the ordering key
 //! (`PerKey`). The user's `BatchHandler` gets the acquired messages (`Acquired`: delivery and

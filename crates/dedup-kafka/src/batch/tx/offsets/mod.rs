@@ -14,7 +14,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dedup_core::StoreError;
+use dedup_core::{InputError, StoreError};
 use dedup_pg::{BatchWrites, BatchWritesFuture, PgStore, classify};
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{ConnectOptions, Row};
@@ -166,6 +166,13 @@ impl TxOffsets {
 impl BatchWrites for TxOffsets {
     fn write<'c>(&'c self, tx: &'c mut PgConnection, settled: &'c [bool]) -> BatchWritesFuture<'c> {
         Box::pin(async move {
+            // One offset per request, or a position past an unsettled message could be stored.
+            if settled.len() != self.offsets.len() {
+                return Err(StoreError::Input(InputError::Setting {
+                    setting: "offsets",
+                    problem: "needs one offset per request of the batch",
+                }));
+            }
             let position = self.position(settled);
             store_on(
                 tx,

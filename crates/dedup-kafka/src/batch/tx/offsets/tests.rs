@@ -112,4 +112,13 @@ async fn a_batch_stores_its_position_with_its_effects_and_never_moves_it_back(po
     assert_eq!(position(&pool).await, Some(17));
     store_offsets(&store, "g", &[("t", 0, 3)]).await.unwrap();
     assert_eq!(position(&pool).await, Some(17), "never back");
+    // Offsets that are not one per request are refused: nothing of the batch commits.
+    let r = reqs(&["x"]);
+    let o = offsets(vec![], 99);
+    let err = store
+        .transact_batch(BatchRequest::new(&r).with_writes(&o), body(&[]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, dedup_core::StoreError::Input(_)), "{err:?}");
+    assert_eq!(position(&pool).await, Some(17));
 }
