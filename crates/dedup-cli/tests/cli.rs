@@ -885,11 +885,12 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     assert_eq!(
         names,
         [
-            "(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(a')", "(b')", "(e')", "(ek)", "(fk)"
+            "(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(a')", "(b')", "(e')", "(ek)", "(fk)",
+            "(hn)", "(h0)", "(h0x)", "(h1)", "(h2)", "(h3)", "(h3r)"
         ]
     );
     for c in contenders {
-        assert_eq!(c["effects"], 420, "{c}");
+        assert_eq!(c["effects"], c["expected_effects"], "{c}");
         assert_eq!(c["errors"], 0, "{c}");
         assert!(c["events_per_s"].as_f64().unwrap() > 0.0, "{c}");
         if c["name"] == "(ek)" || c["name"] == "(fk)" {
@@ -953,6 +954,56 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     assert!(server(6)["handler"].as_f64().unwrap() >= 1.0, "{report}");
     assert!(server(7)["handler"].as_f64().unwrap() >= 1.0, "{report}");
     assert!(server(8)["handler"].as_f64().unwrap() < 0.5, "{report}");
+
+    // The HTTP contenders: every request answered, each effect once where the route is
+    // idempotent, none for retries; the server counted what each request cost.
+    let http = |name: &str| {
+        contenders
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("{name}: {report}"))
+    };
+    for (name, effects) in [
+        ("(hn)", 600),
+        ("(h0)", 600),
+        ("(h0x)", 420),
+        ("(h1)", 420),
+        ("(h2)", 420),
+        ("(h3)", 0),
+        ("(h3r)", 0),
+    ] {
+        let c = http(name);
+        assert_eq!(c["expected_effects"], effects, "{c}");
+        let h = &c["http"];
+        let answered = ["fresh", "replayed", "conflicts"]
+            .iter()
+            .map(|k| h[k].as_u64().unwrap())
+            .sum::<u64>();
+        assert_eq!(answered, 600, "every request answered once: {c}");
+        assert!(c["p99_ms"].as_f64().unwrap() >= c["p50_ms"].as_f64().unwrap());
+        let cpu = &h["cpu_ms_per_1k_requests"];
+        assert!(cpu["server"].as_f64().unwrap() > 0.0, "{c}");
+    }
+    assert_eq!(http("(h0x)")["http"]["conflicts"], 180, "{report}");
+    assert_eq!(http("(h0x)")["http"]["fresh"], 420, "{report}");
+    for name in ["(h1)", "(h2)"] {
+        assert_eq!(http(name)["http"]["fresh"], 420, "{name}: {report}");
+    }
+    for name in ["(h3)", "(h3r)"] {
+        assert_eq!(http(name)["http"]["replayed"], 600, "{name}: {report}");
+    }
+    // The routes that write: at least one statement and one writing transaction per effect (the
+    // server's counts take in other tests' work meanwhile: lower bounds only).
+    let per = |name: &str, what: &str| http(name)["http"][what].as_f64().unwrap();
+    assert!(per("(h0)", "statements_per_request") >= 1.0, "{report}");
+    assert!(per("(h0)", "commits_per_request") >= 1.0, "{report}");
+    assert!(per("(h2)", "commits_per_request") >= 0.7, "{report}");
+    for ratio in ["h2/h0", "h2/h0x", "h1/h0", "h3/h0", "h3r/h0"] {
+        assert!(
+            report["ratios"][ratio].as_f64().unwrap() > 0.0,
+            "{ratio}: {report}"
+        );
+    }
 
     // The run deleted its records, (f)'s `bench-f-` scope included, and said so.
     assert!(stderr.contains("[bench] cleaned up: deleted"), "{stderr}");

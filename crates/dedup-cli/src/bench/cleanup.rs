@@ -4,7 +4,9 @@ use sqlx::PgPool;
 
 /// The tags of the scopes a run's dedup contenders write records under (`bench-<tag>-<run>`):
 /// (c), (d), (e), (e'), (f), (ek), (fk) and the claim statement alone.
-pub(super) const SCOPE_TAGS: [&str; 8] = ["c", "d", "e", "e2", "f", "ek", "fk", "claim"];
+pub(super) const SCOPE_TAGS: [&str; 11] = [
+    "c", "d", "e", "e2", "f", "ek", "fk", "h1", "h2", "h3", "claim",
+];
 
 /// Rows deleted per statement when cleaning up.
 pub(super) const CLEANUP_BATCH: i64 = 10_000;
@@ -75,6 +77,12 @@ pub(super) async fn cleanup(pool: &PgPool, run_id: &str, keys_from: &str) -> Cle
             "dedup_bench_ledger",
         ),
         (
+            "DELETE FROM dedup_bench_ledger_unique WHERE ctid IN (SELECT ctid FROM \
+             dedup_bench_ledger_unique WHERE run = ANY($1::text[]) LIMIT $2)",
+            vec![run_id.to_owned()],
+            "dedup_bench_ledger_unique",
+        ),
+        (
             "DELETE FROM dedup_bench_usual WHERE ctid IN (SELECT ctid FROM dedup_bench_usual \
              WHERE starts_with(key, ($1::text[])[1]) LIMIT $2)",
             vec![format!("{run_id}:")],
@@ -104,7 +112,7 @@ pub(super) async fn cleanup(pool: &PgPool, run_id: &str, keys_from: &str) -> Cle
         };
         match what {
             "dedup_records" => cleaned.records += deleted,
-            "dedup_bench_ledger" => cleaned.ledger = deleted,
+            "dedup_bench_ledger" | "dedup_bench_ledger_unique" => cleaned.ledger += deleted,
             _ => cleaned.usual = deleted,
         }
         if let Some(e) = error {

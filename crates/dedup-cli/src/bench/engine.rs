@@ -75,6 +75,7 @@ pub(super) async fn tiered(
         cpu: None,
         wal: None,
         row_bytes: None,
+        http: None,
         tiers: tier_counts(&stats),
         batches,
     })
@@ -225,6 +226,7 @@ pub(super) async fn lease_batches(
         cpu: None,
         wal: None,
         row_bytes: None,
+        http: None,
         tiers: tier_counts(&dedup.store().stats()),
         batches: None,
     })

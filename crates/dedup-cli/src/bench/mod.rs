@@ -16,6 +16,9 @@
 //! the same work by hand: (ek) a transaction-mode consumer beside (e), (fk) a batched lease-mode
 //! consumer beside (f).
 //!
+//! HTTP routes on loopback behind dedup's Idempotency-Key layer, beside the route alone and the
+//! hand-rolled `INSERT ... ON CONFLICT` (`web/`): (hn), (h0), (h0x), (h1), (h2), (h3), (h3r).
+//!
 //! And the ceiling: the same Postgres taking 500-row INSERTs into a copy of `dedup_records`.
 //!
 //! The same events, the same concurrency (events in flight), the same servers; each contender in
@@ -42,6 +45,7 @@ mod runners;
 mod statements;
 mod txmode;
 mod usual;
+mod web;
 mod window;
 
 pub(crate) use args::BenchArgs;
@@ -79,9 +83,17 @@ struct Outcome {
     wal: Option<(u64, Option<u64>)>,
     /// The average heap size of one of its records, where it keeps records.
     row_bytes: Option<f64>,
+    /// An HTTP contender's own figures.
+    http: Option<web::HttpFigures>,
 }
 
 impl Outcome {
+    /// The effects it must have made: one per unique key, unless it is an HTTP contender that
+    /// says otherwise.
+    fn expected_effects(&self, unique: u64) -> u64 {
+        self.http.as_ref().map_or(unique, |h| h.expected_effects)
+    }
+
     fn rate(&self, events: u64) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let n = events as f64;
@@ -151,6 +163,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             .map_or(0, |d| d.as_secs())
     );
     txmode::ledger_table(&pool).await?;
+    web::tables(&pool).await?;
     let counting = statements::enable(&pool).await;
     let windowed = args.prefill > 0 || args.expired > 0;
     let keepers: Vec<&str> = window::KEEPERS
@@ -306,7 +319,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         .iter()
         .enumerate()
         .flat_map(|(i, r)| r.outcomes.iter().map(move |o| (i, o)))
-        .filter(|(_, o)| o.effects != unique || o.errors > 0)
+        .filter(|(_, o)| o.effects != o.expected_effects(unique) || o.errors > 0)
         .collect();
     let report = Report::new(&args, unique, &sync, &rounds, window.as_ref());
     if args.json {
@@ -319,10 +332,12 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     } else {
         for (i, o) in wrong {
             eprintln!(
-                "dedup bench: {} (run {}) ran {} effects for {unique} unique keys, with {} errors",
+                "dedup bench: {} (run {}) ran {} effects where {} were due ({unique} unique \
+                 keys), with {} errors",
                 o.name,
                 i + 1,
                 o.effects,
+                o.expected_effects(unique),
                 o.errors
             );
         }
@@ -400,6 +415,13 @@ async fn run_round(
         if !only.iter().any(|o| o == c) {
             continue;
         }
+        if web::CONTENDERS.contains(&c) {
+            // Measured around their timed passes alone ((h3) completes its keys first).
+            round
+                .outcomes
+                .extend(web::run(c, ctx, args, pool, counting).await?);
+            continue;
+        }
         let before = if counting {
             statements::count(pool).await
         } else {
@@ -450,8 +472,9 @@ async fn run_round(
 }
 
 /// Every contender, in the order they run.
-const CONTENDERS: [&str; 13] = [
-    "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ek", "fk", "ceiling", "claim",
+const CONTENDERS: [&str; 19] = [
+    "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ek", "fk", "hn", "h0", "h0x", "h1", "h2",
+    "h3", "ceiling", "claim",
 ];
 
 #[derive(Clone)]

@@ -176,6 +176,7 @@ pub(super) async fn through_kafka(
         cpu: None,
         wal: None,
         row_bytes: None,
+        http: None,
         tiers: tier_counts(&engine.tier_stats()),
         batches: None,
     })

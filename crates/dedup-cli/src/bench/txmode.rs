@@ -163,6 +163,7 @@ pub(super) async fn transaction_mode(
         cpu: None,
         wal: None,
         row_bytes: None,
+        http: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })

@@ -135,6 +135,7 @@ pub(super) async fn usual_postgres(
         cpu: None,
         wal: None,
         row_bytes: None,
+        http: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })
@@ -252,6 +253,7 @@ pub(super) async fn usual_redis(
         cpu: None,
         wal: None,
         row_bytes: None,
+        http: None,
         tiers: (0, ctx.stream.len() as u64, 0),
         batches: None,
     })

@@ -61,6 +61,18 @@ impl Report<'_> {
             "wal_bytes_per_unique_key": o.wal.map(|w| per_unique(w.0, self.unique)),
             "wal_fpi_per_unique_key": o.wal.and_then(|w| w.1).map(|f| per_unique(f, self.unique)),
             "row_bytes": o.row_bytes,
+            "expected_effects": o.expected_effects(self.unique),
+            "http": o.http.as_ref().map(|h| serde_json::json!({
+                "fresh": h.fresh,
+                "replayed": h.replayed,
+                "conflicts": h.conflicts,
+                "statements_per_request": o.server_statements.map(|s| per_unique(s.0, self.args.events)),
+                "commits_per_request": h.commits.map(|c| per_unique(c, self.args.events)),
+                "cpu_ms_per_1k_requests": h.cpu.map(|c| serde_json::json!({
+                    "server": c.server_ms, "client": c.client_ms,
+                    "postgres": c.postgres_ms, "redis": c.redis_ms,
+                })),
+            })),
         })
     }
 

@@ -160,7 +160,7 @@ impl<'a> Report<'a> {
     }
 
     /// The ratios the speed targets are stated in, with the contenders' absolute rates.
-    const RATIOS: [(&'static str, &'static str, &'static str); 10] = [
+    const RATIOS: [(&'static str, &'static str, &'static str); 15] = [
         ("d/a", "(d)", "(a)"),
         ("d/b", "(d)", "(b)"),
         ("f/a", "(f)", "(a)"),
@@ -171,6 +171,11 @@ impl<'a> Report<'a> {
         ("e'/b'", "(e')", "(b')"),
         ("ek/e", "(ek)", "(e)"),
         ("fk/f", "(fk)", "(f)"),
+        ("h2/h0", "(h2)", "(h0)"),
+        ("h2/h0x", "(h2)", "(h0x)"),
+        ("h1/h0", "(h1)", "(h0)"),
+        ("h3/h0", "(h3)", "(h0)"),
+        ("h3r/h0", "(h3r)", "(h0)"),
     ];
 
     /// Statements the server ran per unique key while `o` ran: the engine's (everything but the

@@ -8,11 +8,11 @@ impl Report<'_> {
     pub(in crate::bench) fn table(&self) {
         let repeated = self.rounds.len() > 1;
         self.print_heading(repeated);
-        let median_runs: Vec<&Outcome> = self
+        let (web_runs, median_runs): (Vec<&Outcome>, Vec<&Outcome>) = self
             .names()
             .iter()
             .filter_map(|n| self.median_run(n))
-            .collect();
+            .partition(|o| o.http.is_some());
         for &o in &median_runs {
             self.print_row(o, repeated);
         }
@@ -22,6 +22,7 @@ impl Report<'_> {
              tier answered."
         );
         self.print_counts(&median_runs);
+        self.print_web(&web_runs, repeated);
         self.print_ratios(repeated);
         self.print_ceiling(&median_runs);
         if let Some(w) = self.window {
@@ -308,6 +309,70 @@ impl Report<'_> {
                 );
             }
         }
+    }
+
+    /// Prints the HTTP contenders' table: requests/s, latency, the server's statements and
+    /// commits per request, how requests were answered, the effects, and whose CPU they cost.
+    fn print_web(&self, runs: &[&Outcome], repeated: bool) {
+        if runs.is_empty() {
+            return;
+        }
+        let events = self.args.events;
+        println!();
+        print!(
+            "{:<6} {:<42} {:>8} {:>7} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8} {:>27}",
+            "HTTP",
+            "route",
+            "req/s",
+            "p50 ms",
+            "p99 ms",
+            "stm/r",
+            "commit/r",
+            "fresh",
+            "replay",
+            "409",
+            "effects",
+            "CPU ms/1k srv,cli,PG,Redis"
+        );
+        if repeated {
+            print!(" {:>15}", "min-max req/s");
+        }
+        println!();
+        for o in runs {
+            let Some(h) = &o.http else { continue };
+            #[allow(clippy::cast_precision_loss)]
+            let per = |n: u64| format!("{:.2}", n as f64 / events.max(1) as f64);
+            let ms = |x: Option<f64>| x.map_or("-".to_owned(), |t| format!("{t:.2}"));
+            print!(
+                "{:<6} {:<42} {:>8.0} {:>7} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8} {:>27}",
+                o.name,
+                o.label,
+                o.rate(events),
+                ms(o.percentile_ms(0.5)),
+                ms(o.percentile_ms(0.99)),
+                o.server_statements.map_or("-".to_owned(), |s| per(s.0)),
+                h.commits.map_or("-".to_owned(), per),
+                h.fresh,
+                h.replayed,
+                h.conflicts,
+                format!("{}/{}", o.effects, h.expected_effects),
+                h.cpu.map_or("-".to_owned(), |c| format!(
+                    "{:.0},{:.0},{:.0},{:.0}",
+                    c.server_ms, c.client_ms, c.postgres_ms, c.redis_ms
+                )),
+            );
+            if let Some((min, max)) = self.spread_of(o.name).filter(|_| repeated) {
+                print!(" {:>15}", format!("{min:.0}-{max:.0}"));
+            }
+            println!();
+        }
+        println!(
+            "stm/r, commit/r: statements and writing transactions per request, counted by the \
+             server (pg_stat_statements; transaction ids assigned); fresh/replay/409: how requests were \
+             answered; effects: rows written / due (one per request for h0, per unique key for \
+             h0x, h1, h2; none for h3's retries); CPU: the server's threads, the client (the rest \
+             of the bench), Postgres, Redis"
+        );
     }
 
     /// Prints the ratios of medians (with `repeated`, their range run by run).
