@@ -22,6 +22,7 @@ mod kafka;
 mod kill;
 mod pg;
 mod pg_batch;
+mod pg_begin_claim;
 mod pg_faults;
 mod pg_freeze;
 mod pg_key_time;

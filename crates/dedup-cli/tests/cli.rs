@@ -863,7 +863,15 @@ fn the_bench_refuses_a_stream_the_mock_cluster_cut() {
 fn the_bench_runs_every_contender_on_the_same_stream() {
     // Spawned, not `output()`: its process id names its run's scopes (`bench-<tag>-<pid>-<secs>`).
     let child = bench()
-        .args(["--events", "600", "--concurrency", "8", "--json"])
+        .args([
+            "--events",
+            "600",
+            "--concurrency",
+            "8",
+            "--paced-share",
+            "0.5",
+            "--json",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -886,7 +894,7 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         names,
         [
             "(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(a')", "(b')", "(e')", "(ek)", "(fk)",
-            "(hn)", "(h0)", "(h0x)", "(h1)", "(h2)", "(h3)", "(h3r)"
+            "(hn)", "(h0)", "(h0x)", "(h1)", "(h2)", "(h2l)", "(h3)", "(h3r)"
         ]
     );
     for c in contenders {
@@ -969,6 +977,7 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         ("(h0x)", 420),
         ("(h1)", 420),
         ("(h2)", 420),
+        ("(h2l)", 420),
         ("(h3)", 0),
         ("(h3r)", 0),
     ] {
@@ -983,10 +992,17 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         assert!(c["p99_ms"].as_f64().unwrap() >= c["p50_ms"].as_f64().unwrap());
         let cpu = &h["cpu_ms_per_1k_requests"];
         assert!(cpu["server"].as_f64().unwrap() > 0.0, "{c}");
+        // The paced pass: at half the rate it reached, every request answered.
+        let paced = &h["paced"];
+        let asked = paced["asked_per_s"].as_f64().unwrap();
+        let rate = c["events_per_s"].as_f64().unwrap();
+        assert!((asked - rate / 2.0).abs() < 1.0, "{c}");
+        assert_eq!(paced["errors"], 0, "{c}");
+        assert!(paced["p99_ms"].as_f64().unwrap() >= paced["p50_ms"].as_f64().unwrap());
     }
     assert_eq!(http("(h0x)")["http"]["conflicts"], 180, "{report}");
     assert_eq!(http("(h0x)")["http"]["fresh"], 420, "{report}");
-    for name in ["(h1)", "(h2)"] {
+    for name in ["(h1)", "(h2)", "(h2l)"] {
         assert_eq!(http(name)["http"]["fresh"], 420, "{name}: {report}");
     }
     for name in ["(h3)", "(h3r)"] {
@@ -998,7 +1014,7 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
     assert!(per("(h0)", "statements_per_request") >= 1.0, "{report}");
     assert!(per("(h0)", "commits_per_request") >= 1.0, "{report}");
     assert!(per("(h2)", "commits_per_request") >= 0.7, "{report}");
-    for ratio in ["h2/h0", "h2/h0x", "h1/h0", "h3/h0", "h3r/h0"] {
+    for ratio in ["h2/h0", "h2/h0x", "h2/h2l", "h1/h0", "h3/h0", "h3r/h0"] {
         assert!(
             report["ratios"][ratio].as_f64().unwrap() > 0.0,
             "{ratio}: {report}"

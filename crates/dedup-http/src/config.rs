@@ -267,6 +267,12 @@ impl IdempotencyConfig {
         self
     }
 
+    /// The policy the layer's claims use (a running request's lease, how long responses are
+    /// kept, the largest stored response).
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
     /// The dedup policy: the lease a running request holds (default 30 s: past it, a retry runs
     /// the request again), how long responses are kept (7 days), and the largest stored
     /// response (64 KiB: a larger one is answered and stored without its body).

@@ -15,6 +15,7 @@ use http::Response;
 
 use crate::config::IdempotencyConfig;
 use crate::stored;
+use crate::tx::OpenTx;
 
 /// What a handler finds in its request's extensions when the layer runs it: the client's key,
 /// dedup's key, and the lease it runs under.
@@ -25,6 +26,18 @@ pub struct IdempotencyContext {
     lease: LeaseContext,
     config: Arc<IdempotencyConfig>,
     tx: Arc<Mutex<TxMarks>>,
+    /// The transaction a transactional layer opened around the key.
+    open: Arc<Mutex<OpenSlot>>,
+}
+
+/// The transaction a transactional layer holds the key in, while no one else holds it.
+#[derive(Debug, Default)]
+struct OpenSlot {
+    tx: Option<Box<dyn OpenTx>>,
+    /// The layer is transactional: the handler's transaction is the layer's, taken once.
+    transactional: bool,
+    /// The handler took it and gave it back uncommitted: it is only the layer's to roll back.
+    returned: bool,
 }
 
 /// The marks of the handler's transactions.
@@ -50,7 +63,58 @@ impl IdempotencyContext {
             lease,
             config,
             tx: Arc::default(),
+            open: Arc::default(),
         }
+    }
+
+    /// The context of a request whose key `open` holds (a transactional layer).
+    pub(crate) fn holding(mut self, open: Box<dyn OpenTx>) -> Self {
+        self.open = Arc::new(Mutex::new(OpenSlot {
+            tx: Some(open),
+            transactional: true,
+            returned: false,
+        }));
+        self
+    }
+
+    fn slot<T>(&self, f: impl FnOnce(&mut OpenSlot) -> T) -> T {
+        f(&mut self.open.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The transaction the layer holds the key in, if the handler did not take it or gave it
+    /// back.
+    pub(crate) fn take_open(&self) -> Option<Box<dyn OpenTx>> {
+        self.slot(|s| s.tx.take())
+    }
+
+    /// Whether the layer claimed the key in a transaction of its own (a transactional layer):
+    /// the handler's transaction is that one ([`take_transaction`](Self::take_transaction)),
+    /// and a request has no other.
+    pub fn is_transactional(&self) -> bool {
+        self.slot(|s| s.transactional)
+    }
+
+    /// The transaction the key was claimed in, under a transactional layer
+    /// (`IdempotencyLayer::transactional`; `dedup::Engine::http_tx_layer`): what the handler
+    /// writes on it commits with the key's completion, in one commit
+    /// ([`OpenTx::commit`]). Taken once: `None` under a lease-mode layer, once taken, and once
+    /// given back. Taking it marks the transaction opened
+    /// ([`transaction_opened`](Self::transaction_opened)): from then on only its commit stores a
+    /// response. `dedup::Engine::begin` takes it.
+    pub fn take_transaction(&self) -> Option<Box<dyn OpenTx>> {
+        self.transaction_opened();
+        self.slot(|s| if s.returned { None } else { s.tx.take() })
+    }
+
+    /// Gives back a transaction from [`take_transaction`](Self::take_transaction) that did not
+    /// commit: the layer rolls it back as soon as the handler answered (the key is given back,
+    /// no attempt spent), rather than when its connection is next used. It is not handed out
+    /// again: what was written on it must not commit.
+    pub fn return_transaction(&self, open: Box<dyn OpenTx>) {
+        self.slot(|s| {
+            s.tx = Some(open);
+            s.returned = true;
+        });
     }
 
     /// The key the client sent in the `Idempotency-Key` header (the configured header), as

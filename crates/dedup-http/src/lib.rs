@@ -75,6 +75,7 @@ mod key;
 mod problem;
 mod service;
 mod stored;
+mod tx;
 
 pub use config::{Extractor, IdempotencyConfig, InFlight, StoreResponses};
 pub use context::{Committed, DoNotStore, IdempotencyContext};
@@ -82,3 +83,4 @@ pub use key::{KeyHeaderError, MAX_CLIENT_KEY_LEN};
 pub use problem::PROBLEM_TYPE_PREFIX;
 pub use service::{Idempotency, IdempotencyLayer, LayerBody};
 pub use stored::{BODY_NOT_STORED, REPLAYED};
+pub use tx::{OpenTx, TxBegun, TxClaimer, TxFuture};

@@ -39,6 +39,7 @@ use crate::context::{Committed, DoNotStore, IdempotencyContext};
 use crate::key::{KeyError, client_key, fingerprint, idempotency_key};
 use crate::problem::{problem, retry_later};
 use crate::stored;
+use crate::tx::{TxClaimer, run_tx};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -52,6 +53,8 @@ pub struct IdempotencyLayer<S> {
     dedup: Arc<Dedup<S>>,
     config: Arc<IdempotencyConfig>,
     running: Arc<Running>,
+    /// The transactional path's claimer, where the layer is transactional.
+    claimer: Option<Arc<dyn TxClaimer>>,
 }
 
 /// The requests running on their own tasks.
@@ -85,6 +88,7 @@ impl<S> Clone for IdempotencyLayer<S> {
             dedup: self.dedup.clone(),
             config: self.config.clone(),
             running: self.running.clone(),
+            claimer: self.claimer.clone(),
         }
     }
 }
@@ -94,6 +98,7 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyLayer<S> {
         f.debug_struct("IdempotencyLayer")
             .field("dedup", &self.dedup)
             .field("config", &self.config)
+            .field("transactional", &self.claimer.is_some())
             .finish()
     }
 }
@@ -116,7 +121,26 @@ impl<S: Store> IdempotencyLayer<S> {
             dedup: Arc::new(dedup),
             config: Arc::new(config),
             running: Arc::default(),
+            claimer: None,
         })
+    }
+
+    /// A transactional layer on `dedup`: each request's key is claimed inside a transaction
+    /// `claimer` opens and holds while the handler runs; the handler writes on it
+    /// ([`IdempotencyContext::take_transaction`]) and commits its response with it, so that the
+    /// claim, the effect and the stored response are one commit (see `tx.rs`). `dedup` is the
+    /// store failed attempts are recorded in, and its owner ids; `claimer` the transactions.
+    ///
+    /// # Errors
+    /// A policy or wait the engine refuses.
+    pub fn transactional(
+        dedup: Dedup<S>,
+        config: IdempotencyConfig,
+        claimer: Arc<dyn TxClaimer>,
+    ) -> Result<Self, InputError> {
+        let mut layer = Self::on(dedup, config)?;
+        layer.claimer = Some(claimer);
+        Ok(layer)
     }
 
     /// Waits until every request the layer started has finished (handlers run on their own
@@ -148,6 +172,7 @@ impl<S, I> Layer<I> for IdempotencyLayer<S> {
             dedup: self.dedup.clone(),
             config: self.config.clone(),
             running: self.running.clone(),
+            claimer: self.claimer.clone(),
         }
     }
 }
@@ -158,6 +183,7 @@ pub struct Idempotency<S, I> {
     dedup: Arc<Dedup<S>>,
     config: Arc<IdempotencyConfig>,
     running: Arc<Running>,
+    claimer: Option<Arc<dyn TxClaimer>>,
 }
 
 impl<S, I: Clone> Clone for Idempotency<S, I> {
@@ -167,6 +193,7 @@ impl<S, I: Clone> Clone for Idempotency<S, I> {
             dedup: self.dedup.clone(),
             config: self.config.clone(),
             running: self.running.clone(),
+            claimer: self.claimer.clone(),
         }
     }
 }
@@ -232,10 +259,11 @@ where
         if !self.config.applies_to(req.method()) {
             return Box::pin(async move { Ok(inner.call(req).await?.map(Either::Right)) });
         }
-        let (dedup, config, running) = (
+        let (dedup, config, running, claimer) = (
             self.dedup.clone(),
             self.config.clone(),
             self.running.clone(),
+            self.claimer.clone(),
         );
         Box::pin(async move {
             let (parts, body) = req.into_parts();
@@ -316,7 +344,10 @@ where
                         fingerprint,
                         request,
                     };
-                    let answer = run(dedup, config, inner, request).await;
+                    let answer = match claimer {
+                        Some(claimer) => run_tx(dedup, config, claimer, inner, request).await,
+                        None => run(dedup, config, inner, request).await,
+                    };
                     drop(guard);
                     answer
                 }
@@ -339,7 +370,7 @@ where
 }
 
 /// The key failed for good (the handler panicked past the policy's attempts, say).
-fn key_failed() -> Response<Bytes> {
+pub(crate) fn key_failed() -> Response<Bytes> {
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
         "key-failed",
@@ -352,12 +383,26 @@ fn buffered<RB>(r: Response<Bytes>) -> Response<LayerBody<RB>> {
     r.map(|b| Either::Left(Full::new(b)))
 }
 
+/// The store is down: 503, a retry may succeed.
+pub(crate) fn store_unavailable(
+    key: &IdempotencyKey,
+    e: &dedup_core::StoreError,
+) -> Response<Bytes> {
+    warn!(key = %key, error = %e, "the idempotency store is unavailable");
+    retry_later(problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        "The idempotency store is unavailable",
+        "retry later with the same key",
+    ))
+}
+
 /// A request with its keys and fingerprint, ready to run.
-struct Keyed<B> {
-    client_key: Arc<str>,
-    key: IdempotencyKey,
-    fingerprint: Fingerprint,
-    request: Request<B>,
+pub(crate) struct Keyed<B> {
+    pub(crate) client_key: Arc<str>,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) request: Request<B>,
 }
 
 /// Claims the key, runs the inner service once, stores its response; or answers from the
@@ -498,15 +543,7 @@ where
             "The handler failed",
             "the handler failed; the request may be sent again with the same key",
         )),
-        Err(ProcessError::Store(e)) if e.is_retryable() => {
-            warn!(key = %key, error = %e, "the idempotency store is unavailable");
-            retry_later(problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                "The idempotency store is unavailable",
-                "retry later with the same key",
-            ))
-        }
+        Err(ProcessError::Store(e)) if e.is_retryable() => store_unavailable(&key, &e),
         Ok(_) | Err(_) => {
             match out {
                 Err(e) => warn!(key = %key, error = %e, "an idempotent request failed"),

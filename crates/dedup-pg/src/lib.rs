@@ -14,7 +14,9 @@
 //!   transaction, so a zombie whose lease was taken over cannot commit its writes either.
 //! - **Transaction mode** ([`PgStore::claim_in`]): the claim itself runs inside the caller's
 //!   transaction; until it ends, the uncommitted row is the lock (a second claimer waits, or
-//!   answers `InFlight` after the caller's `lock_timeout`), and a crash rolls it back.
+//!   answers `InFlight` after the caller's `lock_timeout`), and a crash rolls it back. By the
+//!   batch, [`PgStore::transact_batch`]; one request held open for the caller's writes,
+//!   [`PgStore::begin_claim`] (a key another transaction holds answers `InFlight` at once).
 //!
 //! Queries are plain `sqlx::query` strings (not the compile-time checked macros) so that building
 //! dedup needs no database and no `.sqlx/` data that can drift; every statement is exercised by the
@@ -95,7 +97,8 @@ mod text;
 
 pub use admin::ForgetReport;
 pub use batch_tx::{
-    BatchAnswer, BatchBody, BatchRequest, BatchWrites, BatchWritesFuture, ItemResult, TxBatchConfig,
+    BatchAnswer, BatchBody, BatchRequest, BatchWrites, BatchWritesFuture, ClaimedTx, ItemResult,
+    TxBatchConfig, TxClaim,
 };
 
 use claim::claim_counted;

@@ -199,10 +199,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         orders_after_commit: millis("ORDERS_AFTER_COMMIT_MS", 0)?,
         emails_delay: millis("EMAILS_DELAY_MS", 0)?,
     };
-    let router = Router::new()
+    // Orders are writes in Postgres: the key's claim, the order and the stored response commit
+    // together (`http_tx_layer`, one commit). Emails leave the database: lease mode.
+    let orders = Router::new()
         .route("/orders", post(create_order))
+        .route_layer(engine.http_tx_layer(config.clone())?);
+    let emails = Router::new()
         .route("/emails", post(send_email))
-        .route_layer(engine.http_layer(config)?)
+        .route_layer(engine.http_layer(config)?);
+    let router = orders
+        .merge(emails)
         .route("/orders/{id}", get(get_order))
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(

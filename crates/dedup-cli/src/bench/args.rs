@@ -29,11 +29,11 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 64)]
     pub(super) pg_connections: u32,
     /// Contenders to run, among a, b, c, d, e, f, a', b', e', ek, fk (the Kafka runners), hn, h0,
-    /// h0x, h1, h2, h3 (HTTP: docs/HTTP.md), ceiling and claim (the claim statement alone on new
-    /// keys, beside the ceiling).
+    /// h0x, h1, h2, h2l, h3 (HTTP: docs/HTTP.md), ceiling and claim (the claim statement alone on
+    /// new keys, beside the ceiling).
     #[arg(
         long,
-        default_value = "a,b,c,d,e,f,a',b',e',ek,fk,hn,h0,h0x,h1,h2,h3,ceiling,claim",
+        default_value = "a,b,c,d,e,f,a',b',e',ek,fk,hn,h0,h0x,h1,h2,h2l,h3,ceiling,claim",
         value_delimiter = ','
     )]
     pub(super) only: Vec<String>,
@@ -83,6 +83,12 @@ pub(crate) struct BenchArgs {
     /// --pause-ms`, `RetentionConfig::pause`).
     #[arg(long, default_value_t = 0)]
     pub(super) purge_pause_ms: u64,
+    /// The HTTP contenders: also run each again, on keys of its own, paced (open loop) at this
+    /// share of the rate it just reached, and report that pass's latency (measured from each
+    /// request's scheduled start, so a stall is not hidden by the requests it held back). 0: no
+    /// paced pass. Needs random or time-ordered keys (not `--keys sequential`).
+    #[arg(long, default_value_t = 0.0)]
+    pub(super) paced_share: f64,
     /// Print JSON instead of the table.
     #[arg(long)]
     pub(super) json: bool,

@@ -17,7 +17,8 @@
 //! consumer beside (f).
 //!
 //! HTTP routes on loopback behind dedup's Idempotency-Key layer, beside the route alone and the
-//! hand-rolled `INSERT ... ON CONFLICT` (`web/`): (hn), (h0), (h0x), (h1), (h2), (h3), (h3r).
+//! hand-rolled `INSERT ... ON CONFLICT` (`web/`): (hn), (h0), (h0x), (h1), (h2), (h2l), (h3),
+//! (h3r).
 //!
 //! And the ceiling: the same Postgres taking 500-row INSERTs into a copy of `dedup_records`.
 //!
@@ -176,6 +177,13 @@ pub(crate) async fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             "--prefill and --expired need --keys uuid or uuidv7 and a contender that keeps \
              records (c, d, e, e', f, ek, fk)"
                 .into(),
+        ));
+    }
+    if !(0.0..1.0).contains(&args.paced_share)
+        || (args.paced_share > 0.0 && args.keys == Keys::Sequential)
+    {
+        return Err(CliError::Config(
+            "--paced-share must be in [0, 1), and needs --keys uuid, uuidv7 or timed".into(),
         ));
     }
     if args.purge_during && !windowed {
@@ -472,9 +480,9 @@ async fn run_round(
 }
 
 /// Every contender, in the order they run.
-const CONTENDERS: [&str; 19] = [
+const CONTENDERS: [&str; 20] = [
     "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ek", "fk", "hn", "h0", "h0x", "h1", "h2",
-    "h3", "ceiling", "claim",
+    "h2l", "h3", "ceiling", "claim",
 ];
 
 #[derive(Clone)]

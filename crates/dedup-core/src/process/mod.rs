@@ -151,6 +151,25 @@ impl<S: Store> Dedup<S> {
         self.owners.next()
     }
 
+    /// The claim request [`process`](Self::process) would make for `key`: this engine's policy
+    /// and its next owner id. For a path that claims on its own (a key claimed inside the
+    /// transaction that completes it) and records what becomes of it through [`store`](Self::store).
+    pub fn claim_request(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+    ) -> ClaimRequest {
+        ClaimRequest::new(key.clone(), self.next_owner())
+            .with_fingerprint(fingerprint)
+            .with_policy(self.policy)
+    }
+
+    /// How long a duplicate waits for another holder before answering InFlight
+    /// ([`with_in_flight_wait`](Self::with_in_flight_wait)).
+    pub fn in_flight_wait(&self) -> Duration {
+        self.in_flight_wait
+    }
+
     /// Runs `handler` for `key` once; replays the stored result to duplicates.
     ///
     /// `fingerprint` (usually [`Fingerprint::of`] the payload) makes a reuse of the key with a

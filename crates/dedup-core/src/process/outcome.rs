@@ -257,6 +257,16 @@ pub struct LeaseContext {
 }
 
 impl LeaseContext {
+    /// A lease that a transaction holds rather than a heartbeat (the key claimed inside the
+    /// transaction that completes it): it is never seen lost, since it ends with that
+    /// transaction.
+    pub fn held(lease: Lease) -> Self {
+        Self {
+            lease,
+            lost: Arc::default(),
+        }
+    }
+
     /// The lease: pass it to a transactional completion (`complete_in`).
     pub fn lease(&self) -> &Lease {
         &self.lease

@@ -3,7 +3,8 @@
 //! it committed, after.
 //!
 //! `BatchCache` is the trait, implemented by the tiered store: `settled_many` before the
-//! transaction (terminal answers only, L1 then one fast-path call), `committed_many` after the
+//! transaction (terminal answers only, L1 then one fast-path call, unless the L2 gate says the
+//! fast path answers too few of them: `gate.rs`), `committed_many` after the
 //! commit (the copies of what it completed or replayed). A replay from the authority carries the
 //! stored token and fingerprint (`dedup_pg::BatchAnswer::Replayed`), so a cache that lost a key is
 //! refilled by the next batch that meets it.
@@ -73,6 +74,18 @@ where
                 return out;
             }
             let asked = pending.len();
+            // As for batch claims: while the fast path answers almost none of the keys L1
+            // misses, the authority is asked straight away (one lookup in 16 still asks).
+            if !self.gate.ask() {
+                self.counters
+                    .l2_bypassed
+                    .fetch_add(asked as u64, Ordering::Relaxed);
+                self.counters
+                    .authority_claims
+                    .fetch_add(asked as u64, Ordering::Relaxed);
+                bump(&self.counters.authority_calls);
+                return out;
+            }
             let keys: Vec<_> = pending.iter().map(|&i| reqs[i].key.clone()).collect();
             let Ok(found) = timeout(self.config.l2_timeout, self.fast.lookup_many(&keys)).await
             else {
@@ -100,6 +113,7 @@ where
                 }
             }
             let left = out.iter().filter(|a| a.is_none()).count();
+            self.gate.observe(asked, asked.saturating_sub(left));
             self.counters
                 .authority_claims
                 .fetch_add(left as u64, Ordering::Relaxed);

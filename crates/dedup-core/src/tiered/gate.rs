@@ -13,7 +13,8 @@
 //! restarts the count, so the gate opens at once; smaller ones only add to the counts.
 //!
 //! Skipping the fast path is always correct: the authority answers every claim; the fast path
-//! only spares it work. Single claims (`Store::claim`) always ask.
+//! only spares it work. Single claims (`Store::claim`) always ask. The lookups before a batch
+//! transaction or a request's transaction (`BatchCache::settled_many`) go through the same gate.
 
 use std::sync::{Mutex, PoisonError};
 

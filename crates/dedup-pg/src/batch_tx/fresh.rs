@@ -54,26 +54,30 @@ pub(crate) async fn read_fresh(
         let token: Option<i64> = row.try_get("token").map_err(|e| classify(e, false))?;
         let now_us: i64 = row.try_get("now_us").map_err(|e| classify(e, false))?;
         out.push(match (fresh, token) {
-            (true, Some(token)) => {
-                let now = Timestamp::from_micros(now_us);
-                let mut record = Record::new(
-                    req.key.clone(),
-                    State::InProgress,
-                    FencingToken::new(u64::try_from(token).unwrap_or(0)),
-                    1,
-                    now,
-                    now,
-                );
-                record.lease_until = Some(Timestamp::from_micros(
-                    now_us.saturating_add(micros(req.policy.lease)),
-                ));
-                record.fingerprint = req.fingerprint;
-                Some(Lease::granted(&record, req))
-            }
+            (true, Some(token)) => Some(fresh_lease(req, token, now_us)),
             _ => None,
         });
     }
     Ok(out)
+}
+
+/// The lease of a fresh key: its first attempt, under `token` from the sequence, from the
+/// server's clock `now_us`.
+pub(crate) fn fresh_lease(req: &ClaimRequest, token: i64, now_us: i64) -> Lease {
+    let now = Timestamp::from_micros(now_us);
+    let mut record = Record::new(
+        req.key.clone(),
+        State::InProgress,
+        FencingToken::new(u64::try_from(token).unwrap_or(0)),
+        1,
+        now,
+        now,
+    );
+    record.lease_until = Some(Timestamp::from_micros(
+        now_us.saturating_add(micros(req.policy.lease)),
+    ));
+    record.fingerprint = req.fingerprint;
+    Lease::granted(&record, req)
 }
 
 /// The columns both inserts of fresh keys bind: each lease's identity, token, fingerprint and

@@ -46,11 +46,16 @@
 //! built in steps that cannot fail, the lengths checked when it runs. Repeats of a key are
 //! answered after the commit. The Kafka `TxRunner` and the demo use it. Here: the API and the
 //! repeats; one transaction in `pass.rs`; fresh keys in `fresh.rs`; the handler call, the second
-//! pass's parts under savepoints and a message's failure or give-back in `parts.rs`.
+//! pass's parts under savepoints and a message's failure or give-back in `parts.rs`. A single
+//! request held open for the caller's writes (`PgStore::begin_claim`, the HTTP layer's
+//! transactional path) in `one.rs`.
 
 mod fresh;
+mod one;
 mod parts;
 mod pass;
+
+pub use one::{ClaimedTx, TxClaim};
 
 use std::collections::HashMap;
 use std::future::Future;

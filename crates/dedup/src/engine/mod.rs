@@ -325,9 +325,15 @@ impl Engine {
     }
 
     /// The caches transaction mode answers settled keys from and copies its commits to.
-    #[cfg(feature = "kafka")]
+    #[cfg(any(feature = "kafka", feature = "http"))]
     pub(crate) fn caches(&self) -> Arc<dyn dedup_core::BatchCache> {
         self.inner.tiers.clone()
+    }
+
+    /// The engine's store (its caches, group commit and Postgres).
+    #[cfg(feature = "http")]
+    pub(crate) fn store(&self) -> &EngineStore {
+        &self.inner.store
     }
 
     /// A new member's owner ids, and its `group.instance.id` in `group` (the instance, the group,

@@ -68,6 +68,10 @@ impl Report<'_> {
                 "conflicts": h.conflicts,
                 "statements_per_request": o.server_statements.map(|s| per_unique(s.0, self.args.events)),
                 "commits_per_request": h.commits.map(|c| per_unique(c, self.args.events)),
+                "paced": h.paced.as_ref().map(|p| serde_json::json!({
+                    "asked_per_s": p.asked, "reached_per_s": p.reached,
+                    "p50_ms": p.p50_ms, "p99_ms": p.p99_ms, "errors": p.errors,
+                })),
                 "cpu_ms_per_1k_requests": h.cpu.map(|c| serde_json::json!({
                     "server": c.server_ms, "client": c.client_ms,
                     "postgres": c.postgres_ms, "redis": c.redis_ms,

@@ -160,7 +160,7 @@ impl<'a> Report<'a> {
     }
 
     /// The ratios the speed targets are stated in, with the contenders' absolute rates.
-    const RATIOS: [(&'static str, &'static str, &'static str); 15] = [
+    const RATIOS: [(&'static str, &'static str, &'static str); 16] = [
         ("d/a", "(d)", "(a)"),
         ("d/b", "(d)", "(b)"),
         ("f/a", "(f)", "(a)"),
@@ -173,6 +173,7 @@ impl<'a> Report<'a> {
         ("fk/f", "(fk)", "(f)"),
         ("h2/h0", "(h2)", "(h0)"),
         ("h2/h0x", "(h2)", "(h0x)"),
+        ("h2/h2l", "(h2)", "(h2l)"),
         ("h1/h0", "(h1)", "(h0)"),
         ("h3/h0", "(h3)", "(h0)"),
         ("h3r/h0", "(h3r)", "(h0)"),

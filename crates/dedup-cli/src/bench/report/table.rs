@@ -366,11 +366,26 @@ impl Report<'_> {
             }
             println!();
         }
+        for o in runs {
+            if let Some(p) = o.http.as_ref().and_then(|h| h.paced.as_ref()) {
+                let ms = |x: Option<f64>| x.map_or("-".to_owned(), |t| format!("{t:.2}"));
+                println!(
+                    "{}: paced at {:.0} requests/s ({:.0} reached, {} errors): p50 {} ms, p99 {} \
+                     ms from each request's scheduled start",
+                    o.name,
+                    p.asked,
+                    p.reached,
+                    p.errors,
+                    ms(p.p50_ms),
+                    ms(p.p99_ms)
+                );
+            }
+        }
         println!(
             "stm/r, commit/r: statements and writing transactions per request, counted by the \
              server (pg_stat_statements; transaction ids assigned); fresh/replay/409: how requests were \
              answered; effects: rows written / due (one per request for h0, per unique key for \
-             h0x, h1, h2; none for h3's retries); CPU: the server's threads, the client (the rest \
+             h0x, h1, h2, h2l; none for h3's retries); CPU: the server's threads, the client (the rest \
              of the bench), Postgres, Redis"
         );
     }

@@ -8,7 +8,12 @@
 //!   id, a duplicate answered 409;
 //! - (h1) the route behind dedup's layer in lease mode: the claim, the route's own `INSERT` in
 //!   its own transaction, the completion (the engine's group commit and caches);
-//! - (h2) the transactional path: `Engine::begin`, the `INSERT`, `RequestTx::commit`;
+//! - (h2) the transactional path: `Engine::http_tx_layer` claims the key in the request's own
+//!   transaction, and the route's `Engine::begin`, `INSERT` and `RequestTx::commit` complete it
+//!   there: one commit;
+//! - (h2l) the same route under the lease-mode layer (`Engine::http_layer`): the claim commits
+//!   first (batched with other requests' claims), then `Engine::begin` opens a transaction of
+//!   its own: what (h2) saves;
 //! - (h3) retries only: every key completed first (not timed), then the stream again, every
 //!   request a retry answered from L1; (h3r) the same on an engine whose L1 holds one entry,
 //!   so that Redis answers.
@@ -24,6 +29,7 @@ mod server;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -40,7 +46,7 @@ use super::{BenchArgs, Ctx, Outcome, cpu, drive, statements};
 use crate::connect::CliError;
 
 /// The HTTP contenders, in the order they run.
-pub(super) const CONTENDERS: [&str; 6] = ["hn", "h0", "h0x", "h1", "h2", "h3"];
+pub(super) const CONTENDERS: [&str; 7] = ["hn", "h0", "h0x", "h1", "h2", "h2l", "h3"];
 
 /// What an HTTP contender adds to an [`Outcome`].
 #[derive(Clone, Debug, Default)]
@@ -58,6 +64,19 @@ pub(super) struct HttpFigures {
     pub(super) commits: Option<u64>,
     /// CPU per 1,000 requests, by whom.
     pub(super) cpu: Option<PerRequests>,
+    /// The paced pass (`--paced-share`), where one ran.
+    pub(super) paced: Option<Paced>,
+}
+
+/// A pass paced at a share of the contender's rate: the rate asked, the rate reached, and the
+/// latencies from each request's scheduled start.
+#[derive(Clone, Debug)]
+pub(super) struct Paced {
+    pub(super) asked: f64,
+    pub(super) reached: f64,
+    pub(super) p50_ms: Option<f64>,
+    pub(super) p99_ms: Option<f64>,
+    pub(super) errors: u64,
 }
 
 /// How the requests were answered.
@@ -104,7 +123,12 @@ pub(super) async fn run(
         "h2" => (
             Route::Tx,
             "(h2)",
-            "dedup layer, transactional (begin/commit)",
+            "dedup tx layer: claim, row, response, 1 commit",
+        ),
+        "h2l" => (
+            Route::TxUnderLease,
+            "(h2l)",
+            "dedup lease layer + begin/commit: 2 commits",
         ),
         _ => (Route::Lease, "(h3)", "dedup layer, retries only (L1)"),
     };
@@ -167,9 +191,67 @@ pub(super) async fn run(
         _ => unique_of(ctx),
     };
     let o = timed(ctx, pool, counting, &server, name, label, expected).await;
+    let o = match o {
+        Ok(mut o) if args.paced_share > 0.0 => {
+            let rate = o.rate(events) * args.paced_share;
+            let paced = paced(ctx, &server, rate).await;
+            if let Some(h) = o.http.as_mut() {
+                h.paced = Some(paced);
+            }
+            Ok(o)
+        }
+        o => o,
+    };
     server.stop().await;
     out.push(o?);
     Ok(out)
+}
+
+/// The stream again, on keys of its own (the same duplicates), one request started every
+/// `1/rate` s whatever the others do (open loop), each latency taken from its scheduled start.
+async fn paced(ctx: &Ctx, server: &Server, rate: f64) -> Paced {
+    let keys = super::EventKeys::new(ctx.keys.shape, 0x9ace_d000, unique_of(ctx));
+    let ctx = Ctx {
+        keys,
+        ..ctx.clone()
+    };
+    ctx.note(&format!("  paced at {rate:.0} requests/s"));
+    let one = request(server, &ctx, &Arc::default());
+    let period = Duration::from_secs_f64(1.0 / rate.max(1.0));
+    let started = Instant::now();
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, &id) in ctx.stream.iter().enumerate() {
+        let at = started + period.mul_f64(i as f64);
+        tokio::time::sleep_until(at.into()).await;
+        let (one, errors) = (one.clone(), Arc::clone(&errors));
+        tasks.spawn(async move {
+            if one(id).await.is_err() {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+            u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX)
+        });
+    }
+    let mut latencies = Vec::with_capacity(ctx.stream.len());
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(us) => latencies.push(us),
+            Err(_) => {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    latencies.sort_unstable();
+    #[allow(clippy::cast_precision_loss)]
+    let reached = ctx.stream.len() as f64 / elapsed.as_secs_f64().max(1e-9);
+    Paced {
+        asked: rate,
+        reached,
+        p50_ms: super::percentile_ms(&latencies, 0.5),
+        p99_ms: super::percentile_ms(&latencies, 0.99),
+        errors: errors.load(Ordering::Relaxed),
+    }
 }
 
 /// The ledger's contender column for `c`.
@@ -180,6 +262,7 @@ fn tag_of(c: &str) -> &'static str {
         "h0x" => "h0x",
         "h1" => "h1",
         "h2" => "h2",
+        "h2l" => "h2l",
         _ => "h3",
     }
 }
@@ -253,6 +336,7 @@ async fn timed(
                 .zip(commits_after)
                 .map(|(b, a)| a.saturating_sub(b)),
             cpu: split.zip(split_after).map(|(b, a)| a.per_1k(b, events)),
+            paced: None,
         }),
     })
 }

@@ -33,9 +33,12 @@ pub(super) enum Route {
     OnConflict,
     /// (h1), (h3): behind the layer in lease mode, the ledger row in a transaction of its own.
     Lease,
-    /// (h2): behind the layer, the ledger row and the stored response in one transaction
-    /// (`Engine::begin`, `RequestTx::commit`).
+    /// (h2): behind the transactional layer (`Engine::http_tx_layer`): the claim, the ledger
+    /// row and the stored response in one transaction (`Engine::begin`, `RequestTx::commit`).
     Tx,
+    /// (h2l): the same route behind the lease-mode layer: the claim commits first, then
+    /// `Engine::begin` opens a transaction of its own for the row and the stored response.
+    TxUnderLease,
 }
 
 /// How the server is made.
@@ -91,7 +94,8 @@ impl Server {
             .spawn(async move {
                 let pool = connect_pg(&setup.database_url, setup.pg_connections).await?;
                 let mut engine = None;
-                let layer = if matches!(setup.route, Route::Lease | Route::Tx) {
+                let layer = if matches!(setup.route, Route::Lease | Route::Tx | Route::TxUnderLease)
+                {
                     let mut tiers = TieredConfig::default();
                     if !setup.l1 {
                         tiers = tiers.with_l1_capacity(1, 1 << 20);
@@ -107,9 +111,14 @@ impl Server {
                         .map_err(|e| CliError::Failed(format!("the engine: {e}")))?;
                     let scope = Scope::new(setup.scope.clone())
                         .map_err(|e| CliError::Config(format!("scope: {e}")))?;
-                    let layer = built
-                        .http_layer(IdempotencyConfig::new().with_scope(scope))
-                        .map_err(|e| CliError::Failed(format!("the layer: {e}")))?;
+                    let config = IdempotencyConfig::new().with_scope(scope);
+                    // (h2): the key claimed in the route's own transaction, one commit.
+                    let layer = if setup.route == Route::Tx {
+                        built.http_tx_layer(config)
+                    } else {
+                        built.http_layer(config)
+                    }
+                    .map_err(|e| CliError::Failed(format!("the layer: {e}")))?;
                     engine = Some(built);
                     Some(layer)
                 } else {
@@ -126,7 +135,7 @@ impl Server {
                     Route::Plain => Router::new().route("/orders", post(plain)),
                     Route::OnConflict => Router::new().route("/orders", post(on_conflict)),
                     Route::Lease => Router::new().route("/orders", post(lease)),
-                    Route::Tx => Router::new().route("/orders", post(in_tx)),
+                    Route::Tx | Route::TxUnderLease => Router::new().route("/orders", post(in_tx)),
                 };
                 let router = match layer {
                     Some(layer) => router.route_layer(layer),

@@ -1,0 +1,182 @@
+//! One key claimed inside a transaction held open for the caller's writes
+//! (`PgStore::begin_claim`, the HTTP layer's transactional path): the claim, the effect and the
+//! completion in one commit.
+//!
+//! A fresh key is held with nothing committed until the commit, and a second claimer answers
+//! InFlight at once; committed, it is COMPLETED with the effect; rolled back, it is free again
+//! with no attempt spent; a key done before is answered from its record, and one reused with
+//! another payload is refused; a lease that ran out is taken over under a higher token, and a
+//! live one answers InFlight; a lease-mode claim that writes the fresh key meanwhile makes the
+//! commit fail, retryably, with nothing of the transaction kept.
+
+use std::time::Duration;
+
+use dedup_core::{ClaimOutcome, Fingerprint, State, Store};
+use dedup_pg::{ClaimedTx, PgStore, TxBatchConfig, TxClaim};
+use sqlx::PgPool;
+
+use crate::support::{acquired, effect_rows, effects_table, key, req, short_lease};
+
+async fn claimed(store: &PgStore, r: &dedup_core::ClaimRequest) -> ClaimedTx {
+    match store
+        .begin_claim(r, TxBatchConfig::default())
+        .await
+        .unwrap()
+    {
+        TxClaim::Acquired(tx) => tx,
+        other => panic!("expected the key held, got {other:?}"),
+    }
+}
+
+async fn answered(store: &PgStore, r: &dedup_core::ClaimRequest) -> ClaimOutcome {
+    match store
+        .begin_claim(r, TxBatchConfig::default())
+        .await
+        .unwrap()
+    {
+        TxClaim::Answered(outcome) => outcome,
+        other => panic!("expected an answer, got {other:?}"),
+    }
+}
+
+async fn effect(tx: &mut ClaimedTx, name: &str) {
+    let token = i64::try_from(tx.lease().token.get()).unwrap();
+    sqlx::query("INSERT INTO effects VALUES ($1, $2, 'tx')")
+        .bind(name)
+        .bind(token)
+        .execute(&mut **tx)
+        .await
+        .unwrap();
+}
+
+/// A fresh key: held in the open transaction with nothing committed (the record is absent to
+/// everyone else), a second claimer answered InFlight at once; the commit writes the effect and
+/// the COMPLETED record together, and the key is answered from it afterwards.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_fresh_key_commits_its_claim_effect_and_completion_at_once(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let k = key("one");
+    let r = req(&k, "w1").with_fingerprint(Some(Fingerprint::of(b"a")));
+    let mut tx = claimed(&store, &r).await;
+    assert_eq!(tx.lease().attempts, 1);
+    effect(&mut tx, "one").await;
+    assert!(
+        store.get(&k).await.unwrap().is_none(),
+        "nothing committed yet"
+    );
+    let started = std::time::Instant::now();
+    let other = answered(&store, &req(&k, "w2")).await;
+    assert!(matches!(other, ClaimOutcome::InFlight { .. }), "{other:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a held key answers at once, not after a lock wait"
+    );
+    let token = tx.lease().token;
+    tx.commit(b"done").await.unwrap();
+    let record = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.token, record.result.as_deref()),
+        (State::Completed, token, Some(&b"done"[..]))
+    );
+    assert_eq!(effect_rows(&pool).await.len(), 1);
+    match answered(&store, &r).await {
+        ClaimOutcome::Completed {
+            result, token: t, ..
+        } => {
+            assert_eq!((&result[..], t), (&b"done"[..], token));
+        }
+        other => panic!("{other:?}"),
+    }
+    let reused = req(&k, "w3").with_fingerprint(Some(Fingerprint::of(b"b")));
+    assert!(matches!(
+        answered(&store, &reused).await,
+        ClaimOutcome::PayloadMismatch
+    ));
+}
+
+/// Rolled back (or dropped), nothing stays: no record, no effect, and the next claim finds the
+/// key fresh, on its first attempt.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_rolled_back_or_dropped_claim_leaves_nothing_and_spends_no_attempt(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let k = key("two");
+    let mut tx = claimed(&store, &req(&k, "w1")).await;
+    effect(&mut tx, "two").await;
+    tx.rollback().await;
+    let mut tx = claimed(&store, &req(&k, "w2")).await;
+    assert_eq!(tx.lease().attempts, 1);
+    effect(&mut tx, "two").await;
+    drop(tx);
+    // The dropped transaction's connection goes back to the pool, which rolls it back.
+    let tx = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match store
+                .begin_claim(&req(&k, "w3"), TxBatchConfig::default())
+                .await
+                .unwrap()
+            {
+                TxClaim::Acquired(tx) => break tx,
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await
+    .expect("the dropped transaction let go of the key");
+    assert_eq!(tx.lease().attempts, 1);
+    tx.rollback().await;
+    assert!(store.get(&k).await.unwrap().is_none());
+    assert!(effect_rows(&pool).await.is_empty());
+}
+
+/// A key with a record: a live lease-mode lease answers InFlight; once it ran out, the key is
+/// taken over in the transaction under a higher token, on the next attempt, and the old holder's
+/// completion is refused.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_lease_that_ran_out_is_taken_over_and_a_live_one_answers_in_flight(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let k = key("three");
+    let old = acquired(
+        store
+            .claim(&req(&k, "lease").with_policy(short_lease(300)))
+            .await
+            .unwrap(),
+    );
+    assert!(matches!(
+        answered(&store, &req(&k, "w1")).await,
+        ClaimOutcome::InFlight { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut tx = claimed(&store, &req(&k, "w2")).await;
+    assert!(tx.lease().token > old.token);
+    assert_eq!(tx.lease().attempts, 2);
+    effect(&mut tx, "three").await;
+    tx.commit(b"taken over").await.unwrap();
+    assert!(store.complete(&old, b"zombie").await.is_err());
+    let record = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(record.result.as_deref(), Some(&b"taken over"[..]));
+}
+
+/// A lease-mode claim (which takes no advisory lock) writes the fresh key while the
+/// transaction holds it: the commit fails retryably and nothing of the transaction stays; the
+/// lease-mode holder keeps the key.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_fresh_key_claimed_in_lease_mode_meanwhile_fails_the_commit(pool: PgPool) {
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let k = key("four");
+    let mut tx = claimed(&store, &req(&k, "tx")).await;
+    effect(&mut tx, "four").await;
+    let lease = acquired(store.claim(&req(&k, "lease")).await.unwrap());
+    let err = tx.commit(b"mine").await.unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    assert!(
+        effect_rows(&pool).await.is_empty(),
+        "the effect rolled back"
+    );
+    store.complete(&lease, b"theirs").await.unwrap();
+    let record = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(record.result.as_deref(), Some(&b"theirs"[..]));
+}
