@@ -992,8 +992,13 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         assert!(c["p99_ms"].as_f64().unwrap() >= c["p50_ms"].as_f64().unwrap());
         let cpu = &h["cpu_ms_per_1k_requests"];
         assert!(cpu["server"].as_f64().unwrap() > 0.0, "{c}");
-        // The paced pass: at half the rate it reached, every request answered.
+        // The paced pass: at half the rate it reached, every request answered ((h3)'s retries
+        // have none).
         let paced = &h["paced"];
+        if name.starts_with("(h3") {
+            assert!(paced.is_null(), "{c}");
+            continue;
+        }
         let asked = paced["asked_per_s"].as_f64().unwrap();
         let rate = c["events_per_s"].as_f64().unwrap();
         assert!((asked - rate / 2.0).abs() < 1.0, "{c}");

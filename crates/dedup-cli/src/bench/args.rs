@@ -86,7 +86,8 @@ pub(crate) struct BenchArgs {
     /// The HTTP contenders: also run each again, on keys of its own, paced (open loop) at this
     /// share of the rate it just reached, and report that pass's latency (measured from each
     /// request's scheduled start, so a stall is not hidden by the requests it held back). 0: no
-    /// paced pass. Needs random or time-ordered keys (not `--keys sequential`).
+    /// paced pass ((h3) has none: its keys are done). Needs random or time-ordered keys (not
+    /// `--keys sequential`).
     #[arg(long, default_value_t = 0.0)]
     pub(super) paced_share: f64,
     /// Print JSON instead of the table.
