@@ -180,3 +180,53 @@ async fn a_fresh_key_claimed_in_lease_mode_meanwhile_fails_the_commit(pool: PgPo
     let record = store.get(&k).await.unwrap().unwrap();
     assert_eq!(record.result.as_deref(), Some(&b"theirs"[..]));
 }
+
+/// A failed attempt is recorded in a transaction of its own (`ClaimedTx::fail`): a fresh key is
+/// written as released with its first attempt, the next claim is its second, and past the
+/// policy's attempts the key fails for good and is answered so.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn failed_attempts_are_recorded_and_a_key_out_of_attempts_fails(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let k = key("five");
+    let r = req(&k, "w1").with_policy(dedup_core::Policy::default().with_max_attempts(2));
+    let tx = claimed(&store, &r).await;
+    assert_eq!(
+        tx.fail("panicked", false).await.unwrap(),
+        dedup_core::AfterFailure::Released { attempts: 1 }
+    );
+    let tx = claimed(&store, &r).await;
+    assert_eq!(tx.lease().attempts, 2);
+    assert!(matches!(
+        tx.fail("panicked again", false).await.unwrap(),
+        dedup_core::AfterFailure::Failed { .. }
+    ));
+    assert!(matches!(
+        answered(&store, &r).await,
+        ClaimOutcome::Failed { .. }
+    ));
+    let k = key("six");
+    let tx = claimed(&store, &req(&k, "w1")).await;
+    assert!(matches!(
+        tx.fail("cannot be stored", true).await.unwrap(),
+        dedup_core::AfterFailure::Failed { .. }
+    ));
+    assert_eq!(store.get(&k).await.unwrap().unwrap().state, State::Failed);
+}
+
+/// A lease longer than Postgres's idle bound can hold (an `int` of milliseconds, 24.8 days)
+/// bounds the transaction at that, rather than failing every claim.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_lease_past_the_servers_bound_still_claims(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let k = key("seven");
+    let config = TxBatchConfig::default().with_idle_timeout(Duration::from_secs(40 * 24 * 3600));
+    let tx = match store.begin_claim(&req(&k, "w1"), config).await.unwrap() {
+        TxClaim::Acquired(tx) => tx,
+        other => panic!("{other:?}"),
+    };
+    tx.commit(b"ok").await.unwrap();
+    assert_eq!(
+        store.get(&k).await.unwrap().unwrap().state,
+        State::Completed
+    );
+}

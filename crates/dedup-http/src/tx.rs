@@ -11,8 +11,9 @@
 //!   key given back with no attempt spent, whatever the handler answered;
 //! - never taken: the layer stores the response in it, as a lease-mode layer would (or rolls it
 //!   back for a response it does not keep), and commits;
-//! - the handler panicked or the service failed: rolled back, then the attempt is recorded
-//!   through the store (a key out of attempts fails for good), as a lease-mode layer does.
+//! - the handler panicked or the service failed: rolled back, then the attempt is recorded in a
+//!   transaction of its own that claims the key again without waiting (a key out of attempts
+//!   fails for good), as a lease-mode layer records it.
 //!
 //! A key another request holds answers InFlight at once (409), or after waiting for it
 //! (`InFlight::Wait`), trying again with a short backoff.
@@ -56,6 +57,15 @@ pub trait OpenTx: Send + fmt::Debug + 'static {
 
     /// Rolls the transaction back: the key is free again, no attempt spent.
     fn rollback(self: Box<Self>) -> TxFuture<'static, ()>;
+
+    /// Records a failed attempt of the key in the transaction (which wrote nothing else) and
+    /// commits: the key released for a later attempt, or failed for good where `permanent` or
+    /// out of attempts.
+    fn fail(
+        self: Box<Self>,
+        reason: String,
+        permanent: bool,
+    ) -> TxFuture<'static, Result<AfterFailure, StoreError>>;
 
     /// The transaction as `Any`, for its maker to take back its own type.
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
@@ -166,7 +176,7 @@ where
             if let Some(open) = ctx.take_open() {
                 open.rollback().await;
             }
-            record_attempt(&dedup, &req, "the service failed").await;
+            record_attempt(&*claimer, &req, "the service failed", false).await;
             return Err(e);
         }
         Err(_) => {
@@ -174,7 +184,7 @@ where
                 open.rollback().await;
             }
             return Ok(
-                match record_attempt(&dedup, &req, "the handler panicked").await {
+                match record_attempt(&*claimer, &req, "the handler panicked", false).await {
                     Some(AfterFailure::Failed { .. }) => key_failed(),
                     _ => retry_later(problem(
                         StatusCode::INTERNAL_SERVER_ERROR,
@@ -215,7 +225,7 @@ where
                 Some(Err(e)) => {
                     open.rollback().await;
                     warn!(key = %key, error = %e, "the response cannot be stored");
-                    record_failure(&dedup, &req, &e.to_string()).await;
+                    record_attempt(&*claimer, &req, &e.to_string(), true).await;
                 }
                 None => open.rollback().await,
             }
@@ -272,33 +282,30 @@ fn internal() -> Response<Bytes> {
     )
 }
 
-/// Records a failed attempt of `req`'s key once its transaction rolled back (a claim and a
-/// failure: what a lease-mode layer records for a panic), so that a key that keeps failing
-/// fails for good. Where the store is down or another request holds the key now, nothing is
-/// recorded: the attempt is lost, not the key.
-async fn record_attempt<S: Store>(
-    dedup: &Dedup<S>,
+/// Records a failed attempt of `req`'s key once its transaction rolled back, in a transaction of
+/// its own that claims the key again (`permanent`: failed for good), so that a key that keeps
+/// failing fails for good, as a lease-mode layer records it. It never waits: where another
+/// request holds the key by then, or the store is down, nothing is recorded (the attempt is
+/// lost, not the key).
+async fn record_attempt(
+    claimer: &dyn TxClaimer,
     req: &ClaimRequest,
     reason: &str,
+    permanent: bool,
 ) -> Option<AfterFailure> {
-    match dedup.store().claim(req).await {
-        Ok(ClaimOutcome::Acquired(lease)) => {
-            dedup.store().fail_retryable(&lease, reason).await.ok()
-        }
+    match claimer.begin(req).await {
+        Ok(TxBegun::Acquired(open)) => match open.fail(reason.to_owned(), permanent).await {
+            Ok(after) => Some(after),
+            Err(e) => {
+                warn!(key = %req.key, error = %e, "a failed attempt was not recorded");
+                None
+            }
+        },
         Ok(_) => None,
         Err(e) => {
             warn!(key = %req.key, error = %e, "a failed attempt was not recorded");
             None
         }
-    }
-}
-
-/// Records that `req`'s key failed for good (its response cannot be stored).
-async fn record_failure<S: Store>(dedup: &Dedup<S>, req: &ClaimRequest, reason: &str) {
-    if let Ok(ClaimOutcome::Acquired(lease)) = dedup.store().claim(req).await
-        && let Err(e) = dedup.store().fail_permanent(&lease, reason).await
-    {
-        warn!(key = %req.key, error = %e, "a failure was not recorded");
     }
 }
 

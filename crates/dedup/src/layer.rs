@@ -77,7 +77,7 @@ impl Engine {
             .clone();
         let member = self.member(None);
         let dedup = self.member_dedup(self.policy(), member.owner_prefix)?;
-        // Bound by the lease: a route may run as long as a lease-mode one.
+        // A request ends within the lease, or Postgres ends its session (nothing of it commits).
         let lease = config.policy().lease;
         let claimer = Arc::new(PgClaimer {
             pg,
@@ -218,6 +218,14 @@ impl OpenTx for PgOpenTx {
 
     fn rollback(self: Box<Self>) -> TxFuture<'static, ()> {
         Box::pin(async move { self.tx.rollback().await })
+    }
+
+    fn fail(
+        self: Box<Self>,
+        reason: String,
+        permanent: bool,
+    ) -> TxFuture<'static, Result<dedup_core::AfterFailure, StoreError>> {
+        Box::pin(async move { self.tx.fail(&reason, permanent).await })
     }
 
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {

@@ -19,26 +19,39 @@
 //! plain single-key statements (a batch's go through PL/pgSQL functions, whose fixed cost one key
 //! cannot share: `pg_stat_statements` showed the batch function at 240 µs a call for one key).
 //!
-//! A transaction dropped without [`ClaimedTx::commit`] rolls back (its connection goes back to
-//! the pool, which sends the ROLLBACK at once): nothing was written, the key is free again and
-//! no attempt is spent. A client stopped mid-request holds the key only until the session's
-//! `idle_in_transaction_session_timeout` ([`TxBatchConfig::idle_timeout`]) ends it.
+//! The transaction is the connection's own (BEGIN, COMMIT and ROLLBACK sent by hand on a pooled
+//! connection), so that BEGIN and the lock go in one round trip. [`ClaimedTx::rollback`] sends
+//! the ROLLBACK; a `ClaimedTx` dropped without [`commit`](ClaimedTx::commit) or `rollback` (a
+//! panic, a cancelled future) closes its connection instead of returning it, and Postgres rolls
+//! the transaction back as the session ends: nothing was written, the key is free again and no
+//! attempt is spent. So does any statement of it that fails. A client stopped mid-request holds
+//! the key only until the session's `idle_in_transaction_session_timeout`
+//! ([`TxBatchConfig::idle_timeout`]) ends it: a request must end within it. The caller's own
+//! statements wait on locks as in any transaction (no `lock_timeout` is set).
 
-use dedup_core::{ClaimOutcome, ClaimRequest, Lease, StoreError};
-use sqlx::postgres::{PgConnection, Postgres};
-use sqlx::{Row, Transaction};
+use bytes::Bytes;
+use dedup_core::{
+    AfterFailure, AfterHandlerError, ClaimOutcome, ClaimRequest, HandlerError, Lease, State, Store,
+    StoreError,
+};
+use sqlx::Row;
+use sqlx::postgres::PgConnection;
 
-use super::TxBatchConfig;
-use super::fresh::{fresh_lease, insert_completed};
-use crate::PgStore;
+use super::fresh::{fresh_lease, insert_claimed, insert_completed};
+use super::parts::record_failure;
+use super::{BatchAnswer, TxBatchConfig};
 use crate::claim::claim_counted;
 use crate::classify::classify;
+use crate::{PgConn, PgStore};
+
+/// The longest bound `idle_in_transaction_session_timeout` takes (an `int` of milliseconds).
+const MAX_BOUND_MS: u128 = i32::MAX as u128;
 
 /// BEGIN, the key's transaction-scoped advisory lock (the hash transaction mode's batches take,
 /// so that a batch and a request never hold one key at once) tried without waiting and noted in
-/// the transaction's `dedup.locked`, and the transaction's bounds: one simple query, one round
-/// trip, with no parameters, so the scope and the key go in as hex (only `[0-9a-f]`: nothing in
-/// them can end the literal) and the bounds as integers.
+/// the transaction's `dedup.locked`, and the transaction's idle bound: one simple query, one
+/// round trip, with no parameters, so the scope and the key go in as hex (only `[0-9a-f]`:
+/// nothing in them can end the literal) and the bound as an integer.
 fn begin_sql(scope: &str, key: &[u8], config: TxBatchConfig) -> String {
     use std::fmt::Write as _;
     let hex = |bytes: &[u8]| {
@@ -52,12 +65,10 @@ fn begin_sql(scope: &str, key: &[u8], config: TxBatchConfig) -> String {
     format!(
         "BEGIN; SELECT set_config('dedup.locked', pg_try_advisory_xact_lock(hashtextextended(\
          convert_from(decode('{}', 'hex'), 'UTF8') || E'\\n' || '{}', 0))::text, true), \
-         set_config('idle_in_transaction_session_timeout', '{}ms', true), \
-         set_config('lock_timeout', '{}ms', true)",
+         set_config('idle_in_transaction_session_timeout', '{}ms', true)",
         hex(scope.as_bytes()),
         hex(key),
-        config.idle_timeout.as_millis().max(1),
-        config.lock_timeout.as_millis().max(1)
+        config.idle_timeout.as_millis().clamp(1, MAX_BOUND_MS),
     )
 }
 
@@ -86,13 +97,15 @@ pub enum TxClaim {
 
 /// A key claimed inside an open transaction ([`PgStore::begin_claim`]). Write the effect on it
 /// (it derefs to a `PgConnection`), then [`commit`](Self::commit) the result: the effect, the
-/// key's completion and anything else written on it commit together, or nothing does. Dropped,
-/// it rolls back: the key is free again, no attempt spent.
+/// key's completion and anything else written on it commit together, or nothing does.
+/// [`rollback`](Self::rollback) (or a drop, which closes the connection) leaves the key free
+/// again, no attempt spent; [`fail`](Self::fail) records a failed attempt instead.
 #[derive(Debug)]
 pub struct ClaimedTx {
-    tx: Transaction<'static, Postgres>,
+    /// `None` once the transaction ended.
+    conn: Option<PgConn>,
     lease: Lease,
-    /// The key has no row yet: it is written COMPLETED at the commit.
+    /// The key has no row yet: it is written at the end.
     fresh: bool,
     store: PgStore,
 }
@@ -101,22 +114,42 @@ impl std::ops::Deref for ClaimedTx {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
-        &self.tx
+        match &self.conn {
+            Some(c) => c,
+            None => unreachable!("a ClaimedTx is consumed when its transaction ends"),
+        }
     }
 }
 
 impl std::ops::DerefMut for ClaimedTx {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.tx
+        match &mut self.conn {
+            Some(c) => c,
+            None => unreachable!("a ClaimedTx is consumed when its transaction ends"),
+        }
     }
+}
+
+impl Drop for ClaimedTx {
+    fn drop(&mut self) {
+        // Neither committed nor rolled back: the session ends, and its transaction with it.
+        if let Some(mut conn) = self.conn.take() {
+            conn.0.close_on_drop();
+        }
+    }
+}
+
+/// Sends a simple statement (COMMIT, ROLLBACK) on `conn`.
+async fn simple(conn: &mut PgConn, sql: &'static str) -> Result<(), sqlx::Error> {
+    sqlx::Executor::execute(&mut ***conn, sql).await.map(drop)
 }
 
 impl PgStore {
     /// Begins a transaction and claims `req`'s key in it, holding it for the caller's writes
     /// until [`ClaimedTx::commit`]: one commit for the claim, the effect and the completion. A
     /// key another transaction holds answers [`ClaimOutcome::InFlight`] at once (nothing waits);
-    /// a key done before answers its stored result. `config` bounds the transaction: how long it
-    /// may sit idle (its client stopped) and how long one statement may wait on a lock.
+    /// a key done before answers its stored result. `config.idle_timeout` bounds how long the
+    /// transaction may sit idle (its client stopped, or busy elsewhere) before Postgres ends it.
     ///
     /// # Errors
     /// Postgres failed (nothing was claimed), or the request's policy is invalid.
@@ -127,11 +160,19 @@ impl PgStore {
     ) -> Result<TxClaim, StoreError> {
         req.policy.validate()?;
         let (scope, key) = (req.key.scope().as_str(), req.key.key_bytes());
-        let mut tx = self
-            .pool()
-            .begin_with(sqlx::AssertSqlSafe(begin_sql(scope, key, config)))
-            .await
-            .map_err(|e| classify(e, false))?;
+        let mut conn = self.conn().await?;
+        // From here on, a failure closes the connection (the transaction may be open or
+        // aborted): `ClaimedTx`'s drop.
+        let begun = sqlx::raw_sql(sqlx::AssertSqlSafe(begin_sql(scope, key, config)))
+            .execute(&mut **conn)
+            .await;
+        let mut tx = ClaimedTx {
+            conn: Some(conn),
+            lease: fresh_lease(req, 0, 0),
+            fresh: false,
+            store: self.clone(),
+        };
+        begun.map_err(|e| classify(e, false))?;
         let row = sqlx::query(PROBE_SQL)
             .bind(scope)
             .bind(key)
@@ -144,43 +185,30 @@ impl PgStore {
         let token: Option<i64> = row.try_get("token").map_err(|e| classify(e, false))?;
         let now_us: i64 = row.try_get("now_us").map_err(|e| classify(e, false))?;
         if !locked {
-            self.end(tx).await;
+            tx.rollback().await;
             return Ok(TxClaim::Answered(ClaimOutcome::InFlight {
                 owner: None,
                 lease_until: None,
             }));
         }
         if let (true, Some(token)) = (fresh, token) {
-            return Ok(TxClaim::Acquired(ClaimedTx {
-                tx,
-                lease: fresh_lease(req, token, now_us),
-                fresh: true,
-                store: self.clone(),
-            }));
+            tx.lease = fresh_lease(req, token, now_us);
+            tx.fresh = true;
+            return Ok(TxClaim::Acquired(tx));
         }
         // A row: the claim statement says what it is (a replay, a takeover, a retry).
         let (answer, statements) = claim_counted(&mut tx, req).await;
         self.count(statements);
-        match answer {
-            Ok(ClaimOutcome::Acquired(lease)) => Ok(TxClaim::Acquired(ClaimedTx {
-                tx,
-                lease,
-                fresh: false,
-                store: self.clone(),
-            })),
-            Ok(other) => {
-                self.end(tx).await;
+        match answer? {
+            ClaimOutcome::Acquired(lease) => {
+                tx.lease = lease;
+                Ok(TxClaim::Acquired(tx))
+            }
+            other => {
+                tx.rollback().await;
                 Ok(TxClaim::Answered(other))
             }
-            Err(e) => Err(e),
         }
-    }
-
-    /// Rolls back a transaction that claimed nothing.
-    async fn end(&self, tx: Transaction<'static, Postgres>) {
-        self.count(1);
-        // A failed ROLLBACK leaves the connection to the pool, which closes it.
-        let _ = tx.rollback().await;
     }
 }
 
@@ -201,19 +229,87 @@ impl ClaimedTx {
     /// outcome](StoreError::is_outcome_unknown) that could not be read back.
     pub async fn commit(mut self, result: &[u8]) -> Result<(), StoreError> {
         self.lease.policy.check_result(result)?;
+        let lease = self.lease.clone();
         if self.fresh {
-            let item = [(self.lease.clone(), bytes::Bytes::copy_from_slice(result))];
-            insert_completed(&mut self.tx, &item).await?;
+            let item = [(lease, Bytes::copy_from_slice(result))];
+            insert_completed(&mut self, &item).await?;
         } else {
-            PgStore::complete_in(&mut self.tx, &self.lease, result).await?;
+            PgStore::complete_in(&mut self, &lease, result).await?;
         }
-        self.store.count(2);
-        self.store.commit(self.tx, &self.lease).await
+        self.store.count(1);
+        self.finish(true).await
     }
 
     /// Rolls the transaction back: nothing it wrote stays, the key is free again and no attempt
     /// is spent.
-    pub async fn rollback(self) {
-        self.store.end(self.tx).await;
+    pub async fn rollback(mut self) {
+        // A failed ROLLBACK closes the connection (the drop), which rolls back as well.
+        let _ = self.finish(false).await;
+    }
+
+    /// Records a failed attempt of the key in the transaction and commits it (after the caller's
+    /// own writes were rolled back: call it on a transaction that wrote nothing else): released
+    /// for a later attempt, or FAILED where `permanent` or out of attempts. Answers whether the
+    /// key failed for good.
+    ///
+    /// # Errors
+    /// Postgres failed: nothing was recorded.
+    pub async fn fail(mut self, reason: &str, permanent: bool) -> Result<AfterFailure, StoreError> {
+        let lease = self.lease.clone();
+        if self.fresh {
+            insert_claimed(&mut self, &[&lease]).await?;
+        }
+        let error = if permanent {
+            HandlerError::Permanent(reason)
+        } else {
+            HandlerError::Retryable(reason)
+        };
+        let answer = record_failure(&mut self, &lease, error).await?;
+        self.store.count(2);
+        self.finish(true).await?;
+        Ok(match answer {
+            BatchAnswer::Handler {
+                after: AfterHandlerError::Failed { attempts },
+                ..
+            } => AfterFailure::Failed { attempts },
+            _ => AfterFailure::Released {
+                attempts: lease.attempts,
+            },
+        })
+    }
+
+    /// Ends the transaction: COMMIT (an unknown outcome read back) or ROLLBACK.
+    async fn finish(&mut self, commit: bool) -> Result<(), StoreError> {
+        let Some(mut conn) = self.conn.take() else {
+            return Ok(());
+        };
+        self.store.count(1);
+        let sent = simple(&mut conn, if commit { "COMMIT" } else { "ROLLBACK" }).await;
+        let err = match sent {
+            Ok(()) => return Ok(()),
+            Err(e) => classify(e, commit),
+        };
+        // Whatever became of it, the session is not reused.
+        conn.0.close_on_drop();
+        if !(commit && err.is_outcome_unknown()) {
+            return Err(err);
+        }
+        match self.store.get(&self.lease.key).await {
+            Ok(Some(r)) if r.token == self.lease.token && r.state == State::Completed => Ok(()),
+            Ok(Some(r)) if r.token == self.lease.token && r.state == State::InProgress => {
+                // Not committed (yet): any later fenced call is refused if it lands after all.
+                Err(match err {
+                    StoreError::OutcomeUnknown { source } => StoreError::Unavailable { source },
+                    other => other,
+                })
+            }
+            // A fresh key's row absent: not committed yet, or never; still unknown.
+            Ok(None) if self.fresh => Err(err),
+            Ok(_) => Err(StoreError::LeaseLost {
+                key: self.lease.key.clone(),
+                token: self.lease.token,
+            }),
+            Err(_) => Err(err),
+        }
     }
 }
