@@ -160,19 +160,18 @@ impl PgStore {
     ) -> Result<TxClaim, StoreError> {
         req.policy.validate()?;
         let (scope, key) = (req.key.scope().as_str(), req.key.key_bytes());
-        let mut conn = self.conn().await?;
-        // From here on, a failure closes the connection (the transaction may be open or
-        // aborted): `ClaimedTx`'s drop.
-        let begun = sqlx::raw_sql(sqlx::AssertSqlSafe(begin_sql(scope, key, config)))
-            .execute(&mut **conn)
-            .await;
+        // From before BEGIN is sent, a failure, or this future dropped mid-statement, closes the
+        // connection (the transaction may be open or aborted): `ClaimedTx`'s drop.
         let mut tx = ClaimedTx {
-            conn: Some(conn),
+            conn: Some(self.conn().await?),
             lease: fresh_lease(req, 0, 0),
             fresh: false,
             store: self.clone(),
         };
-        begun.map_err(|e| classify(e, false))?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(begin_sql(scope, key, config)))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| classify(e, false))?;
         let row = sqlx::query(PROBE_SQL)
             .bind(scope)
             .bind(key)
