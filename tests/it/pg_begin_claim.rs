@@ -230,3 +230,102 @@ async fn a_lease_past_the_servers_bound_still_claims(pool: PgPool) {
         State::Completed
     );
 }
+
+/// The claim and a fresh key's completion go to Postgres as simple queries with the scope, the
+/// key, the fingerprint and the result written as hex: a scope with quotes and non-ASCII text, a
+/// key and a result of every byte value (quotes, backslashes, NUL) are stored exactly; the key is
+/// locked under the hash transaction mode's batches take (a batch finds it InFlight while the
+/// request holds it), and afterwards the batch replays the request's result.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn any_scope_key_and_result_round_trips_and_locks_as_a_batch_does(pool: PgPool) {
+    let store = PgStore::new(pool.clone());
+    let scope = dedup_core::Scope::new("it's a \"scope\" \\ ünïcödé; DROP TABLE x; --").unwrap();
+    let bytes: Vec<u8> = (0..=255u8).collect();
+    let k = dedup_core::IdempotencyKey::new(scope, &bytes).unwrap();
+    let fingerprint = Some(Fingerprint::of(b"payload"));
+    let r = req(&k, "w1").with_fingerprint(fingerprint);
+    let tx = claimed(&store, &r).await;
+    let batch = [r.clone()];
+    let answers = store
+        .transact_batch(
+            dedup_pg::BatchRequest::new(&batch),
+            |_tx: &mut sqlx::PgConnection,
+             leases: &[dedup_core::Lease]|
+             -> dedup_pg::BatchBody<'_, crate::support::Boom> {
+                let n = leases.len();
+                Box::pin(
+                    async move { Ok((0..n).map(|_| Ok(bytes::Bytes::from("batch"))).collect()) },
+                )
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(answers[0], dedup_pg::BatchAnswer::InFlight),
+        "the batch takes the same lock: {:?}",
+        answers[0]
+    );
+    let token = tx.lease().token;
+    let result: Vec<u8> = bytes.iter().rev().copied().chain(*b"'\\x00'; --").collect();
+    tx.commit(&result).await.unwrap();
+    let record = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (
+            record.state,
+            record.token,
+            record.result.as_deref(),
+            record.fingerprint
+        ),
+        (State::Completed, token, Some(&result[..]), fingerprint)
+    );
+    let answers = store
+        .transact_batch(
+            dedup_pg::BatchRequest::new(&batch),
+            |_tx: &mut sqlx::PgConnection,
+             _: &[dedup_core::Lease]|
+             -> dedup_pg::BatchBody<'_, crate::support::Boom> {
+                Box::pin(async { panic!("a completed key does not run again") })
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(&answers[0], dedup_pg::BatchAnswer::Replayed { result: r, .. } if r[..] == result[..]),
+        "{:?}",
+        answers[0]
+    );
+}
+
+/// A constraint of the caller's own that fails only at COMMIT (deferred) is its error, not a
+/// key taken meanwhile: final (a retry would fail the same way), with nothing committed, and the
+/// key free for the next claim, still on its first attempt.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_deferred_constraint_failing_at_the_commit_is_the_callers_error(pool: PgPool) {
+    sqlx::raw_sql(
+        "CREATE TABLE orders (id int, CONSTRAINT one_order UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = PgStore::new(pool.clone());
+    let k = key("deferred");
+    let mut tx = claimed(&store, &req(&k, "w1")).await;
+    sqlx::raw_sql("INSERT INTO orders VALUES (1), (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let err = tx.commit(b"ordered").await.unwrap_err();
+    assert!(
+        !err.is_retryable() && !err.is_outcome_unknown(),
+        "the route's own violation, not a taken key: {err}"
+    );
+    assert!(store.get(&k).await.unwrap().is_none(), "nothing committed");
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(orders, 0);
+    let tx = claimed(&store, &req(&k, "w2")).await;
+    assert_eq!(tx.lease().attempts, 1);
+    tx.rollback().await;
+}

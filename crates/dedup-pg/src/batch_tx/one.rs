@@ -2,25 +2,28 @@
 //! mode for a single request (the HTTP layer's transactional path), one commit in all.
 //!
 //! ```text
-//! BEGIN; try-lock the key; set the transaction's bounds   one round trip (`begin_sql`)
+//! BEGIN; try-lock the key; set the transaction's bounds;
 //!   once locked, read whether it has a row (a fresh key gets a token from the sequence)
-//!                                                       (`PROBE_SQL`)
+//!                                                       one round trip (`begin_sql`)
 //!   a key with a row: the claim statement               (replays, takeovers, retries)
 //! the caller's writes, on the transaction (`ClaimedTx` derefs to a `PgConnection`)
-//!   a fresh key written COMPLETED once; another completed under its token
-//! COMMIT                                                (one WAL flush for the request)
+//! a fresh key written COMPLETED once, and COMMIT        one round trip (`commit_fresh_sql`)
+//!   (a key with a row: completed under its token, then COMMIT)
 //! ```
+//!
+//! A fresh key costs two round trips besides the caller's and one WAL flush. The two are simple
+//! queries with no parameters: the scope, the key, the fingerprint and the result go in as hex.
 //!
 //! As in a batch (`fresh.rs`): the advisory lock keeps every other transactional claimer off the
 //! key without waiting (a held lock answers InFlight at once), and a fresh key is written once,
 //! at the end. A writer that takes no advisory lock (a lease-mode claim) may write it meanwhile:
-//! the final insert says so and nothing commits (a passing error). The read is a statement after
-//! the lock's, so its snapshot sees a first writer that committed before it let go. Both are
-//! plain single-key statements (a batch's go through PL/pgSQL functions, whose fixed cost one key
-//! cannot share: `pg_stat_statements` showed the batch function at 240 µs a call for one key).
+//! the final insert fails on its row, the COMMIT after it never runs, and nothing commits (a
+//! passing error). The read is a statement after the lock's, so its snapshot sees a first writer
+//! that committed before it let go. Both are plain single-key statements (a batch's go through
+//! PL/pgSQL functions, whose fixed cost one key cannot share).
 //!
 //! The transaction is the connection's own (BEGIN, COMMIT and ROLLBACK sent by hand on a pooled
-//! connection), so that BEGIN and the lock go in one round trip. [`ClaimedTx::rollback`] sends
+//! connection), so that BEGIN and COMMIT share round trips with the claim's statements. [`ClaimedTx::rollback`] sends
 //! the ROLLBACK; a `ClaimedTx` dropped without [`commit`](ClaimedTx::commit) or `rollback` (a
 //! panic, a cancelled future) closes its connection instead of returning it, and Postgres rolls
 //! the transaction back as the session ends: nothing was written, the key is free again and no
@@ -29,60 +32,100 @@
 //! ([`TxBatchConfig::idle_timeout`]) ends it: a request must end within it. The caller's own
 //! statements wait on locks as in any transaction (no `lock_timeout` is set).
 
-use bytes::Bytes;
 use dedup_core::{
     AfterFailure, AfterHandlerError, ClaimOutcome, ClaimRequest, HandlerError, Lease, State, Store,
-    StoreError,
+    StoreError, micros,
 };
+use futures_util::TryStreamExt as _;
 use sqlx::Row;
 use sqlx::postgres::PgConnection;
 
-use super::fresh::{fresh_lease, insert_claimed, insert_completed};
+use super::fresh::{Taken, fresh_lease, insert_claimed};
 use super::parts::record_failure;
 use super::{BatchAnswer, TxBatchConfig};
 use crate::claim::claim_counted;
 use crate::classify::classify;
+use crate::rows::token_i64;
 use crate::{PgConn, PgStore};
 
 /// The longest bound `idle_in_transaction_session_timeout` takes (an `int` of milliseconds).
 const MAX_BOUND_MS: u128 = i32::MAX as u128;
 
-/// BEGIN, the key's transaction-scoped advisory lock (the hash transaction mode's batches take,
-/// so that a batch and a request never hold one key at once) tried without waiting and noted in
-/// the transaction's `dedup.locked`, and the transaction's idle bound: one simple query, one
-/// round trip, with no parameters, so the scope and the key go in as hex (only `[0-9a-f]`:
-/// nothing in them can end the literal) and the bound as an integer.
+/// `bytes` as lowercase hex: the form the scope, the key, a fingerprint and a result take in the
+/// simple queries below, which carry no parameters (only `[0-9a-f]`: nothing in them can end the
+/// literal they are written in).
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for &b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    out
+}
+
+/// The claim's one round trip, a simple query with no parameters (the scope and the key as hex,
+/// the bound as an integer):
+/// - BEGIN;
+/// - the key's transaction-scoped advisory lock (the hash transaction mode's batches take, so that
+///   a batch and a request never hold one key at once), tried without waiting and noted in the
+///   transaction's `dedup.locked`, and the transaction's idle bound;
+/// - once locked, whether the key has a row, a fencing token from the sequence if not, and the
+///   server's clock. A statement of its own, after the lock's: in READ COMMITTED each statement
+///   of a simple query takes its own snapshot, so this one sees a first writer that committed
+///   before it let go of the key.
 fn begin_sql(scope: &str, key: &[u8], config: TxBatchConfig) -> String {
-    use std::fmt::Write as _;
-    let hex = |bytes: &[u8]| {
-        bytes
-            .iter()
-            .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-                let _ = write!(s, "{b:02x}");
-                s
-            })
-    };
+    let (scope, key) = (hex(scope.as_bytes()), hex(key));
     format!(
         "BEGIN; SELECT set_config('dedup.locked', pg_try_advisory_xact_lock(hashtextextended(\
-         convert_from(decode('{}', 'hex'), 'UTF8') || E'\\n' || '{}', 0))::text, true), \
-         set_config('idle_in_transaction_session_timeout', '{}ms', true)",
-        hex(scope.as_bytes()),
-        hex(key),
-        config.idle_timeout.as_millis().clamp(1, MAX_BOUND_MS),
+         convert_from(decode('{scope}', 'hex'), 'UTF8') || E'\\n' || '{key}', 0))::text, true), \
+         set_config('idle_in_transaction_session_timeout', '{bound}ms', true); \
+         SELECT l.locked, r.state IS NULL AS fresh, \
+         CASE WHEN l.locked AND r.state IS NULL THEN nextval('dedup_token_seq') END AS token, \
+         (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us \
+         FROM (SELECT current_setting('dedup.locked')::bool AS locked) AS l \
+         LEFT JOIN dedup_records r ON l.locked \
+         AND r.scope = convert_from(decode('{scope}', 'hex'), 'UTF8') \
+         AND r.key = decode('{key}', 'hex') AND r.kt = dedup_kt(decode('{key}', 'hex'))",
+        bound = config.idle_timeout.as_millis().clamp(1, MAX_BOUND_MS),
     )
 }
 
-/// Whether the key was locked and, where it was, whether it has a row, a fencing token from the
-/// sequence if not, and the server's clock. A statement of its own, after the lock's, so that its
-/// snapshot sees a first writer that committed before it let go of the key. $1 scope, $2 key.
-const PROBE_SQL: &str = concat!(
-    "SELECT l.locked, r.state IS NULL AS fresh,",
-    " CASE WHEN l.locked AND r.state IS NULL THEN nextval('dedup_token_seq') END AS token,",
-    " (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us",
-    " FROM (SELECT current_setting('dedup.locked')::bool AS locked) AS l",
-    " LEFT JOIN dedup_records r ON l.locked AND r.scope = $1 AND r.key = $2",
-    "   AND r.kt = dedup_kt($2)"
-);
+/// A fresh key written COMPLETED under its lease, then COMMIT: one simple query, one round trip
+/// (`INSERT_COMPLETED_SQL`, a batch's completion of its fresh keys, for one key). No
+/// `ON CONFLICT`: a row another writer put there meanwhile fails the insert (a unique
+/// violation), the COMMIT after it never runs, and nothing of the transaction commits.
+fn commit_fresh_sql(lease: &Lease, result: &[u8]) -> String {
+    let key = hex(lease.key.key_bytes());
+    let fingerprint = lease.fingerprint.as_ref().map_or_else(
+        || "NULL".to_owned(),
+        |f| format!("decode('{}', 'hex')", hex(f.as_bytes())),
+    );
+    format!(
+        "INSERT INTO dedup_records (scope, key, kt, state, owner, token, lease_until, attempts, \
+         fingerprint, result, created_at, updated_at, expires_at) \
+         VALUES (convert_from(decode('{scope}', 'hex'), 'UTF8'), decode('{key}', 'hex'), \
+         dedup_kt(decode('{key}', 'hex')), 'completed', NULL, {token}, NULL, 1, {fingerprint}, \
+         decode('{result}', 'hex'), statement_timestamp(), statement_timestamp(), \
+         statement_timestamp() + {retention}::float8 * interval '1 microsecond'); COMMIT",
+        scope = hex(lease.key.scope().as_str().as_bytes()),
+        token = token_i64(lease.token),
+        result = hex(result),
+        retention = micros(lease.policy.retention),
+    )
+}
+
+/// Whether `e` is Postgres refusing a row whose key is taken (`unique_violation`).
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(sqlx::error::DatabaseError::code)
+        .is_some_and(|code| code == "23505")
+}
+
+/// The claim's simple query answered no row for its probe.
+#[derive(Debug, thiserror::Error)]
+#[error("the claim's probe of the key answered no row")]
+struct NoProbeRow;
 
 /// What [`PgStore::begin_claim`] found.
 #[derive(Debug)]
@@ -168,17 +211,15 @@ impl PgStore {
             fresh: false,
             store: self.clone(),
         };
-        sqlx::raw_sql(sqlx::AssertSqlSafe(begin_sql(scope, key, config)))
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| classify(e, false))?;
-        let row = sqlx::query(PROBE_SQL)
-            .bind(scope)
-            .bind(key)
-            .fetch_one(&mut *tx)
+        let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(begin_sql(scope, key, config)))
+            .fetch_all(&mut *tx)
             .await
             .map_err(|e| classify(e, false))?;
         self.count(3);
+        // The lock's row, then the probe's.
+        let Some(row) = rows.last() else {
+            return Err(StoreError::unavailable(NoProbeRow));
+        };
         let locked: bool = row.try_get("locked").map_err(|e| classify(e, false))?;
         let fresh: bool = row.try_get("fresh").map_err(|e| classify(e, false))?;
         let token: Option<i64> = row.try_get("token").map_err(|e| classify(e, false))?;
@@ -228,15 +269,45 @@ impl ClaimedTx {
     /// outcome](StoreError::is_outcome_unknown) that could not be read back.
     pub async fn commit(mut self, result: &[u8]) -> Result<(), StoreError> {
         self.lease.policy.check_result(result)?;
-        let lease = self.lease.clone();
         if self.fresh {
-            let item = [(lease, Bytes::copy_from_slice(result))];
-            insert_completed(&mut self, &item).await?;
-        } else {
-            PgStore::complete_in(&mut self, &lease, result).await?;
+            return self.commit_fresh(result).await;
         }
+        let lease = self.lease.clone();
+        PgStore::complete_in(&mut self, &lease, result).await?;
         self.store.count(1);
         self.finish(true).await
+    }
+
+    /// A fresh key's completion and the COMMIT, in one round trip (`commit_fresh_sql`).
+    async fn commit_fresh(&mut self, result: &[u8]) -> Result<(), StoreError> {
+        let Some(mut conn) = self.conn.take() else {
+            return Ok(());
+        };
+        self.store.count(2);
+        let sql = commit_fresh_sql(&self.lease, result);
+        // Statements completed before an error: an error at the first is the insert's.
+        let mut done = 0_usize;
+        let err = {
+            let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(&mut **conn);
+            loop {
+                match results.try_next().await {
+                    Ok(Some(_)) => done += 1,
+                    Ok(None) => break None,
+                    Err(e) => break Some(e),
+                }
+            }
+        };
+        let Some(err) = err else {
+            return Ok(());
+        };
+        // Whatever became of it, the session is not reused.
+        conn.0.close_on_drop();
+        if done == 0 && is_unique_violation(&err) {
+            // A lease-mode writer wrote the key meanwhile: nothing committed, and a retry finds
+            // its record.
+            return Err(StoreError::unavailable(Taken));
+        }
+        self.read_back(classify(err, true)).await
     }
 
     /// Rolls the transaction back: nothing it wrote stays, the key is free again and no attempt
@@ -290,7 +361,16 @@ impl ClaimedTx {
         };
         // Whatever became of it, the session is not reused.
         conn.0.close_on_drop();
-        if !(commit && err.is_outcome_unknown()) {
+        if !commit {
+            return Err(err);
+        }
+        self.read_back(err).await
+    }
+
+    /// Resolves a COMMIT that failed with `err`: an unknown outcome is read back (COMPLETED under
+    /// this lease's token means it committed).
+    async fn read_back(&self, err: StoreError) -> Result<(), StoreError> {
+        if !err.is_outcome_unknown() {
             return Err(err);
         }
         match self.store.get(&self.lease.key).await {
