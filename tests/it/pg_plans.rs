@@ -16,7 +16,9 @@
 //! grows the table, runs them again on the same connection, and counts the table's sequential
 //! scans (none) and the index entries read (about one per key: no whole-index scan). Rows are
 //! written and read here by statements that never scan the table; every pool is closed before
-//! the counters are read, so that its backend's counts are in.
+//! the counters are read, so that its backend's counts are in. A single request's claim
+//! (`begin_claim`) sends simple queries, planned at each call: its probe keeps to the primary key
+//! once the table has rows.
 
 use bytes::Bytes;
 use dedup_core::{ClaimRequest, Lease, Store};
@@ -390,4 +392,65 @@ async fn batch_claims_never_scan_the_table_whatever_its_statistics_say(pool: PgP
     let probes = 2 * 2_000 + 4 * 2_000;
     assert_probes_only(&pool, before, probes, probes + 500).await;
     assert_eq!(completed(&pool).await, 2_000 + 2 * 7);
+}
+
+/// A request claimed in a transaction of its own (`PgStore::begin_claim`, the HTTP layer's
+/// transactional path) finds its key through the primary key, fresh or not, while the table is
+/// tiny and once it has grown: its probe and its completion are simple queries with the key
+/// written in as hex, planned at each call, and the scope's comparison must keep the index's
+/// collation (`convert_from` answers in the collation of its `name` argument, "C", which no
+/// index of the table has: each probe then read the whole table, 107 sequential scans here).
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn single_request_claims_never_scan_the_table_whatever_its_statistics_say(pool: PgPool) {
+    empty_statistics(&pool).await;
+    let before = scans(&pool).await;
+    let conn = one_connection(&pool).await;
+    let store = PgStore::new(conn.clone());
+    let claim = async |name: String| {
+        store
+            .begin_claim(&req(&key(name), "r"), dedup_pg::TxBatchConfig::default())
+            .await
+            .unwrap()
+    };
+    let commit = async |name: String| match claim(name).await {
+        dedup_pg::TxClaim::Acquired(tx) => tx.commit(b"done").await.unwrap(),
+        other => panic!("expected the key held: {other:?}"),
+    };
+    for i in 0..7 {
+        commit(format!("tiny{i}")).await;
+    }
+    // 3,000 keys done before, written without reading the table.
+    sqlx::query(
+        "INSERT INTO dedup_records (scope, key, state, token, attempts, result, created_at, \
+         updated_at, expires_at) \
+         SELECT 'test', convert_to('grown' || i, 'UTF8'), 'completed', nextval('dedup_token_seq'), \
+         1, '\\x00', now(), now(), now() + interval '1 day' FROM generate_series(0, 2999) AS i",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for i in 0..50 {
+        commit(format!("fresh{i}")).await;
+        match claim(format!("grown{i}")).await {
+            dedup_pg::TxClaim::Answered(dedup_core::ClaimOutcome::Completed { .. }) => {}
+            other => panic!("expected a replay: {other:?}"),
+        }
+    }
+    conn.close().await;
+    // Once grown, a probe per claim (50 fresh, 50 done before), and the claim statement's two
+    // for each key done before; planned at each call, a probe of the empty table may read it.
+    let after = settled(&pool, before, 200).await;
+    assert!(
+        after.1 - before.1 >= 200,
+        "every probe found its key through an index: {before:?} -> {after:?}"
+    );
+    assert!(
+        after.0 - before.0 <= 7,
+        "a sequential scan only while the table was empty: {before:?} -> {after:?}"
+    );
+    assert!(
+        after.2 - before.2 <= 1_000,
+        "no statement read a whole index: {before:?} -> {after:?}"
+    );
+    assert_eq!(completed(&pool).await, 3_057);
 }

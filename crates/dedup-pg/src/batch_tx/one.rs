@@ -73,7 +73,9 @@ fn hex(bytes: &[u8]) -> String {
 /// - once locked, whether the key has a row, a fencing token from the sequence if not, and the
 ///   server's clock. A statement of its own, after the lock's: in READ COMMITTED each statement
 ///   of a simple query takes its own snapshot, so this one sees a first writer that committed
-///   before it let go of the key.
+///   before it let go of the key. The scope is compared in the primary key's collation:
+///   `convert_from` answers in its `name` argument's ("C"), and a comparison in that collation
+///   cannot use the index (every probe would read the whole table).
 fn begin_sql(scope: &str, key: &[u8], config: TxBatchConfig) -> String {
     let (scope, key) = (hex(scope.as_bytes()), hex(key));
     format!(
@@ -85,7 +87,7 @@ fn begin_sql(scope: &str, key: &[u8], config: TxBatchConfig) -> String {
          (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us \
          FROM (SELECT current_setting('dedup.locked')::bool AS locked) AS l \
          LEFT JOIN dedup_records r ON l.locked \
-         AND r.scope = convert_from(decode('{scope}', 'hex'), 'UTF8') \
+         AND r.scope = convert_from(decode('{scope}', 'hex'), 'UTF8') COLLATE \"default\" \
          AND r.key = decode('{key}', 'hex') AND r.kt = dedup_kt(decode('{key}', 'hex'))",
         bound = config.idle_timeout.as_millis().clamp(1, MAX_BOUND_MS),
     )
