@@ -2,7 +2,8 @@
 //! docs/design/window-partitions.md), with the stand-in mapping of `support::partition_records`:
 //! the conformance suite runs over that layout too (`conformance::partitioned`); here, every
 //! writer racing for the same keys across partitions (transaction mode by the batch, lease mode
-//! one by one and by the batch, a claim inside the caller's transaction) leaves one record and
+//! one by one and by the batch, a claim inside the caller's transaction, a request's claim in a
+//! transaction of its own) leaves one record and
 //! one effect per key, and every statement that finds a record by its key reads only that key's
 //! partition.
 
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dedup_core::{ClaimOutcome, ClaimRequest, Fingerprint, HandlerError, Lease, Store};
-use dedup_pg::{BatchBody, BatchRequest, ItemResult, PgStore};
+use dedup_pg::{BatchBody, BatchRequest, ItemResult, PgStore, TxBatchConfig, TxClaim};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
 use tokio::time::sleep;
@@ -62,6 +63,9 @@ pub(crate) enum Writer {
     LeaseOne,
     /// `PgStore::claim_in` inside the caller's transaction, with the effect and `complete_in`.
     InTx,
+    /// `PgStore::begin_claim` (the HTTP layer's transactional path): the claim, the effect and
+    /// the completion in the request's own transaction.
+    TxOne,
 }
 
 impl Writer {
@@ -145,6 +149,31 @@ impl Writer {
                 }
                 left
             }
+            Writer::TxOne => {
+                let mut left = Vec::new();
+                for n in pending {
+                    match store
+                        .begin_claim(&request(&n), TxBatchConfig::default())
+                        .await
+                    {
+                        Ok(TxClaim::Acquired(mut tx)) => {
+                            let token = tx.lease().token;
+                            insert_effect(&mut tx, &n, token, "tx-one").await.unwrap();
+                            match tx.commit(b"ok").await {
+                                Ok(()) => {}
+                                // A fresh key another writer took meanwhile: again.
+                                Err(e) if e.is_retryable() => left.push(n),
+                                Err(e) => panic!("{e:?}"),
+                            }
+                        }
+                        Ok(TxClaim::Answered(a)) if settled(&a) => {}
+                        Ok(_) => left.push(n),
+                        Err(e) if e.is_retryable() => left.push(n),
+                        Err(e) => panic!("{e:?}"),
+                    }
+                }
+                left
+            }
         }
     }
 }
@@ -219,6 +248,8 @@ async fn every_writer_racing_across_partitions_runs_each_key_once(pool: PgPool) 
         Writer::LeaseOne,
         Writer::InTx,
         Writer::InTx,
+        Writer::TxOne,
+        Writer::TxOne,
     ];
     for t in spawn_writers(&pool, &writers, &names, names.len()) {
         t.await.unwrap();
@@ -255,12 +286,12 @@ async fn every_lookup_by_key_reads_only_that_keys_partition(pool: PgPool) {
     let names: Vec<String> = sqlx::query_scalar(
         "SELECT 'one-' || n FROM generate_series(1, 5000) n \
          WHERE dedup_kt(convert_to('one-' || n, 'UTF8')) >= '2026-01-03' \
-         AND dedup_kt(convert_to('one-' || n, 'UTF8')) < '2026-01-05' ORDER BY n LIMIT 24",
+         AND dedup_kt(convert_to('one-' || n, 'UTF8')) < '2026-01-05' ORDER BY n LIMIT 25",
     )
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(names.len(), 24);
+    assert_eq!(names.len(), 25);
     let before = partition_scans(&pool).await;
     let own = PgPoolOptions::new()
         .max_connections(2)
@@ -310,7 +341,7 @@ async fn every_lookup_by_key_reads_only_that_keys_partition(pool: PgPool) {
     );
     // Transaction mode by the batch: new keys written completed, known ones answered.
     let answers = store
-        .transact_batch(BatchRequest::new(&reqs[6..]), effects())
+        .transact_batch(BatchRequest::new(&reqs[6..24]), effects())
         .await
         .unwrap();
     assert_eq!(answers.len(), 18);
@@ -320,6 +351,24 @@ async fn every_lookup_by_key_reads_only_that_keys_partition(pool: PgPool) {
         &PgStore::claim_in(&mut tx, &reqs[20]).await.unwrap()
     ));
     tx.commit().await.unwrap();
+    // A request's claim in its own transaction: a new key written completed, a known one
+    // answered.
+    match store
+        .begin_claim(&reqs[24], TxBatchConfig::default())
+        .await
+        .unwrap()
+    {
+        TxClaim::Acquired(tx) => tx.commit(b"ok").await.unwrap(),
+        other => panic!("{other:?}"),
+    }
+    match store
+        .begin_claim(&reqs[20], TxBatchConfig::default())
+        .await
+        .unwrap()
+    {
+        TxClaim::Answered(a) => assert!(settled(&a)),
+        other => panic!("{other:?}"),
+    }
     let report = store
         .forget_keys(std::slice::from_ref(&lease.key))
         .await

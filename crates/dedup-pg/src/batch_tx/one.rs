@@ -2,25 +2,28 @@
 //! mode for a single request (the HTTP layer's transactional path), one commit in all.
 //!
 //! ```text
-//! BEGIN; try-lock the key; set the transaction's bounds;
-//!   once locked, read whether it has a row (a fresh key gets a token from the sequence)
-//!                                                       one round trip (`begin_sql`)
+//! BEGIN; the transaction's idle bound; dedup_probe_one:  one round trip (`begin_sql`)
+//!   try-lock the key; once locked, read whether it has a row (a fresh key gets a token from
+//!   the sequence)
 //!   a key with a row: the claim statement               (replays, takeovers, retries)
 //! the caller's writes, on the transaction (`ClaimedTx` derefs to a `PgConnection`)
-//! a fresh key written COMPLETED once, and COMMIT        one round trip (`commit_fresh_sql`)
+//! dedup_complete_one (a fresh key written COMPLETED once); COMMIT
+//!                                                       one round trip (`commit_fresh_sql`)
 //!   (a key with a row: completed under its token, then COMMIT)
 //! ```
 //!
-//! A fresh key costs two round trips besides the caller's and one WAL flush. The two are simple
-//! queries with no parameters: the scope, the key, the fingerprint and the result go in as hex.
+//! A fresh key costs two round trips besides the caller's, and one WAL flush. Both are simple
+//! queries with no parameters, the scope, the key, the fingerprint and the result written as hex,
+//! that call PL/pgSQL functions (migration 20261207000001, which says why): their plans are made
+//! once per connection and are safe by their shape whatever the statistics said then, and a
+//! call with constant arguments is cheap to parse.
 //!
 //! As in a batch (`fresh.rs`): the advisory lock keeps every other transactional claimer off the
 //! key without waiting (a held lock answers InFlight at once), and a fresh key is written once,
 //! at the end. A writer that takes no advisory lock (a lease-mode claim) may write it meanwhile:
 //! the final insert fails on its row, the COMMIT after it never runs, and nothing commits (a
 //! passing error). The read is a statement after the lock's, so its snapshot sees a first writer
-//! that committed before it let go. Both are plain single-key statements (a batch's go through
-//! PL/pgSQL functions, whose fixed cost one key cannot share).
+//! that committed before it let go.
 //!
 //! The transaction is the connection's own (BEGIN, COMMIT and ROLLBACK sent by hand on a pooled
 //! connection), so that BEGIN and COMMIT share round trips with the claim's statements. [`ClaimedTx::rollback`] sends
@@ -65,52 +68,35 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// The claim's one round trip, a simple query with no parameters (the scope and the key as hex,
-/// the bound as an integer):
-/// - BEGIN;
-/// - the key's transaction-scoped advisory lock (the hash transaction mode's batches take, so that
-///   a batch and a request never hold one key at once), tried without waiting and noted in the
-///   transaction's `dedup.locked`, and the transaction's idle bound;
-/// - once locked, whether the key has a row, a fencing token from the sequence if not, and the
-///   server's clock. A statement of its own, after the lock's: in READ COMMITTED each statement
-///   of a simple query takes its own snapshot, so this one sees a first writer that committed
-///   before it let go of the key. The scope is compared in the primary key's collation:
-///   `convert_from` answers in its `name` argument's ("C"), and a comparison in that collation
-///   cannot use the index (every probe would read the whole table).
+/// the bound as an integer): BEGIN; the transaction's idle bound, and `dedup_probe_one`
+/// (migration 20261207000001), which tries the key's advisory lock and, once locked, reads
+/// whether it has a row, with a fencing token from the sequence if not, and the server's clock.
 fn begin_sql(scope: &str, key: &[u8], config: TxBatchConfig) -> String {
-    let (scope, key) = (hex(scope.as_bytes()), hex(key));
     format!(
-        "BEGIN; SELECT set_config('dedup.locked', pg_try_advisory_xact_lock(hashtextextended(\
-         convert_from(decode('{scope}', 'hex'), 'UTF8') || E'\\n' || '{key}', 0))::text, true), \
-         set_config('idle_in_transaction_session_timeout', '{bound}ms', true); \
-         SELECT l.locked, r.state IS NULL AS fresh, \
-         CASE WHEN l.locked AND r.state IS NULL THEN nextval('dedup_token_seq') END AS token, \
-         (extract(epoch FROM statement_timestamp()) * 1000000)::int8 AS now_us \
-         FROM (SELECT current_setting('dedup.locked')::bool AS locked) AS l \
-         LEFT JOIN dedup_records r ON l.locked \
-         AND r.scope = convert_from(decode('{scope}', 'hex'), 'UTF8') COLLATE \"default\" \
-         AND r.key = decode('{key}', 'hex') AND r.kt = dedup_kt(decode('{key}', 'hex'))",
+        "BEGIN; SELECT set_config('idle_in_transaction_session_timeout', '{bound}ms', true), \
+         p.locked, p.fresh, p.token, p.now_us FROM dedup_probe_one(\
+         convert_from(decode('{scope}', 'hex'), 'UTF8'), decode('{key}', 'hex')) AS p",
+        scope = hex(scope.as_bytes()),
+        key = hex(key),
         bound = config.idle_timeout.as_millis().clamp(1, MAX_BOUND_MS),
     )
 }
 
-/// A fresh key written COMPLETED under its lease, then COMMIT: one simple query, one round trip
-/// (`INSERT_COMPLETED_SQL`, a batch's completion of its fresh keys, for one key). No
-/// `ON CONFLICT`: a row another writer put there meanwhile fails the insert (a unique
-/// violation), the COMMIT after it never runs, and nothing of the transaction commits.
+/// A fresh key written COMPLETED under its lease (`dedup_complete_one`, migration
+/// 20261207000001), then COMMIT: one simple query, one round trip. The insert has no
+/// `ON CONFLICT`: a row another writer put there meanwhile fails it (a unique violation), the
+/// COMMIT after it never runs, and nothing of the transaction commits.
 fn commit_fresh_sql(lease: &Lease, result: &[u8]) -> String {
-    let key = hex(lease.key.key_bytes());
     let fingerprint = lease.fingerprint.as_ref().map_or_else(
         || "NULL".to_owned(),
         |f| format!("decode('{}', 'hex')", hex(f.as_bytes())),
     );
     format!(
-        "INSERT INTO dedup_records (scope, key, kt, state, owner, token, lease_until, attempts, \
-         fingerprint, result, created_at, updated_at, expires_at) \
-         VALUES (convert_from(decode('{scope}', 'hex'), 'UTF8'), decode('{key}', 'hex'), \
-         dedup_kt(decode('{key}', 'hex')), 'completed', NULL, {token}, NULL, 1, {fingerprint}, \
-         decode('{result}', 'hex'), statement_timestamp(), statement_timestamp(), \
-         statement_timestamp() + {retention}::float8 * interval '1 microsecond'); COMMIT",
+        "SELECT dedup_complete_one(convert_from(decode('{scope}', 'hex'), 'UTF8'), \
+         decode('{key}', 'hex'), {token}, {fingerprint}, decode('{result}', 'hex'), {retention}); \
+         COMMIT",
         scope = hex(lease.key.scope().as_str().as_bytes()),
+        key = hex(lease.key.key_bytes()),
         token = token_i64(lease.token),
         result = hex(result),
         retention = micros(lease.policy.retention),
@@ -218,7 +204,6 @@ impl PgStore {
             .await
             .map_err(|e| classify(e, false))?;
         self.count(3);
-        // The lock's row, then the probe's.
         let Some(row) = rows.last() else {
             return Err(StoreError::unavailable(NoProbeRow));
         };

@@ -64,7 +64,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 12;
+pub const SCHEMA_GENERATION: i32 = 13;
 
 /// Versions of migrations that landed and were withdrawn: a database migrated by such a build
 /// records them, and this binary knows them (their DDL is superseded by a later migration, never
