@@ -21,6 +21,7 @@
 use std::any::Any;
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,6 +30,7 @@ use bytes::Bytes;
 use dedup_core::{
     AfterFailure, ClaimOutcome, ClaimRequest, Dedup, Lease, LeaseContext, Store, StoreError,
 };
+use futures_util::FutureExt as _;
 use http::{Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::BodyExt;
@@ -147,9 +149,10 @@ where
     )
     .holding(open);
     request.extensions_mut().insert(ctx.clone());
-    // The service and its body on a task of their own: a panic is caught here, and the
-    // transaction rolled back at once (a route's `RequestTx` gives it back as it unwinds).
-    let routed = tokio::spawn(async move {
+    // A panic of the service or its body is caught here, and the transaction rolled back at
+    // once (a route's `RequestTx` gives it back as it unwinds). (The request already runs on a
+    // task of its own, so no second one is spawned for this.)
+    let routed = AssertUnwindSafe(async move {
         let response = inner.call(request).await?;
         let (parts, body) = response.into_parts();
         Ok(match body.collect().await {
@@ -167,6 +170,7 @@ where
             }
         })
     })
+    .catch_unwind()
     .await;
     let (parts, body) = match routed {
         Ok(Ok(answered)) => answered,
