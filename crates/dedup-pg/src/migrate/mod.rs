@@ -33,7 +33,8 @@
 //! whatever the table's statistics said when it was made: `dedup_complete_batch` (batch
 //! completions), `dedup_get_many`, `dedup_extend_batch` (batch heartbeats) and
 //! `dedup_regrant_batch` (bitmap probes only), `dedup_claim_batch` and `dedup_fresh_batch` (a
-//! `LATERAL` probe per key). Beside them,
+//! `LATERAL` probe per key), and for a single request claimed in its own transaction
+//! `dedup_probe_one` (a probe of the primary key) and `dedup_complete_one`. Beside them,
 //! `dedup_uuid7_ms_v1` (the time of a UUIDv7 key, the same function of the bytes as
 //! `IdempotencyKey::uuid7_millis`, inlined where it is called; no statement calls it yet: it is
 //! the first piece of the window partitioned by the key's time,
