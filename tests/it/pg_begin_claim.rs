@@ -329,3 +329,46 @@ async fn a_deferred_constraint_failing_at_the_commit_is_the_callers_error(pool: 
     assert_eq!(tx.lease().attempts, 1);
     tx.rollback().await;
 }
+
+/// A commit whose future is dropped while Postgres has not answered (here: its insert waits on a
+/// lease-mode claim of the key, uncommitted in another transaction) closes its connection: the
+/// pool never hands out that session again, open or aborted, and nothing of it is kept.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_commit_dropped_before_postgres_answered_closes_its_connection(pool: PgPool) {
+    effects_table(&pool).await;
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let store = PgStore::new(one.clone());
+    let k = key("dropped");
+    let mut tx = claimed(&store, &req(&k, "tx")).await;
+    effect(&mut tx, "dropped").await;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let mut other = pool.begin().await.unwrap();
+    let lease = acquired(
+        PgStore::claim_in(&mut other, &req(&k, "lease"))
+            .await
+            .unwrap(),
+    );
+    let waited = tokio::time::timeout(Duration::from_millis(300), tx.commit(b"mine")).await;
+    assert!(waited.is_err(), "the insert waits on the other claim");
+    other.rollback().await.unwrap();
+    drop(lease);
+    let next: i32 = tokio::time::timeout(
+        Duration::from_secs(10),
+        sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&one),
+    )
+    .await
+    .expect("the pool hands out a connection")
+    .unwrap();
+    assert_ne!(
+        next, pid,
+        "the dropped commit's session is not pooled again"
+    );
+    one.close().await;
+}

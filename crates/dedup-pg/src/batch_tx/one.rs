@@ -16,7 +16,9 @@
 //! queries with no parameters, the scope, the key, the fingerprint and the result written as hex,
 //! that call PL/pgSQL functions (migration 20261207000001, which says why): their plans are made
 //! once per connection and are safe by their shape whatever the statistics said then, and a
-//! call with constant arguments is cheap to parse.
+//! call with constant arguments is cheap to parse. So the result is in the statement's text: a
+//! completion that fails is logged with it where the server logs failed statements
+//! (`log_min_error_statement`), and `pg_stat_activity` shows it while it runs.
 //!
 //! As in a batch (`fresh.rs`): the advisory lock keeps every other transactional claimer off the
 //! key without waiting (a held lock answers InFlight at once), and a fresh key is written once,
@@ -267,15 +269,17 @@ impl ClaimedTx {
 
     /// A fresh key's completion and the COMMIT, in one round trip (`commit_fresh_sql`).
     async fn commit_fresh(&mut self, result: &[u8]) -> Result<(), StoreError> {
-        let Some(mut conn) = self.conn.take() else {
+        let sql = commit_fresh_sql(&self.lease, result);
+        // The connection stays in `self` until Postgres has answered: this future dropped
+        // meanwhile closes it (the drop) instead of pooling a transaction left open or aborted.
+        let Some(conn) = self.conn.as_mut() else {
             return Ok(());
         };
         self.store.count(2);
-        let sql = commit_fresh_sql(&self.lease, result);
         // Statements completed before an error: an error at the first is the insert's.
         let mut done = 0_usize;
         let err = {
-            let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(&mut **conn);
+            let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(&mut ***conn);
             loop {
                 match results.try_next().await {
                     Ok(Some(_)) => done += 1,
@@ -285,10 +289,11 @@ impl ClaimedTx {
             }
         };
         let Some(err) = err else {
+            // Committed: the connection goes back to the pool.
+            drop(self.conn.take());
             return Ok(());
         };
-        // Whatever became of it, the session is not reused.
-        conn.0.close_on_drop();
+        // Whatever became of the transaction, the connection is closed with `self`.
         if done == 0 && is_unique_violation(&err) {
             // A lease-mode writer wrote the key meanwhile: nothing committed, and a retry finds
             // its record.
@@ -337,17 +342,20 @@ impl ClaimedTx {
 
     /// Ends the transaction: COMMIT (an unknown outcome read back) or ROLLBACK.
     async fn finish(&mut self, commit: bool) -> Result<(), StoreError> {
-        let Some(mut conn) = self.conn.take() else {
+        // As in `commit_fresh`: the connection stays in `self` until Postgres has answered.
+        let Some(conn) = self.conn.as_mut() else {
             return Ok(());
         };
         self.store.count(1);
-        let sent = simple(&mut conn, if commit { "COMMIT" } else { "ROLLBACK" }).await;
+        let sent = simple(conn, if commit { "COMMIT" } else { "ROLLBACK" }).await;
         let err = match sent {
-            Ok(()) => return Ok(()),
+            Ok(()) => {
+                drop(self.conn.take());
+                return Ok(());
+            }
             Err(e) => classify(e, commit),
         };
-        // Whatever became of it, the session is not reused.
-        conn.0.close_on_drop();
+        // Whatever became of it, the connection is closed with `self`, not reused.
         if !commit {
             return Err(err);
         }
