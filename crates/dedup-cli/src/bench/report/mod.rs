@@ -37,6 +37,14 @@ fn median(mut xs: Vec<f64>) -> Option<f64> {
     xs.get(xs.len() / 2).copied()
 }
 
+/// The median, min, max and count of `xs`; `None` when empty.
+fn spread(xs: Vec<f64>) -> Option<(f64, f64, f64, usize)> {
+    let min = xs.iter().copied().reduce(f64::min)?;
+    let max = xs.iter().copied().reduce(f64::max)?;
+    let n = xs.len();
+    Some((median(xs)?, min, max, n))
+}
+
 impl<'a> Report<'a> {
     /// The report of a bench: its runs on an empty window, and the window's if it had one.
     pub(super) fn new(
@@ -124,6 +132,31 @@ impl<'a> Report<'a> {
                 Some(x / y)
             })
             .collect()
+    }
+
+    /// The paced p99 of every run of `name` that has one: its median, min, max and count.
+    fn paced_p99_of(&self, name: &str) -> Option<(f64, f64, f64, usize)> {
+        let p99s: Vec<f64> = self
+            .runs_of(name)
+            .iter()
+            .filter_map(|o| o.http.as_ref()?.paced.as_ref()?.p99_ms)
+            .collect();
+        spread(p99s)
+    }
+
+    /// `a`'s paced p99 less `b`'s, in each run where both were paced: the median of those
+    /// differences, their min, max and count.
+    fn paced_gap(&self, a: &str, b: &str) -> Option<(f64, f64, f64, usize)> {
+        let p99 = |r: &Round, name: &str| {
+            let o = r.outcomes.iter().find(|o| o.name == name)?;
+            o.http.as_ref()?.paced.as_ref()?.p99_ms
+        };
+        let gaps: Vec<f64> = self
+            .rounds
+            .iter()
+            .filter_map(|r| Some(p99(r, a)? - p99(r, b)?))
+            .collect();
+        spread(gaps)
     }
 
     /// The median of the ceiling's runs.

@@ -379,7 +379,20 @@ impl Report<'_> {
                     ms(p.p50_ms),
                     ms(p.p99_ms)
                 );
+                if repeated && let Some((median, min, max, n)) = self.paced_p99_of(o.name) {
+                    println!(
+                        "{}: paced p99 over its {n} runs: median {median:.2} ms, min-max \
+                         {min:.2}-{max:.2} ms",
+                        o.name
+                    );
+                }
             }
+        }
+        if let Some((median, min, max, n)) = self.paced_gap("(h2)", "(h0)") {
+            println!(
+                "(h2)'s paced p99 - (h0)'s, run by run: median {median:+.2} ms, min-max \
+                 {min:+.2} to {max:+.2} ms over {n} run(s)"
+            );
         }
         println!(
             "stm/r, commit/r: statements and writing transactions per request, counted by the \
