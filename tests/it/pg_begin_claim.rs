@@ -372,3 +372,77 @@ async fn a_commit_dropped_before_postgres_answered_closes_its_connection(pool: P
     );
     one.close().await;
 }
+
+/// A caller that opens a transaction of its own on the claim's connection (sqlx's
+/// `Connection::begin`, as composable repository code does) gets a savepoint, not a second BEGIN:
+/// its COMMIT does not commit the claim's transaction early (which would let go of the key with
+/// the effect written and no record, so that a retry ran it again), and its rollback undoes only
+/// its own writes. Nothing is visible to anyone else until the claim commits, the key stays held,
+/// and the connection goes back to the pool outside any transaction.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_nested_transaction_is_a_savepoint_and_commits_nothing_early(pool: PgPool) {
+    use sqlx::Connection as _;
+    effects_table(&pool).await;
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let store = PgStore::new(one.clone());
+    let k = key("nested");
+    let mut tx = claimed(&store, &req(&k, "tx")).await;
+    {
+        let mut inner = (*tx).begin().await.unwrap();
+        sqlx::query("INSERT INTO effects VALUES ('nested', 1, 'inner')")
+            .execute(&mut *inner)
+            .await
+            .unwrap();
+        inner.commit().await.unwrap();
+    }
+    {
+        let mut undone = (*tx).begin().await.unwrap();
+        sqlx::query("INSERT INTO effects VALUES ('undone', 1, 'inner')")
+            .execute(&mut *undone)
+            .await
+            .unwrap();
+        undone.rollback().await.unwrap();
+    }
+    assert!(
+        effect_rows(&pool).await.is_empty(),
+        "the nested COMMIT committed nothing: the effect waits for the claim's commit"
+    );
+    let other = answered(&PgStore::new(pool.clone()), &req(&k, "w2")).await;
+    assert!(
+        matches!(other, ClaimOutcome::InFlight { .. }),
+        "the key is still held after the nested commit: {other:?}"
+    );
+    tx.commit(b"done").await.unwrap();
+    assert_eq!(
+        effect_rows(&pool).await,
+        vec![("nested".to_owned(), 1, "inner".to_owned())]
+    );
+    let record = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(record.state, State::Completed);
+    // The pooled connection is outside any transaction, and sqlx knows it: a transaction begun
+    // on it is a real one.
+    let mut conn = one.acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let state: String = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "idle", "the session is outside a transaction");
+    let mut fresh = conn.begin().await.unwrap();
+    sqlx::query("INSERT INTO effects VALUES ('after', 1, 'next')")
+        .execute(&mut *fresh)
+        .await
+        .unwrap();
+    fresh.commit().await.unwrap();
+    drop(conn);
+    assert_eq!(effect_rows(&pool).await.len(), 2);
+    one.close().await;
+}

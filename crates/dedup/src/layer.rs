@@ -92,7 +92,8 @@ impl Engine {
     }
 
     /// Begins the transaction of a request whose effect is a write in the engine's Postgres:
-    /// write on it (it derefs to a `PgConnection`), then [`RequestTx::commit`] the response.
+    /// write on it (it derefs to a `PgConnection`, on which sqlx's `begin()` opens a
+    /// savepoint), then [`RequestTx::commit`] the response.
     /// `ctx` is the request's, from its extensions (axum: `Extension<IdempotencyContext>`).
     ///
     /// Under [`http_tx_layer`](Self::http_tx_layer) it hands over the transaction the layer

@@ -139,6 +139,80 @@ async fn began_and_did_not_commit(pool: PgPool, kind: Kind) {
     assert_eq!(payments(&pool).await, 0, "every transaction rolled back");
 }
 
+/// A route whose repository code opens a transaction of its own on the request's (sqlx's
+/// `begin()` and `commit()`, as composable code does) gets a savepoint: its COMMIT does not
+/// commit the request's transaction early. So a route that fails after that COMMIT leaves no
+/// payment behind, its retry pays once, and the next is replayed: one payment in all.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_nested_commit_in_a_route_commits_nothing_before_the_request(pool: PgPool) {
+    nested_commit(pool, Kind::Lease).await;
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn under_the_tx_layer_a_nested_commit_commits_nothing_before_the_request(pool: PgPool) {
+    nested_commit(pool, Kind::Tx).await;
+}
+
+async fn nested_commit(pool: PgPool, kind: Kind) {
+    use sqlx::Connection as _;
+    let engine = engine(&pool).await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = runs.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            route(&engine, &runs, move |engine, ctx| {
+                let first = counted.load(Ordering::SeqCst) == 1;
+                async move {
+                    let mut tx = engine.begin(&ctx).await.unwrap();
+                    let mut repository = (*tx).begin().await.unwrap();
+                    sqlx::query("INSERT INTO payments VALUES ('paid')")
+                        .execute(&mut *repository)
+                        .await
+                        .unwrap();
+                    repository.commit().await.unwrap();
+                    if first {
+                        return (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "failed after the repository",
+                        )
+                            .into_response();
+                    }
+                    let created = axum::http::Response::builder()
+                        .status(StatusCode::CREATED)
+                        .body(Bytes::from("paid"))
+                        .unwrap();
+                    tx.commit(created).await.unwrap().map(Into::into)
+                }
+            }),
+        )
+        .layer(layer(&engine, kind, IdempotencyConfig::new()));
+    let base = serve(app).await;
+    let c = client();
+    let url = format!("{base}/pay");
+    let (s, _, b) = post_key(&c, &url, Some("n-1"), "{}").await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{b}");
+    assert_eq!(
+        payments(&pool).await,
+        0,
+        "the repository's COMMIT committed nothing of the request's transaction"
+    );
+    let (s, h, b) = post_key(&c, &url, Some("n-1"), "{}").await;
+    assert_eq!(
+        (s, h.contains_key(REPLAYED)),
+        (StatusCode::CREATED, false),
+        "{b}"
+    );
+    let (s, h, b) = post_key(&c, &url, Some("n-1"), "{}").await;
+    assert_eq!(
+        (s, h.contains_key(REPLAYED)),
+        (StatusCode::CREATED, true),
+        "{b}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(payments(&pool).await, 1, "one payment in all");
+}
+
 /// A route that committed has its committed response replayed: also when it began another
 /// transaction it dropped, and when it answered the first caller something else after the commit.
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]

@@ -6,13 +6,18 @@
 //!   try-lock the key; once locked, read whether it has a row (a fresh key gets a token from
 //!   the sequence)
 //!   a key with a row: the claim statement               (replays, takeovers, retries)
-//! the caller's writes, on the transaction (`ClaimedTx` derefs to a `PgConnection`)
-//! dedup_complete_one (a fresh key written COMPLETED once); COMMIT
+//! held: an empty query, after which sqlx counts the transaction as its own
+//!                                                       one round trip (`ClaimedTx::hold`)
+//! the caller's writes, on the transaction (`ClaimedTx` derefs to a `PgConnection`; its
+//!   `begin()` is a savepoint)
+//! dedup_complete_one (a fresh key written COMPLETED once); COMMIT; BEGIN
 //!                                                       one round trip (`commit_fresh_sql`)
 //!   (a key with a row: completed under its token, then COMMIT)
+//! ROLLBACK of the empty transaction: sent with the pool's check as the connection goes back
 //! ```
 //!
-//! A fresh key costs two round trips besides the caller's, and one WAL flush. Both are simple
+//! A fresh key costs three round trips besides the caller's (one of them an empty query), and
+//! one WAL flush. Both are simple
 //! queries with no parameters, the scope, the key, the fingerprint and the result written as hex,
 //! that call PL/pgSQL functions (migration 20261207000001, which says why): their plans are made
 //! once per connection and are safe by their shape whatever the statistics said then, and a
@@ -27,9 +32,11 @@
 //! passing error). The read is a statement after the lock's, so its snapshot sees a first writer
 //! that committed before it let go.
 //!
-//! The transaction is the connection's own (BEGIN, COMMIT and ROLLBACK sent by hand on a pooled
-//! connection), so that BEGIN and COMMIT share round trips with the claim's statements. [`ClaimedTx::rollback`] sends
-//! the ROLLBACK; a `ClaimedTx` dropped without [`commit`](ClaimedTx::commit) or `rollback` (a
+//! The transaction is begun by hand on a pooled connection, so that BEGIN shares its round trip
+//! with the probe, and COMMIT its own with the completion. sqlx learns of it before the caller
+//! writes (`ClaimedTx::hold`): otherwise a caller's `begin()` sends BEGIN (a warning inside a
+//! transaction) and its COMMIT commits the claim's transaction early, letting go of the key with
+//! the effect written and no record. [`ClaimedTx::rollback`] sends the ROLLBACK; a `ClaimedTx` dropped without [`commit`](ClaimedTx::commit) or `rollback` (a
 //! panic, a cancelled future) closes its connection instead of returning it, and Postgres rolls
 //! the transaction back as the session ends: nothing was written, the key is free again and no
 //! attempt is spent. So does any statement of it that fails. A client stopped mid-request holds
@@ -42,8 +49,9 @@ use dedup_core::{
     StoreError, micros,
 };
 use futures_util::TryStreamExt as _;
-use sqlx::Row;
-use sqlx::postgres::PgConnection;
+use sqlx::postgres::{PgConnection, PgTransactionManager};
+use sqlx::{Row, SqlSafeStr as _};
+use sqlx_core::transaction::TransactionManager as _;
 
 use super::fresh::{Taken, fresh_lease, insert_claimed};
 use super::parts::record_failure;
@@ -87,7 +95,10 @@ fn begin_sql(scope: &str, key: &[u8], config: TxBatchConfig) -> String {
 /// A fresh key written COMPLETED under its lease (`dedup_complete_one`, migration
 /// 20261207000001), then COMMIT: one simple query, one round trip. The insert has no
 /// `ON CONFLICT`: a row another writer put there meanwhile fails it (a unique violation), the
-/// COMMIT after it never runs, and nothing of the transaction commits.
+/// COMMIT after it never runs, and nothing of the transaction commits. The empty transaction
+/// begun after the COMMIT is sqlx's to end: it counts the claim's transaction as its own
+/// ([`ClaimedTx::hold`]), and ends it with a ROLLBACK sent when the connection goes back to the
+/// pool (no round trip of its own, and no warning, as a ROLLBACK outside a transaction gives).
 fn commit_fresh_sql(lease: &Lease, result: &[u8]) -> String {
     let fingerprint = lease.fingerprint.as_ref().map_or_else(
         || "NULL".to_owned(),
@@ -96,7 +107,7 @@ fn commit_fresh_sql(lease: &Lease, result: &[u8]) -> String {
     format!(
         "SELECT dedup_complete_one(convert_from(decode('{scope}', 'hex'), 'UTF8'), \
          decode('{key}', 'hex'), {token}, {fingerprint}, decode('{result}', 'hex'), {retention}); \
-         COMMIT",
+         COMMIT; BEGIN",
         scope = hex(lease.key.scope().as_str().as_bytes()),
         key = hex(lease.key.key_bytes()),
         token = token_i64(lease.token),
@@ -172,9 +183,23 @@ impl Drop for ClaimedTx {
     }
 }
 
-/// Sends a simple statement (COMMIT, ROLLBACK) on `conn`.
-async fn simple(conn: &mut PgConn, sql: &'static str) -> Result<(), sqlx::Error> {
-    sqlx::Executor::execute(&mut ***conn, sql).await.map(drop)
+/// Ends the transaction on `conn` with COMMIT or ROLLBACK, through sqlx where it counts the
+/// transaction as its own ([`ClaimedTx::hold`]), so that its count goes back to none.
+async fn end(conn: &mut PgConn, commit: bool) -> Result<(), sqlx::Error> {
+    let raw: &mut PgConnection = conn;
+    match (PgTransactionManager::get_transaction_depth(raw), commit) {
+        (0, true) => sqlx::Executor::execute(raw, "COMMIT").await.map(drop),
+        (0, false) => sqlx::Executor::execute(raw, "ROLLBACK").await.map(drop),
+        (1, true) => PgTransactionManager::commit(raw).await,
+        (1, false) => PgTransactionManager::rollback(raw).await,
+        // The caller left a transaction of its own open (a savepoint, forgotten): end the whole
+        // transaction, and the session with it rather than pool it with sqlx's count off.
+        (_, commit) => {
+            conn.0.close_on_drop();
+            let sql = if commit { "COMMIT" } else { "ROLLBACK" };
+            sqlx::Executor::execute(&mut ***conn, sql).await.map(drop)
+        }
+    }
 }
 
 impl PgStore {
@@ -223,6 +248,7 @@ impl PgStore {
         if let (true, Some(token)) = (fresh, token) {
             tx.lease = fresh_lease(req, token, now_us);
             tx.fresh = true;
+            tx.hold().await?;
             return Ok(TxClaim::Acquired(tx));
         }
         // A row: the claim statement says what it is (a replay, a takeover, a retry).
@@ -231,6 +257,7 @@ impl PgStore {
         match answer? {
             ClaimOutcome::Acquired(lease) => {
                 tx.lease = lease;
+                tx.hold().await?;
                 Ok(TxClaim::Acquired(tx))
             }
             other => {
@@ -242,6 +269,24 @@ impl PgStore {
 }
 
 impl ClaimedTx {
+    /// Makes sqlx count the transaction, begun by hand to share the claim's round trip, as its
+    /// own, before the caller writes on it: a caller's `begin()` (sqlx's `Connection::begin`,
+    /// as composable repository code calls it) is then a savepoint, and its COMMIT releases the
+    /// savepoint. Without it sqlx sends BEGIN (a warning in a transaction) and then a COMMIT
+    /// that commits the claim's transaction early: the key let go with the effect written and no
+    /// record, so that a retry ran the effect again. sqlx counts a transaction only once
+    /// Postgres says one is open, so this is an empty query: one round trip that Postgres
+    /// neither parses nor plans.
+    async fn hold(&mut self) -> Result<(), StoreError> {
+        let Some(conn) = self.conn.as_mut() else {
+            return Ok(());
+        };
+        let raw: &mut PgConnection = conn;
+        PgTransactionManager::begin(raw, Some(sqlx::AssertSqlSafe("").into_sql_str()))
+            .await
+            .map_err(|e| classify(e, false))
+    }
+
     /// The lease the key is held under (for its fencing token and its stored-form limits).
     pub fn lease(&self) -> &Lease {
         &self.lease
@@ -289,8 +334,18 @@ impl ClaimedTx {
             }
         };
         let Some(err) = err else {
-            // Committed: the connection goes back to the pool.
-            drop(self.conn.take());
+            // Committed, and in the empty transaction begun after: sqlx ends it with a ROLLBACK
+            // sent as the connection goes back to the pool, and counts no transaction again.
+            if let Some(mut conn) = self.conn.take() {
+                let raw: &mut PgConnection = &mut conn;
+                if PgTransactionManager::get_transaction_depth(raw) == 1 {
+                    PgTransactionManager::start_rollback(raw);
+                } else {
+                    // The caller left a transaction of its own open: not pooled with sqlx's
+                    // count off.
+                    conn.0.close_on_drop();
+                }
+            }
             return Ok(());
         };
         // Whatever became of the transaction, the connection is closed with `self`.
@@ -347,7 +402,7 @@ impl ClaimedTx {
             return Ok(());
         };
         self.store.count(1);
-        let sent = simple(conn, if commit { "COMMIT" } else { "ROLLBACK" }).await;
+        let sent = end(conn, commit).await;
         let err = match sent {
             Ok(()) => {
                 drop(self.conn.take());
