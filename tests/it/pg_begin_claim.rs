@@ -446,3 +446,38 @@ async fn a_nested_transaction_is_a_savepoint_and_commits_nothing_early(pool: PgP
     assert_eq!(effect_rows(&pool).await.len(), 2);
     one.close().await;
 }
+
+/// A nested `begin()` that fails (here `begin_with` a BEGIN statement, which sqlx refuses inside
+/// a transaction) makes sqlx's guard roll back the whole claim's transaction. The commit then
+/// refuses, with a final error, rather than write the key COMPLETED on its own over what the
+/// caller's later writes left; the key has no record and is free again.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_claim_rolled_back_under_its_caller_refuses_to_commit(pool: PgPool) {
+    use sqlx::Connection as _;
+    effects_table(&pool).await;
+    let store = PgStore::new(pool.clone());
+    let k = key("under");
+    let mut tx = claimed(&store, &req(&k, "tx")).await;
+    effect(&mut tx, "before").await;
+    let refused = (*tx)
+        .begin_with("BEGIN ISOLATION LEVEL SERIALIZABLE")
+        .await
+        .is_err();
+    assert!(
+        refused,
+        "sqlx refuses a BEGIN statement inside a transaction"
+    );
+    let err = tx.commit(b"done").await.unwrap_err();
+    assert!(
+        !err.is_retryable() && !err.is_outcome_unknown(),
+        "a final error: {err}"
+    );
+    assert!(err.to_string().contains("rolled back under"), "{err}");
+    assert!(store.get(&k).await.unwrap().is_none(), "no record written");
+    assert!(
+        effect_rows(&pool).await.is_empty(),
+        "the first write rolled back"
+    );
+    let again = claimed(&store, &req(&k, "next")).await;
+    again.rollback().await;
+}

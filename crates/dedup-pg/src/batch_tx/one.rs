@@ -128,6 +128,17 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
 #[error("the claim's probe of the key answered no row")]
 struct NoProbeRow;
 
+/// The claim's transaction was rolled back while the caller held it: sqlx's guard of a nested
+/// `begin()` that failed or was cancelled sends a ROLLBACK of the whole transaction (it rolls back
+/// at the depth it counts, and the claim's transaction is the first). Writes the caller made
+/// after that ran on their own.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the claim's transaction was rolled back under its caller (a nested begin() failed or was \
+     cancelled): nothing of it commits, and writes made after that committed on their own"
+)]
+struct RolledBackUnder;
+
 /// What [`PgStore::begin_claim`] found.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -151,6 +162,8 @@ pub struct ClaimedTx {
     lease: Lease,
     /// The key has no row yet: it is written at the end.
     fresh: bool,
+    /// sqlx counts the transaction as its own ([`ClaimedTx::hold`]).
+    held: bool,
     store: PgStore,
 }
 
@@ -224,6 +237,7 @@ impl PgStore {
             conn: Some(self.conn().await?),
             lease: fresh_lease(req, 0, 0),
             fresh: false,
+            held: false,
             store: self.clone(),
         };
         let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(begin_sql(scope, key, config)))
@@ -284,7 +298,24 @@ impl ClaimedTx {
         let raw: &mut PgConnection = conn;
         PgTransactionManager::begin(raw, Some(sqlx::AssertSqlSafe("").into_sql_str()))
             .await
-            .map_err(|e| classify(e, false))
+            .map_err(|e| classify(e, false))?;
+        self.held = true;
+        Ok(())
+    }
+
+    /// Refuses to end a transaction that sqlx no longer counts, though it held it: rolled back
+    /// under the caller ([`RolledBackUnder`]). Nothing is sent (a completion now would commit
+    /// on its own, over whatever the caller's later writes left), and the session is closed.
+    fn still_held(&mut self) -> Result<(), StoreError> {
+        let Some(conn) = self.conn.as_mut() else {
+            return Ok(());
+        };
+        let raw: &mut PgConnection = conn;
+        if !self.held || PgTransactionManager::get_transaction_depth(raw) > 0 {
+            return Ok(());
+        }
+        conn.0.close_on_drop();
+        Err(StoreError::backend(RolledBackUnder))
     }
 
     /// The lease the key is held under (for its fencing token and its stored-form limits).
@@ -299,10 +330,13 @@ impl ClaimedTx {
     /// # Errors
     /// The result is too large for the policy; a lease-mode writer took the fresh key meanwhile
     /// (a passing error: nothing committed, and a retry finds its record); the lease was lost;
-    /// Postgres failed. Nothing committed, unless the error [is an unknown
+    /// the transaction was rolled back under the caller (sqlx's guard of a nested `begin()`
+    /// that failed or was cancelled: a final error, and writes made after that committed on
+    /// their own); Postgres failed. Nothing committed, unless the error [is an unknown
     /// outcome](StoreError::is_outcome_unknown) that could not be read back.
     pub async fn commit(mut self, result: &[u8]) -> Result<(), StoreError> {
         self.lease.policy.check_result(result)?;
+        self.still_held()?;
         if self.fresh {
             return self.commit_fresh(result).await;
         }
@@ -372,6 +406,7 @@ impl ClaimedTx {
     /// # Errors
     /// Postgres failed: nothing was recorded.
     pub async fn fail(mut self, reason: &str, permanent: bool) -> Result<AfterFailure, StoreError> {
+        self.still_held()?;
         let lease = self.lease.clone();
         if self.fresh {
             insert_claimed(&mut self, &[&lease]).await?;
