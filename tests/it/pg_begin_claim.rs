@@ -39,6 +39,16 @@ async fn answered(store: &PgStore, r: &dedup_core::ClaimRequest) -> ClaimOutcome
     }
 }
 
+/// A pool of one connection on `pool`'s database: whatever it hands out next is the session the
+/// last user gave back.
+async fn one_connection(pool: &PgPool) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap()
+}
+
 async fn effect(tx: &mut ClaimedTx, name: &str) {
     let token = i64::try_from(tx.lease().token.get()).unwrap();
     sqlx::query("INSERT INTO effects VALUES ($1, $2, 'tx')")
@@ -336,11 +346,7 @@ async fn a_deferred_constraint_failing_at_the_commit_is_the_callers_error(pool: 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_commit_dropped_before_postgres_answered_closes_its_connection(pool: PgPool) {
     effects_table(&pool).await;
-    let one = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with((*pool.connect_options()).clone())
-        .await
-        .unwrap();
+    let one = one_connection(&pool).await;
     let store = PgStore::new(one.clone());
     let k = key("dropped");
     let mut tx = claimed(&store, &req(&k, "tx")).await;
@@ -383,11 +389,7 @@ async fn a_commit_dropped_before_postgres_answered_closes_its_connection(pool: P
 async fn a_nested_transaction_is_a_savepoint_and_commits_nothing_early(pool: PgPool) {
     use sqlx::Connection as _;
     effects_table(&pool).await;
-    let one = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with((*pool.connect_options()).clone())
-        .await
-        .unwrap();
+    let one = one_connection(&pool).await;
     let store = PgStore::new(one.clone());
     let k = key("nested");
     let mut tx = claimed(&store, &req(&k, "tx")).await;
