@@ -17,11 +17,11 @@
 //! ```
 //!
 //! A fresh key costs three round trips besides the caller's (one of them an empty query), and
-//! one WAL flush. Both are simple
-//! queries with no parameters, the scope, the key, the fingerprint and the result written as hex,
-//! that call PL/pgSQL functions (migration 20261207000001, which says why): their plans are made
-//! once per connection and are safe by their shape whatever the statistics said then, and a
-//! call with constant arguments is cheap to parse. So the result is in the statement's text: a
+//! one WAL flush. The probe and the completion are simple queries with no parameters, the
+//! scope, the key, the fingerprint and the result written as hex, that call PL/pgSQL functions
+//! (migration 20261207000001, which says why): their plans are made once per connection and are
+//! safe by their shape whatever the statistics said then, and a call with constant arguments is
+//! cheap to parse. So the result is in the statement's text: a
 //! completion that fails is logged with it where the server logs failed statements
 //! (`log_min_error_statement`), and `pg_stat_activity` shows it while it runs.
 //!
@@ -36,8 +36,9 @@
 //! with the probe, and COMMIT its own with the completion. sqlx learns of it before the caller
 //! writes (`ClaimedTx::hold`): otherwise a caller's `begin()` sends BEGIN (a warning inside a
 //! transaction) and its COMMIT commits the claim's transaction early, letting go of the key with
-//! the effect written and no record. [`ClaimedTx::rollback`] sends the ROLLBACK; a `ClaimedTx` dropped without [`commit`](ClaimedTx::commit) or `rollback` (a
-//! panic, a cancelled future) closes its connection instead of returning it, and Postgres rolls
+//! the effect written and no record. [`ClaimedTx::rollback`] sends the ROLLBACK; a `ClaimedTx`
+//! dropped without [`commit`](ClaimedTx::commit) or `rollback` (a panic, a cancelled future)
+//! closes its connection instead of returning it, and Postgres rolls
 //! the transaction back as the session ends: nothing was written, the key is free again and no
 //! attempt is spent. So does any statement of it that fails. A client stopped mid-request holds
 //! the key only until the session's `idle_in_transaction_session_timeout`
