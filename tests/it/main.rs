@@ -29,6 +29,7 @@ mod pg_key_time;
 mod pg_kt_guard;
 mod pg_migrate;
 mod pg_names;
+mod pg_outbox;
 mod pg_partitioned;
 mod pg_plans;
 mod pg_range_locks;

@@ -63,6 +63,23 @@ pub enum InputError {
         /// The limit.
         max: usize,
     },
+    /// A message queued on the outbox larger than its limit (key, payload and headers together),
+    /// refused when it is queued rather than found at the relay.
+    #[error(
+        "the outbox message to {topic} is {len} bytes long; the limit is {max} (OutboxMessage::MAX_BYTES)"
+    )]
+    OutboxMessageTooLarge {
+        /// The topic it was queued for.
+        topic: String,
+        /// Its size: key, payload, header names and values.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A topic Kafka cannot take: empty, longer than 249 characters, or with a character other
+    /// than ASCII letters, digits, `.`, `_` and `-`.
+    #[error("the outbox message's topic {0:?} is not a valid Kafka topic name")]
+    OutboxTopic(String),
     /// A policy that cannot work (a zero lease, zero attempts, a duration the store cannot hold).
     #[error("invalid policy: {0}")]
     Policy(&'static str),

@@ -55,6 +55,7 @@ mod error;
 mod instance;
 mod key;
 pub mod machine;
+pub mod outbox;
 mod process;
 mod record;
 mod store;

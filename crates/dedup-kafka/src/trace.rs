@@ -42,3 +42,34 @@ pub(crate) fn set_parent(span: &Span, delivery: &Delivery) {
 /// Without the `otel` feature, trace headers are left alone.
 #[cfg(not(feature = "otel"))]
 pub(crate) fn set_parent(_span: &Span, _delivery: &Delivery) {}
+
+/// The trace context for a message the handler of `delivery` publishes on the outbox: with the
+/// `otel` feature, the current span's (the message's span, a child of the producer's); without
+/// it, the consumed message's own `traceparent` and `tracestate`, so the chain stays one trace.
+pub(crate) fn context_headers(delivery: &Delivery) -> Vec<(String, Option<bytes::Bytes>)> {
+    #[cfg(feature = "otel")]
+    {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        struct Out(Vec<(String, Option<bytes::Bytes>)>);
+        impl opentelemetry::propagation::Injector for Out {
+            fn set(&mut self, key: &str, value: String) {
+                self.0
+                    .push((key.to_owned(), Some(bytes::Bytes::from(value))));
+            }
+        }
+        let cx = Span::current().context();
+        let mut out = Out(Vec::new());
+        opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut out));
+        if !out.0.is_empty() {
+            return out.0;
+        }
+    }
+    ["traceparent", "tracestate"]
+        .into_iter()
+        .filter_map(|name| {
+            delivery
+                .header(name)
+                .map(|v| (name.to_owned(), Some(bytes::Bytes::copy_from_slice(v))))
+        })
+        .collect()
+}

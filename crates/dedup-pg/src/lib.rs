@@ -89,6 +89,7 @@ mod connect;
 mod instance;
 mod layout;
 mod migrate;
+pub mod outbox;
 mod retention;
 mod rows;
 mod sql;
@@ -127,6 +128,8 @@ pub struct PgStore {
     statements: Arc<AtomicU64>,
     /// The instance identity this store holds (`Store::adopt`), shared by its clones.
     identity: Arc<tokio::sync::Mutex<instance::Identity>>,
+    /// Woken after a commit that wrote outbox rows: an outbox relay in this process waits on it.
+    outbox_wake: Arc<tokio::sync::Notify>,
 }
 
 /// The body of a transaction run by [`PgStore::transact`]: business writes on the transaction's
@@ -140,6 +143,7 @@ impl PgStore {
             pool,
             statements: Arc::default(),
             identity: Arc::default(),
+            outbox_wake: Arc::default(),
         }
     }
 
@@ -191,6 +195,19 @@ impl PgStore {
             Some(lease) => self.commit(tx, lease).await,
             None => tx.commit().await.map_err(|e| classify(e, true)),
         }
+    }
+
+    /// What an outbox relay in this process waits on: notified after each commit through this
+    /// store (or its clones) that wrote outbox rows, so the relay publishes them at once rather
+    /// than at its next poll.
+    pub fn outbox_wake(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.outbox_wake)
+    }
+
+    /// Wakes this process's outbox relay: call it after committing a transaction of your own
+    /// that wrote outbox rows ([`outbox::OutboxWriter`]).
+    pub fn wake_outbox(&self) {
+        self.outbox_wake.notify_one();
     }
 
     /// The pool.

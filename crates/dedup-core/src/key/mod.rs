@@ -203,20 +203,9 @@ impl IdempotencyKey {
         if event_ms > MAX_MS {
             return Err(InputError::EventTime { ms: event_ms });
         }
-        let d = Sha256::digest(event_id);
-        let a = (u16::from(d[0]) << 4) | u16::from(d[1] >> 4);
-        let mut b = [0_u8; 8];
-        b.copy_from_slice(&d[2..10]);
-        let b = u64::from_be_bytes(b) >> 2;
         Self::new(
             scope,
-            format!(
-                "{:08x}-{:04x}-7{a:03x}-{:04x}-{:012x}",
-                event_ms >> 16,
-                event_ms & 0xffff,
-                0x8000 | (b >> 48),
-                b & 0xffff_ffff_ffff
-            ),
+            uuid7_text(event_ms, &Sha256::digest(event_id).into()),
         )
     }
 
@@ -241,6 +230,22 @@ impl IdempotencyKey {
     pub fn uuid7_millis(&self) -> Option<u64> {
         uuid7_millis(&self.key)
     }
+}
+
+/// The text of a UUIDv7 whose time is `event_ms` (at most 48 bits) and whose 74 other bits are
+/// the first 74 of `digest`: [`IdempotencyKey::timed`]'s shape.
+pub(crate) fn uuid7_text(event_ms: u64, d: &[u8; 32]) -> String {
+    let a = (u16::from(d[0]) << 4) | u16::from(d[1] >> 4);
+    let mut b = [0_u8; 8];
+    b.copy_from_slice(&d[2..10]);
+    let b = u64::from_be_bytes(b) >> 2;
+    format!(
+        "{:08x}-{:04x}-7{a:03x}-{:04x}-{:012x}",
+        event_ms >> 16,
+        event_ms & 0xffff,
+        0x8000 | (b >> 48),
+        b & 0xffff_ffff_ffff
+    )
 }
 
 /// [`IdempotencyKey::uuid7_millis`] of `key`'s bytes.

@@ -70,6 +70,7 @@ use dedup_core::{
 use sqlx::postgres::PgConnection;
 
 use crate::PgStore;
+use crate::outbox::OutboxBuffer;
 use parts::handler_reason;
 use pass::{Pass, Plan};
 
@@ -223,6 +224,7 @@ pub struct BatchRequest<'a> {
     reqs: &'a [ClaimRequest],
     groups: Option<&'a [u64]>,
     writes: Option<&'a dyn BatchWrites>,
+    outbox: Option<&'a OutboxBuffer>,
     config: TxBatchConfig,
 }
 
@@ -233,6 +235,7 @@ impl<'a> BatchRequest<'a> {
             reqs,
             groups: None,
             writes: None,
+            outbox: None,
             config: TxBatchConfig::default(),
         }
     }
@@ -259,6 +262,16 @@ impl<'a> BatchRequest<'a> {
     /// rolls back takes them with it; the pass that commits makes them again.
     pub fn with_writes(mut self, writes: &'a dyn BatchWrites) -> Self {
         self.writes = Some(writes);
+        self
+    }
+
+    /// Also writes what the handler queued on `outbox` (under each message's lease) for the
+    /// messages that run and settle in the pass that commits, in one statement after their
+    /// completions: published once the batch commits, never if it rolls back. Each handler call
+    /// starts its messages' queues afresh, so a part run again publishes only what its last run
+    /// queued.
+    pub fn with_outbox(mut self, outbox: &'a OutboxBuffer) -> Self {
+        self.outbox = Some(outbox);
         self
     }
 
@@ -311,6 +324,7 @@ impl PgStore {
             reqs,
             groups,
             writes,
+            outbox,
             config,
         } = batch;
         for req in reqs {
@@ -336,6 +350,7 @@ impl PgStore {
                         reqs,
                         groups,
                         writes,
+                        outbox,
                         distinct: &distinct,
                         config,
                     },

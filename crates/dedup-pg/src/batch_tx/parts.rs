@@ -19,6 +19,7 @@ use super::{BatchAnswer, BatchBody, BatchRetried, ItemResult};
 use crate::PgStore;
 use crate::classify::classify;
 use crate::complete::finish;
+use crate::outbox::OutboxBuffer;
 use crate::rows::token_i64;
 
 /// Calls the handler, catching a panic as a failure of the whole call.
@@ -169,6 +170,17 @@ pub(super) fn segments(items: Part, alone: impl Fn(usize) -> bool) -> VecDeque<P
     parts
 }
 
+/// What the second pass runs in parts: the held groups, the leases, the messages that failed
+/// in the first pass (indices into the requests), the map from a lease to its request, and the
+/// outbox whose queues each call starts afresh.
+pub(super) struct Parts<'a, 'h> {
+    pub(super) held: &'a mut Held<'h>,
+    pub(super) leases: &'a [Lease],
+    pub(super) alone: &'a [usize],
+    pub(super) req_of: &'a (dyn Fn(usize) -> usize + Sync),
+    pub(super) outbox: Option<&'a OutboxBuffer>,
+}
+
 impl PgStore {
     /// The second pass's handler calls: each message that failed before on its own, the runs
     /// between them together, each part under a savepoint; a part that fails is cut again (by
@@ -178,15 +190,19 @@ impl PgStore {
         &self,
         tx: &mut PgConnection,
         handler: &mut H,
-        held: &mut Held<'_>,
-        leases: &[Lease],
-        alone: &[usize],
-        req_of: &(dyn Fn(usize) -> usize + Sync),
+        parts_of: Parts<'_, '_>,
     ) -> Result<Vec<Option<ItemResult<E>>>, StoreError>
     where
         E: std::fmt::Display + Send,
         H: for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, E> + Send,
     {
+        let Parts {
+            held,
+            leases,
+            alone,
+            req_of,
+            outbox,
+        } = parts_of;
         // Parts in request order: each message that failed before on its own, the
         // runs between them together.
         let mut parts: VecDeque<Part> =
@@ -207,6 +223,9 @@ impl PgStore {
                 .await
                 .map_err(|e| classify(e, false))?;
             self.count(1);
+            if let Some(outbox) = outbox {
+                outbox.clear(&sub);
+            }
             let mut out = call(handler, &mut *tx, &sub).await;
             let all_ok = matches!(&out, Ok(r) if r.iter().all(Result::is_ok));
             if all_ok {

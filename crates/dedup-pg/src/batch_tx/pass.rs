@@ -18,13 +18,14 @@ use sqlx::postgres::PgConnection;
 use tracing::debug;
 
 use super::fresh::{insert_claimed, insert_completed, read_fresh};
-use super::parts::{call, handler_reason, record_failure, withdraw};
+use super::parts::{Parts, call, handler_reason, record_failure, withdraw};
 
 use super::{BatchAnswer, BatchBody, BatchRetried, BatchWrites, ItemResult, TxBatchConfig};
 use crate::PgStore;
 use crate::claim::{claim_counted, claim_many};
 use crate::classify::classify;
 use crate::complete::complete_many;
+use crate::outbox::OutboxBuffer;
 use crate::sql::TRY_LOCK_SQL;
 
 /// Whether `e` says the transaction was aborted by an earlier failed statement (SQLSTATE 25P02).
@@ -77,6 +78,7 @@ pub(super) struct Plan<'a> {
     pub(super) reqs: &'a [ClaimRequest],
     pub(super) groups: Option<&'a [u64]>,
     pub(super) writes: Option<&'a dyn BatchWrites>,
+    pub(super) outbox: Option<&'a OutboxBuffer>,
     pub(super) distinct: &'a [usize],
     pub(super) config: TxBatchConfig,
 }
@@ -99,6 +101,7 @@ impl PgStore {
             reqs,
             groups,
             writes,
+            outbox,
             distinct,
             config,
         } = *plan;
@@ -130,6 +133,9 @@ impl PgStore {
             let results: Vec<Option<ItemResult<E>>> = match &alone {
                 _ if leases.is_empty() => Vec::new(),
                 None => {
+                    if let Some(outbox) = outbox {
+                        outbox.clear(&leases);
+                    }
                     let whole = call(handler, &mut tx, &leases).await;
                     match whole {
                         Ok(results) if results.iter().all(Result::is_ok) => {
@@ -155,8 +161,14 @@ impl PgStore {
                     }
                 }
                 Some(alone) => {
-                    self.run_in_parts(&mut tx, handler, &mut held, &leases, alone, &req_of)
-                        .await?
+                    let parts = Parts {
+                        held: &mut held,
+                        leases: &leases,
+                        alone,
+                        req_of: &req_of,
+                        outbox,
+                    };
+                    self.run_in_parts(&mut tx, handler, parts).await?
                 }
             };
             let retry_whole = alone.is_none();
@@ -175,6 +187,25 @@ impl PgStore {
                 }
                 Err(Stop::Fail(e)) => return Err(e),
             };
+            // What the messages that ran queued on the outbox, after their completions.
+            let mut published = false;
+            if let Some(outbox) = outbox {
+                let ran = done.iter().chain(&written).map(|(lease, _)| lease);
+                match outbox.write(&mut tx, ran).await {
+                    Ok(statements) => {
+                        published = statements > 0;
+                        self.count(statements);
+                    }
+                    Err(e) => {
+                        self.count(1);
+                        if retry_whole && aborted(&e) {
+                            tx.rollback().await.map_err(|e| classify(e, false))?;
+                            return Ok(Pass::Retry(Vec::new()));
+                        }
+                        return Err(e);
+                    }
+                }
+            }
             // The caller's own writes (the consumer's position), with the effects.
             if let Some(writes) = writes {
                 let first: HashMap<&dedup_core::IdempotencyKey, usize> = distinct
@@ -218,6 +249,9 @@ impl PgStore {
                         err
                     });
                 }
+            }
+            if published {
+                self.wake_outbox();
             }
             Ok(Pass::Done(answers))
         }

@@ -27,7 +27,10 @@
 //! `dedup_parked` (parked messages, keyed by `(consumer_group, topic, partition, offset)`,
 //! indexed by the ordering key's digest and offset, and by the dedup record they carry) and
 //! `dedup_parked_owners` (each partition's parking epoch); `dedup_dead_letters` (dead letters the
-//! dead-letter topic refused for good); `dedup_schema` (one row: the generation and the floor);
+//! dead-letter topic refused for good); the outbox (`dedup_outbox`, a ring of three tables
+//! partitioned by `ring`, indexed on `(xid8, pos)`; `dedup_outbox_relay`, one row: the ring
+//! written, the relay's position and lease; `dedup_outbox_dead`; `dedup_outbox_pos_seq`);
+//! `dedup_schema` (one row: the generation and the floor);
 //! and the PL/pgSQL functions that the pooled statements joining `dedup_records` to a batch's
 //! arrays go through, each keeping one generic plan per connection that is safe by its shape
 //! whatever the table's statistics said when it was made: `dedup_complete_batch` (batch
@@ -65,7 +68,7 @@ use tracing::info;
 
 /// This binary's schema generation: the generation its newest migration writes to
 /// `dedup_schema`. A schema whose `compat_floor` is above it is refused.
-pub const SCHEMA_GENERATION: i32 = 13;
+pub const SCHEMA_GENERATION: i32 = 14;
 
 /// Versions of migrations that landed and were withdrawn: a database migrated by such a build
 /// records them, and this binary knows them (their DDL is superseded by a later migration, never

@@ -31,7 +31,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dedup_core::{BatchCache, Lease, OwnerIds, Policy, Scope};
+use dedup_core::outbox::OutboxMessage;
+use dedup_core::{BatchCache, InputError, Lease, OwnerIds, Policy, Scope};
+use dedup_pg::outbox::OutboxBuffer;
 use dedup_pg::{BatchBody, PgStore};
 use sqlx::PgConnection;
 
@@ -48,6 +50,7 @@ use crate::stats::{Counters, RunnerStats, StatsHandle};
 pub struct Acquired {
     delivery: Arc<Delivery>,
     lease: Lease,
+    outbox: Arc<OutboxBuffer>,
 }
 
 impl Acquired {
@@ -65,6 +68,47 @@ impl Acquired {
     pub fn token(&self) -> i64 {
         i64::try_from(self.lease.token.get()).unwrap_or(i64::MAX)
     }
+
+    /// Queues `message` on the outbox (docs/OUTBOX.md): it is written in this message's
+    /// transaction, with its effect and completion, and published by the relay once that
+    /// commits; never if it rolls back. A part of the batch run again after a failure starts
+    /// this message's queue afresh, so only its attempt that commits publishes.
+    ///
+    /// The relay sends it with a derived idempotency key (`idempotency-key`: a function of this
+    /// message's key, the topic and its ordinal among this message's publishes to that topic, so
+    /// a downstream dedup consumer drops the relay's duplicates), the cause (`dedup-cause-scope`,
+    /// `dedup-cause-key`) and the trace context (`traceparent`, unless the message sets its own).
+    ///
+    /// # Errors
+    /// A message the relay could never publish: an invalid topic name, or one over
+    /// [`OutboxMessage::MAX_BYTES`].
+    pub fn publish(&self, message: OutboxMessage) -> Result<(), InputError> {
+        let has_trace = message
+            .headers()
+            .iter()
+            .any(|(n, _)| n.eq_ignore_ascii_case("traceparent"));
+        let message = if has_trace {
+            message
+        } else {
+            crate::trace::context_headers(&self.delivery)
+                .into_iter()
+                .fold(message, |m, (n, v)| m.with_header(n, v))
+        };
+        let fallback = self
+            .delivery
+            .timestamp_ms
+            .and_then(|t| u64::try_from(t).ok())
+            .unwrap_or_else(now_ms);
+        let event_ms = dedup_core::outbox::event_ms(&self.lease.key, fallback);
+        self.outbox.publish(&self.lease, event_ms, message)
+    }
+}
+
+/// Now, in milliseconds since the Unix epoch.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// What [`TxRunner`] calls for each batch: the business writes of every acquired message, on the

@@ -21,6 +21,7 @@ use dedup_core::{
     AfterHandlerError, BatchCache, Cached, ClaimOutcome, ClaimRequest, HandlerError,
     IdempotencyKey, Lease, OwnerId, OwnerIds, Policy, State, StoreError,
 };
+use dedup_pg::outbox::OutboxBuffer;
 use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore};
 
 use super::offsets::TxOffsets;
@@ -248,13 +249,16 @@ impl<H: BatchHandler> Inner<H> {
                 .entry(i.key.clone())
                 .or_insert_with(|| i.delivery.clone());
         }
+        let outbox = Arc::new(OutboxBuffer::new());
         let body = body(
             self.handler.clone(),
             deliveries,
             self.common.breaker.clone(),
+            outbox.clone(),
         );
         let mut batch = BatchRequest::new(reqs)
             .ordered(&groups)
+            .with_outbox(&outbox)
             .with_config(self.common.batching.transaction);
         if let Some(position) = &position {
             batch = batch.with_writes(position);
@@ -392,6 +396,7 @@ fn body<H: BatchHandler>(
     handler: Arc<H>,
     deliveries: HashMap<IdempotencyKey, Arc<Delivery>>,
     breaker: Arc<Breaker>,
+    outbox: Arc<OutboxBuffer>,
 ) -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, H::Error> + Send {
     move |tx, leases| {
         let batch: Option<Vec<Acquired>> = leases
@@ -400,6 +405,7 @@ fn body<H: BatchHandler>(
                 deliveries.get(&l.key).map(|d| Acquired {
                     delivery: d.clone(),
                     lease: l.clone(),
+                    outbox: outbox.clone(),
                 })
             })
             .collect();
