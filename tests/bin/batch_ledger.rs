@@ -10,6 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dedup::HandlerError;
 use dedup::kafka::{Acquired, Answer, TxHandler};
+use dedup::outbox::OutboxMessage;
 use sqlx::PgConnection;
 
 /// Writes one `effects` row per acquired message (`key` from the `idempotency-key` header, the
@@ -28,6 +29,9 @@ pub(crate) struct BatchLedger {
     /// If set, every message is answered as a permanent failure while it reads true (a dropped
     /// table, a revoked credential: a handler that fails everything).
     pub(crate) broken: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// If set, each booked message publishes `{"charged":"<key>","amount":1}` to this topic on
+    /// the outbox, keyed by its idempotency key.
+    pub(crate) publish_to: Option<String>,
 }
 
 impl TxHandler for BatchLedger {
@@ -101,6 +105,17 @@ impl TxHandler for BatchLedger {
                 if fail {
                     answers.push(Err(HandlerError::Retryable("not yet".to_owned())));
                     continue;
+                }
+                if let Some(topic) = &self.publish_to {
+                    let m = OutboxMessage::new(
+                        topic.clone(),
+                        format!(r#"{{"charged":"{key}","amount":1}}"#),
+                    )
+                    .with_key(key.clone());
+                    if let Err(e) = a.publish(m) {
+                        answers.push(Err(HandlerError::Permanent(e.to_string())));
+                        continue;
+                    }
                 }
                 answers.push(Ok(Bytes::from(format!("booked {key}"))));
                 keys.push(key);

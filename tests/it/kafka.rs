@@ -667,7 +667,7 @@ static PRODUCED: std::sync::Mutex<BTreeMap<(String, i32), i64>> =
 
 /// A message read back whole: its Kafka key, payload, and headers in order.
 #[derive(Debug)]
-struct Letter {
+pub(super) struct Letter {
     key: Option<Vec<u8>>,
     payload: Option<Vec<u8>>,
     headers: Vec<(String, Option<Vec<u8>>)>,
@@ -1688,6 +1688,7 @@ mod front_door;
 mod key_fallback;
 mod kill_switch;
 mod lease;
+mod outbox;
 mod parked;
 mod pauses;
 mod recovery;

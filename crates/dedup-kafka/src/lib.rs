@@ -127,6 +127,7 @@ mod delivery;
 mod front;
 mod handler;
 mod kill_switch;
+pub mod outbox;
 mod runner;
 mod start;
 mod stats;

@@ -113,6 +113,24 @@ pub mod kafka {
     };
 }
 
+/// The outbox (docs/OUTBOX.md): what a handler publishes is written in the transaction of its
+/// effect and published by the relay once that commits, with a derived idempotency key the next
+/// consumer dedups on.
+pub mod outbox {
+    pub use dedup_core::outbox::{
+        OUTBOX_CAUSE_KEY, OUTBOX_CAUSE_SCOPE, OUTBOX_HEADERS, OUTBOX_KEY, OutboxMessage,
+        derived_key, event_ms,
+    };
+    #[cfg(feature = "kafka")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+    pub use dedup_kafka::outbox::{
+        OutboxRelay, RelayConfig, RelayError, RelayStats, RelayStatsHandle,
+    };
+    #[cfg(feature = "pg")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "pg")))]
+    pub use dedup_pg::outbox::{OutboxStatus, OutboxWriter, RelayStore};
+}
+
 pub use bytes::Bytes;
 /// Typed results: the codecs and their errors ([`ResultCodec`](typed::ResultCodec) stores a value with one).
 pub use dedup_core::typed;

@@ -36,19 +36,19 @@ use super::{
 use crate::support::{RedisServer, effects_table};
 
 #[path = "../../bin/batch_ledger.rs"]
-mod batch_ledger;
+pub(super) mod batch_ledger;
 use batch_ledger::BatchLedger;
 
-struct RunningTx {
+pub(super) struct RunningTx {
     stop: oneshot::Sender<()>,
     handle: JoinHandle<Result<RunnerStats, RunnerError>>,
-    stats: StatsHandle,
+    pub(super) stats: StatsHandle,
     /// The engine it was built from (its caches' counters).
-    engine: dedup::Engine,
+    pub(super) engine: dedup::Engine,
 }
 
 impl RunningTx {
-    async fn spawn(config: Settings, pool: &PgPool, handler: BatchLedger) -> Self {
+    pub(super) async fn spawn(config: Settings, pool: &PgPool, handler: BatchLedger) -> Self {
         Self::spawn_with(config, pool, handler, false).await
     }
 
@@ -95,7 +95,7 @@ impl RunningTx {
         }
     }
 
-    async fn stop(self) -> RunnerStats {
+    pub(super) async fn stop(self) -> RunnerStats {
         let _ = self.stop.send(());
         self.handle.await.unwrap().unwrap()
     }

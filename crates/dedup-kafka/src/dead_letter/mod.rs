@@ -19,7 +19,7 @@ mod deliver;
 mod kept;
 mod limits;
 
-pub(crate) use deliver::{DeadLetters, Owner, RefusedTable};
+pub(crate) use deliver::{DeadLetters, Owner, Refusal, RefusedTable, refusal_of};
 pub use kept::{KeptDeadLetters, RefusedDeadLetter};
 pub(crate) use limits::check_at_start;
 

@@ -1,0 +1,210 @@
+//! The outbox through a transaction-mode consumer and the relay, on both brokers: every message
+//! a committed batch queued is published once, with its derived key and its cause, and nothing a
+//! rolled-back attempt queued; two relays run at once and one publishes; a position set back
+//! (a relay killed between the broker's ack and its position write) publishes the same messages
+//! again byte for byte, and a downstream consumer with the default key source books each once.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use dedup::outbox::{OUTBOX_CAUSE_KEY, OUTBOX_CAUSE_SCOPE, OUTBOX_KEY, OutboxRelay, RelayConfig};
+use dedup_core::{IdempotencyKey, Scope};
+use dedup_pg::outbox::RelayStore;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use super::tx::RunningTx;
+use super::tx::batch_ledger::BatchLedger;
+use super::{Broker, Event, event, eventually, produce, read_letters, unique};
+use crate::support::{effect_rows, effects_table};
+
+on_brokers!(
+    outbox_a_chain_publishes_each_committed_message_once_and_the_next_consumer_books_it_once
+);
+
+/// A relay on `engine`'s store, stopped by dropping the answer's sender.
+fn relay(
+    broker: &Broker,
+    engine: &dedup::Engine,
+    name: &str,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), dedup::outbox::RelayError>>,
+    dedup::outbox::RelayStatsHandle,
+) {
+    let mut client = broker.client_config();
+    client.remove("group.protocol");
+    client.remove("session.timeout.ms");
+    client.remove("heartbeat.interval.ms");
+    let config = RelayConfig::default()
+        .with_poll(Duration::from_millis(50))
+        .with_lease(Duration::from_secs(1));
+    let r = OutboxRelay::new(engine.postgres().unwrap(), client, config).named(name);
+    let stats = r.stats();
+    let (tx, rx) = oneshot::channel::<()>();
+    let h = tokio::spawn(r.run(async move {
+        let _ = rx.await;
+    }));
+    (tx, h, stats)
+}
+
+async fn outbox_a_chain_publishes_each_committed_message_once_and_the_next_consumer_books_it_once(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let (input, output) = (unique("orders"), unique("charged"));
+    broker.create_topic(&input, 3).await;
+    broker.create_topic(&output, 3).await;
+    // 150 events over 100 keys (every third a redelivery), and one poison.
+    let mut events: Vec<Event> = (0..150u32)
+        .map(|i| event(if i % 3 == 2 { i / 3 } else { i }, 3))
+        .collect();
+    let mut poison = event(1000, 3);
+    poison.payload = r#"{"id":1000,"amount":-1}"#.to_owned();
+    events.push(poison);
+    let keys: BTreeSet<String> = events
+        .iter()
+        .filter_map(|e| e.key.clone())
+        .filter(|k| k != "evt-1000")
+        .collect();
+    produce(broker, &input, &events).await;
+    let group = unique("a");
+    let a = RunningTx::spawn(
+        broker.config(&group, &input),
+        &pool,
+        BatchLedger {
+            worker: "a".to_owned(),
+            publish_to: Some(output.clone()),
+            ..BatchLedger::default()
+        },
+    )
+    .await;
+    let (stop1, h1, s1) = relay(broker, &a.engine, "r1");
+    let (stop2, h2, s2) = relay(broker, &a.engine, "r2");
+    let stats = a.stats.clone();
+    eventually(60, "A settled every message", || {
+        let s = stats.snapshot();
+        async move { s.executed + s.replayed + s.dead_lettered == 151 }
+    })
+    .await;
+    let relays = RelayStore::new(a.engine.postgres().unwrap().clone());
+    eventually(30, "every committed message published", || {
+        let relays = relays.clone();
+        async move { relays.status().await.unwrap().unpublished == 0 }
+    })
+    .await;
+    let (p1, p2) = (s1.snapshot(), s2.snapshot());
+    assert!(p1.leading != p2.leading, "one leader: {p1:?} {p2:?}");
+    assert_eq!(
+        p1.published + p2.published,
+        keys.len() as u64,
+        "{p1:?} {p2:?}"
+    );
+    let letters = read_letters(broker, &output, keys.len()).await;
+    let mut idem = BTreeSet::new();
+    let mut causes = BTreeSet::new();
+    for l in &letters {
+        let h: HashMap<&str, &[u8]> = l
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_deref().unwrap_or_default()))
+            .collect();
+        let cause = String::from_utf8(h[OUTBOX_CAUSE_KEY].to_vec()).unwrap();
+        assert_eq!(h[OUTBOX_CAUSE_SCOPE], a_scope(&group).as_bytes());
+        assert_eq!(
+            l.key.as_deref(),
+            Some(cause.as_bytes()),
+            "keyed by the cause"
+        );
+        assert_eq!(
+            l.payload.as_deref(),
+            Some(format!(r#"{{"charged":"{cause}","amount":1}}"#).as_bytes())
+        );
+        let k = IdempotencyKey::new(Scope::new("next").unwrap(), h[OUTBOX_KEY]).unwrap();
+        assert!(k.uuid7_millis().is_some(), "a time-ordered derived key");
+        idem.insert(h[OUTBOX_KEY].to_vec());
+        causes.insert(cause);
+    }
+    assert_eq!(
+        causes, keys,
+        "one message per booked key; none for the poison"
+    );
+    assert_eq!(idem.len(), keys.len(), "one derived key each");
+    // The relay killed between the broker's ack and its position write: set back, it publishes
+    // the same messages again, byte for byte.
+    let _ = (stop1.send(()), stop2.send(()));
+    h1.await.unwrap().unwrap();
+    h2.await.unwrap().unwrap();
+    sqlx::query(
+        "UPDATE dedup_outbox_relay SET position = (SELECT min(xid8)::text || ':' || \
+         min(xid8)::text || ':' FROM dedup_outbox)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (stop3, h3, s3) = relay(broker, &a.engine, "r3");
+    let unique_keys = keys.len() as u64;
+    eventually(30, "the same messages published again", || {
+        let s = s3.snapshot();
+        async move { s.published == unique_keys }
+    })
+    .await;
+    let twice = read_letters(broker, &output, 2 * keys.len()).await;
+    let mut by_key: HashMap<Vec<u8>, Vec<&super::Letter>> = HashMap::new();
+    for l in &twice {
+        let k = l
+            .headers
+            .iter()
+            .find(|(n, _)| n == OUTBOX_KEY)
+            .and_then(|(_, v)| v.clone())
+            .unwrap();
+        by_key.entry(k).or_default().push(l);
+    }
+    assert_eq!(by_key.len(), keys.len());
+    for (k, copies) in &by_key {
+        assert_eq!(copies.len(), 2, "{k:?}");
+        assert_eq!(copies[0].payload, copies[1].payload);
+        assert_eq!(copies[0].headers, copies[1].headers);
+        assert_eq!(copies[0].key, copies[1].key);
+    }
+    // B: a dedup consumer of the published topic with the default key source (the derived key
+    // in `idempotency-key`) books each message once, duplicates dropped with no code.
+    let b = RunningTx::spawn(
+        broker.config(&unique("b"), &output),
+        &pool,
+        BatchLedger {
+            worker: "b".to_owned(),
+            ..BatchLedger::default()
+        },
+    )
+    .await;
+    let bstats = b.stats.clone();
+    let n = 2 * keys.len() as u64;
+    eventually(60, "B settled every copy", || {
+        let s = bstats.snapshot();
+        async move { s.executed + s.replayed == n }
+    })
+    .await;
+    let sb = b.stop().await;
+    assert_eq!(
+        (sb.executed, sb.replayed),
+        (keys.len() as u64, keys.len() as u64)
+    );
+    let rows = effect_rows(&pool).await;
+    let booked_b: BTreeSet<String> = rows
+        .iter()
+        .filter(|(_, _, w)| w == "b")
+        .map(|(k, _, _)| k.clone())
+        .collect();
+    assert_eq!(booked_b.len(), keys.len());
+    assert_eq!(rows.iter().filter(|(_, _, w)| w == "b").count(), keys.len());
+    let _ = stop3.send(());
+    h3.await.unwrap().unwrap();
+    a.stop().await;
+}
+
+/// The scope a consumer of `group` keys under (its group id, by default).
+fn a_scope(group: &str) -> String {
+    group.to_owned()
+}
