@@ -37,6 +37,10 @@ pub struct EngineStats {
     pub group_commit: BatchCounts,
     /// Retention in the background, if the engine runs it.
     pub retention: Option<dedup_pg::RetentionStats>,
+    /// The outbox relay's counters and what waits (`None` without
+    /// [`outbox`](crate::EngineBuilder::outbox)).
+    #[cfg(feature = "kafka")]
+    pub outbox: Option<dedup_kafka::outbox::RelayStats>,
 }
 
 /// One consumer's health ([`Health::consumers`]).
@@ -71,6 +75,10 @@ pub struct Health {
     pub stopping: bool,
     /// Each consumer.
     pub consumers: Vec<ConsumerHealth>,
+    /// What is wrong with the outbox, as this engine's relay last read it (empty without
+    /// [`outbox`](crate::EngineBuilder::outbox)): no relay leads while messages wait, or the
+    /// oldest has waited past the stall bound.
+    pub outbox_problems: Vec<String>,
 }
 
 impl Health {
@@ -97,6 +105,9 @@ impl fmt::Display for Health {
                 write!(f, ", {p}")?;
             }
         }
+        for p in &self.outbox_problems {
+            write!(f, "; {p}")?;
+        }
         Ok(())
     }
 }
@@ -114,6 +125,8 @@ impl Engine {
             tiers: self.tier_stats(),
             group_commit: self.group_commit_stats(),
             retention: self.retention_stats(),
+            #[cfg(feature = "kafka")]
+            outbox: self.outbox_stats(),
         }
     }
 
@@ -132,12 +145,43 @@ impl Engine {
             let _ = stall;
             Vec::new()
         };
+        #[cfg(feature = "kafka")]
+        let outbox_problems = self
+            .outbox_stats()
+            .map(|o| outbox_problems(&o, stall))
+            .unwrap_or_default();
+        #[cfg(not(feature = "kafka"))]
+        let outbox_problems = Vec::new();
         Health {
-            ready: !stopping && consumers.iter().all(|c| c.problems.is_empty()),
+            ready: !stopping
+                && consumers.iter().all(|c| c.problems.is_empty())
+                && outbox_problems.is_empty(),
+            outbox_problems,
             stopping,
             consumers,
         }
     }
+}
+
+/// What is wrong with the outbox, from a relay's counters.
+#[cfg(feature = "kafka")]
+fn outbox_problems(o: &dedup_kafka::outbox::RelayStats, stall: Duration) -> Vec<String> {
+    let mut out = Vec::new();
+    if o.unpublished > 0 && !o.someone_leads {
+        out.push(format!(
+            "outbox: {} messages wait and no relay leads",
+            o.unpublished
+        ));
+    }
+    if u64::try_from(o.oldest_ms).unwrap_or(0)
+        > u64::try_from(stall.as_millis()).unwrap_or(u64::MAX)
+    {
+        out.push(format!(
+            "outbox: the oldest of {} unpublished messages has waited {} ms",
+            o.unpublished, o.oldest_ms
+        ));
+    }
+    out
 }
 
 #[cfg(feature = "kafka")]

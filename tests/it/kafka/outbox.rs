@@ -19,8 +19,18 @@ use super::{Broker, Event, event, eventually, produce, read_letters, unique};
 use crate::support::{effect_rows, effects_table};
 
 on_brokers!(
-    outbox_a_chain_publishes_each_committed_message_once_and_the_next_consumer_books_it_once
+    outbox_a_chain_publishes_each_committed_message_once_and_the_next_consumer_books_it_once,
+    outbox_an_engines_relay_publishes_its_consumers_commits_and_health_says_when_rows_wait,
 );
+
+/// The relay's client properties for `broker` (a producer's).
+fn relay_client(broker: &Broker) -> rdkafka::ClientConfig {
+    let mut client = broker.client_config();
+    client.remove("group.protocol");
+    client.remove("session.timeout.ms");
+    client.remove("heartbeat.interval.ms");
+    client
+}
 
 /// A relay on `engine`'s store, stopped by dropping the answer's sender.
 fn relay(
@@ -32,14 +42,13 @@ fn relay(
     tokio::task::JoinHandle<Result<(), dedup::outbox::RelayError>>,
     dedup::outbox::RelayStatsHandle,
 ) {
-    let mut client = broker.client_config();
-    client.remove("group.protocol");
-    client.remove("session.timeout.ms");
-    client.remove("heartbeat.interval.ms");
+    let client = relay_client(broker);
     let config = RelayConfig::default()
         .with_poll(Duration::from_millis(50))
         .with_lease(Duration::from_secs(1));
-    let r = OutboxRelay::new(engine.postgres().unwrap(), client, config).named(name);
+    let r = OutboxRelay::new(engine.postgres().unwrap(), client, config)
+        .unwrap()
+        .named(name);
     let stats = r.stats();
     let (tx, rx) = oneshot::channel::<()>();
     let h = tokio::spawn(r.run(async move {
@@ -207,4 +216,93 @@ async fn outbox_a_chain_publishes_each_committed_message_once_and_the_next_consu
 /// The scope a consumer of `group` keys under (its group id, by default).
 fn a_scope(group: &str) -> String {
     group.to_owned()
+}
+
+/// An engine built with `.outbox(..)` runs the relay: its consumer's commits are published, the
+/// stats count them. While another holder keeps the lease (a relay paused elsewhere), the rows
+/// wait and the health says so; once that lease runs out the engine's relay takes over and
+/// publishes them; shutdown lets its lease go.
+async fn outbox_an_engines_relay_publishes_its_consumers_commits_and_health_says_when_rows_wait(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    effects_table(&pool).await;
+    let (input, output) = (unique("orders"), unique("charged"));
+    broker.create_topic(&input, 2).await;
+    broker.create_topic(&output, 2).await;
+    // A leader elsewhere holds the lease for a minute (its host paused, say).
+    sqlx::query(
+        "UPDATE dedup_outbox_relay SET leader = 'elsewhere', epoch = epoch + 1, \
+         lease_until = clock_timestamp() + interval '1 minute'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let group = unique("a");
+    let settings = broker.config(&group, &input);
+    let engine = dedup::Engine::builder()
+        .postgres(pool.clone())
+        .scope(settings.scope())
+        .outbox(
+            relay_client(broker),
+            RelayConfig::default()
+                .with_poll(Duration::from_millis(50))
+                .with_lease(Duration::from_secs(1)),
+        )
+        .build()
+        .await
+        .unwrap();
+    let consumer = super::consumer_for(&engine, &settings)
+        .batching(dedup_kafka::Batching::default())
+        .build(BatchLedger {
+            worker: "a".to_owned(),
+            publish_to: Some(output.clone()),
+            ..BatchLedger::default()
+        })
+        .unwrap();
+    let stats = consumer.stats();
+    let run = tokio::spawn(consumer.run());
+    let events: Vec<Event> = (0..20u32).map(|i| event(i, 2)).collect();
+    produce(broker, &input, &events).await;
+    eventually(60, "A booked all 20", || {
+        let s = stats.snapshot();
+        async move { s.executed == 20 }
+    })
+    .await;
+    let stall = Duration::from_millis(500);
+    eventually(30, "the health says the rows wait", || {
+        let h = engine.health(stall);
+        async move {
+            !h.ready
+                && h.outbox_problems
+                    .iter()
+                    .any(|p| p.contains("unpublished messages has waited"))
+        }
+    })
+    .await;
+    assert_eq!(engine.stats().outbox.unwrap().published, 0);
+    // The other leader's lease runs out: the engine's relay takes over and publishes.
+    sqlx::query("UPDATE dedup_outbox_relay SET lease_until = '-infinity'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let letters = read_letters(broker, &output, 20).await;
+    assert_eq!(letters.len(), 20);
+    let o = engine.outbox_stats().unwrap();
+    assert!(o.leading && o.published == 20, "{o:?}");
+    eventually(30, "the health is clear again", || {
+        let h = engine.health(Duration::from_secs(30));
+        async move { h.outbox_problems.is_empty() }
+    })
+    .await;
+    engine.shutdown().await;
+    run.await.unwrap().unwrap();
+    let (leader, until_past): (Option<String>, bool) =
+        sqlx::query_as("SELECT leader, lease_until < clock_timestamp() FROM dedup_outbox_relay")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(leader.is_some_and(|l| l.starts_with("relay-")));
+    assert!(until_past, "shutdown let the lease go");
+    assert!(engine.outbox_stats().is_none());
 }

@@ -26,6 +26,9 @@ use tracing::{debug, info, warn};
 
 use super::publish::{PageError, publish_page};
 
+/// How often a relay reads the outbox's status (what waits, who leads) into its counters.
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+
 /// How the relay runs.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -110,6 +113,11 @@ struct Counters {
     epoch: AtomicI64,
     last_lag_ms: AtomicI64,
     max_lag_ms: AtomicI64,
+    /// From the last status read (every `STATUS_EVERY`, leading or standing by); -1 before the
+    /// first.
+    unpublished: AtomicI64,
+    oldest_ms: AtomicI64,
+    someone_leads: AtomicBool,
 }
 
 /// What the relay has done, read through [`RelayStatsHandle::snapshot`].
@@ -132,6 +140,13 @@ pub struct RelayStats {
     pub last_lag_ms: i64,
     /// The longest of those since the relay started.
     pub max_lag_ms: i64,
+    /// Committed rows not yet published, at the last status read (every 5 s; -1 before
+    /// the first): whichever relay leads.
+    pub unpublished: i64,
+    /// How long the oldest of them has waited, in milliseconds, at the last status read.
+    pub oldest_ms: i64,
+    /// Whether some relay (this one or another) held the lease at the last status read.
+    pub someone_leads: bool,
 }
 
 /// A handle on a relay's counters.
@@ -151,15 +166,18 @@ impl RelayStatsHandle {
             epoch: c.epoch.load(Ordering::Relaxed),
             last_lag_ms: c.last_lag_ms.load(Ordering::Relaxed),
             max_lag_ms: c.max_lag_ms.load(Ordering::Relaxed),
+            unpublished: c.unpublished.load(Ordering::Relaxed),
+            oldest_ms: c.oldest_ms.load(Ordering::Relaxed),
+            someone_leads: c.someone_leads.load(Ordering::Relaxed),
         }
     }
 }
 
 /// The outbox relay: one per process at most; any number of processes may run one (one leads,
 /// the others stand by).
-#[derive(Debug)]
 pub struct OutboxRelay {
     relay: RelayStore,
+    producer: FutureProducer,
     wake: Arc<Notify>,
     client: ClientConfig,
     config: RelayConfig,
@@ -167,19 +185,40 @@ pub struct OutboxRelay {
     counters: Arc<Counters>,
 }
 
+impl std::fmt::Debug for OutboxRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxRelay")
+            .field("leader", &self.leader)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
 impl OutboxRelay {
     /// A relay publishing `store`'s outbox with a producer made from `client` (the brokers and
     /// any security settings; the relay sets the idempotent producer's own). Woken by the
     /// commits through `store` (and its clones) that wrote outbox rows.
-    pub fn new(store: &PgStore, client: ClientConfig, config: RelayConfig) -> Self {
-        Self {
+    ///
+    /// # Errors
+    /// [`RelayError::Producer`]: librdkafka refuses the producer's configuration.
+    pub fn new(
+        store: &PgStore,
+        client: ClientConfig,
+        config: RelayConfig,
+    ) -> Result<Self, RelayError> {
+        let producer = producer_of(&client, &config)?;
+        Ok(Self {
             relay: RelayStore::new(store.clone()),
+            producer,
             wake: store.outbox_wake(),
             client,
             config,
             leader: format!("relay-{}", OwnerIds::for_process().prefix()),
-            counters: Arc::default(),
-        }
+            counters: Arc::new(Counters {
+                unpublished: AtomicI64::new(-1),
+                ..Counters::default()
+            }),
+        })
     }
 
     /// Names this relay in the lease (default `relay-pid<pid>-...`).
@@ -194,38 +233,6 @@ impl OutboxRelay {
         RelayStatsHandle(self.counters.clone())
     }
 
-    /// The producer: idempotent and gapless (a partition's order kept across retries), every
-    /// replica's ack, the partitioner Java clients use (`murmur2_random`), so a message key goes
-    /// to the same partition whoever produces it.
-    fn producer(&self) -> Result<FutureProducer, KafkaError> {
-        let mut pc = self.client.clone();
-        for k in [
-            "group.id",
-            "group.protocol",
-            "group.instance.id",
-            "partition.assignment.strategy",
-            "auto.offset.reset",
-            "session.timeout.ms",
-            "heartbeat.interval.ms",
-            "max.poll.interval.ms",
-            "enable.auto.commit",
-            "enable.auto.offset.store",
-            "enable.partition.eof",
-        ] {
-            pc.remove(k);
-        }
-        pc.set("enable.idempotence", "true")
-            .set("enable.gapless.guarantee", "true")
-            .set("acks", "all")
-            .set("max.in.flight.requests.per.connection", "5")
-            .set("partitioner", "murmur2_random")
-            .set(
-                "message.timeout.ms",
-                self.config.message_timeout.as_millis().to_string(),
-            );
-        pc.create()
-    }
-
     /// Runs until `stop` resolves: stands by, leads, publishes. On stop it lets the lease go,
     /// so a stand-by takes over at once.
     ///
@@ -233,7 +240,7 @@ impl OutboxRelay {
     /// [`RelayError::Producer`]: the producer cannot be made. Every other failure (Postgres or
     /// the broker away, the lease taken over) is waited out.
     pub async fn run(self, stop: impl std::future::Future<Output = ()>) -> Result<(), RelayError> {
-        let mut producer = self.producer()?;
+        let mut producer = self.producer.clone();
         tokio::pin!(stop);
         let mut lease: Option<OutboxLease> = None;
         let mut position: Option<Position> = None;
@@ -242,7 +249,12 @@ impl OutboxRelay {
         let mut last_move = Instant::now();
         let mut last_rotate = Instant::now();
         let mut again = false;
+        let mut last_status: Option<Instant> = None;
         loop {
+            if last_status.is_none_or(|t| t.elapsed() >= STATUS_EVERY) {
+                last_status = Some(Instant::now());
+                self.read_status().await;
+            }
             // Between rounds: a wake-up, the poll, a backoff, or the stop.
             let wait = if backoff > Duration::ZERO {
                 backoff
@@ -324,7 +336,7 @@ impl OutboxRelay {
                     warn!(reason = %why, "an outbox round failed; it runs again from the position");
                     if producer.client().fatal_error().is_some() {
                         info!("the outbox producer is made anew after a fatal error");
-                        producer = self.producer()?;
+                        producer = producer_of(&self.client, &self.config)?;
                     }
                     backoff = self.next_backoff(backoff);
                 }
@@ -353,6 +365,19 @@ impl OutboxRelay {
         }
         self.counters.leading.store(false, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Reads the outbox's status into the counters (what waits, and whether anyone leads).
+    async fn read_status(&self) {
+        match self.relay.status().await {
+            Ok(s) => {
+                let c = &self.counters;
+                c.unpublished.store(s.unpublished, Ordering::Relaxed);
+                c.oldest_ms.store(s.oldest_ms, Ordering::Relaxed);
+                c.someone_leads.store(s.leader.is_some(), Ordering::Relaxed);
+            }
+            Err(e) => debug!(error = %e, "the outbox status could not be read"),
+        }
     }
 
     fn lost(&self, lease: &mut Option<OutboxLease>) {
@@ -435,4 +460,36 @@ fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// The producer: idempotent and gapless (a partition's order kept across retries), every
+/// replica's ack, the partitioner Java clients use (`murmur2_random`), so a message key goes
+/// to the same partition whoever produces it.
+fn producer_of(client: &ClientConfig, config: &RelayConfig) -> Result<FutureProducer, KafkaError> {
+    let mut pc = client.clone();
+    for k in [
+        "group.id",
+        "group.protocol",
+        "group.instance.id",
+        "partition.assignment.strategy",
+        "auto.offset.reset",
+        "session.timeout.ms",
+        "heartbeat.interval.ms",
+        "max.poll.interval.ms",
+        "enable.auto.commit",
+        "enable.auto.offset.store",
+        "enable.partition.eof",
+    ] {
+        pc.remove(k);
+    }
+    pc.set("enable.idempotence", "true")
+        .set("enable.gapless.guarantee", "true")
+        .set("acks", "all")
+        .set("max.in.flight.requests.per.connection", "5")
+        .set("partitioner", "murmur2_random")
+        .set(
+            "message.timeout.ms",
+            config.message_timeout.as_millis().to_string(),
+        );
+    pc.create()
 }

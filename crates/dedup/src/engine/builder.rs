@@ -68,6 +68,8 @@ pub struct EngineBuilder {
     scope: Option<String>,
     migrations: MigrationMode,
     retention: Option<RetentionConfig>,
+    #[cfg(feature = "kafka")]
+    outbox: Option<(rdkafka::ClientConfig, dedup_kafka::outbox::RelayConfig)>,
 }
 
 impl Default for EngineBuilder {
@@ -88,6 +90,8 @@ impl Default for EngineBuilder {
             scope: None,
             migrations: MigrationMode::Apply,
             retention: None,
+            #[cfg(feature = "kafka")]
+            outbox: None,
         }
     }
 }
@@ -270,6 +274,37 @@ impl EngineBuilder {
         self
     }
 
+    /// Runs the outbox relay in the background (docs/OUTBOX.md): what handlers queue on the
+    /// outbox (`Acquired::publish`) is published to the brokers of `client` (its
+    /// `bootstrap.servers` and any security settings) once their transactions commit. Every
+    /// engine built with it runs a relay; one leads at a time and the others stand by, taking
+    /// over within `config.lease` of its death. Woken by this engine's own commits, polling
+    /// every `config.poll` for the others'. [`Engine::shutdown`] stops it (after the consumers),
+    /// letting its lease go; [`Engine::stats`] and [`Engine::health`] report it.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), dedup::BuildError> {
+    /// let mut kafka = dedup::rdkafka::ClientConfig::new();
+    /// kafka.set("bootstrap.servers", "kafka:9092");
+    /// let engine = dedup::Engine::builder()
+    ///     .postgres_url("postgres://dedup@db/payments")
+    ///     .scope("payments")
+    ///     .outbox(kafka, dedup::outbox::RelayConfig::default())
+    ///     .build()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "kafka")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+    pub fn outbox(
+        mut self,
+        client: rdkafka::ClientConfig,
+        config: dedup_kafka::outbox::RelayConfig,
+    ) -> Self {
+        self.outbox = Some((client, config));
+        self
+    }
+
     /// Checks every setting, connects, migrates (as [`migrations`](Self::migrations) says) and,
     /// with an instance identity, adopts the leases of its earlier incarnations.
     ///
@@ -325,6 +360,13 @@ impl EngineBuilder {
                     return Err(BuildError::setting(
                         "retention",
                         "an in-memory engine has no Postgres to purge",
+                    ));
+                }
+                #[cfg(feature = "kafka")]
+                if self.outbox.is_some() {
+                    return Err(BuildError::setting(
+                        "outbox",
+                        "an in-memory engine has no Postgres to keep an outbox in",
                     ));
                 }
                 None
@@ -405,7 +447,15 @@ impl EngineBuilder {
             .map_err(|e| BuildError::setting("policy", e))?
             .with_in_flight_wait(self.in_flight_wait)
             .map_err(|e| BuildError::setting("in_flight_wait", e))?;
-        // Started last: an engine that failed to build leaves no task behind.
+        // Started last (the relay, which can fail, first): an engine that failed to build
+        // leaves no task behind.
+        #[cfg(feature = "kafka")]
+        let outbox = pg
+            .as_ref()
+            .zip(self.outbox)
+            .map(|(pg, (client, config))| super::OutboxTask::spawn(pg, client, config))
+            .transpose()
+            .map_err(|e| BuildError::setting("outbox", e))?;
         let retention = pg
             .as_ref()
             .zip(self.retention)
@@ -413,6 +463,8 @@ impl EngineBuilder {
         Ok(Engine {
             inner: Arc::new(Inner {
                 retention: Mutex::new(retention),
+                #[cfg(feature = "kafka")]
+                outbox: Mutex::new(outbox),
                 pg,
                 tiers,
                 store,

@@ -64,6 +64,9 @@ struct Inner {
     pg: Option<PgStore>,
     /// Retention in the background, if asked for; taken out and stopped at shutdown.
     retention: Mutex<Option<dedup_pg::Retention>>,
+    /// The outbox relay, if asked for; taken out and stopped at shutdown.
+    #[cfg(feature = "kafka")]
+    outbox: Mutex<Option<OutboxTask>>,
     tiers: Arc<Tiers>,
     store: EngineStore,
     dedup: Arc<Dedup<EngineStore>>,
@@ -177,6 +180,19 @@ impl Engine {
         self.inner.store.0.batch_counts()
     }
 
+    /// What the outbox relay has done and what waits (`None` without
+    /// [`outbox`](EngineBuilder::outbox), or after shutdown).
+    #[cfg(feature = "kafka")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+    pub fn outbox_stats(&self) -> Option<dedup_kafka::outbox::RelayStats> {
+        self.inner
+            .outbox
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|o| o.stats.snapshot())
+    }
+
     /// What retention in the background has done (`None` without
     /// [`retention`](EngineBuilder::retention), or after shutdown).
     pub fn retention_stats(&self) -> Option<dedup_pg::RetentionStats> {
@@ -230,6 +246,20 @@ impl Engine {
             .take();
         if let Some(retention) = retention {
             let _ = retention.stop().await;
+        }
+        // After the consumers and layers: what they committed last is woken for at once, and
+        // another engine's relay takes what is left.
+        #[cfg(feature = "kafka")]
+        {
+            let outbox = self
+                .inner
+                .outbox
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(outbox) = outbox {
+                outbox.stop().await;
+            }
         }
         let left_running = running.calls();
         let Some(pg) = &self.inner.pg else {
@@ -373,5 +403,39 @@ impl Engine {
             .map_err(|e| BuildError::setting("policy", e))?
             .with_in_flight_wait(self.inner.in_flight_wait)
             .map_err(|e| BuildError::setting("in_flight_wait", e))
+    }
+}
+
+/// The outbox relay an engine runs ([`EngineBuilder::outbox`]).
+#[cfg(feature = "kafka")]
+pub(crate) struct OutboxTask {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), dedup_kafka::outbox::RelayError>>,
+    stats: dedup_kafka::outbox::RelayStatsHandle,
+}
+
+#[cfg(feature = "kafka")]
+impl OutboxTask {
+    pub(crate) fn spawn(
+        pg: &PgStore,
+        client: rdkafka::ClientConfig,
+        config: dedup_kafka::outbox::RelayConfig,
+    ) -> Result<Self, dedup_kafka::outbox::RelayError> {
+        let relay = dedup_kafka::outbox::OutboxRelay::new(pg, client, config)?;
+        let stats = relay.stats();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(relay.run(async move {
+            let _ = stopped.await;
+        }));
+        Ok(Self { stop, task, stats })
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        match self.task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "the outbox relay stopped with an error"),
+            Err(e) => tracing::warn!(error = %e, "the outbox relay's task failed"),
+        }
     }
 }
