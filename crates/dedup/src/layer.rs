@@ -10,11 +10,13 @@ use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
 use bytes::Bytes;
+use dedup_core::outbox::OutboxMessage;
 use dedup_core::typed::CodecError;
-use dedup_core::{BatchCache, ClaimRequest, Lease, Store, StoreError};
+use dedup_core::{BatchCache, ClaimRequest, InputError, Lease, Store, StoreError};
 use dedup_http::{
     IdempotencyConfig, IdempotencyContext, IdempotencyLayer, OpenTx, TxBegun, TxClaimer, TxFuture,
 };
+use dedup_pg::outbox::OutboxWriter;
 use dedup_pg::{ClaimedTx, PgStore, TxBatchConfig, TxClaim};
 use http::Response;
 use sqlx::postgres::{PgConnection, Postgres};
@@ -139,6 +141,8 @@ impl Engine {
                 Ok(open) => Ok(RequestTx {
                     held: Some(Held::Claimed(open)),
                     ctx: ctx.clone(),
+                    pg: store,
+                    outbox: None,
                 }),
                 Err(_) => Err(CommitError::Store(StoreError::unavailable(ForeignTx))),
             };
@@ -149,8 +153,13 @@ impl Engine {
             .await
             .map_err(|e| dedup_pg::classify(e, false))?;
         Ok(RequestTx {
-            held: Some(Held::Own { tx, store }),
+            held: Some(Held::Own {
+                tx,
+                store: store.clone(),
+            }),
             ctx: ctx.clone(),
+            pg: store,
+            outbox: None,
         })
     }
 }
@@ -242,6 +251,10 @@ pub struct RequestTx {
     /// `None` only once committed.
     held: Option<Held>,
     ctx: IdempotencyContext,
+    /// The engine's store (its outbox relay is woken after a commit that published).
+    pg: PgStore,
+    /// What the route queued on the outbox, written just before the completion.
+    outbox: Option<OutboxWriter>,
 }
 
 /// The transaction a [`RequestTx`] writes on.
@@ -324,6 +337,30 @@ impl CommitError {
 }
 
 impl RequestTx {
+    /// Queues `message` on the outbox (docs/OUTBOX.md): written in this transaction when it
+    /// commits, with the route's writes and the stored response, and published by the relay
+    /// once that commits; never if the request's transaction rolls back. Its derived key counts
+    /// this request's messages per topic, from the request's idempotency key, so a request run
+    /// again after a rollback derives the same keys.
+    ///
+    /// # Errors
+    /// A message the relay could never publish: an invalid topic name, or one over
+    /// [`OutboxMessage::MAX_BYTES`].
+    pub fn publish(&mut self, message: OutboxMessage) -> Result<(), InputError> {
+        let writer = match &mut self.outbox {
+            Some(w) => w,
+            None => {
+                let key = self.ctx.lease().lease().key.clone();
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                let event_ms = dedup_core::outbox::event_ms(&key, now);
+                self.outbox.insert(OutboxWriter::new(key, event_ms))
+            }
+        };
+        writer.publish(message)
+    }
+
     /// Completes the key with `response`'s stored form inside the transaction and commits (an
     /// unknown commit outcome is resolved by reading the record back). Returns the response
     /// marked [`Committed`](dedup_http::Committed): that stored form is what every retry gets,
@@ -337,6 +374,16 @@ impl RequestTx {
     ) -> Result<Response<Bytes>, CommitError> {
         // A response that cannot be stored leaves the transaction to its drop (rolled back).
         let stored = self.ctx.stored_form(&response)?;
+        // What the route queued, in one statement before the completion; a failure leaves the
+        // transaction to its drop (rolled back).
+        let published = match self.outbox.take() {
+            Some(mut w) if w.pending() > 0 => {
+                let conn: &mut PgConnection = &mut self;
+                w.write(conn).await?;
+                true
+            }
+            _ => false,
+        };
         let committed = match self.held.take() {
             Some(Held::Own { mut tx, store }) => {
                 let lease = self.ctx.lease().lease();
@@ -350,6 +397,9 @@ impl RequestTx {
             // An outcome still unknown is read back by the layer once the route answered.
             self.ctx.transaction_failed(&e);
             return Err(e.into());
+        }
+        if published {
+            self.pg.wake_outbox();
         }
         let committed = self.ctx.transaction_committed(stored);
         response.extensions_mut().insert(committed);

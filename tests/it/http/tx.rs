@@ -592,3 +592,79 @@ async fn under_the_tx_layer_a_route_that_keeps_panicking_fails_for_good(pool: Pg
     assert_eq!(runs.load(Ordering::SeqCst), 2, "a failed key runs no more");
     assert_eq!(payments(&pool).await, 0);
 }
+
+/// What a route queues on the outbox (`RequestTx::publish`) is written only by the request's
+/// commit, with its effect and stored response: a run that began, queued and did not commit
+/// leaves no message; the run that commits leaves its own two, with derived keys by ordinal; a
+/// replay publishes nothing more. Under both layers.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn a_route_publishes_only_what_its_committed_request_queued(pool: PgPool) {
+    publishes_on_commit(pool, Kind::Lease).await;
+}
+
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn under_the_tx_layer_a_route_publishes_only_what_its_committed_request_queued(pool: PgPool) {
+    publishes_on_commit(pool, Kind::Tx).await;
+}
+
+async fn publishes_on_commit(pool: PgPool, kind: Kind) {
+    use dedup::outbox::OutboxMessage;
+    let engine = engine(&pool).await;
+    let relay = dedup::outbox::RelayStore::new(engine.postgres().unwrap().clone());
+    let start = relay.position().await.unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = runs.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            route(&engine, &runs, move |engine, ctx| {
+                let run = counted.load(Ordering::SeqCst);
+                async move {
+                    let mut tx = engine.begin(&ctx).await.unwrap();
+                    sqlx::query("INSERT INTO payments VALUES ('paid')")
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    for n in 0..2 {
+                        let m = OutboxMessage::new("payments.made", format!("run {run} #{n}"));
+                        tx.publish(m).unwrap();
+                    }
+                    assert!(tx.publish(OutboxMessage::new("no topic", "x")).is_err());
+                    if run == 1 {
+                        return (StatusCode::SERVICE_UNAVAILABLE, "failed before the commit")
+                            .into_response();
+                    }
+                    let created = axum::http::Response::builder()
+                        .status(StatusCode::CREATED)
+                        .body(Bytes::from("paid"))
+                        .unwrap();
+                    tx.commit(created).await.unwrap().map(Into::into)
+                }
+            }),
+        )
+        .layer(layer(&engine, kind, IdempotencyConfig::new()));
+    let base = serve(app).await;
+    let c = client();
+    let url = format!("{base}/pay");
+    let (s, _, _) = post_key(&c, &url, Some("o-1"), "{}").await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let (s, _, _) = post_key(&c, &url, Some("o-1"), "{}").await;
+    assert_eq!(s, StatusCode::CREATED);
+    let (s, h, _) = post_key(&c, &url, Some("o-1"), "{}").await;
+    assert_eq!((s, h.contains_key(REPLAYED)), (StatusCode::CREATED, true));
+    let cur = relay.snapshot().await.unwrap();
+    let rows = relay.read(&start, &cur, None, 100).await.unwrap();
+    let got: Vec<_> = rows
+        .iter()
+        .map(|r| String::from_utf8(r.payload.clone().unwrap().to_vec()).unwrap())
+        .collect();
+    assert_eq!(
+        got,
+        ["run 2 #0", "run 2 #1"],
+        "only the committed run's, in order"
+    );
+    assert_ne!(rows[0].idem_key, rows[1].idem_key);
+    assert_eq!(rows[0].cause_key, rows[1].cause_key);
+    assert_eq!(rows[0].cause_scope, "orders/http");
+    assert_eq!(payments(&pool).await, 1);
+}
