@@ -29,8 +29,9 @@ pub(crate) struct BatchLedger {
     /// If set, every message is answered as a permanent failure while it reads true (a dropped
     /// table, a revoked credential: a handler that fails everything).
     pub(crate) broken: Option<Arc<std::sync::atomic::AtomicBool>>,
-    /// If set, each booked message publishes `{"charged":"<key>","amount":1}` to this topic on
-    /// the outbox, keyed by its idempotency key.
+    /// If set, each booked message publishes `{"charged":"<key>","amount":1,"token":<token>}`
+    /// to this topic on the outbox, keyed by its idempotency key (the token says which attempt
+    /// queued it).
     pub(crate) publish_to: Option<String>,
 }
 
@@ -109,7 +110,7 @@ impl TxHandler for BatchLedger {
                 if let Some(topic) = &self.publish_to {
                     let m = OutboxMessage::new(
                         topic.clone(),
-                        format!(r#"{{"charged":"{key}","amount":1}}"#),
+                        format!(r#"{{"charged":"{key}","amount":1,"token":{}}}"#, a.token()),
                     )
                     .with_key(key.clone());
                     if let Err(e) = a.publish(m) {

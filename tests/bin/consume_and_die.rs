@@ -24,6 +24,9 @@
 //! `DEDUP_FAIL_TABLE` fails a message retryably while its Kafka message key is in the table
 //! `fail_accounts (account text)`.
 //!
+//! In transaction mode, `DEDUP_OUTBOX_TOPIC` makes each booked message publish one message to
+//! that topic on the outbox, and `DEDUP_WORKER` names the ledger's worker column.
+//!
 //! `DEDUP_COMMIT_MS` sets the offset commit interval (an hour otherwise). With `DEDUP_REPORT`
 //! set, it prints a line every 20 ms for the recovery measurement:
 //! `tick <unix ms> <partitions assigned> <settled> <executed> <blocked>`.
@@ -87,8 +90,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let report = std::env::var_os("DEDUP_REPORT").is_some();
     let consumer = if let Some(delay) = millis("DEDUP_TX_DELAY_MS")? {
         let handler = batch_ledger::BatchLedger {
-            worker: "killed".to_owned(),
+            worker: std::env::var("DEDUP_WORKER").unwrap_or_else(|_| "killed".to_owned()),
             delay,
+            publish_to: std::env::var("DEDUP_OUTBOX_TOPIC").ok(),
             ..Default::default()
         };
         let mut batching = Batching::new(20, Duration::from_millis(5));

@@ -1683,6 +1683,7 @@ async fn typed_results_are_replayed_and_a_changed_type_is_dead_lettered(
 }
 
 mod blocked;
+mod chain;
 mod dead_letters;
 mod front_door;
 mod key_fallback;

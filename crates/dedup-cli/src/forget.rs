@@ -408,7 +408,7 @@ fn given_keys(
     Ok(out)
 }
 
-fn properties(props: &[String]) -> Result<Vec<(String, String)>, CliError> {
+pub(crate) fn properties(props: &[String]) -> Result<Vec<(String, String)>, CliError> {
     props
         .iter()
         .map(|p| {

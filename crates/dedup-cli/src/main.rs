@@ -17,6 +17,7 @@ mod dead_letters;
 mod demo;
 mod forget;
 mod hex;
+mod outbox;
 mod parked;
 mod purge;
 mod signals;
@@ -66,6 +67,9 @@ enum Command {
     /// List the dead letters a dead-letter topic refused for good (too large, invalid), kept in
     /// Postgres so that their partition moved on; write one out, remove it, or purge the old.
     DeadLetters(dead_letters::DeadLettersArgs),
+    /// The outbox: `status` (what waits, who leads the relay) and `relay` (publish it to Kafka,
+    /// one relay leading, others standing by) (docs/OUTBOX.md).
+    Outbox(outbox::OutboxArgs),
 }
 
 /// Where Postgres is.
@@ -163,6 +167,7 @@ async fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Forget(args) => forget::run(args).await,
         Command::DeadLetters(args) => dead_letters::run(args).await,
         Command::Purge(args) => purge::run(args).await,
+        Command::Outbox(args) => outbox::run(args).await,
     }
 }
 

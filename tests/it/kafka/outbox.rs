@@ -126,10 +126,9 @@ async fn outbox_a_chain_publishes_each_committed_message_once_and_the_next_consu
             Some(cause.as_bytes()),
             "keyed by the cause"
         );
-        assert_eq!(
-            l.payload.as_deref(),
-            Some(format!(r#"{{"charged":"{cause}","amount":1}}"#).as_bytes())
-        );
+        let payload: serde_json::Value =
+            serde_json::from_slice(l.payload.as_deref().unwrap()).unwrap();
+        assert_eq!(payload["charged"], cause.as_str());
         let k = IdempotencyKey::new(Scope::new("next").unwrap(), h[OUTBOX_KEY]).unwrap();
         assert!(k.uuid7_millis().is_some(), "a time-ordered derived key");
         idem.insert(h[OUTBOX_KEY].to_vec());
