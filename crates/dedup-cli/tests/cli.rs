@@ -894,9 +894,15 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         names,
         [
             "(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(a')", "(b')", "(e')", "(ek)", "(fk)",
-            "(hn)", "(h0)", "(h0x)", "(h1)", "(h2)", "(h2l)", "(h3)", "(h3r)"
+            "(g)", "(hn)", "(h0)", "(h0x)", "(h1)", "(h2)", "(h2l)", "(h3)", "(h3r)"
         ]
     );
+    // (g): every unique key's message published through the outbox, the relay alone and the
+    // paced lag measured beside it.
+    let g = &contenders[11]["outbox"];
+    assert_eq!(g["prefilled"], 420, "{report}");
+    assert!(g["relay_alone_per_s"].as_f64().unwrap() > 0.0, "{report}");
+    assert!(g["lag_p99_ms"].as_i64().unwrap() >= g["lag_p50_ms"].as_i64().unwrap());
     for c in contenders {
         assert_eq!(c["effects"], c["expected_effects"], "{c}");
         assert_eq!(c["errors"], 0, "{c}");
@@ -928,6 +934,7 @@ fn the_bench_runs_every_contender_on_the_same_stream() {
         "e'/b'",
         "ek/e",
         "fk/f",
+        "g/e",
         "ceiling_share",
     ] {
         assert!(

@@ -28,12 +28,13 @@ pub(crate) struct BenchArgs {
     /// Postgres connections, the same pool for every contender that uses Postgres.
     #[arg(long, default_value_t = 64)]
     pub(super) pg_connections: u32,
-    /// Contenders to run, among a, b, c, d, e, f, a', b', e', ek, fk (the Kafka runners), hn, h0,
-    /// h0x, h1, h2, h2l, h3 (HTTP: docs/HTTP.md), ceiling and claim (the claim statement alone on
-    /// new keys, beside the ceiling).
+    /// Contenders to run, among a, b, c, d, e, f, a', b', e', ek, fk (the Kafka runners), g ((e)
+    /// publishing one message per event through the outbox: docs/OUTBOX.md), hn, h0, h0x, h1,
+    /// h2, h2l, h3 (HTTP: docs/HTTP.md), ceiling and claim (the claim statement alone on new keys,
+    /// beside the ceiling).
     #[arg(
         long,
-        default_value = "a,b,c,d,e,f,a',b',e',ek,fk,hn,h0,h0x,h1,h2,h2l,h3,ceiling,claim",
+        default_value = "a,b,c,d,e,f,a',b',e',ek,fk,g,hn,h0,h0x,h1,h2,h2l,h3,ceiling,claim",
         value_delimiter = ','
     )]
     pub(super) only: Vec<String>,

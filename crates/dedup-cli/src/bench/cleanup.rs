@@ -4,8 +4,8 @@ use sqlx::PgPool;
 
 /// The tags of the scopes a run's dedup contenders write records under (`bench-<tag>-<run>`):
 /// (c), (d), (e), (e'), (f), (ek), (fk) and the claim statement alone.
-pub(super) const SCOPE_TAGS: [&str; 12] = [
-    "c", "d", "e", "e2", "f", "ek", "fk", "h1", "h2", "h2l", "h3", "claim",
+pub(super) const SCOPE_TAGS: [&str; 15] = [
+    "c", "d", "e", "e2", "f", "ek", "fk", "g", "g2", "g3", "h1", "h2", "h2l", "h3", "claim",
 ];
 
 /// Rows deleted per statement when cleaning up.

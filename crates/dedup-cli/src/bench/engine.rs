@@ -76,6 +76,7 @@ pub(super) async fn tiered(
         wal: None,
         row_bytes: None,
         http: None,
+        outbox: None,
         tiers: tier_counts(&stats),
         batches,
     })
@@ -227,6 +228,7 @@ pub(super) async fn lease_batches(
         wal: None,
         row_bytes: None,
         http: None,
+        outbox: None,
         tiers: tier_counts(&dedup.store().stats()),
         batches: None,
     })

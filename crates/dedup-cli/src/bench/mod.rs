@@ -41,6 +41,7 @@ mod cleanup;
 mod cpu;
 mod drive;
 mod engine;
+mod outbox;
 mod report;
 mod runners;
 mod statements;
@@ -86,6 +87,8 @@ struct Outcome {
     row_bytes: Option<f64>,
     /// An HTTP contender's own figures.
     http: Option<web::HttpFigures>,
+    /// (g)'s own figures.
+    outbox: Option<outbox::OutboxFigures>,
 }
 
 impl Outcome {
@@ -447,6 +450,7 @@ async fn run_round(
             "a'" => usual_postgres(ctx, pool, true).await?,
             "b'" => usual_redis(ctx, &args.redis_url, Some(pool)).await?,
             "e'" => txmode::transaction_mode(ctx, pool, true).await?,
+            "g" => outbox::outbox(ctx, pool).await?,
             "ek" => runners::through_kafka(ctx, pool, &args.redis_url, runners::Which::Tx).await?,
             "fk" => {
                 runners::through_kafka(ctx, pool, &args.redis_url, runners::Which::Lease).await?
@@ -468,6 +472,10 @@ async fn run_round(
         if let Some(before) = wal {
             outcome.wal = window::wal_since(pool, before, settle).await;
         }
+        // (g)'s paced pass and the relay alone, outside its counters.
+        if c == "g" {
+            outbox::beside(ctx, pool, &mut outcome).await?;
+        }
         // A window's rows are mostly the fill's: only an empty one's are the contender's own.
         if pass == Pass::Empty
             && let Some(tag) = window::tag_of(outcome.name)
@@ -480,8 +488,8 @@ async fn run_round(
 }
 
 /// Every contender, in the order they run.
-const CONTENDERS: [&str; 20] = [
-    "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ek", "fk", "hn", "h0", "h0x", "h1", "h2",
+const CONTENDERS: [&str; 21] = [
+    "a", "b", "c", "d", "e", "f", "a'", "b'", "e'", "ek", "fk", "g", "hn", "h0", "h0x", "h1", "h2",
     "h2l", "h3", "ceiling", "claim",
 ];
 

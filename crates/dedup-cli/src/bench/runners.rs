@@ -177,6 +177,7 @@ pub(super) async fn through_kafka(
         wal: None,
         row_bytes: None,
         http: None,
+        outbox: None,
         tiers: tier_counts(&engine.tier_stats()),
         batches: None,
     })

@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
+use dedup_core::outbox::OutboxMessage;
 use dedup_core::{ClaimRequest, IdempotencyKey, Lease, OwnerId, Scope};
+use dedup_pg::outbox::OutboxBuffer;
 use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, ItemResult, PgStore};
 use sqlx::{PgConnection, PgPool};
 
@@ -30,12 +32,58 @@ pub(super) async fn transaction_mode(
     } else {
         ("(e)", "dedup: transaction mode, batched", "e")
     };
+    run_batches(
+        ctx,
+        pool,
+        Batches {
+            name,
+            label,
+            tag,
+            ledger,
+            outbox: None,
+            pace: None,
+            store: None,
+        },
+    )
+    .await
+}
+
+/// How [`run_batches`] runs the stream: its names, its effect, and at what rate events come.
+pub(super) struct Batches {
+    pub(super) name: &'static str,
+    pub(super) label: &'static str,
+    pub(super) tag: &'static str,
+    /// A ledger row per key in the batch's transaction.
+    pub(super) ledger: bool,
+    /// One message per executed key queued on the outbox to this topic.
+    pub(super) outbox: Option<Arc<String>>,
+    /// Events per second at which the stream comes (`None`: as fast as batches take them).
+    pub(super) pace: Option<f64>,
+    /// The store to run on (a relay on it is woken by its commits); a new one if `None`.
+    pub(super) store: Option<PgStore>,
+}
+
+/// The stream in batch transactions, `ctx.tx_workers` at a time.
+pub(super) async fn run_batches(
+    ctx: &Ctx,
+    pool: &PgPool,
+    how: Batches,
+) -> Result<Outcome, CliError> {
+    let Batches {
+        name,
+        label,
+        tag,
+        ledger,
+        outbox,
+        pace,
+        store,
+    } = how;
     let workers = ctx.tx_workers.max(1);
     let size = (ctx.concurrency / workers).max(1);
     ctx.note(&format!(
         "{name} dedup: transaction mode, {workers} batch transactions of up to {size} at once"
     ));
-    let store = PgStore::new(pool.clone());
+    let store = store.unwrap_or_else(|| PgStore::new(pool.clone()));
     let scope = Scope::new(ctx.scope(tag)).map_err(|e| CliError::Config(format!("scope: {e}")))?;
     let contender = Arc::new(name.to_owned());
     let run = Arc::new(ctx.run_id.clone());
@@ -58,6 +106,7 @@ pub(super) async fn transaction_mode(
             Arc::clone(&run),
         );
         let keys = ctx.keys;
+        let outbox = outbox.clone();
         tasks.spawn(async move {
             let mut latencies = Latencies::default();
             // Messages answered InFlight (a concurrent batch holds their key) come again.
@@ -69,6 +118,15 @@ pub(super) async fn transaction_mode(
             loop {
                 let take = size.saturating_sub(again.len());
                 let from = next.fetch_add(take, Ordering::Relaxed);
+                // Paced: the events of this batch have all come by now.
+                if let Some(rate) = pace {
+                    #[allow(clippy::cast_precision_loss)]
+                    let due = started
+                        + std::time::Duration::from_secs_f64(
+                            (from + take).min(stream.len()) as f64 / rate,
+                        );
+                    tokio::time::sleep_until(due.into()).await;
+                }
                 let fresh = stream.get(from.min(stream.len())..(from + take).min(stream.len()));
                 let mut ids: Vec<u64> = std::mem::take(&mut again);
                 ids.extend(fresh.unwrap_or_default());
@@ -87,11 +145,20 @@ pub(super) async fn transaction_mode(
                 let (t, phase) = (Instant::now(), window::drop_phase());
                 // The drop's phase at the first try of each event answered now.
                 let mut answered: Vec<u64> = Vec::with_capacity(ids.len());
-                let handler = handler(ledger, Arc::clone(&contender), Arc::clone(&run));
-                match store
-                    .transact_batch(BatchRequest::new(&reqs), handler)
-                    .await
-                {
+                let queued = outbox
+                    .as_ref()
+                    .map(|topic| (Arc::clone(topic), Arc::new(OutboxBuffer::new())));
+                let handler = handler(
+                    ledger,
+                    Arc::clone(&contender),
+                    Arc::clone(&run),
+                    queued.clone(),
+                );
+                let batch = match &queued {
+                    Some((_, buffer)) => BatchRequest::new(&reqs).with_outbox(buffer),
+                    None => BatchRequest::new(&reqs),
+                };
+                match store.transact_batch(batch, handler).await {
                     Ok(answers) => {
                         for (id, a) in ids.iter().zip(answers) {
                             if a.is_retryable() {
@@ -164,6 +231,7 @@ pub(super) async fn transaction_mode(
         wal: None,
         row_bytes: None,
         http: None,
+        outbox: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })
@@ -175,9 +243,19 @@ fn handler(
     ledger: bool,
     contender: Arc<String>,
     run: Arc<String>,
+    outbox: Option<(Arc<String>, Arc<OutboxBuffer>)>,
 ) -> impl for<'c> FnMut(&'c mut PgConnection, &'c [Lease]) -> BatchBody<'c, std::io::Error> + Send {
     move |tx, leases| {
         let (contender, run) = (Arc::clone(&contender), Arc::clone(&run));
+        // (g): one message per key, keyed by it, its result as the payload.
+        if let Some((topic, buffer)) = &outbox {
+            let now = super::unix_ms_now();
+            for l in leases {
+                let key = l.key.key_bytes().to_vec();
+                let m = OutboxMessage::new(topic.as_str(), Bytes::from(key.clone())).with_key(key);
+                let _ = buffer.publish(l, now, m);
+            }
+        }
         Box::pin(async move {
             let ids: Vec<String> = leases
                 .iter()

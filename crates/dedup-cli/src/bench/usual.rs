@@ -136,6 +136,7 @@ pub(super) async fn usual_postgres(
         wal: None,
         row_bytes: None,
         http: None,
+        outbox: None,
         tiers: (0, 0, ctx.stream.len() as u64),
         batches: None,
     })
@@ -254,6 +255,7 @@ pub(super) async fn usual_redis(
         wal: None,
         row_bytes: None,
         http: None,
+        outbox: None,
         tiers: (0, ctx.stream.len() as u64, 0),
         batches: None,
     })

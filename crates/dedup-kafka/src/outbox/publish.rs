@@ -71,6 +71,7 @@ pub(super) async fn publish_page(
     relay: &RelayStore,
     lease: &OutboxLease,
     ttl: Duration,
+    lags: &mut Vec<i64>,
 ) -> Result<Vec<OutboxDeadLetter>, PageError> {
     let renew_every = ttl / 3;
     let mut renew =
@@ -120,7 +121,7 @@ pub(super) async fn publish_page(
             }
         };
         match answer {
-            Ok(Ok(_)) => {}
+            Ok(Ok(_)) => lags.push(now_ms() - rows[i].written_ms),
             Ok(Err((e, _))) if refused_for_good(&e) => dead.push(OutboxDeadLetter {
                 row: rows[i].clone(),
                 reason: e.to_string(),
@@ -153,4 +154,11 @@ async fn renew_lease(
         // Postgres away: the lease may run out; the position cannot move without it anyway.
         Err(e) => Err(PageError::Passing(e.to_string())),
     }
+}
+
+/// Now, in milliseconds since the Unix epoch.
+pub(super) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

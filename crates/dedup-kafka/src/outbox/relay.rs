@@ -24,7 +24,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use super::publish::{PageError, publish_page};
+use super::publish::{PageError, now_ms, publish_page};
 
 /// How often a relay reads the outbox's status (what waits, who leads) into its counters.
 const STATUS_EVERY: Duration = Duration::from_secs(5);
@@ -118,6 +118,42 @@ struct Counters {
     unpublished: AtomicI64,
     oldest_ms: AtomicI64,
     someone_leads: AtomicBool,
+    /// From each published row's write to its ack, in milliseconds: the last `LAGS` rows.
+    lags: std::sync::Mutex<std::collections::VecDeque<i64>>,
+}
+
+/// How many of the last rows' lags the counters keep for the percentiles.
+const LAGS: usize = 10_000;
+
+impl Counters {
+    /// The `p`-th percentile of the kept lags (nearest rank), 0 before any.
+    fn lag_percentile(&self, p: usize) -> i64 {
+        let mut l: Vec<i64> = self
+            .lags
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .copied()
+            .collect();
+        if l.is_empty() {
+            return 0;
+        }
+        l.sort_unstable();
+        l[((l.len() * p).div_ceil(100)).clamp(1, l.len()) - 1]
+    }
+
+    fn note_lags(&self, lags: &[i64]) {
+        let mut kept = self
+            .lags
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for &l in lags {
+            if kept.len() == LAGS {
+                kept.pop_front();
+            }
+            kept.push_back(l);
+        }
+    }
 }
 
 /// What the relay has done, read through [`RelayStatsHandle::snapshot`].
@@ -147,6 +183,11 @@ pub struct RelayStats {
     pub oldest_ms: i64,
     /// Whether some relay (this one or another) held the lease at the last status read.
     pub someone_leads: bool,
+    /// The median lag from a row's write (just before its transaction's commit) to its ack,
+    /// over the last 10,000 rows this relay published, in milliseconds (0 before any).
+    pub lag_p50_ms: i64,
+    /// The 99th percentile of the same.
+    pub lag_p99_ms: i64,
 }
 
 /// A handle on a relay's counters.
@@ -169,6 +210,8 @@ impl RelayStatsHandle {
             unpublished: c.unpublished.load(Ordering::Relaxed),
             oldest_ms: c.oldest_ms.load(Ordering::Relaxed),
             someone_leads: c.someone_leads.load(Ordering::Relaxed),
+            lag_p50_ms: c.lag_percentile(50),
+            lag_p99_ms: c.lag_percentile(99),
         }
     }
 }
@@ -248,7 +291,8 @@ impl OutboxRelay {
         let mut last_renew = Instant::now();
         let mut last_move = Instant::now();
         let mut last_rotate = Instant::now();
-        let mut again = false;
+        // The first turn asks for the lease at once.
+        let mut again = true;
         let mut last_status: Option<Instant> = None;
         loop {
             if last_status.is_none_or(|t| t.elapsed() >= STATUS_EVERY) {
@@ -437,7 +481,17 @@ impl OutboxRelay {
                 .map_err(|e| PageError::Passing(e.to_string()))?;
             let Some(last) = rows.last() else { break };
             after = Some((last.xid, last.pos));
-            let dead = publish_page(producer, &rows, &self.relay, lease, self.config.lease).await?;
+            let mut lags = Vec::with_capacity(rows.len());
+            let dead = publish_page(
+                producer,
+                &rows,
+                &self.relay,
+                lease,
+                self.config.lease,
+                &mut lags,
+            )
+            .await?;
+            self.counters.note_lags(&lags);
             read.rows += rows.len() as u64;
             read.dead.extend(dead);
             read.last_written_ms = Some(last.written_ms);
@@ -454,12 +508,6 @@ struct Read {
     rows: u64,
     dead: Vec<dedup_pg::outbox::OutboxDeadLetter>,
     last_written_ms: Option<i64>,
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// The producer: idempotent and gapless (a partition's order kept across retries), every

@@ -62,6 +62,11 @@ impl Report<'_> {
             "wal_fpi_per_unique_key": o.wal.and_then(|w| w.1).map(|f| per_unique(f, self.unique)),
             "row_bytes": o.row_bytes,
             "expected_effects": o.expected_effects(self.unique),
+            "outbox": o.outbox.as_ref().map(|g| serde_json::json!({
+                "relay_alone_per_s": g.relay_rate, "prefilled": g.prefilled,
+                "paced_per_s": g.paced_rate, "lag_p50_ms": g.lag_p50_ms,
+                "lag_p99_ms": g.lag_p99_ms,
+            })),
             "http": o.http.as_ref().map(|h| serde_json::json!({
                 "fresh": h.fresh,
                 "replayed": h.replayed,

@@ -193,7 +193,7 @@ impl<'a> Report<'a> {
     }
 
     /// The ratios the speed targets are stated in, with the contenders' absolute rates.
-    const RATIOS: [(&'static str, &'static str, &'static str); 16] = [
+    const RATIOS: [(&'static str, &'static str, &'static str); 17] = [
         ("d/a", "(d)", "(a)"),
         ("d/b", "(d)", "(b)"),
         ("f/a", "(f)", "(a)"),
@@ -203,6 +203,7 @@ impl<'a> Report<'a> {
         ("e'/a'", "(e')", "(a')"),
         ("e'/b'", "(e')", "(b')"),
         ("ek/e", "(ek)", "(e)"),
+        ("g/e", "(g)", "(e)"),
         ("fk/f", "(fk)", "(f)"),
         ("h2/h0", "(h2)", "(h0)"),
         ("h2/h0x", "(h2)", "(h0x)"),

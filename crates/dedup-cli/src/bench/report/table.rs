@@ -22,6 +22,7 @@ impl Report<'_> {
              tier answered."
         );
         self.print_counts(&median_runs);
+        self.print_outbox(&median_runs);
         self.print_web(&web_runs, repeated);
         self.print_ratios(repeated);
         self.print_ceiling(&median_runs);
@@ -404,6 +405,19 @@ impl Report<'_> {
     }
 
     /// Prints the ratios of medians (with `repeated`, their range run by run).
+    /// Prints (g)'s own figures: the relay alone, and the paced write-to-ack lag.
+    fn print_outbox(&self, median_runs: &[&Outcome]) {
+        for o in median_runs {
+            if let Some(g) = &o.outbox {
+                println!(
+                    "{}: the relay alone published {} prefilled messages at {:.0}/s; paced at {:.0} \
+                     events/s, write-to-ack p50 {} ms, p99 {} ms",
+                    o.name, g.prefilled, g.relay_rate, g.paced_rate, g.lag_p50_ms, g.lag_p99_ms
+                );
+            }
+        }
+    }
+
     fn print_ratios(&self, repeated: bool) {
         for (_, x, y) in Self::RATIOS {
             if let (Some(r), Some(rx), Some(ry)) =

@@ -327,6 +327,7 @@ async fn timed(
         cpu: ticks.zip(ticks_after).map(|(b, a)| a.since(b)),
         wal: None,
         row_bytes: None,
+        outbox: None,
         http: Some(HttpFigures {
             expected_effects,
             fresh,
