@@ -305,3 +305,92 @@ async fn outbox_an_engines_relay_publishes_its_consumers_commits_and_health_says
     assert!(until_past, "shutdown let the lease go");
     assert!(engine.outbox_stats().is_none());
 }
+
+/// A transaction open for 60 s elsewhere in the database (it took an id, and queued a message of
+/// its own on the outbox) holds nothing back: every message committed meanwhile is acknowledged
+/// about as fast as before it opened; its own is published once it commits.
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn outbox_a_transaction_open_for_a_minute_leaves_the_commit_to_ack_lag_flat(pool: PgPool) {
+    use dedup::outbox::{OutboxMessage, OutboxWriter};
+    let broker = Broker::mock();
+    broker.create_topic("flat", 1).await;
+    let store = dedup_pg::PgStore::new(pool.clone());
+    let config = RelayConfig::default()
+        .with_poll(Duration::from_millis(50))
+        .with_lease(Duration::from_secs(1));
+    let r = OutboxRelay::new(&store, relay_client(&broker), config).unwrap();
+    let stats = r.stats();
+    let (stop, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(r.run(async move {
+        let _ = rx.await;
+    }));
+    let mut n = 0u64;
+    // Commits one message and answers how long until the relay has it acknowledged.
+    let mut one = async || {
+        let mut tx = pool.begin().await.unwrap();
+        let cause = IdempotencyKey::new(Scope::new("flat").unwrap(), format!("m{n}")).unwrap();
+        let mut w = OutboxWriter::new(cause, 1_700_000_000_000);
+        w.publish(OutboxMessage::new("flat", format!("m{n}")))
+            .unwrap();
+        w.write(&mut tx).await.unwrap();
+        tx.commit().await.unwrap();
+        store.wake_outbox();
+        let t = tokio::time::Instant::now();
+        n += 1;
+        while stats.snapshot().published < n {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "message {n} not acknowledged"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        t.elapsed()
+    };
+    let mut before = Vec::new();
+    for _ in 0..20 {
+        before.push(one().await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The long transaction: an id, and a message of its own queued.
+    let mut long = pool.acquire().await.unwrap().detach();
+    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id()")
+        .execute(&mut long)
+        .await
+        .unwrap();
+    let mut w = OutboxWriter::new(
+        IdempotencyKey::new(Scope::new("flat").unwrap(), "long").unwrap(),
+        1_700_000_000_000,
+    );
+    w.publish(OutboxMessage::new("flat", "long")).unwrap();
+    w.write(&mut long).await.unwrap();
+    let opened = tokio::time::Instant::now();
+    let mut during = Vec::new();
+    while opened.elapsed() < Duration::from_secs(60) {
+        during.push(one().await);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    sqlx::raw_sql("COMMIT").execute(&mut long).await.unwrap();
+    let t = tokio::time::Instant::now();
+    while stats.snapshot().published < n + 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the long transaction's message"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    let p = |v: &mut Vec<Duration>, q: usize| {
+        v.sort_unstable();
+        v[(v.len() * q).div_ceil(100).clamp(1, v.len()) - 1]
+    };
+    let (b50, b_max) = (p(&mut before, 50), p(&mut before, 100));
+    let (d50, d99) = (p(&mut during, 50), p(&mut during, 99));
+    assert!(during.len() > 150, "{}", during.len());
+    eprintln!("before: p50 {b50:?}, max {b_max:?}; during: p50 {d50:?}, p99 {d99:?}");
+    // Flat: the median within a few polls of before, and no message waits a second.
+    assert!(
+        d50 <= b50 + Duration::from_millis(100) && d99 < Duration::from_secs(1),
+        "before: p50 {b50:?}, max {b_max:?}; during: p50 {d50:?}, p99 {d99:?}"
+    );
+}
