@@ -22,9 +22,14 @@ mod kafka_ledger;
 #[path = "../../../crates/dedup/examples/kafka_calls.rs"]
 mod kafka_calls;
 
+#[allow(dead_code, unreachable_pub, clippy::print_stderr)]
+#[path = "../../../crates/dedup/examples/outbox.rs"]
+mod outbox_example;
+
 on_brokers!(
     the_kafka_ledger_example_books_each_payment_once_and_commits_to_the_end,
     the_kafka_calls_example_charges_each_payment_once_at_the_provider,
+    the_outbox_example_charges_each_order_once_and_publishes_each_charge,
     the_engine_answers_ready_while_its_consumers_run_and_names_what_is_wrong,
     a_lease_handler_runs_each_key_once_per_message_and_by_the_batch,
     a_handler_past_the_drain_timeout_keeps_the_identity_from_a_successor,
@@ -870,4 +875,75 @@ async fn an_instance_identity_is_held_by_one_engine_and_released_at_shutdown(poo
     let second = build().await.unwrap();
     assert_eq!(second.instance().unwrap().as_str(), id);
     second.shutdown().await;
+}
+
+/// The outbox example (README, docs/OUTBOX.md): 300 orders over 233 keys; one charge row per
+/// order, and one `charged` message per order published by the engine's relay, with the derived
+/// key and the cause.
+async fn the_outbox_example_charges_each_order_once_and_publishes_each_charge(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    let topic = unique("orders");
+    broker.create_topic(&topic, 3).await;
+    broker.create_topic(&format!("{topic}.charged"), 3).await;
+    let events: Vec<Event> = (0..300u32)
+        .map(|i| {
+            let id = if i % 3 == 2 { i / 3 } else { i };
+            Event {
+                key: Some(format!("ord-{id}")),
+                payload: format!(r#"{{"order":"o-{id}","cents":{}}}"#, id + 1),
+                partition: i32::try_from(i % 3).unwrap(),
+                message_key: None,
+            }
+        })
+        .collect();
+    let n = events
+        .iter()
+        .filter_map(|e| e.key.clone())
+        .collect::<BTreeSet<_>>()
+        .len();
+    produce(broker, &topic, &events).await;
+    let settings = outbox_example::Settings {
+        database_url: url_of(&pool),
+        brokers: broker.bootstrap(),
+        topic: topic.clone(),
+        client: broker
+            .client()
+            .into_iter()
+            .filter(|(k, _)| !matches!(*k, "session.timeout.ms" | "heartbeat.interval.ms"))
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        outbox_example::run(&settings, async {
+            let _ = stopped.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    });
+    let charged = super::read_letters(broker, &format!("{topic}.charged"), n).await;
+    stop.send(()).unwrap();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(stats.executed, n as u64);
+    let rows: i64 = sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM charges")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let all: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let n64 = i64::try_from(n).unwrap();
+    assert_eq!((rows, all), (n64, n64), "one charge per order");
+    let mut orders = BTreeSet::new();
+    for l in &charged {
+        let v: serde_json::Value = serde_json::from_slice(l.payload.as_deref().unwrap()).unwrap();
+        let order = v["order"].as_str().unwrap().to_owned();
+        assert_eq!(l.key.as_deref(), Some(order.as_bytes()));
+        assert!(l.headers.iter().any(|(n, _)| n == "idempotency-key"));
+        orders.insert(order);
+    }
+    assert_eq!(orders.len(), n, "one charged message per order");
 }
