@@ -90,6 +90,20 @@ fn publishing(
 
 #[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
 async fn a_batch_publishes_only_what_its_committed_attempt_queued(pool: PgPool) {
+    batch_publishes(pool).await;
+}
+
+/// The same over `dedup_records` partitioned by the key's time (the records' layout is the
+/// batch's concern, the outbox's rows the same).
+#[sqlx::test(migrator = "dedup_pg::MIGRATOR")]
+async fn over_partitioned_records_a_batch_publishes_only_what_its_committed_attempt_queued(
+    pool: PgPool,
+) {
+    crate::support::partition_records(&pool).await;
+    batch_publishes(pool).await;
+}
+
+async fn batch_publishes(pool: PgPool) {
     let store = PgStore::new(pool.clone());
     let relay = RelayStore::new(store.clone());
     let start = relay.position().await.unwrap();
