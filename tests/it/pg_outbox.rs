@@ -12,7 +12,7 @@ use bytes::Bytes;
 use dedup_core::outbox::{OutboxMessage, derived_key, event_ms};
 use dedup_core::{HandlerError, Lease};
 use dedup_pg::outbox::{
-    OutboxBuffer, OutboxDeadLetter, OutboxRow, OutboxWriter, Position, RelayStore, Rotation,
+    OutboxBuffer, OutboxDeadLetter, OutboxRow, OutboxWriter, Position, RelayStore, Rotation, Step,
     decode_headers,
 };
 use dedup_pg::{BatchAnswer, BatchBody, BatchRequest, PgStore};
@@ -245,11 +245,40 @@ async fn a_relay_whose_lease_was_taken_over_cannot_move_the_position(pool: PgPoo
     assert_eq!(rows.len(), 1);
     assert!(!relay.renew(&first, Duration::from_secs(5)).await.unwrap());
     assert!(
-        !relay.advance(&first, &p1, 1, &[]).await.unwrap(),
+        !relay
+            .advance(&first, Step::Done(&p1), 1, &[])
+            .await
+            .unwrap(),
         "stale epoch"
     );
     assert_eq!(relay.position().await.unwrap(), p0);
-    assert!(relay.advance(&second, &p1, 1, &[]).await.unwrap());
+    // A page of a round is its progress: a relay taking over resumes after it; a stale epoch
+    // records none.
+    let at = (rows[0].xid, rows[0].pos);
+    assert!(
+        !relay
+            .advance(&first, Step::Page(&p1, at), 1, &[])
+            .await
+            .unwrap()
+    );
+    assert!(
+        relay
+            .advance(&second, Step::Page(&p1, at), 1, &[])
+            .await
+            .unwrap()
+    );
+    let progress = relay.progress().await.unwrap();
+    assert_eq!(
+        (progress.position, progress.round),
+        (p0.clone(), Some((p1.clone(), at)))
+    );
+    assert!(
+        relay
+            .advance(&second, Step::Done(&p1), 0, &[])
+            .await
+            .unwrap()
+    );
+    assert_eq!(relay.progress().await.unwrap().round, None);
     assert_eq!(relay.position().await.unwrap(), p1);
     let status = relay.status().await.unwrap();
     assert_eq!(status.leader.as_deref(), Some("two"));
@@ -307,7 +336,12 @@ async fn the_ring_is_truncated_only_once_every_row_in_it_is_published(pool: PgPo
         row: rows[1].clone(),
         reason: "too large".to_owned(),
     }];
-    assert!(relay.advance(&lease, &p1, 1, &dead).await.unwrap());
+    assert!(
+        relay
+            .advance(&lease, Step::Done(&p1), 1, &dead)
+            .await
+            .unwrap()
+    );
     // A writer still holding ring 0 (a transaction that named it before the switch) is waited
     // for no longer than the bound.
     let mut holder = pool.acquire().await.unwrap().detach();

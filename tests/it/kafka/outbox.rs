@@ -21,6 +21,7 @@ use crate::support::{effect_rows, effects_table};
 on_brokers!(
     outbox_a_chain_publishes_each_committed_message_once_and_the_next_consumer_books_it_once,
     outbox_an_engines_relay_publishes_its_consumers_commits_and_health_says_when_rows_wait,
+    outbox_a_message_refused_for_good_is_dead_lettered_and_stops_nothing,
 );
 
 /// The relay's client properties for `broker` (a producer's).
@@ -393,4 +394,65 @@ async fn outbox_a_transaction_open_for_a_minute_leaves_the_commit_to_ack_lag_fla
         d50 <= b50 + Duration::from_millis(100) && d99 < Duration::from_secs(1),
         "before: p50 {b50:?}, max {b_max:?}; during: p50 {d50:?}, p99 {d99:?}"
     );
+}
+
+/// A message the broker refuses for good (its topic does not exist) is kept in
+/// `dedup_outbox_dead` with the reason, and stops nothing else: the messages around it are
+/// published, and the position moves past it.
+async fn outbox_a_message_refused_for_good_is_dead_lettered_and_stops_nothing(
+    broker: &Broker,
+    pool: PgPool,
+) {
+    use dedup::outbox::{OutboxMessage, OutboxWriter};
+    let topic = unique("kept");
+    broker.create_topic(&topic, 1).await;
+    let store = dedup_pg::PgStore::new(pool.clone());
+    let mut tx = pool.begin().await.unwrap();
+    let mut w = OutboxWriter::new(
+        IdempotencyKey::new(Scope::new("t").unwrap(), "k").unwrap(),
+        1_700_000_000_000,
+    );
+    for (t, p) in [
+        (topic.as_str(), "before"),
+        ("no-such-topic-here", "lost"),
+        (topic.as_str(), "after"),
+    ] {
+        w.publish(OutboxMessage::new(t, p)).unwrap();
+    }
+    w.write(&mut tx).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut client = relay_client(broker);
+    client.set("topic.metadata.propagation.max.ms", "1000");
+    client.set("allow.auto.create.topics", "false");
+    let config = RelayConfig::default()
+        .with_poll(Duration::from_millis(50))
+        .with_lease(Duration::from_secs(1));
+    let r = OutboxRelay::new(&store, client, config).unwrap();
+    let stats = r.stats();
+    let (stop, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(r.run(async move {
+        let _ = rx.await;
+    }));
+    let letters = read_letters(broker, &topic, 2).await;
+    let got: Vec<_> = letters
+        .iter()
+        .map(|l| String::from_utf8(l.payload.clone().unwrap()).unwrap())
+        .collect();
+    assert_eq!(got, ["before", "after"]);
+    eventually(30, "the refused message kept", || {
+        let s = stats.snapshot();
+        async move { s.dead_lettered == 1 && s.published == 2 }
+    })
+    .await;
+    let (payload, reason): (Vec<u8>, String) =
+        sqlx::query_as("SELECT payload, reason FROM dedup_outbox_dead")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(payload, b"lost");
+    assert!(!reason.is_empty());
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    let status = RelayStore::new(store).status().await.unwrap();
+    assert_eq!((status.unpublished, status.dead_letters), (0, 1));
 }

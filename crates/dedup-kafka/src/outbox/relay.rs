@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use dedup_core::OwnerIds;
 use dedup_pg::PgStore;
-use dedup_pg::outbox::{OutboxLease, Position, RelayStore, Rotation};
+use dedup_pg::outbox::{OutboxLease, Position, RelayStore, Rotation, Step};
 use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
@@ -276,139 +276,138 @@ impl OutboxRelay {
         RelayStatsHandle(self.counters.clone())
     }
 
-    /// Runs until `stop` resolves: stands by, leads, publishes. On stop it lets the lease go,
-    /// so a stand-by takes over at once.
+    /// Runs until `stop` resolves: stands by, leads, publishes. On stop (observed between turns
+    /// and during a round, whose unacknowledged messages are then published again by the next
+    /// leader) it lets the lease go, so a stand-by takes over at once.
     ///
     /// # Errors
-    /// [`RelayError::Producer`]: the producer cannot be made. Every other failure (Postgres or
-    /// the broker away, the lease taken over) is waited out.
+    /// None today: every failure (Postgres or the broker away, the lease taken over, a producer
+    /// that cannot be made anew) is waited out. The producer's configuration was checked by
+    /// [`new`](Self::new).
     pub async fn run(self, stop: impl std::future::Future<Output = ()>) -> Result<(), RelayError> {
         let mut producer = self.producer.clone();
         tokio::pin!(stop);
-        let mut lease: Option<OutboxLease> = None;
-        let mut position: Option<Position> = None;
+        let mut leading: Option<Leading> = None;
         let mut backoff = Duration::ZERO;
-        let mut last_renew = Instant::now();
         let mut last_move = Instant::now();
         let mut last_rotate = Instant::now();
-        // The first turn asks for the lease at once.
-        let mut again = true;
         let mut last_status: Option<Instant> = None;
-        loop {
+        let mut refusals = Refusals::default();
+        // The first turn asks for the lease at once; a round that read rows goes again at once.
+        let mut again = true;
+        'run: loop {
             if last_status.is_none_or(|t| t.elapsed() >= STATUS_EVERY) {
                 last_status = Some(Instant::now());
                 self.read_status().await;
             }
-            // Between rounds: a wake-up, the poll, a backoff, or the stop.
-            let wait = if backoff > Duration::ZERO {
+            let wait = if std::mem::take(&mut again) {
+                Duration::ZERO
+            } else if backoff > Duration::ZERO {
                 backoff
-            } else if lease.is_some() {
+            } else if leading.is_some() {
                 self.config.poll
             } else {
                 (self.config.lease / 5).max(Duration::from_millis(50))
             };
-            // A round that read rows goes again at once: more may have committed meanwhile.
-            if !std::mem::take(&mut again) {
-                tokio::select! {
-                    () = &mut stop => break,
-                    () = self.wake.notified(), if lease.is_some() && backoff.is_zero() => {}
-                    () = tokio::time::sleep(wait) => {}
-                }
+            tokio::select! {
+                biased;
+                () = &mut stop => break 'run,
+                () = self.wake.notified(), if leading.is_some() && backoff.is_zero() => {}
+                () = tokio::time::sleep(wait) => {}
             }
-            let Some(held) = lease.clone() else {
-                match self.relay.acquire(&self.leader, self.config.lease).await {
-                    Ok(Some(l)) => match self.relay.position().await {
-                        Ok(p) => {
-                            info!(leader = %self.leader, epoch = l.epoch, "the outbox relay leads");
-                            self.counters.leading.store(true, Ordering::Relaxed);
-                            self.counters.epoch.store(l.epoch, Ordering::Relaxed);
-                            position = Some(p);
-                            last_renew = Instant::now();
-                            lease = Some(l);
-                            backoff = Duration::ZERO;
-                        }
-                        Err(e) => warn!(error = %e, "the outbox relay could not read its position"),
-                    },
-                    Ok(None) => {}
-                    Err(e) => debug!(error = %e, "the outbox relay could not ask for the lease"),
-                }
+            let Some(lead) = leading.as_mut() else {
+                leading = self.try_lead().await;
+                again = leading.is_some();
+                backoff = Duration::ZERO;
                 continue;
             };
-            if last_renew.elapsed() >= self.config.lease / 3 {
-                match self.relay.renew(&held, self.config.lease).await {
-                    Ok(true) => last_renew = Instant::now(),
-                    Ok(false) => {
-                        self.lost(&mut lease);
-                        continue;
-                    }
-                    Err(e) => {
-                        debug!(error = %e, "the outbox relay could not renew its lease");
-                        backoff = self.next_backoff(backoff);
-                        continue;
-                    }
-                }
-            }
-            let Some(prev) = position.clone() else {
-                self.lost(&mut lease);
-                continue;
+            let store_idle = last_move.elapsed() >= Duration::from_secs(10);
+            let outcome = tokio::select! {
+                biased;
+                () = &mut stop => break 'run,
+                r = self.round(&producer, lead, &mut refusals, store_idle) => r,
             };
-            match self.round(&producer, &held, &prev).await {
-                Ok(Some((cur, read))) => {
+            match outcome {
+                Ok(read) => {
                     backoff = Duration::ZERO;
-                    // An idle round moves nothing but the snapshot: store it now and then only.
-                    if read.rows > 0 || last_move.elapsed() >= Duration::from_secs(10) {
-                        match self.relay.advance(&held, &cur, read.rows, &read.dead).await {
-                            Ok(true) => {
-                                again = read.rows > 0;
-                                self.note_round(&read);
-                                position = Some(cur);
-                                last_move = Instant::now();
-                                last_renew = Instant::now();
-                            }
-                            Ok(false) => self.lost(&mut lease),
-                            Err(e) => {
-                                warn!(error = %e, "the outbox relay could not move its position");
-                                backoff = self.next_backoff(backoff);
-                            }
-                        }
+                    if read.moved {
+                        last_move = Instant::now();
                     }
+                    again = read.rows > 0;
                 }
-                Ok(None) => {}
-                Err(PageError::LeaseLost) => self.lost(&mut lease),
+                Err(PageError::LeaseLost) => self.lost(&mut leading),
                 Err(PageError::Passing(why)) => {
                     self.counters.failed_rounds.fetch_add(1, Ordering::Relaxed);
-                    warn!(reason = %why, "an outbox round failed; it runs again from the position");
+                    warn!(reason = %why, "an outbox round failed; it runs again from its last page");
                     if producer.client().fatal_error().is_some() {
-                        info!("the outbox producer is made anew after a fatal error");
-                        producer = producer_of(&self.client, &self.config)?;
+                        match producer_of(&self.client, &self.config) {
+                            Ok(p) => {
+                                info!("the outbox producer was made anew after a fatal error");
+                                producer = p;
+                            }
+                            Err(e) => warn!(error = %e, "making the outbox producer anew failed"),
+                        }
                     }
                     backoff = self.next_backoff(backoff);
                 }
             }
-            if let Some(held) = &lease
+            if let Some(lead) = &leading
                 && last_rotate.elapsed() >= self.config.rotate_every.min(Duration::from_secs(5))
             {
                 last_rotate = Instant::now();
                 match self
                     .relay
-                    .rotate(held, self.config.rotate_every, Duration::from_millis(100))
+                    .rotate(
+                        &lead.lease,
+                        self.config.rotate_every,
+                        Duration::from_millis(100),
+                    )
                     .await
                 {
                     Ok(Rotation::Rotated { ring }) => debug!(ring, "the outbox ring rotated"),
-                    Ok(Rotation::LeaseLost) => self.lost(&mut lease),
+                    Ok(Rotation::LeaseLost) => self.lost(&mut leading),
                     Ok(_) => {}
                     Err(e) => debug!(error = %e, "the outbox ring could not rotate"),
                 }
             }
         }
-        if let Some(held) = lease {
-            let _ = producer.flush(self.config.message_timeout);
-            if let Err(e) = self.relay.release(&held).await {
-                debug!(error = %e, "the outbox relay could not let its lease go");
-            }
+        if let Some(lead) = leading
+            && let Err(e) = self.relay.release(&lead.lease).await
+        {
+            debug!(error = %e, "the outbox relay could not let its lease go");
         }
         self.counters.leading.store(false, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Takes the lease if none holds, and reads where the last leader stood.
+    async fn try_lead(&self) -> Option<Leading> {
+        let lease = match self.relay.acquire(&self.leader, self.config.lease).await {
+            Ok(Some(l)) => l,
+            Ok(None) => return None,
+            Err(e) => {
+                debug!(error = %e, "the outbox relay could not ask for the lease");
+                return None;
+            }
+        };
+        match self.relay.progress().await {
+            Ok(p) => {
+                info!(leader = %self.leader, epoch = lease.epoch, "the outbox relay leads");
+                self.counters.leading.store(true, Ordering::Relaxed);
+                self.counters.epoch.store(lease.epoch, Ordering::Relaxed);
+                Some(Leading {
+                    lease,
+                    position: p.position,
+                    resume: p.round,
+                    last_renew: Instant::now(),
+                })
+            }
+            Err(e) => {
+                warn!(error = %e, "the outbox relay could not read its position; letting the lease go");
+                let _ = self.relay.release(&lease).await;
+                None
+            }
+        }
     }
 
     /// Reads the outbox's status into the counters (what waits, and whether anyone leads).
@@ -424,8 +423,8 @@ impl OutboxRelay {
         }
     }
 
-    fn lost(&self, lease: &mut Option<OutboxLease>) {
-        if lease.take().is_some() {
+    fn lost(&self, leading: &mut Option<Leading>) {
+        if leading.take().is_some() {
             warn!(leader = %self.leader, "the outbox relay's lease was taken over; standing by");
         }
         self.counters.leading.store(false, Ordering::Relaxed);
@@ -437,82 +436,163 @@ impl OutboxRelay {
             .min(self.config.max_backoff)
     }
 
-    fn note_round(&self, read: &Read) {
+    /// Counts what one advance recorded: `rows` read, `dead` of them refused for good.
+    fn note(&self, rows: usize, dead: usize, last_written_ms: Option<i64>) {
         let c = &self.counters;
-        c.rounds.fetch_add(1, Ordering::Relaxed);
-        let dead = read.dead.len() as u64;
-        c.published.fetch_add(read.rows - dead, Ordering::Relaxed);
-        c.dead_lettered.fetch_add(dead, Ordering::Relaxed);
-        if let Some(ms) = read.last_written_ms {
+        c.published
+            .fetch_add((rows - dead) as u64, Ordering::Relaxed);
+        c.dead_lettered.fetch_add(dead as u64, Ordering::Relaxed);
+        if let Some(ms) = last_written_ms {
             let lag = now_ms() - ms;
             c.last_lag_ms.store(lag, Ordering::Relaxed);
             c.max_lag_ms.fetch_max(lag, Ordering::Relaxed);
         }
     }
 
-    /// One round: every row of the transactions committed since `prev`, page by page, each
-    /// page's deliveries awaited. Answers the new position and what was read (`None`: nothing
-    /// to read, and no snapshot worth storing).
+    /// One round: every row of the transactions committed since the position (or after the
+    /// last page of a round left mid-way), page by page, each page's deliveries awaited. A full
+    /// page is recorded as the round's progress, so a relay that takes over resumes after it;
+    /// the round's end moves the position. An idle round stores its snapshot only when
+    /// `store_idle`.
     async fn round(
         &self,
         producer: &FutureProducer,
-        lease: &OutboxLease,
-        prev: &Position,
-    ) -> Result<Option<(Position, Read)>, PageError> {
-        let cur = self
-            .relay
-            .snapshot()
-            .await
-            .map_err(|e| PageError::Passing(e.to_string()))?;
-        if &cur == prev {
-            return Ok(None);
-        }
-        let mut read = Read {
-            rows: 0,
-            dead: Vec::new(),
-            last_written_ms: None,
+        lead: &mut Leading,
+        refusals: &mut Refusals,
+        store_idle: bool,
+    ) -> Result<Read, PageError> {
+        let passing = |e: dedup_core::StoreError| PageError::Passing(e.to_string());
+        let (cur, mut after) = match lead.resume.clone() {
+            Some((target, after)) => (target, Some(after)),
+            None => (self.relay.snapshot().await.map_err(passing)?, None),
         };
-        let mut after = None;
+        let mut read = Read::default();
+        if lead.resume.is_none() && cur == lead.position {
+            return Ok(read);
+        }
+        let (mut rows_last, mut dead_last, mut written_last) = (0, Vec::new(), None);
         loop {
+            lead.renew_if_due(&self.relay, self.config.lease).await?;
             let rows = self
                 .relay
-                .read(prev, &cur, after, self.config.page)
+                .read(&lead.position, &cur, after, self.config.page)
                 .await
-                .map_err(|e| PageError::Passing(e.to_string()))?;
+                .map_err(passing)?;
             let Some(last) = rows.last() else { break };
-            after = Some((last.xid, last.pos));
+            let at = (last.xid, last.pos);
             let mut lags = Vec::with_capacity(rows.len());
             let dead = publish_page(
                 producer,
                 &rows,
                 &self.relay,
-                lease,
+                lead,
                 self.config.lease,
                 &mut lags,
+                refusals,
             )
             .await?;
             self.counters.note_lags(&lags);
-            read.rows += rows.len() as u64;
-            read.dead.extend(dead);
-            read.last_written_ms = Some(last.written_ms);
+            read.rows += rows.len();
             if rows.len() < self.config.page {
+                (rows_last, dead_last, written_last) = (rows.len(), dead, Some(last.written_ms));
                 break;
             }
+            // More may follow: this page is the round's progress.
+            if !self
+                .relay
+                .advance(&lead.lease, Step::Page(&cur, at), rows.len() as u64, &dead)
+                .await
+                .map_err(passing)?
+            {
+                return Err(PageError::LeaseLost);
+            }
+            self.note(rows.len(), dead.len(), Some(last.written_ms));
+            lead.resume = Some((cur.clone(), at));
+            after = Some(at);
         }
-        Ok(Some((cur, read)))
+        if lead.resume.is_none() && rows_last == 0 && !store_idle {
+            return Ok(read);
+        }
+        if !self
+            .relay
+            .advance(&lead.lease, Step::Done(&cur), rows_last as u64, &dead_last)
+            .await
+            .map_err(passing)?
+        {
+            return Err(PageError::LeaseLost);
+        }
+        self.note(rows_last, dead_last.len(), written_last);
+        self.counters.rounds.fetch_add(1, Ordering::Relaxed);
+        lead.position = cur;
+        lead.resume = None;
+        lead.last_renew = Instant::now();
+        refusals.clear();
+        read.moved = true;
+        Ok(read)
     }
 }
 
-/// What a round read: how many rows, those refused for good, the last row's write time.
+/// The lease a relay leads under, and where it stands.
+pub(super) struct Leading {
+    pub(super) lease: OutboxLease,
+    /// Every row visible in it is published.
+    position: Position,
+    /// A round left mid-way (by this relay's failure, or by the one it took over from): its
+    /// snapshot and its last row published.
+    resume: Option<(Position, (i64, i64))>,
+    /// When the lease was last taken or renewed (an advance renews nothing).
+    pub(super) last_renew: Instant,
+}
+
+impl Leading {
+    /// Renews the lease once a third of it has passed since the last renewal.
+    pub(super) async fn renew_if_due(
+        &mut self,
+        relay: &RelayStore,
+        ttl: Duration,
+    ) -> Result<(), PageError> {
+        if self.last_renew.elapsed() < ttl / 3 {
+            return Ok(());
+        }
+        match relay.renew(&self.lease, ttl).await {
+            Ok(true) => {
+                self.last_renew = Instant::now();
+                Ok(())
+            }
+            Ok(false) => Err(PageError::LeaseLost),
+            // Postgres away: the lease may run out; the position cannot move without it anyway.
+            Err(e) => Err(PageError::Passing(e.to_string())),
+        }
+    }
+}
+
+/// Rows the broker refused for good, kept across a round's retries: a row refused in a
+/// produce batch is suspect (the broker refuses a whole batch for one record) and is sent
+/// again alone; refused alone, it is a dead letter and the round goes on without it.
+#[derive(Debug, Default)]
+pub(super) struct Refusals {
+    pub(super) suspect: std::collections::HashSet<(i64, i64)>,
+    pub(super) refused: std::collections::HashMap<(i64, i64), String>,
+}
+
+impl Refusals {
+    fn clear(&mut self) {
+        self.suspect.clear();
+        self.refused.clear();
+    }
+}
+
+/// What a round read, and whether it moved the position.
+#[derive(Debug, Default)]
 struct Read {
-    rows: u64,
-    dead: Vec<dedup_pg::outbox::OutboxDeadLetter>,
-    last_written_ms: Option<i64>,
+    rows: usize,
+    moved: bool,
 }
 
 /// The producer: idempotent and gapless (a partition's order kept across retries), every
 /// replica's ack, the partitioner Java clients use (`murmur2_random`), so a message key goes
-/// to the same partition whoever produces it.
+/// to the same partition whoever produces it; messages up to 1 MiB, so one queued at
+/// `OutboxMessage::MAX_BYTES` still fits with the relay's headers.
 fn producer_of(client: &ClientConfig, config: &RelayConfig) -> Result<FutureProducer, KafkaError> {
     let mut pc = client.clone();
     for k in [
@@ -535,6 +615,7 @@ fn producer_of(client: &ClientConfig, config: &RelayConfig) -> Result<FutureProd
         .set("acks", "all")
         .set("max.in.flight.requests.per.connection", "5")
         .set("partitioner", "murmur2_random")
+        .set("message.max.bytes", "1048576")
         .set(
             "message.timeout.ms",
             config.message_timeout.as_millis().to_string(),

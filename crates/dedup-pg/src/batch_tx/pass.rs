@@ -187,10 +187,16 @@ impl PgStore {
                 }
                 Err(Stop::Fail(e)) => return Err(e),
             };
-            // What the messages that ran queued on the outbox, after their completions.
+            // What the messages that ran queued on the outbox, after their completions, in the
+            // batch's order (not completions' before fresh keys').
             let mut published = false;
             if let Some(outbox) = outbox {
-                let ran = done.iter().chain(&written).map(|(lease, _)| lease);
+                let ran: HashSet<&dedup_core::IdempotencyKey> = done
+                    .iter()
+                    .chain(&written)
+                    .map(|(lease, _)| &lease.key)
+                    .collect();
+                let ran = leases.iter().filter(|l| ran.contains(&l.key));
                 match outbox.write(&mut tx, ran).await {
                     Ok(statements) => {
                         published = statements > 0;

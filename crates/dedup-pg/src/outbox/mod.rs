@@ -17,7 +17,8 @@ mod relay;
 mod rows;
 
 pub use relay::{
-    OutboxDeadLetter, OutboxLease, OutboxRow, OutboxStatus, Position, RelayStore, Rotation,
+    OutboxDeadLetter, OutboxLease, OutboxRow, OutboxStatus, Position, Progress, RelayStore,
+    Rotation, STATUS_COUNT_CAP, Step,
 };
 pub use rows::{decode_headers, encode_headers};
 

@@ -37,6 +37,27 @@ pub struct OutboxLease {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Position(pub String);
 
+/// Where the relay stands: its position, and the round in progress, if one was left mid-way
+/// (the snapshot it reads up to, and the last row published).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Progress {
+    /// Every row visible in it is published.
+    pub position: Position,
+    /// The round in progress: its snapshot, and the `(xid, pos)` of its last row published.
+    pub round: Option<(Position, (i64, i64))>,
+}
+
+/// How far [`RelayStore::advance`] moves.
+#[derive(Clone, Copy, Debug)]
+pub enum Step<'a> {
+    /// A page of the round reading up to the snapshot was published, up to the row `(xid, pos)`:
+    /// a relay that takes over resumes after it.
+    Page(&'a Position, (i64, i64)),
+    /// The round is done: the position is the snapshot.
+    Done(&'a Position),
+}
+
 /// A row to publish, as stored.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -80,9 +101,10 @@ pub struct OutboxStatus {
     pub leader: Option<String>,
     /// The current epoch.
     pub epoch: i64,
-    /// Committed rows not yet published.
+    /// Committed rows not yet published, counted up to [`STATUS_COUNT_CAP`].
     pub unpublished: i64,
-    /// How long the oldest of them has waited, in milliseconds (0 when none waits).
+    /// How long the first of them in publication order has waited, in milliseconds (0 when
+    /// none waits).
     pub oldest_ms: i64,
     /// Rows published since the outbox was made.
     pub published: i64,
@@ -141,8 +163,13 @@ ORDER BY o.xid8, o.pos \
 LIMIT $5";
 
 const ADVANCE_SQL: &str = "\
-UPDATE dedup_outbox_relay SET position = $2, moved_at = statement_timestamp(), \
-    published = published + $3 \
+UPDATE dedup_outbox_relay SET position = $2, target = NULL, after_xid = NULL, after_pos = NULL, \
+    moved_at = statement_timestamp(), published = published + $3 \
+WHERE id = 1 AND epoch = $1 RETURNING 1";
+
+const PAGE_SQL: &str = "\
+UPDATE dedup_outbox_relay SET target = $2, after_xid = $4, after_pos = $5, \
+    moved_at = statement_timestamp(), published = published + $3 \
 WHERE id = 1 AND epoch = $1 RETURNING 1";
 
 const DEAD_SQL: &str = "\
@@ -153,18 +180,25 @@ SELECT o.xid8, o.pos, o.topic, o.msg_key, o.payload, o.headers, o.idem_key, o.ca
 FROM unnest($1::int8[], $2::int8[], $3::text[]) AS d(xid, pos, reason) \
 JOIN dedup_outbox o ON o.xid8 = d.xid::text::xid8 AND o.pos = d.pos";
 
+/// What waits is counted up to [`STATUS_COUNT_CAP`] rows (an index range, cheap every few
+/// seconds even in a long outage); the oldest is the first in publication order.
 const STATUS_SQL: &str = "\
 SELECT CASE WHEN r.lease_until > clock_timestamp() THEN r.leader END, r.epoch, \
-    (SELECT count(*) FROM dedup_outbox o \
+    (SELECT count(*) FROM (SELECT 1 FROM dedup_outbox o \
         WHERE o.xid8 >= pg_snapshot_xmin(r.position::pg_snapshot) \
-            AND NOT pg_visible_in_snapshot(o.xid8, r.position::pg_snapshot)), \
-    coalesce((SELECT (extract(epoch FROM clock_timestamp() - min(o.written_at)) * 1000)::int8 \
+            AND NOT pg_visible_in_snapshot(o.xid8, r.position::pg_snapshot) \
+        LIMIT 100000) w), \
+    coalesce((SELECT (extract(epoch FROM clock_timestamp() - o.written_at) * 1000)::int8 \
         FROM dedup_outbox o \
         WHERE o.xid8 >= pg_snapshot_xmin(r.position::pg_snapshot) \
-            AND NOT pg_visible_in_snapshot(o.xid8, r.position::pg_snapshot)), 0), \
+            AND NOT pg_visible_in_snapshot(o.xid8, r.position::pg_snapshot) \
+        ORDER BY o.xid8, o.pos LIMIT 1), 0), \
     r.published, (extract(epoch FROM clock_timestamp() - r.moved_at) * 1000)::int8, \
     (SELECT count(*) FROM dedup_outbox_dead), r.ring \
 FROM dedup_outbox_relay r WHERE r.id = 1";
+
+/// The most unpublished rows [`RelayStore::status`] counts.
+pub const STATUS_COUNT_CAP: i64 = 100_000;
 
 /// The relay's Postgres side, on a store's pool.
 #[derive(Clone, Debug)]
@@ -232,6 +266,29 @@ impl RelayStore {
             .await
             .map_err(|e| classify(e, false))?;
         Ok(())
+    }
+
+    /// The stored position and the round in progress.
+    ///
+    /// # Errors
+    /// The statement's, classified.
+    pub async fn progress(&self) -> Result<Progress, StoreError> {
+        self.store.count(1);
+        let (position, target, xid, pos): (String, Option<String>, Option<i64>, Option<i64>) =
+            sqlx::query_as(
+                "SELECT position, target, after_xid, after_pos FROM dedup_outbox_relay \
+                 WHERE id = 1",
+            )
+            .fetch_one(self.store.pool())
+            .await
+            .map_err(|e| classify(e, false))?;
+        Ok(Progress {
+            position: Position(position),
+            round: match (target, xid, pos) {
+                (Some(t), Some(x), Some(p)) => Some((Position(t), (x, p))),
+                _ => None,
+            },
+        })
     }
 
     /// The stored position.
@@ -303,16 +360,18 @@ impl RelayStore {
             .map_err(|e| classify(e, false))
     }
 
-    /// Moves the position to `to` under `lease`'s epoch, counting `published` rows, and keeps
-    /// `dead` (messages the broker refused for good), in one transaction. `false`, with nothing
-    /// changed, once another relay took the lease.
+    /// Records a page (the round's progress) or the round's end (the position) under `lease`'s
+    /// epoch, counting `published` rows, and keeps `dead` (messages the broker refused for
+    /// good), in one transaction. `false`, with nothing changed, once another relay took the
+    /// lease.
     ///
     /// # Errors
-    /// A statement's, classified; an unknown outcome is read back (the position is `to` or not).
+    /// A statement's, classified; an unknown outcome is read back (the progress is `step`'s or
+    /// not).
     pub async fn advance(
         &self,
         lease: &OutboxLease,
-        to: &Position,
+        step: Step<'_>,
         published: u64,
         dead: &[OutboxDeadLetter],
     ) -> Result<bool, StoreError> {
@@ -323,10 +382,20 @@ impl RelayStore {
             .await
             .map_err(|e| classify(e, false))?;
         self.store.count(3);
-        let held: Option<i32> = sqlx::query_scalar(ADVANCE_SQL)
-            .bind(lease.epoch)
-            .bind(&to.0)
-            .bind(i64::try_from(published).unwrap_or(i64::MAX))
+        let published = i64::try_from(published).unwrap_or(i64::MAX);
+        let update = match step {
+            Step::Done(to) => sqlx::query_scalar(ADVANCE_SQL)
+                .bind(lease.epoch)
+                .bind(&to.0)
+                .bind(published),
+            Step::Page(target, (xid, pos)) => sqlx::query_scalar(PAGE_SQL)
+                .bind(lease.epoch)
+                .bind(&target.0)
+                .bind(published)
+                .bind(xid)
+                .bind(pos),
+        };
+        let held: Option<i32> = update
             .fetch_optional(&mut *tx)
             .await
             .map_err(|e| classify(e, false))?;
@@ -351,7 +420,11 @@ impl RelayStore {
             Ok(()) => Ok(true),
             Err(e) => {
                 let err = classify(e, true);
-                if err.is_outcome_unknown() && self.position().await.is_ok_and(|p| &p == to) {
+                let landed = |p: Progress| match step {
+                    Step::Done(to) => &p.position == to && p.round.is_none(),
+                    Step::Page(t, after) => p.round == Some((t.clone(), after)),
+                };
+                if err.is_outcome_unknown() && self.progress().await.is_ok_and(landed) {
                     return Ok(true);
                 }
                 Err(err)
@@ -372,12 +445,20 @@ impl RelayStore {
         every: Duration,
         lock_wait: Duration,
     ) -> Result<Rotation, StoreError> {
-        let mut tx = self
+        // READ COMMITTED whatever the pool's default: the check after the lock must see every
+        // writer that committed while the lock waited.
+        let mut conn = self
             .store
             .pool()
-            .begin()
+            .acquire()
             .await
             .map_err(|e| classify(e, false))?;
+        let mut tx = sqlx::Connection::begin_with(
+            &mut *conn,
+            sqlx::AssertSqlSafe("BEGIN ISOLATION LEVEL READ COMMITTED"),
+        )
+        .await
+        .map_err(|e| classify(e, false))?;
         self.store.count(2);
         let row = sqlx::query(
             "SELECT ring, position, epoch, \
