@@ -1671,3 +1671,83 @@ fn migrate_partitions_the_records_by_their_keys_time_once() {
         "{stdout}"
     );
 }
+
+/// `dedup outbox status` says what waits and who leads; `dedup outbox relay` leads (its broker
+/// away, the message waits), and SIGTERM stops it with its lease let go.
+#[test]
+fn outbox_status_and_relay_report_what_waits_and_who_leads() {
+    let db = OwnDb::new(&format!("dedup_outbox_cli_{}", std::process::id()));
+    let out = dedup()
+        .args(["migrate"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let status = || {
+        let out = dedup()
+            .args(["outbox", "status", "--json"])
+            .env("DATABASE_URL", &db.url)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{:?}", text(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let s = status();
+    assert_eq!(
+        (s["leader"].clone(), s["unpublished"].clone()),
+        (serde_json::Value::Null, 0.into())
+    );
+    // A message written by a transaction of its own, as OutboxWriter writes it.
+    db.value(
+        "INSERT INTO dedup_outbox (ring, topic, payload, headers, idem_key, cause_scope, \
+         cause_key, event_ms) SELECT ring, 't', '\\x01', '\\x', '\\x02', 's', '\\x03', 0 \
+         FROM dedup_outbox_relay",
+    );
+    assert_eq!(status()["unpublished"], 1);
+    // The relay, its broker away: it leads, and the message waits.
+    let relay = dedup()
+        .args([
+            "outbox",
+            "relay",
+            "--brokers",
+            "127.0.0.1:1",
+            "--name",
+            "cli-relay",
+        ])
+        .env("DATABASE_URL", &db.url)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while status()["leader"] != "cli-relay" {
+        assert!(std::time::Instant::now() < deadline, "the relay never led");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(status()["unpublished"], 1);
+    let pid = relay.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = relay.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).0.contains("relay stopped: published 0"),
+        "{:?}",
+        text(&out)
+    );
+    let s = status();
+    assert_eq!(
+        (s["leader"].clone(), s["unpublished"].clone()),
+        (serde_json::Value::Null, 1.into())
+    );
+    let out = dedup()
+        .args(["outbox", "status"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(text(&out).0.contains("unpublished: 1"), "{:?}", text(&out));
+}
