@@ -13,10 +13,8 @@
 --   * `pos` orders a transaction's rows as they were queued (one sequence, taken in insertion
 --     order by the writing session); (xid8, pos) is the publication order.
 --   * dedup_outbox_relay is one row: the ring being written, the position (the snapshot in which
---     every visible row is published), the round in progress (the snapshot it reads up to and
---     the last row it published, so a relay that takes over resumes after it), and the relay's
---     lease (leader, epoch, until): a relay moves them only under the epoch it took the lease
---     with.
+--     every visible row is published), and the relay's lease (leader, epoch, until): a relay
+--     moves the position only under the epoch it took the lease with.
 --   * dedup_outbox_dead holds messages the broker refused for good, with the reason.
 --
 -- Only adds: the floor stays.
@@ -49,9 +47,6 @@ CREATE TABLE IF NOT EXISTS dedup_outbox_relay (
     ring        int2        NOT NULL DEFAULT 0 CHECK (ring BETWEEN 0 AND 2),
     rotated_at  timestamptz NOT NULL DEFAULT statement_timestamp(),
     position    text        NOT NULL,
-    target      text,
-    after_xid   int8,
-    after_pos   int8,
     moved_at    timestamptz NOT NULL DEFAULT statement_timestamp(),
     published   int8        NOT NULL DEFAULT 0,
     leader      text,

@@ -29,7 +29,8 @@
 //! `dedup_parked_owners` (each partition's parking epoch); `dedup_dead_letters` (dead letters the
 //! dead-letter topic refused for good); the outbox (`dedup_outbox`, a ring of three tables
 //! partitioned by `ring`, indexed on `(xid8, pos)`; `dedup_outbox_relay`, one row: the ring
-//! written, the relay's position and lease; `dedup_outbox_dead`; `dedup_outbox_pos_seq`);
+//! written, the relay's position, its round in progress (migration 20261208000002) and its
+//! lease; `dedup_outbox_dead`; `dedup_outbox_pos_seq`);
 //! `dedup_schema` (one row: the generation and the floor);
 //! and the PL/pgSQL functions that the pooled statements joining `dedup_records` to a batch's
 //! arrays go through, each keeping one generic plan per connection that is safe by its shape
