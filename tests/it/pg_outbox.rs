@@ -272,6 +272,11 @@ async fn a_relay_whose_lease_was_taken_over_cannot_move_the_position(pool: PgPoo
         (progress.position, progress.round),
         (p0.clone(), Some((p1.clone(), at)))
     );
+    assert_eq!(
+        relay.status().await.unwrap().unpublished,
+        0,
+        "the page recorded is published"
+    );
     assert!(
         relay
             .advance(&second, Step::Done(&p1), 0, &[])

@@ -462,6 +462,9 @@ impl OutboxRelay {
         store_idle: bool,
     ) -> Result<Read, PageError> {
         let passing = |e: dedup_core::StoreError| PageError::Passing(e.to_string());
+        // Renewed at every round, an idle one too (a database where nothing took a transaction
+        // id since the last snapshot reads nothing).
+        lead.renew_if_due(&self.relay, self.config.lease).await?;
         let (cur, mut after) = match lead.resume.clone() {
             Some((target, after)) => (target, Some(after)),
             None => (self.relay.snapshot().await.map_err(passing)?, None),

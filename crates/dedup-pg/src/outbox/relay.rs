@@ -181,17 +181,22 @@ FROM unnest($1::int8[], $2::int8[], $3::text[]) AS d(xid, pos, reason) \
 JOIN dedup_outbox o ON o.xid8 = d.xid::text::xid8 AND o.pos = d.pos";
 
 /// What waits is counted up to [`STATUS_COUNT_CAP`] rows (an index range, cheap every few
-/// seconds even in a long outage); the oldest is the first in publication order.
+/// seconds even in a long outage), less the pages a round in progress recorded; the oldest is
+/// the first in publication order.
 const STATUS_SQL: &str = "\
 SELECT CASE WHEN r.lease_until > clock_timestamp() THEN r.leader END, r.epoch, \
     (SELECT count(*) FROM (SELECT 1 FROM dedup_outbox o \
         WHERE o.xid8 >= pg_snapshot_xmin(r.position::pg_snapshot) \
             AND NOT pg_visible_in_snapshot(o.xid8, r.position::pg_snapshot) \
+            AND NOT coalesce(pg_visible_in_snapshot(o.xid8, r.target::pg_snapshot) \
+                AND (o.xid8, o.pos) <= (r.after_xid::text::xid8, r.after_pos), false) \
         LIMIT 100000) w), \
     coalesce((SELECT (extract(epoch FROM clock_timestamp() - o.written_at) * 1000)::int8 \
         FROM dedup_outbox o \
         WHERE o.xid8 >= pg_snapshot_xmin(r.position::pg_snapshot) \
             AND NOT pg_visible_in_snapshot(o.xid8, r.position::pg_snapshot) \
+            AND NOT coalesce(pg_visible_in_snapshot(o.xid8, r.target::pg_snapshot) \
+                AND (o.xid8, o.pos) <= (r.after_xid::text::xid8, r.after_pos), false) \
         ORDER BY o.xid8, o.pos LIMIT 1), 0), \
     r.published, (extract(epoch FROM clock_timestamp() - r.moved_at) * 1000)::int8, \
     (SELECT count(*) FROM dedup_outbox_dead), r.ring \
